@@ -1,0 +1,152 @@
+from tinkerd.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CreateModelRequest(_message.Message):
+    __slots__ = ("model_id", "lora_config", "base_model")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    lora_config: _common_pb2.LoraConfig
+    base_model: str
+    def __init__(self, model_id: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model: _Optional[str] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "base_model", "lora_config", "step", "num_params")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    base_model: str
+    lora_config: _common_pb2.LoraConfig
+    step: int
+    num_params: int
+    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., step: _Optional[int] = ..., num_params: _Optional[int] = ...) -> None: ...
+
+class DeleteModelRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class DeleteModelResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class ForwardBackwardRequest(_message.Message):
+    __slots__ = ("model_id", "seq_id", "loss_fn", "loss_fn_config", "data", "forward_only")
+    class LossFnConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: _containers.ScalarMap[str, float]
+    data: _containers.RepeatedCompositeFieldContainer[_common_pb2.Datum]
+    forward_only: bool
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., data: _Optional[_Iterable[_Union[_common_pb2.Datum, _Mapping]]] = ..., forward_only: _Optional[bool] = ...) -> None: ...
+
+class DatumOutput(_message.Message):
+    __slots__ = ("outputs",)
+    class OutputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.MessageMap[str, _common_pb2.Tensor]
+    def __init__(self, outputs: _Optional[_Mapping[str, _common_pb2.Tensor]] = ...) -> None: ...
+
+class ForwardBackwardResponse(_message.Message):
+    __slots__ = ("outputs", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[DatumOutput]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[DatumOutput, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class OptimStepRequest(_message.Message):
+    __slots__ = ("model_id", "seq_id", "adam_params")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    seq_id: int
+    adam_params: _common_pb2.AdamParams
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ...) -> None: ...
+
+class OptimStepResponse(_message.Message):
+    __slots__ = ("metrics",)
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("model_id", "seq_id", "snapshot_id", "sampler_addresses", "persist_dir")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_DIR_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    seq_id: int
+    snapshot_id: str
+    sampler_addresses: _containers.RepeatedScalarFieldContainer[str]
+    persist_dir: str
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., sampler_addresses: _Optional[_Iterable[str]] = ..., persist_dir: _Optional[str] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("snapshot_id", "num_bytes", "num_tensors", "gather_seconds", "stream_seconds")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    GATHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    num_bytes: int
+    num_tensors: int
+    gather_seconds: float
+    stream_seconds: float
+    def __init__(self, snapshot_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., stream_seconds: _Optional[float] = ...) -> None: ...
