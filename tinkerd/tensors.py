@@ -32,3 +32,11 @@ def from_numpy(arr: np.ndarray) -> common_pb2.Tensor:
         arr = arr.astype(np.float32 if arr.dtype.kind == "f" else np.int64)
         dtype = arr.dtype
     return common_pb2.Tensor(dtype=_DTYPE_BY_NP[dtype], shape=list(arr.shape), data=arr.tobytes())
+
+
+# torch dtype names (as tinkerd.weight_stream writes them) <-> wire dtypes.
+DTYPE_BY_NAME = {
+    "float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
+    "float16": common_pb2.DTYPE_FLOAT16, "int64": common_pb2.DTYPE_INT64, "int32": common_pb2.DTYPE_INT32,
+}
+NAME_BY_DTYPE = {v: k for k, v in DTYPE_BY_NAME.items()}

@@ -1,0 +1,374 @@
+"""The Tinker REST API (as SDK 0.38 speaks it) on top of the Trainer and Sampler gRPC services.
+
+Immediate calls answer from the database; slow calls become futures (gateway/futures.py) whose
+jobs call gRPC. Wire conversion lives in gateway/wire.py; state in gateway/db.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import re
+import uuid
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway import wire
+from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, now
+from gateway.futures import Futures, json_body
+from tinkerd.errors import NotFoundError, UserError
+from tinkerd.rpc import aio_channel
+from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+LONG_POLL_S = 25.0          # under the SDK's 45 s read timeout
+DEFAULT_MAX_TOKENS = 128
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
+_Stop = sampler_pb2.SamplingParams.StopMode
+
+
+@dataclasses.dataclass
+class GatewaySettings:
+    base_model: str                       # local directory of the base model
+    trainer: str                          # host:port
+    samplers: list[str]
+    state_dir: str
+    aliases: list[str] = dataclasses.field(default_factory=list)
+    db_url: str | None = None
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.base_model, *self.aliases]
+
+
+class Backends:
+    """gRPC stubs; samples go round-robin over the sampler replicas."""
+
+    def __init__(self, settings: GatewaySettings):
+        self.trainer = trainer_pb2_grpc.TrainerStub(aio_channel(settings.trainer))
+        self.samplers = [sampler_pb2_grpc.SamplerStub(aio_channel(a)) for a in settings.samplers]
+        self._next = itertools.cycle(range(len(self.samplers)))
+
+    def sampler(self):
+        return self.samplers[next(self._next)]
+
+
+def _user_error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": message, "category": "user", "detail": message}, status_code=status)
+
+
+def _future(row, **extra) -> dict:
+    return {"request_id": row.request_id, **extra}
+
+
+def _prompt_tokens(prompt: dict) -> list[int]:
+    tokens: list[int] = []
+    for chunk in prompt.get("chunks", []):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise UserError(f"{chunk.get('type')} prompt chunks are not supported by this server (text only)")
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    return tokens
+
+
+def _sampling_params(p: dict) -> sampler_pb2.SamplingParams:
+    out = sampler_pb2.SamplingParams(
+        max_tokens=int(p.get("max_tokens") or DEFAULT_MAX_TOKENS), temperature=float(p.get("temperature", 1.0)),
+        top_p=float(p.get("top_p", 1.0)), top_k=int(p.get("top_k", -1)))
+    if p.get("seed") is not None:
+        out.seed = int(p["seed"])
+    stop = p.get("stop")
+    if stop is None:
+        out.stop_mode = _Stop.STOP_MODE_DEFAULT
+    elif isinstance(stop, str):
+        out.stop_mode, out.stop_strings[:] = _Stop.STOP_MODE_STRINGS, [stop]
+    elif len(stop) == 0:
+        out.stop_mode = _Stop.STOP_MODE_NONE
+    elif all(isinstance(s, str) for s in stop):
+        out.stop_mode, out.stop_strings[:] = _Stop.STOP_MODE_STRINGS, stop
+    elif all(isinstance(s, int) for s in stop):
+        out.stop_mode, out.stop_token_ids[:] = _Stop.STOP_MODE_TOKENS, stop
+    else:
+        raise UserError("stop must be a string, a list of strings, or a list of token ids")
+    return out
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    os.makedirs(settings.state_dir, exist_ok=True)
+    snapshots_dir = os.path.join(settings.state_dir, "snapshots")
+    db = Database(settings.db_url or f"sqlite:///{os.path.join(settings.state_dir, 'tinkerd.db')}")
+    orphaned = db.fail_orphaned_futures()
+    if orphaned:
+        log.warning("failed %d futures left pending by a previous run", orphaned)
+    state: dict = {}
+    app = FastAPI(title="tinkerd gateway")
+
+    @app.on_event("startup")
+    async def _startup():
+        state["futures"] = Futures(db)
+        state["rpc"] = Backends(settings)
+
+    def futures() -> Futures:
+        return state["futures"]
+
+    def rpc() -> Backends:
+        return state["rpc"]
+
+    @app.exception_handler(UserError)
+    async def _on_user_error(request, exc: UserError):
+        return _user_error(str(exc), 404 if isinstance(exc, NotFoundError) else 400)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _on_bad_json(request, exc):
+        return _user_error(f"the request body is not valid JSON: {exc}")
+
+    async def body(request: Request) -> dict:
+        data = await request.json()
+        if not isinstance(data, dict):
+            raise UserError("the request body must be a JSON object")
+        return data
+
+    def model_row(model_id: str) -> ModelRow:
+        row = db.get(ModelRow, model_id or "")
+        if row is None:
+            raise UserError(f"unknown model_id {model_id!r}: create it with create_model first")
+        return row
+
+    # ---- client / service -----------------------------------------------------------------
+
+    @app.post("/api/v1/client/config")
+    async def client_config():
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": True,
+                "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": False,
+                "custom_loss_server_side": False, "sample_join_sampling_session": False}
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config():
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry():
+        return {"status": "accepted"}
+
+    @app.get("/api/v1/healthz")
+    async def healthz():
+        try:
+            checks = [rpc().trainer.Health(common_pb2.HealthRequest(), timeout=5)]
+            checks += [s.Health(common_pb2.HealthRequest(), timeout=5) for s in rpc().samplers]
+            replies = await asyncio.gather(*checks)
+        except grpc.aio.AioRpcError as e:
+            return JSONResponse({"status": "unavailable", "detail": e.details()}, status_code=503)
+        if not all(r.ready for r in replies):
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities():
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True}
+                                     for name in settings.model_names]}
+
+    # ---- sessions -------------------------------------------------------------------------
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request):
+        b = await body(request)
+        sid = f"sess-{uuid.uuid4().hex[:12]}"
+        db.add(SessionRow(session_id=sid, tags=b.get("tags") or [], user_metadata=b.get("user_metadata") or {}))
+        return {"session_id": sid, "type": "create_session"}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request):
+        b = await body(request)
+        if not db.touch(SessionRow, b.get("session_id", ""), last_heartbeat=now()):
+            return JSONResponse({"error": "unknown session", "category": "user"}, status_code=404)
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str):
+        if not db.touch(SessionRow, session_id, finished=True):
+            raise NotFoundError(f"unknown session {session_id!r}")
+        return {}
+
+    # ---- training -------------------------------------------------------------------------
+
+    def submit_training(kind: str, model_id: str, seq_id: int, job, **extra):
+        row = futures().submit(kind, job, idempotency_key=f"{model_id}#{seq_id}", model_id=model_id,
+                               seq_id=seq_id, extra=extra)
+        db.touch(ModelRow, model_id, last_request_time=now())
+        return _future(row, model_id=model_id)
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request):
+        b = await body(request)
+        session_id, base = b.get("session_id"), b.get("base_model")
+        if db.get(SessionRow, session_id or "") is None:
+            raise UserError(f"unknown session_id {session_id!r}")
+        if base not in settings.model_names:
+            raise UserError(f"base model {base!r} is not supported; this server serves {settings.model_names}")
+        lora = b.get("lora_config") or {}
+        rank = int(lora.get("rank", 32))
+        model_id = f"{session_id}:train:{int(b.get('model_seq_id', 0))}"
+        msg = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=settings.base_model,
+                                             lora_config=common_pb2.LoraConfig(
+                                                 rank=rank, train_attn=lora.get("train_attn", True),
+                                                 train_mlp=lora.get("train_mlp", True),
+                                                 train_unembed=lora.get("train_unembed", True)))
+        if lora.get("seed") is not None:
+            msg.lora_config.seed = int(lora["seed"])
+        if db.get(ModelRow, model_id) is None:
+            db.add(ModelRow(model_id=model_id, session_id=session_id, base_model=base, lora_rank=rank, lora_config=lora))
+
+        async def job():
+            await rpc().trainer.CreateModel(msg)
+            return json_body({"model_id": model_id, "type": "create_model"})
+        return submit_training("create_model", model_id, 0, job)
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request):
+        row = model_row((await body(request)).get("model_id"))
+        return {"type": "get_info", "model_id": row.model_id, "is_lora": True, "lora_rank": row.lora_rank,
+                "model_name": row.base_model, "optimizer_config": {"type": "adamw"},
+                "model_data": {"arch": "llama", "model_name": row.base_model,
+                               "tokenizer_id": os.path.abspath(settings.base_model)}}
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request):
+        raw = wire.decompress(await request.body(), request.headers.get("content-encoding"))
+        if "json" in request.headers.get("content-type", ""):
+            raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
+        msg = wire.forward_backward_request(raw)
+        model_row(msg.model_id)
+
+        async def job():
+            reply = await rpc().trainer.ForwardBackward(msg)
+            return "application/x-protobuf", wire.forward_backward_output(reply)
+        return submit_training("forward" if msg.forward_only else "forward_backward", msg.model_id, msg.seq_id, job)
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request):
+        b = await body(request)
+        model_id, seq_id = b.get("model_id"), int(b.get("seq_id", 0))
+        model_row(model_id)
+        p = b.get("adam_params") or b.get("optim_params") or b.get("optimizer_params") or {}
+        if p.get("type", "adam") not in ("adam", "adamw"):
+            raise UserError(f"optimizer {p.get('type')!r} is not supported; use Adam")
+        adam = common_pb2.AdamParams(
+            learning_rate=float(p.get("learning_rate", 1e-4)), beta1=float(p.get("beta1", 0.9)),
+            beta2=float(p.get("beta2", 0.95)), eps=float(p.get("eps", 1e-12)),
+            weight_decay=float(p.get("weight_decay", 0.0)), grad_clip_norm=float(p.get("grad_clip_norm", 0.0)))
+
+        async def job():
+            reply = await rpc().trainer.OptimStep(trainer_pb2.OptimStepRequest(model_id=model_id, seq_id=seq_id,
+                                                                               adam_params=adam))
+            return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})
+        return submit_training("optim_step", model_id, seq_id, job)
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request):
+        b = await body(request)
+        model_id, seq_id = b.get("model_id"), int(b.get("seq_id", 0))
+        model = model_row(model_id)
+        name = b.get("path")
+        snapshot_id = f"{model_id}@{seq_id}-{uuid.uuid4().hex[:8]}"
+        if name is not None:
+            if not _NAME_RE.match(name):
+                raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
+            tinker_path = f"tinker://{model_id}/sampler_weights/{name}"
+            if db.get(CheckpointRow, tinker_path) is not None:
+                raise UserError(f"checkpoint {tinker_path} already exists")
+            result = {"path": tinker_path, "sampling_session_id": None, "type": "save_weights_for_sampler"}
+        else:
+            sampling_session_id = f"{model.session_id}:sample:{int(b.get('sampling_session_seq_id', 0))}"
+            result = {"path": None, "sampling_session_id": sampling_session_id, "type": "save_weights_for_sampler"}
+
+        async def job():
+            await rpc().trainer.PushWeights(trainer_pb2.PushWeightsRequest(
+                model_id=model_id, seq_id=seq_id, snapshot_id=snapshot_id, sampler_addresses=settings.samplers,
+                persist_dir=snapshots_dir))
+            if name is not None:
+                db.add(CheckpointRow(tinker_path=result["path"], model_id=model_id, checkpoint_type="sampler",
+                                     name=name, snapshot_id=snapshot_id))
+            else:
+                db.add(SamplingSessionRow(sampling_session_id=result["sampling_session_id"],
+                                          session_id=model.session_id, base_model=model.base_model,
+                                          snapshot_id=snapshot_id))
+            return json_body(result)
+        return submit_training("save_weights_for_sampler", model_id, seq_id, job)
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        b = await body(request)
+        session_id = b.get("session_id")
+        if db.get(SessionRow, session_id or "") is None:
+            raise UserError(f"unknown session_id {session_id!r}")
+        sid = f"{session_id}:sample:{int(b.get('sampling_session_seq_id', 0))}"
+        path = b.get("model_path")
+        if path:
+            ckpt = db.get(CheckpointRow, path)
+            if ckpt is None or ckpt.checkpoint_type != "sampler":
+                raise UserError(f"unknown sampler checkpoint {path!r}")
+            base, snapshot = model_row(ckpt.model_id).base_model, ckpt.snapshot_id
+        else:
+            base, snapshot = b.get("base_model"), ""
+            if base not in settings.model_names:
+                raise UserError(f"base model {base!r} is not supported; this server serves {settings.model_names}")
+        if db.get(SamplingSessionRow, sid) is None:
+            db.add(SamplingSessionRow(sampling_session_id=sid, session_id=session_id, base_model=base,
+                                      model_path=path, snapshot_id=snapshot))
+        return {"sampling_session_id": sid, "type": "create_sampling_session"}
+
+    @app.get("/api/v1/samplers/{sampler_id:path}")
+    async def get_sampler(sampler_id: str):
+        row = db.get(SamplingSessionRow, sampler_id)
+        if row is None:
+            raise NotFoundError(f"unknown sampler {sampler_id!r}")
+        return {"sampler_id": row.sampling_session_id, "base_model": row.base_model, "model_path": row.model_path}
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request):
+        b = await body(request)
+        sid = b.get("sampling_session_id") or ""
+        session = db.get(SamplingSessionRow, sid)
+        if session is None:
+            raise UserError(f"unknown sampling_session_id {sid!r}")
+        num_samples = int(b.get("num_samples", 1))
+        if not 1 <= num_samples <= 1024:
+            raise UserError(f"num_samples must be in 1..1024, got {num_samples}")
+        msg = sampler_pb2.SampleRequest(
+            snapshot_id=session.snapshot_id, prompt_tokens=_prompt_tokens(b.get("prompt") or {}),
+            num_samples=num_samples, params=_sampling_params(b.get("sampling_params") or {}),
+            prompt_logprobs=bool(b.get("prompt_logprobs")), topk_prompt_logprobs=int(b.get("topk_prompt_logprobs") or 0),
+            prompt_logprobs_last_n=int(b.get("prompt_logprobs_last_n") or 0),
+            topk_sample_logprobs=int(b.get("topk_sample_logprobs") or 0))
+        if int(b.get("prompt_alt_tokens_k") or 0) > 0:
+            raise UserError("prompt_alt_tokens_k is not supported by this server")
+
+        async def job():
+            reply = await rpc().sampler().Sample(msg)
+            return "application/x-protobuf", wire.sample_response(reply)
+        row = futures().submit("sample", job, idempotency_key=f"{sid}#{int(b.get('seq_id', 0))}")
+        msg.request_id = row.request_id
+        return _future(row, sample_sequence_ids=[f"{row.request_id}:{i}" for i in range(num_samples)])
+
+    # ---- futures --------------------------------------------------------------------------
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request):
+        request_id = str((await body(request)).get("request_id", ""))
+        row = await futures().wait(request_id, LONG_POLL_S)
+        if row is None:
+            return JSONResponse({"error": f"unknown request_id {request_id!r}", "category": "user"}, status_code=404)
+        if row.status == "pending":
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"},
+                                status_code=408)
+        return Response(content=row.result, media_type=row.content_type)
+
+    return app

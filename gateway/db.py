@@ -1,0 +1,135 @@
+"""Durable gateway state in a SQL database (SQLite by default, Postgres by URL):
+sessions, training models, futures (with their results), sampling sessions, checkpoints."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Integer, LargeBinary, String, Text, create_engine,
+                        event, select, update)
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+
+def now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    last_heartbeat: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    finished: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class ModelRow(Base):
+    __tablename__ = "models"
+    model_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(128), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    lora_rank: Mapped[int] = mapped_column(Integer)
+    lora_config: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    last_request_time: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class FutureRow(Base):
+    __tablename__ = "futures"
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # (model_id, seq_id) or (sampling_session_id, seq_id): a resent request finds its future.
+    idempotency_key: Mapped[str | None] = mapped_column(String(512), unique=True, nullable=True)
+    request_type: Mapped[str] = mapped_column(String(64))
+    model_id: Mapped[str | None] = mapped_column(String(256), nullable=True, index=True)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | complete | failed
+    content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    extra: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    completed_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class SamplingSessionRow(Base):
+    __tablename__ = "sampling_sessions"
+    sampling_session_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(128), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    model_path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    snapshot_id: Mapped[str] = mapped_column(String(256), default="")   # "" = the base model
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    tinker_path: Mapped[str] = mapped_column(String(768), primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(256), index=True)
+    checkpoint_type: Mapped[str] = mapped_column(String(16))   # training | sampler
+    name: Mapped[str] = mapped_column(String(256))
+    snapshot_id: Mapped[str] = mapped_column(String(256), default="")
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class Database:
+    def __init__(self, url: str):
+        self.engine = create_engine(url, future=True)
+        if url.startswith("sqlite"):
+            @event.listens_for(self.engine, "connect")
+            def _sqlite_pragmas(conn, _):
+                cur = conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.execute("PRAGMA busy_timeout=30000")
+                cur.close()
+        Base.metadata.create_all(self.engine)
+
+    def session(self) -> Session:
+        return Session(self.engine, expire_on_commit=False)
+
+    def add(self, row) -> None:
+        with self.session() as s:
+            s.add(row)
+            s.commit()
+
+    def get(self, cls, key):
+        with self.session() as s:
+            return s.get(cls, key)
+
+    def insert_future(self, row: FutureRow) -> FutureRow:
+        """Inserts a pending future, or returns the existing one with the same idempotency key."""
+        try:
+            self.add(row)
+            return row
+        except IntegrityError:
+            with self.session() as s:
+                return s.scalars(select(FutureRow).where(FutureRow.idempotency_key == row.idempotency_key)).one()
+
+    def finish_future(self, request_id: str, status: str, content_type: str, result: bytes) -> None:
+        with self.session() as s:
+            s.execute(update(FutureRow).where(FutureRow.request_id == request_id).values(
+                status=status, content_type=content_type, result=result, completed_at=now()))
+            s.commit()
+
+    def fail_orphaned_futures(self) -> int:
+        """Futures left pending by a previous gateway process can never finish: fail them."""
+        body = json.dumps({"error": "the server restarted before this request finished; send it again",
+                           "category": "server"}).encode()
+        with self.session() as s:
+            n = s.execute(update(FutureRow).where(FutureRow.status == "pending").values(
+                status="failed", content_type="application/json", result=body, completed_at=now())).rowcount
+            s.commit()
+            return n
+
+    def touch(self, cls, key, **values) -> bool:
+        with self.session() as s:
+            pk = cls.__mapper__.primary_key[0]
+            n = s.execute(update(cls).where(pk == key).values(**values)).rowcount
+            s.commit()
+            return n > 0

@@ -1,0 +1,125 @@
+"""Futures: every slow Tinker call becomes a row in the database plus a job run in the
+background; `retrieve_future` long-polls on it.
+
+Training jobs of one model run strictly in seq_id order (the SDK posts chunks of one call
+concurrently, first chunk last): a per-model runner holds back a request until every lower
+seq_id has run, waiting a bounded time for a gap to fill. Samples run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import json
+import logging
+import uuid
+from typing import Awaitable, Callable
+
+import grpc
+
+from gateway.db import Database, FutureRow
+from tinkerd.errors import ServiceError, category_for
+
+log = logging.getLogger(__name__)
+
+Job = Callable[[], Awaitable[tuple[str, bytes]]]   # -> (content_type, body)
+GAP_TIMEOUT_S = 10.0
+
+
+def json_body(obj) -> tuple[str, bytes]:
+    return "application/json", json.dumps(obj).encode()
+
+
+def failure_body(message: str, category: str) -> bytes:
+    return json.dumps({"error": message, "category": category}).encode()
+
+
+class _ModelRunner:
+    """Runs one model's jobs in seq_id order."""
+
+    def __init__(self, futures: "Futures", next_seq: int):
+        self.futures = futures
+        self.next_seq = next_seq
+        self.heap: list[tuple[int, str, Job]] = []
+        self.arrived = asyncio.Event()
+        self.task = asyncio.create_task(self._loop())
+
+    def put(self, seq: int, request_id: str, job: Job) -> None:
+        heapq.heappush(self.heap, (seq, request_id, job))
+        self.arrived.set()
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.heap:
+                self.arrived.clear()
+                await self.arrived.wait()
+                continue
+            if self.heap[0][0] > self.next_seq:
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), GAP_TIMEOUT_S)
+                    continue          # something arrived: re-check the head
+                except asyncio.TimeoutError:
+                    log.warning("seq %d never arrived; running seq %d", self.next_seq, self.heap[0][0])
+            seq, request_id, job = heapq.heappop(self.heap)
+            self.next_seq = max(self.next_seq, seq + 1)
+            await self.futures.run(request_id, job)
+
+
+class Futures:
+    def __init__(self, db: Database):
+        self.db = db
+        self._done: dict[str, asyncio.Event] = {}
+        self._runners: dict[str, _ModelRunner] = {}
+
+    def submit(self, request_type: str, job: Job, *, idempotency_key: str | None = None,
+               model_id: str | None = None, seq_id: int | None = None, extra: dict | None = None) -> FutureRow:
+        """Records the future and schedules its job; a resent request gets the first one back."""
+        row = self.db.insert_future(FutureRow(request_id=uuid.uuid4().hex, idempotency_key=idempotency_key,
+                                              request_type=request_type, model_id=model_id, extra=extra or {}))
+        if row.request_id in self._done or row.status != "pending":
+            return row    # a resend: already scheduled or finished
+        self._done[row.request_id] = asyncio.Event()
+        if seq_id is not None and model_id is not None:
+            runner = self._runners.get(model_id)
+            if runner is None:
+                runner = self._runners[model_id] = _ModelRunner(self, next_seq=seq_id)
+            runner.put(seq_id, row.request_id, job)
+        else:
+            asyncio.create_task(self.run(row.request_id, job))
+        return row
+
+    async def run(self, request_id: str, job: Job) -> None:
+        try:
+            content_type, body = await job()
+            status = "complete"
+        except ServiceError as e:
+            status, content_type, body = "failed", "application/json", failure_body(str(e), category_for(e.code))
+        except grpc.aio.AioRpcError as e:
+            status, content_type = "failed", "application/json"
+            body = failure_body(e.details() or e.code().name, category_for(e.code()))
+        except Exception as e:  # noqa: BLE001 - a failed job must still finish its future
+            log.exception("job %s failed", request_id)
+            status, content_type, body = "failed", "application/json", failure_body(f"{type(e).__name__}: {e}", "server")
+        self.db.finish_future(request_id, status, content_type, body)
+        event = self._done.get(request_id)
+        if event:
+            event.set()
+
+    async def wait(self, request_id: str, timeout_s: float) -> FutureRow | None:
+        """The future's row once finished, or still pending after `timeout_s`; None if unknown."""
+        row = self.db.get(FutureRow, request_id)
+        if row is None or row.status != "pending":
+            return row
+        event = self._done.get(request_id)
+        if event is not None:
+            try:
+                await asyncio.wait_for(event.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.db.get(FutureRow, request_id)
+
+    def forget_runner(self, model_id: str) -> None:
+        runner = self._runners.pop(model_id, None)
+        if runner:
+            runner.task.cancel()

@@ -1,0 +1,198 @@
+"""SamplerEngine: one vLLM engine serving the base model and immutable LoRA snapshots.
+
+One thread owns the engine and runs a continuous-batching loop: it admits new requests and
+snapshot registrations from an inbox between engine steps, so requests from many callers share
+batches, and a registration never races a step. Callers get concurrent.futures.Future results.
+
+Snapshots: each arrives as in-memory tensors, gets a fresh LoRA int id, and is registered in
+the worker's adapter cache without touching disk. Its persisted copy (written by the trainer,
+off the hot path) is the path vLLM reloads from if the cache ever evicts it.
+
+No gRPC here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import threading
+import uuid
+
+import torch
+
+from tinkerd.errors import NotFoundError, UserError
+
+log = logging.getLogger(__name__)
+
+# A LoRARequest needs a non-empty path even when the adapter is already resident.
+_NO_PATH = "/nonexistent/tinkerd-snapshot-without-persisted-copy"
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    snapshot_id: str
+    lora_int_id: int
+    path: str
+
+
+@dataclasses.dataclass
+class _Pending:
+    kind: str                 # "generate" | "register"
+    payload: tuple
+    future: concurrent.futures.Future
+
+
+class SamplerEngine:
+    def __init__(self, model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024,
+                 max_loras: int = 4, max_cpu_loras: int = 64, max_lora_rank: int = 64,
+                 max_num_seqs: int = 64, seed: int = 0):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.model_dir = model_dir
+        args = EngineArgs(
+            model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
+            enable_lora=True, max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
+            max_num_seqs=max_num_seqs,
+            worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension",
+        )
+        self._engine = LLMEngine.from_engine_args(args)
+        self.max_model_len = max_model_len
+        self.vocab_size = self._engine.model_config.get_vocab_size()
+        tokenizer = self._engine.get_tokenizer()
+        self.eos_token_id = tokenizer.eos_token_id
+        self._snapshots: dict[str, Snapshot] = {}
+        self._lora_ids = itertools.count(1)
+        self._inbox: queue.Queue[_Pending] = queue.Queue()
+        self._waiting: dict[str, tuple[concurrent.futures.Future, int, list]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API (any thread) ----------------------------------------------------------
+
+    def snapshot(self, snapshot_id: str) -> Snapshot | None:
+        if not snapshot_id:
+            return None
+        snap = self._snapshots.get(snapshot_id)
+        if snap is None:
+            raise NotFoundError(f"unknown snapshot {snapshot_id!r}: it was never pushed to this sampler")
+        return snap
+
+    def list_snapshots(self) -> list[str]:
+        return list(self._snapshots)
+
+    def generate(self, prompt_tokens: list[int], params, num_samples: int,
+                 snapshot_id: str = "") -> concurrent.futures.Future:
+        """Future of a list of `num_samples` vLLM RequestOutputs (one sequence each)."""
+        self._check_prompt(prompt_tokens, params.max_tokens)
+        snap = self.snapshot(snapshot_id)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Pending("generate", (prompt_tokens, params, num_samples, snap), future))
+        return future
+
+    def register_snapshot(self, snapshot_id: str, tensors: dict[str, torch.Tensor], adapter_config: dict,
+                          path: str) -> concurrent.futures.Future:
+        if snapshot_id in self._snapshots:
+            raise UserError(f"snapshot {snapshot_id!r} already exists; snapshots are immutable")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Pending("register", (snapshot_id, tensors, adapter_config, path), future))
+        return future
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._inbox.put(_Pending("stop", (), concurrent.futures.Future()))
+        self._thread.join(timeout=10)
+
+    def _check_prompt(self, tokens: list[int], max_tokens: int) -> None:
+        if not tokens:
+            raise UserError("the prompt is empty")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(tokens) + max_tokens > self.max_model_len:
+            raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                            f"context length {self.max_model_len}")
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            busy = self._engine.has_unfinished_requests()
+            try:
+                item = self._inbox.get(block=not busy, timeout=None if not busy else 0)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                self._admit(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if self._engine.has_unfinished_requests():
+                try:
+                    self._deliver(self._engine.step())
+                except Exception as e:  # noqa: BLE001 - fail the in-flight requests, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+
+    def _admit(self, item: _Pending) -> None:
+        if item.kind == "stop":
+            return
+        try:
+            if item.kind == "register":
+                self._register(item)
+            else:
+                self._add_generate(item)
+        except Exception as e:  # noqa: BLE001 - the caller gets the error
+            if not item.future.done():
+                item.future.set_exception(e)
+
+    def _register(self, item: _Pending) -> None:
+        snapshot_id, tensors, adapter_config, path = item.payload
+        lora_id = next(self._lora_ids)
+        self._engine.collective_rpc("tinkerd_add_lora_tensors", args=(lora_id, tensors, adapter_config))
+        snap = Snapshot(snapshot_id, lora_id, path or _NO_PATH)
+        self._snapshots[snapshot_id] = snap
+        item.future.set_result(snap)
+
+    def _add_generate(self, item: _Pending) -> None:
+        from vllm.lora.request import LoRARequest
+
+        prompt_tokens, params, num_samples, snap = item.payload
+        lora = LoRARequest(snap.snapshot_id, snap.lora_int_id, snap.path) if snap else None
+        group = uuid.uuid4().hex
+        results: list = [None] * num_samples
+        self._waiting[group] = (item.future, num_samples, results)
+        for i in range(num_samples):
+            p = params
+            if params.seed is not None and i > 0:
+                p = params.clone()
+                p.seed = params.seed + i  # distinct but reproducible samples
+            self._engine.add_request(f"{group}-{i}", {"prompt_token_ids": prompt_tokens}, p, lora_request=lora)
+
+    def _deliver(self, outputs) -> None:
+        for out in outputs:
+            if not out.finished:
+                continue
+            group, index = out.request_id.rsplit("-", 1)
+            future, remaining, results = self._waiting[group]
+            results[int(index)] = out
+            remaining -= 1
+            if remaining == 0:
+                del self._waiting[group]
+                future.set_result(results)
+            else:
+                self._waiting[group] = (future, remaining, results)
+
+    def _fail_all(self, error: Exception) -> None:
+        for group, (future, _, _) in list(self._waiting.items()):
+            self._engine.abort_request([f"{group}-{i}" for i in range(len(self._waiting[group][2]))])
+            future.set_exception(error)
+        self._waiting.clear()

@@ -1,0 +1,195 @@
+"""Trainer gRPC servicer: per RPC, convert the message, call the engine, convert back.
+
+A resent (model_id, seq_id) gets the stored reply instead of running twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from tinkerd import tensors, weight_stream
+from tinkerd.errors import UserError
+from tinkerd.rpc import channel, rpc_boundary
+from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from trainer_service.engine import AdamParams, DatumInput, TrainerEngine, save_peft_adapter
+from trainer_service.lora import LoraSpec
+
+log = logging.getLogger(__name__)
+
+_REPLIES_KEPT_PER_MODEL = 256
+
+
+class ReplyCache:
+    """Replies by (model_id, seq_id), so a resent request is answered, not re-executed."""
+
+    def __init__(self):
+        self._by_model: dict[str, collections.OrderedDict] = collections.defaultdict(collections.OrderedDict)
+        self._lock = threading.Lock()
+
+    def get(self, model_id: str, seq_id: int, kind: str):
+        with self._lock:
+            hit = self._by_model[model_id].get(seq_id)
+        if hit is None:
+            return None
+        if hit[0] != kind:
+            raise UserError(f"seq_id {seq_id} of {model_id} was already used by a {hit[0]} request")
+        return hit[1]
+
+    def put(self, model_id: str, seq_id: int, kind: str, reply) -> None:
+        with self._lock:
+            replies = self._by_model[model_id]
+            replies[seq_id] = (kind, reply)
+            while len(replies) > _REPLIES_KEPT_PER_MODEL:
+                replies.popitem(last=False)
+
+    def forget(self, model_id: str) -> None:
+        with self._lock:
+            self._by_model.pop(model_id, None)
+
+
+def _lora_spec(msg: common_pb2.LoraConfig) -> LoraSpec:
+    return LoraSpec(rank=msg.rank, seed=msg.seed if msg.HasField("seed") else None,
+                    train_attn=msg.train_attn, train_mlp=msg.train_mlp, train_unembed=msg.train_unembed)
+
+
+def _datum(msg: common_pb2.Datum, index: int) -> DatumInput:
+    inputs = {}
+    for key, t in msg.loss_fn_inputs.items():
+        try:
+            inputs[key] = torch.from_numpy(tensors.to_numpy(t).copy())
+        except ValueError as e:
+            raise UserError(f"datum {index}: loss_fn_inputs[{key!r}]: {e}") from None
+    return DatumInput(list(msg.tokens), inputs)
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, engine: TrainerEngine, *, advertise_host: str = "127.0.0.1",
+                 transfer_timeout_s: float = 120.0):
+        self.engine = engine
+        self.advertise_host = advertise_host
+        self.transfer_timeout_s = transfer_timeout_s
+        self.replies = ReplyCache()
+        self._persist_threads: list[threading.Thread] = []
+
+    def _info(self, model_id: str) -> trainer_pb2.ModelInfo:
+        m = self.engine.get(model_id)
+        s = m.spec
+        lora = common_pb2.LoraConfig(rank=s.rank, train_attn=s.train_attn, train_mlp=s.train_mlp,
+                                     train_unembed=s.train_unembed)
+        if s.seed is not None:
+            lora.seed = s.seed
+        return trainer_pb2.ModelInfo(model_id=model_id, base_model=self.engine.base_model_dir, lora_config=lora,
+                                     step=m.step, num_params=self.engine.num_params(m))
+
+    @rpc_boundary
+    def Health(self, request, context):
+        return common_pb2.HealthResponse(ready=True, base_model=self.engine.base_model_dir)
+
+    @rpc_boundary
+    def CreateModel(self, request, context):
+        if request.base_model and not self.engine.accepts_base_model(request.base_model):
+            raise UserError(f"base model {request.base_model!r} is not served here; this trainer serves "
+                            f"{sorted(self.engine.base_model_names)}")
+        if not request.model_id:
+            raise UserError("model_id is required")
+        self.engine.create_model(request.model_id, _lora_spec(request.lora_config))
+        return self._info(request.model_id)
+
+    @rpc_boundary
+    def GetModelInfo(self, request, context):
+        return self._info(request.model_id)
+
+    @rpc_boundary
+    def DeleteModel(self, request, context):
+        self.replies.forget(request.model_id)
+        return trainer_pb2.DeleteModelResponse(deleted=self.engine.delete_model(request.model_id))
+
+    @rpc_boundary
+    def ForwardBackward(self, request, context):
+        kind = "forward" if request.forward_only else "forward_backward"
+        cached = self.replies.get(request.model_id, request.seq_id, kind)
+        if cached is not None:
+            return cached
+        data = [_datum(d, i) for i, d in enumerate(request.data)]
+        outputs, metrics = self.engine.forward_backward(
+            request.model_id, data, request.loss_fn, dict(request.loss_fn_config),
+            forward_only=request.forward_only)
+        reply = trainer_pb2.ForwardBackwardResponse(
+            outputs=[trainer_pb2.DatumOutput(outputs={k: tensors.from_numpy(v.numpy()) for k, v in o.items()})
+                     for o in outputs],
+            metrics=metrics)
+        self.replies.put(request.model_id, request.seq_id, kind, reply)
+        return reply
+
+    @rpc_boundary
+    def OptimStep(self, request, context):
+        cached = self.replies.get(request.model_id, request.seq_id, "optim_step")
+        if cached is not None:
+            return cached
+        a = request.adam_params
+        metrics = self.engine.optim_step(request.model_id, AdamParams(
+            learning_rate=a.learning_rate, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
+            weight_decay=a.weight_decay, grad_clip_norm=a.grad_clip_norm))
+        reply = trainer_pb2.OptimStepResponse(metrics=metrics)
+        self.replies.put(request.model_id, request.seq_id, "optim_step", reply)
+        return reply
+
+    @rpc_boundary
+    def PushWeights(self, request, context):
+        cached = self.replies.get(request.model_id, request.seq_id, "push_weights")
+        if cached is not None:
+            return cached
+        if not request.snapshot_id:
+            raise UserError("snapshot_id is required")
+        t0 = time.perf_counter()
+        adapter, config = self.engine.export_adapter(request.model_id)
+        t1 = time.perf_counter()
+        persisted = ""
+        if request.persist_dir:
+            persisted = os.path.join(request.persist_dir, request.snapshot_id.replace("/", "_").replace(":", "_"))
+            # Off the hot path: the copy only matters if a sampler must reload an evicted snapshot.
+            t = threading.Thread(target=save_peft_adapter, args=(persisted, adapter, config), daemon=True)
+            t.start()
+            self._persist_threads.append(t)
+        packed = weight_stream.pack(adapter)
+        if request.sampler_addresses:
+            self._stream(request, packed, config, persisted)
+        t2 = time.perf_counter()
+        reply = trainer_pb2.PushWeightsResponse(
+            snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes),
+            num_tensors=len(packed.specs), gather_seconds=t1 - t0, stream_seconds=t2 - t1)
+        log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, stream %.1f ms", request.snapshot_id,
+                 reply.num_tensors, reply.num_bytes, 1e3 * reply.gather_seconds, 1e3 * reply.stream_seconds)
+        self.replies.put(request.model_id, request.seq_id, "push_weights", reply)
+        return reply
+
+    def _stream(self, request, packed: weight_stream.Packed, config: dict, persisted: str) -> None:
+        """Announce over gRPC, broadcast over the side group, then wait for each commit."""
+        world = 1 + len(request.sampler_addresses)
+        backend = weight_stream.default_backend()
+        store = weight_stream.create_store(self.advertise_host, 0, world, is_master=True,
+                                           timeout_s=self.transfer_timeout_s)
+        specs = [sampler_pb2.TensorSpec(name=s.name, dtype=tensors.DTYPE_BY_NAME[s.dtype], shape=s.shape,
+                                        chunk=s.chunk, offset=s.offset) for s in packed.specs]
+        replies = []
+        for rank, address in enumerate(request.sampler_addresses, start=1):
+            manifest = sampler_pb2.WeightManifest(
+                snapshot_id=request.snapshot_id, adapter_config_json=json.dumps(config), tensors=specs,
+                chunk_num_bytes=packed.chunk_num_bytes, persisted_path=persisted,
+                rendezvous=sampler_pb2.Rendezvous(host=self.advertise_host, port=store.port, rank=rank,
+                                                  world_size=world, backend=backend,
+                                                  timeout_seconds=self.transfer_timeout_s))
+            stub = sampler_pb2_grpc.SamplerStub(channel(address))
+            replies.append(stub.ReceiveWeights.future(manifest, timeout=self.transfer_timeout_s))
+        group = weight_stream.join_group(store, 0, world, backend, self.transfer_timeout_s, request.snapshot_id)
+        weight_stream.send(group, packed.chunks)
+        for reply in replies:
+            reply.result()
+
