@@ -80,9 +80,9 @@ def up(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, stop)
     try:
         procs["trainer"] = _start("trainer", ["trainer", "--base-model", base, *aliases,
-                                              "--zero-stage", str(args.zero_stage), "--dtype", args.trainer_dtype],
+                                              "--zero-stage", str(args.zero_stage), "--dtype", args.dtype],
                                   ready, log_dir)
-        procs["sampler"] = _start("sampler", ["sampler", "--base-model", base, "--dtype", args.sampler_dtype,
+        procs["sampler"] = _start("sampler", ["sampler", "--base-model", base, "--dtype", args.dtype,
                                               "--max-model-len", str(args.max_model_len)], ready, log_dir)
         _wait_ready(procs, ready, ["trainer", "sampler"], args.start_timeout, log_dir)
         procs["gateway"] = _start("gateway", [
@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default="./state")
     p.add_argument("--db-url", default=None, help="SQLAlchemy URL (default: SQLite in the state dir)")
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
-    p.add_argument("--trainer-dtype", default="float32")
-    p.add_argument("--sampler-dtype", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights dtype of trainer and sampler alike (equal dtypes give equal logprobs; "
+                        "bfloat16 is faster on CPUs with AMX)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.set_defaults(func=up)

@@ -137,13 +137,13 @@ def default_backend() -> str:
 def send(group: Group, chunks: list[torch.Tensor]) -> None:
     for chunk in chunks:
         buf = chunk.to(group.device, non_blocking=True)
-        group.pg.broadcast([buf], 0).wait()
+        group.pg.broadcast(buf, 0).wait()
 
 
 def receive(group: Group, chunk_num_bytes: list[int]) -> list[torch.Tensor]:
     chunks = []
     for n in chunk_num_bytes:
         buf = torch.empty(n, dtype=torch.uint8, device=group.device)
-        group.pg.broadcast([buf], 0).wait()
+        group.pg.broadcast(buf, 0).wait()
         chunks.append(buf if group.device.type == "cpu" else buf.cpu())
     return chunks
