@@ -1,0 +1,65 @@
+"""Our tinker wire schema (proto/gateway/tinker_wire.proto) agrees with the SDK's own, field by
+field, and the gateway's encoders produce what the SDK's decoders read."""
+
+import numpy as np
+import pytest
+
+from gateway import tinker_wire_pb2 as ours
+from gateway import wire
+from tinkerd.v1 import sampler_pb2, trainer_pb2
+
+sdk = pytest.importorskip("tinker.proto.tinker_public_pb2")
+
+MESSAGES = ["ForwardBackwardRequest", "Datum", "Chunk", "EncodedTextChunk", "Tensor", "SparseCsr",
+            "ForwardBackwardOutput", "ArrayRecord", "BatchedTensor", "SampleResponse", "SampledSequence",
+            "TopkLogprobs", "LossConfigValue", "ProvenanceSpan", "SampledProvenanceSpan"]
+
+
+@pytest.mark.parametrize("name", MESSAGES)
+def test_field_numbers_and_types_match_the_sdk(name):
+    a = getattr(ours, name).DESCRIPTOR
+    b = getattr(sdk, name).DESCRIPTOR
+    ours_fields = {f.name: (f.number, f.type) for f in a.fields}
+    sdk_fields = {f.name: (f.number, f.type) for f in b.fields}
+    for field, spec in ours_fields.items():
+        assert sdk_fields.get(field) == spec, f"{name}.{field}: ours {spec}, SDK {sdk_fields.get(field)}"
+
+
+def test_forward_backward_output_decodes_in_the_sdk():
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+    from tinkerd.tensors import from_numpy
+
+    reply = trainer_pb2.ForwardBackwardResponse(metrics={"loss:sum": 3.5})
+    for n in (3, 5):
+        reply.outputs.add(outputs={"logprobs": from_numpy(-np.arange(n, dtype=np.float32))})
+    out = deserialize_forward_backward_output(wire.forward_backward_output(reply))
+    assert [o["logprobs"].to_numpy().tolist() for o in out.loss_fn_outputs] == [[0, -1, -2], [0, -1, -2, -3, -4]]
+    assert out.metrics["loss:sum"] == 3.5
+
+
+def test_sample_response_decodes_in_the_sdk():
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    reply = sampler_pb2.SampleResponse(prompt_logprobs=[float("nan"), -1.0, -2.0])
+    seq = reply.sequences.add(tokens=[4, 5], logprobs=[-0.5, -0.25], stop_reason=sampler_pb2.STOP_REASON_LENGTH)
+    seq.topk_logprobs.CopyFrom(sampler_pb2.TopkLogprobs(k=2, token_ids=[4, 7, 5, 0], logprobs=[-0.5, -1.0, -0.25, -99999.0]))
+    out = deserialize_sample_response(wire.sample_response(reply))
+    assert out.prompt_logprobs[0] is None and out.prompt_logprobs[1:] == [-1.0, -2.0]
+    assert out.sequences[0].tokens == [4, 5] and out.sequences[0].stop_reason == "length"
+    assert out.sequences[0].logprobs == [-0.5, -0.25]
+
+
+def test_sparse_csr_inputs_are_densified():
+    req = ours.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    d = req.data.add()
+    d.model_input.add().encoded_text.tokens = np.array([1, 2], dtype="<i4").tobytes()
+    t = d.loss_fn_inputs["weights"]
+    t.dtype, t.shape[:] = ours.DTYPE_FLOAT32, [2, 3]
+    t.sparse_csr.values = np.array([0.5, 2.0], dtype="<f4").tobytes()
+    t.sparse_csr.crow_indices = np.array([0, 1, 2], dtype="<i8").tobytes()
+    t.sparse_csr.col_indices = np.array([2, 0], dtype="<i8").tobytes()
+    msg = wire.forward_backward_request(req.SerializeToString())
+    from tinkerd.tensors import to_numpy
+    dense = to_numpy(msg.data[0].loss_fn_inputs["weights"])
+    assert dense.tolist() == [[0, 0, 0.5], [2.0, 0, 0]]
+    assert list(msg.data[0].tokens) == [1, 2]
