@@ -101,7 +101,13 @@ def convert_smollm2(out_dir: str | pathlib.Path) -> pathlib.Path:
                                                      dtype=torch.bfloat16)
         staging = out.with_name(out.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        model.save_pretrained(staging)
+        # A GGUF-loaded model refuses save_pretrained; a plain model with its weights does not.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         staging.rename(out)
     return out
