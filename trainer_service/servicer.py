@@ -49,6 +49,14 @@ class ReplyCache:
             while len(replies) > _REPLIES_KEPT_PER_MODEL:
                 replies.popitem(last=False)
 
+    def once(self, model_id: str, seq_id: int, kind: str, compute):
+        """The stored reply for (model_id, seq_id), else `compute()`'s, stored."""
+        cached = self.get(model_id, seq_id, kind)
+        if cached is None:
+            cached = compute()
+            self.put(model_id, seq_id, kind, cached)
+        return cached
+
     def forget(self, model_id: str) -> None:
         with self._lock:
             self._by_model.pop(model_id, None)
@@ -76,7 +84,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.advertise_host = advertise_host
         self.transfer_timeout_s = transfer_timeout_s
         self.replies = ReplyCache()
-        self._persist_threads: list[threading.Thread] = []
 
     def _info(self, model_id: str) -> trainer_pb2.ModelInfo:
         m = self.engine.get(model_id)
@@ -114,38 +121,31 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc_boundary
     def ForwardBackward(self, request, context):
         kind = "forward" if request.forward_only else "forward_backward"
-        cached = self.replies.get(request.model_id, request.seq_id, kind)
-        if cached is not None:
-            return cached
+        return self.replies.once(request.model_id, request.seq_id, kind, lambda: self._forward_backward(request))
+
+    def _forward_backward(self, request) -> trainer_pb2.ForwardBackwardResponse:
         data = [_datum(d, i) for i, d in enumerate(request.data)]
         outputs, metrics = self.engine.forward_backward(
             request.model_id, data, request.loss_fn, dict(request.loss_fn_config),
             forward_only=request.forward_only)
-        reply = trainer_pb2.ForwardBackwardResponse(
+        return trainer_pb2.ForwardBackwardResponse(
             outputs=[trainer_pb2.DatumOutput(outputs={k: tensors.from_numpy(v.numpy()) for k, v in o.items()})
                      for o in outputs],
             metrics=metrics)
-        self.replies.put(request.model_id, request.seq_id, kind, reply)
-        return reply
 
     @rpc_boundary
     def OptimStep(self, request, context):
-        cached = self.replies.get(request.model_id, request.seq_id, "optim_step")
-        if cached is not None:
-            return cached
         a = request.adam_params
-        metrics = self.engine.optim_step(request.model_id, AdamParams(
-            learning_rate=a.learning_rate, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
-            weight_decay=a.weight_decay, grad_clip_norm=a.grad_clip_norm))
-        reply = trainer_pb2.OptimStepResponse(metrics=metrics)
-        self.replies.put(request.model_id, request.seq_id, "optim_step", reply)
-        return reply
+        adam = AdamParams(learning_rate=a.learning_rate, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
+                          weight_decay=a.weight_decay, grad_clip_norm=a.grad_clip_norm)
+        return self.replies.once(request.model_id, request.seq_id, "optim_step", lambda: trainer_pb2.OptimStepResponse(
+            metrics=self.engine.optim_step(request.model_id, adam)))
 
     @rpc_boundary
     def PushWeights(self, request, context):
-        cached = self.replies.get(request.model_id, request.seq_id, "push_weights")
-        if cached is not None:
-            return cached
+        return self.replies.once(request.model_id, request.seq_id, "push_weights", lambda: self._push(request))
+
+    def _push(self, request) -> trainer_pb2.PushWeightsResponse:
         if not request.snapshot_id:
             raise UserError("snapshot_id is required")
         t0 = time.perf_counter()
@@ -155,9 +155,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if request.persist_dir:
             persisted = os.path.join(request.persist_dir, request.snapshot_id.replace("/", "_").replace(":", "_"))
             # Off the hot path: the copy only matters if a sampler must reload an evicted snapshot.
-            t = threading.Thread(target=save_peft_adapter, args=(persisted, adapter, config), daemon=True)
-            t.start()
-            self._persist_threads.append(t)
+            threading.Thread(target=save_peft_adapter, args=(persisted, adapter, config), daemon=True).start()
         packed = weight_stream.pack(adapter)
         if request.sampler_addresses:
             self._stream(request, packed, config, persisted)
@@ -167,7 +165,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             num_tensors=len(packed.specs), gather_seconds=t1 - t0, stream_seconds=t2 - t1)
         log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, stream %.1f ms", request.snapshot_id,
                  reply.num_tensors, reply.num_bytes, 1e3 * reply.gather_seconds, 1e3 * reply.stream_seconds)
-        self.replies.put(request.model_id, request.seq_id, "push_weights", reply)
         return reply
 
     def _stream(self, request, packed: weight_stream.Packed, config: dict, persisted: str) -> None:
