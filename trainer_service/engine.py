@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -122,6 +123,8 @@ class TrainerEngine:
         self.peft = get_peft_model(base, LoraConfig(r=1, target_modules=first), adapter_name="_placeholder")
         self.peft.eval()  # no dropout; LoRA dropout is 0 anyway
         self._models: dict[str, LoraModel] = {}
+        # Unloaded models: model_id -> checkpoint directory they come back from on next use.
+        self._parked: dict[str, str] = {}
         self._next_adapter = 0
         # One lock: the PEFT model's active adapter is process-wide state.
         self._lock = threading.RLock()
@@ -132,27 +135,55 @@ class TrainerEngine:
         return name in self.base_model_names
 
     def get(self, model_id: str) -> LoraModel:
-        model = self._models.get(model_id)
-        if model is None:
-            raise NotFoundError(f"unknown model_id {model_id!r}")
-        return model
+        """The model, reloaded from its checkpoint first if it was unloaded."""
+        with self._lock:
+            model = self._models.get(model_id)
+            if model is None and model_id in self._parked:
+                path = self._parked.pop(model_id)
+                try:
+                    model = self.load_state(model_id, path, with_optimizer=True)
+                except BaseException:
+                    self._parked[model_id] = path
+                    raise
+                log.info("reloaded %s from %s", model_id, path)
+            if model is None:
+                raise NotFoundError(f"unknown model_id {model_id!r}")
+            return model
 
-    def create_model(self, model_id: str, spec: LoraSpec) -> LoraModel:
+    def is_resident(self, model_id: str) -> bool:
+        return model_id in self._models
+
+    def model_ids(self) -> tuple[list[str], list[str]]:
+        """(resident, unloaded) model ids."""
+        with self._lock:
+            return list(self._models), list(self._parked)
+
+    def create_model(self, model_id: str, spec: LoraSpec,
+                     initial: dict[str, torch.Tensor] | None = None) -> LoraModel:
+        """A new LoRA model; `initial` (PEFT-named adapter tensors) replaces the random init."""
         import deepspeed
+        from peft import set_peft_model_state_dict
 
         if not 1 <= spec.rank <= self.max_lora_rank:
             raise UserError(f"LoRA rank must be in 1..{self.max_lora_rank}, got {spec.rank}")
         if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
             raise UserError("at least one of train_attn, train_mlp, train_unembed must be true")
         with self._lock:
-            if model_id in self._models:
-                return self._models[model_id]
+            if model_id in self._models or model_id in self._parked:
+                return self.get(model_id)
             name = f"m{self._next_adapter}"
             self._next_adapter += 1
             seed = spec.seed if spec.seed is not None else int.from_bytes(os.urandom(4), "little")
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 self.peft.add_adapter(name, peft_config(self._linear_groups, spec))
+            if initial is not None:
+                result = set_peft_model_state_dict(self.peft, initial, adapter_name=name)
+                missing = [k for k in result.missing_keys if f".{name}." in k]
+                if missing or result.unexpected_keys:
+                    self.peft.base_model.delete_adapter(name)
+                    raise UserError(f"the checkpoint does not fit a rank-{spec.rank} adapter on this base model "
+                                    f"(missing {missing[:2]}, unexpected {list(result.unexpected_keys)[:2]})")
             params = [p for n, p in self.peft.named_parameters() if f".{name}." in n]
             for p in params:
                 p.requires_grad_(True)
@@ -168,12 +199,79 @@ class TrainerEngine:
 
     def delete_model(self, model_id: str) -> bool:
         with self._lock:
+            parked = self._parked.pop(model_id, None) is not None
             model = self._models.pop(model_id, None)
             if model is None:
-                return False
+                return parked
             model.engine.destroy()
             self.peft.base_model.delete_adapter(model.adapter_name)
             return True
+
+    def unload_model(self, model_id: str, directory: str) -> str:
+        """Frees the model's memory after writing its full state (adapter, optimizer, step) to
+        `directory`; the next call that uses it reloads it from there, transparently."""
+        with self._lock:
+            if model_id in self._parked:
+                return self._parked[model_id]
+            self.save_state(model_id, directory, with_optimizer=True)
+            self.delete_model(model_id)
+            self._parked[model_id] = directory
+            log.info("unloaded %s to %s", model_id, directory)
+            return directory
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    # A checkpoint directory: adapter_model.safetensors + adapter_config.json (PEFT format,
+    # loadable by peft and vLLM as they are), tinkerd_state.json (LoRA spec, step), and, for
+    # full state, optimizer/ (a DeepSpeed checkpoint: fp32 master weights + AdamW moments).
+
+    def save_state(self, model_id: str, directory: str, *, with_optimizer: bool) -> int:
+        """Writes the checkpoint atomically; returns its size in bytes."""
+        with self._lock:
+            model = self.get(model_id)
+            tensors, config = self.export_adapter(model_id)
+            tmp = f"{directory}.partial-{os.getpid()}-{time.monotonic_ns()}"
+            write_peft_adapter(tmp, tensors, config)
+            meta = {"spec": dataclasses.asdict(model.spec), "step": model.step,
+                    "base_model": self.base_model_dir, "zero_stage": self.zero_stage,
+                    "has_optimizer": with_optimizer}
+            with open(os.path.join(tmp, "tinkerd_state.json"), "w") as f:
+                json.dump(meta, f)
+            if with_optimizer:
+                model.engine.save_checkpoint(os.path.join(tmp, "optimizer"), tag="state",
+                                             client_state={"step": model.step}, save_latest=False)
+        size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(tmp) for f in files)
+        if os.path.exists(directory):
+            shutil.rmtree(directory)
+        os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
+        os.replace(tmp, directory)
+        return size
+
+    def load_state(self, model_id: str, directory: str, *, with_optimizer: bool) -> LoraModel:
+        """Creates `model_id` from a checkpoint: its adapter weights, and with_optimizer its AdamW
+        state and step count too."""
+        import safetensors.torch
+
+        try:
+            with open(os.path.join(directory, "tinkerd_state.json")) as f:
+                meta = json.load(f)
+            tensors = safetensors.torch.load_file(os.path.join(directory, "adapter_model.safetensors"))
+        except FileNotFoundError as e:
+            raise UserError(f"no checkpoint at {directory}: {e.filename} is missing") from None
+        if with_optimizer and not meta.get("has_optimizer"):
+            raise UserError(f"the checkpoint at {directory} holds weights only; load it without optimizer state")
+        if with_optimizer and meta.get("zero_stage") != self.zero_stage:
+            raise UserError(f"the optimizer state at {directory} was written under ZeRO stage "
+                            f"{meta.get('zero_stage')}; this trainer runs stage {self.zero_stage}")
+        with self._lock:
+            if model_id in self._models:
+                raise UserError(f"model {model_id!r} already exists")
+            model = self.create_model(model_id, LoraSpec(**meta["spec"]), initial=tensors)
+            if with_optimizer:
+                model.engine.load_checkpoint(os.path.join(directory, "optimizer"), tag="state",
+                                             load_optimizer_states=True, load_lr_scheduler_states=False)
+                model.engine.set_gradient_accumulation_boundary(False)
+                model.step = int(meta["step"])
+            return model
 
     def num_params(self, model: LoraModel) -> int:
         return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.params)
@@ -278,14 +376,18 @@ class TrainerEngine:
         return tensors, config
 
 
-def save_peft_adapter(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    """Writes a PEFT-format adapter directory (loadable by peft and by vLLM), atomically."""
+def write_peft_adapter(directory: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
     import safetensors.torch
 
-    tmp = f"{path}.partial-{os.getpid()}-{time.monotonic_ns()}"
-    os.makedirs(tmp, exist_ok=True)
-    safetensors.torch.save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"))
-    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+    os.makedirs(directory, exist_ok=True)
+    safetensors.torch.save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
         json.dump(config, f)
+
+
+def save_peft_adapter(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Writes a PEFT-format adapter directory (loadable by peft and by vLLM), atomically."""
+    tmp = f"{path}.partial-{os.getpid()}-{time.monotonic_ns()}"
+    write_peft_adapter(tmp, tensors, config)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     os.replace(tmp, path)

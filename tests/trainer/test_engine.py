@@ -56,3 +56,65 @@ def test_bad_inputs_are_user_errors(tiny_model_dir):
         engine.forward_backward("nope", [A], "cross_entropy", {}, forward_only=True)
     with pytest.raises(UserError, match="rank"):
         engine.create_model("big", LoraSpec(rank=10**4, seed=0))
+
+
+def _logprobs(engine, model_id):
+    outputs, _ = engine.forward_backward(model_id, [A, B], "cross_entropy", {}, forward_only=True)
+    return torch.cat([o["logprobs"] for o in outputs])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_unloaded_model_comes_back_with_its_optimizer_state(tiny_model_dir, tmp_path, stage):
+    """A model unloaded mid-training and reloaded on next use trains on exactly like its twin
+    that stayed in memory: same weights, same AdamW moments, same step count."""
+    engine = TrainerEngine(tiny_model_dir, zero_stage=stage)
+    adam = AdamParams(learning_rate=1e-2)
+    for model_id in ("stays", "leaves"):
+        engine.create_model(model_id, LoraSpec(rank=4, seed=1, train_unembed=False))
+        engine.forward_backward(model_id, [A], "cross_entropy", {}, forward_only=False)
+        engine.optim_step(model_id, adam)
+
+    engine.unload_model("leaves", str(tmp_path / "leaves"))
+    assert not engine.is_resident("leaves")
+    assert (tmp_path / "leaves" / "adapter_model.safetensors").exists()
+
+    for model_id in ("stays", "leaves"):   # the second one reloads transparently
+        engine.forward_backward(model_id, [B], "cross_entropy", {}, forward_only=False)
+        metrics = engine.optim_step(model_id, adam)
+        assert metrics["step:max"] == 2.0
+    assert engine.is_resident("leaves")
+    assert torch.allclose(_logprobs(engine, "stays"), _logprobs(engine, "leaves"), atol=1e-6)
+
+
+def test_weights_only_checkpoint_starts_a_fresh_optimizer(tiny_model_dir, tmp_path):
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2)
+    engine.create_model("src", LoraSpec(rank=4, seed=2))
+    engine.forward_backward("src", [A], "cross_entropy", {}, forward_only=False)
+    engine.optim_step("src", AdamParams(learning_rate=1e-2))
+    engine.save_state("src", str(tmp_path / "w"), with_optimizer=False)
+    copy = engine.load_state("copy", str(tmp_path / "w"), with_optimizer=False)
+    assert copy.step == 0
+    assert torch.allclose(_logprobs(engine, "src"), _logprobs(engine, "copy"), atol=1e-6)
+    from tinkerd.errors import UserError
+    with pytest.raises(UserError, match="weights only"):
+        engine.load_state("again", str(tmp_path / "w"), with_optimizer=True)
+    with pytest.raises(UserError, match="no checkpoint"):
+        engine.load_state("none", str(tmp_path / "missing"), with_optimizer=False)
+
+
+def test_32_models_over_one_base(tiny_model_dir):
+    """32 tenants of different ranks and target modules train side by side on one base model."""
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2)
+    specs = [LoraSpec(rank=(1, 4, 8, 16)[i % 4], seed=i, train_attn=i % 3 != 1, train_mlp=i % 3 != 2,
+                      train_unembed=i % 2 == 0) for i in range(32)]
+    before = {}
+    for i, spec in enumerate(specs):
+        engine.create_model(f"t{i}", spec)
+        before[i] = _adapter(engine, f"t{i}")
+    for i in range(0, 32, 2):    # every other tenant trains; the rest must not move
+        engine.forward_backward(f"t{i}", [A], "cross_entropy", {}, forward_only=False)
+        engine.optim_step(f"t{i}", AdamParams(learning_rate=1e-2))
+    for i in range(32):
+        after = _adapter(engine, f"t{i}")
+        moved = any(not torch.equal(after[k], before[i][k]) for k in after)
+        assert moved == (i % 2 == 0), i

@@ -1,0 +1,83 @@
+"""Fair scheduling of engine work across tenants.
+
+The engine runs one piece of work at a time (the shared PEFT model has one active adapter).
+Who goes next is decided here, not by whichever gRPC thread grabs a lock first: among the
+tenants with queued work, the one that has used the least engine time goes next (start-time
+fair queuing on measured seconds). A tenant that floods the trainer, even through many models,
+gets its share and no more; a tenant returning from idle starts level with the busiest active
+tenant, so idle time is not banked as credit. Within one tenant work runs in arrival order.
+
+A tenant is a session: model ids look like "{session_id}:train:{n}"; any other id is its own tenant.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+
+def tenant_of(model_id: str) -> str:
+    return model_id.split(":train:", 1)[0]
+
+
+@dataclasses.dataclass
+class QueueSnapshot:
+    running: str | None                 # tenant whose work is executing now
+    queued: dict[str, int]              # tenant -> number of queued items
+    used_seconds: dict[str, float]
+
+
+class FairScheduler:
+    def __init__(self):
+        self._queues: dict[str, collections.deque] = {}
+        self._used: dict[str, float] = collections.defaultdict(float)
+        self._running: str | None = None
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="fair-scheduler", daemon=True)
+        self._thread.start()
+
+    def run(self, tenant: str, fn: Callable):
+        """Runs `fn()` on the engine thread when it is `tenant`'s turn; returns or raises its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            queue = self._queues.get(tenant)
+            if queue is None:
+                queue = self._queues[tenant] = collections.deque()
+                # Level with the least-served active tenant: no credit for having been idle.
+                active = [self._used[t] for t in self._queues if t != tenant] + (
+                    [self._used[self._running]] if self._running else [])
+                if active:
+                    self._used[tenant] = max(self._used[tenant], min(active))
+            queue.append((fn, future))
+            self._cv.notify()
+        return future.result()
+
+    def snapshot(self) -> QueueSnapshot:
+        with self._cv:
+            return QueueSnapshot(self._running, {t: len(q) for t, q in self._queues.items()}, dict(self._used))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queues:
+                    self._cv.wait()
+                tenant = min(self._queues, key=lambda t: self._used[t])
+                queue = self._queues[tenant]
+                fn, future = queue.popleft()
+                if not queue:
+                    del self._queues[tenant]
+                self._running = tenant
+            t0 = time.perf_counter()
+            try:
+                if future.set_running_or_notify_cancel():
+                    future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller re-raises it
+                future.set_exception(e)
+            finally:
+                with self._cv:
+                    self._used[tenant] += time.perf_counter() - t0
+                    self._running = None
