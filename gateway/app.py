@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import itertools
 import json
 import logging
@@ -42,6 +43,8 @@ class GatewaySettings:
     state_dir: str
     aliases: list[str] = dataclasses.field(default_factory=list)
     db_url: str | None = None
+    # Models of sessions without a heartbeat for this long are unloaded (reloaded on next use).
+    session_timeout_s: float = 600.0
 
     @property
     def model_names(self) -> list[str]:
@@ -99,6 +102,29 @@ def _sampling_params(p: dict) -> sampler_pb2.SamplingParams:
     return out
 
 
+def _safe_name(model_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", model_id)
+
+
+async def unload_lapsed_models(db: Database, trainer, settings: GatewaySettings) -> list[str]:
+    """Unloads the models of sessions that stopped heart-beating; returns their ids."""
+    cutoff = now() - datetime.timedelta(seconds=settings.session_timeout_s)
+    unloaded = []
+    for model_id in db.models_of_lapsed_sessions(cutoff):
+        directory = os.path.join(settings.state_dir, "unloaded", _safe_name(model_id))
+        try:
+            await trainer.UnloadModel(trainer_pb2.UnloadModelRequest(model_id=model_id, directory=directory))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("could not unload %s: %s", model_id, e.details())
+                continue
+        db.touch(ModelRow, model_id, resident=False)
+        unloaded.append(model_id)
+    if unloaded:
+        log.info("unloaded %d models of lapsed sessions: %s", len(unloaded), unloaded)
+    return unloaded
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     os.makedirs(settings.state_dir, exist_ok=True)
     snapshots_dir = os.path.join(settings.state_dir, "snapshots")
@@ -113,6 +139,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def _startup():
         state["futures"] = Futures(db)
         state["rpc"] = Backends(settings)
+        state["reaper"] = asyncio.create_task(reap_forever())
+
+    async def reap_forever():
+        interval = min(max(settings.session_timeout_s / 4, 0.5), 30.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await unload_lapsed_models(db, rpc().trainer, settings)
+            except Exception:  # noqa: BLE001 - the reaper must outlive one bad pass
+                log.exception("unloading lapsed sessions failed")
 
     def futures() -> Futures:
         return state["futures"]
@@ -200,7 +236,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     def submit_training(kind: str, model_id: str, seq_id: int, job, **extra):
         row = futures().submit(kind, job, idempotency_key=f"{model_id}#{seq_id}", model_id=model_id,
                                seq_id=seq_id, extra=extra)
-        db.touch(ModelRow, model_id, last_request_time=now())
+        db.touch(ModelRow, model_id, last_request_time=now(), resident=True)
         return _future(row, model_id=model_id)
 
     @app.post("/api/v1/create_model")
@@ -288,16 +324,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             result = {"path": None, "sampling_session_id": sampling_session_id, "type": "save_weights_for_sampler"}
 
         async def job():
-            await rpc().trainer.PushWeights(trainer_pb2.PushWeightsRequest(
+            pushed = await rpc().trainer.PushWeights(trainer_pb2.PushWeightsRequest(
                 model_id=model_id, seq_id=seq_id, snapshot_id=snapshot_id, sampler_addresses=settings.samplers,
                 persist_dir=snapshots_dir))
             if name is not None:
                 db.add(CheckpointRow(tinker_path=result["path"], model_id=model_id, checkpoint_type="sampler",
-                                     name=name, snapshot_id=snapshot_id))
+                                     name=name, snapshot_id=snapshot_id, snapshot_path=pushed.persisted_path))
             else:
                 db.add(SamplingSessionRow(sampling_session_id=result["sampling_session_id"],
                                           session_id=model.session_id, base_model=model.base_model,
-                                          snapshot_id=snapshot_id))
+                                          snapshot_id=snapshot_id, snapshot_path=pushed.persisted_path))
             return json_body(result)
         return submit_training("save_weights_for_sampler", model_id, seq_id, job)
 
@@ -315,14 +351,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             ckpt = db.get(CheckpointRow, path)
             if ckpt is None or ckpt.checkpoint_type != "sampler":
                 raise UserError(f"unknown sampler checkpoint {path!r}")
-            base, snapshot = model_row(ckpt.model_id).base_model, ckpt.snapshot_id
+            base, snapshot, snapshot_path = model_row(ckpt.model_id).base_model, ckpt.snapshot_id, ckpt.snapshot_path
         else:
-            base, snapshot = b.get("base_model"), ""
+            base, snapshot, snapshot_path = b.get("base_model"), "", ""
             if base not in settings.model_names:
                 raise UserError(f"base model {base!r} is not supported; this server serves {settings.model_names}")
         if db.get(SamplingSessionRow, sid) is None:
             db.add(SamplingSessionRow(sampling_session_id=sid, session_id=session_id, base_model=base,
-                                      model_path=path, snapshot_id=snapshot))
+                                      model_path=path, snapshot_id=snapshot, snapshot_path=snapshot_path))
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
     @app.get("/api/v1/samplers/{sampler_id:path}")
@@ -343,7 +379,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not 1 <= num_samples <= 1024:
             raise UserError(f"num_samples must be in 1..1024, got {num_samples}")
         msg = sampler_pb2.SampleRequest(
-            snapshot_id=session.snapshot_id, prompt_tokens=_prompt_tokens(b.get("prompt") or {}),
+            snapshot_id=session.snapshot_id, snapshot_path=session.snapshot_path, prompt_tokens=_prompt_tokens(b.get("prompt") or {}),
             num_samples=num_samples, params=_sampling_params(b.get("sampling_params") or {}),
             prompt_logprobs=bool(b.get("prompt_logprobs")), topk_prompt_logprobs=int(b.get("topk_prompt_logprobs") or 0),
             prompt_logprobs_last_n=int(b.get("prompt_logprobs_last_n") or 0),
@@ -360,6 +396,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     # ---- futures --------------------------------------------------------------------------
 
+    async def describe_queue(row) -> tuple[str, str]:
+        """Where a pending future is: for training, its place among its model's requests and how
+        many other tenants the trainer's fair scheduler is serving."""
+        if row.model_id is None:
+            return "active", "sampling"
+        running, ahead = futures().position(row.model_id, row.request_id)
+        try:
+            trainer = await rpc().trainer.GetQueueState(trainer_pb2.QueueStateRequest(), timeout=2)
+        except grpc.aio.AioRpcError as e:
+            return "paused_capacity", f"the trainer is not answering ({e.code().name})"
+        others = sum(1 for tenant, n in trainer.queued.items() if n and not row.model_id.startswith(f"{tenant}:"))
+        where = "running on the trainer" if running else f"{ahead} earlier request(s) of this model ahead"
+        return "active", f"{where}; {others} other tenant(s) waiting for their fair share"
+
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
         request_id = str((await body(request)).get("request_id", ""))
@@ -367,8 +417,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if row is None:
             return JSONResponse({"error": f"unknown request_id {request_id!r}", "category": "user"}, status_code=404)
         if row.status == "pending":
-            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"},
-                                status_code=408)
+            queue_state, reason = await describe_queue(row)
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": queue_state,
+                                 "queue_state_reason": reason}, status_code=408)
         return Response(content=row.result, media_type=row.content_type)
 
     return app

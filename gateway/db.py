@@ -39,6 +39,8 @@ class ModelRow(Base):
     lora_config: Mapped[dict] = mapped_column(JSON)
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
     last_request_time: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    # False once unloaded for a lapsed session; the trainer reloads it on next use.
+    resident: Mapped[bool] = mapped_column(Boolean, default=True)
 
 
 class FutureRow(Base):
@@ -63,6 +65,7 @@ class SamplingSessionRow(Base):
     base_model: Mapped[str] = mapped_column(String(512))
     model_path: Mapped[str | None] = mapped_column(Text, nullable=True)
     snapshot_id: Mapped[str] = mapped_column(String(256), default="")   # "" = the base model
+    snapshot_path: Mapped[str] = mapped_column(Text, default="")        # its persisted PEFT copy
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
@@ -73,6 +76,7 @@ class CheckpointRow(Base):
     checkpoint_type: Mapped[str] = mapped_column(String(16))   # training | sampler
     name: Mapped[str] = mapped_column(String(256))
     snapshot_id: Mapped[str] = mapped_column(String(256), default="")
+    snapshot_path: Mapped[str] = mapped_column(Text, default="")
     size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
@@ -126,6 +130,13 @@ class Database:
                 status="failed", content_type="application/json", result=body, completed_at=now())).rowcount
             s.commit()
             return n
+
+    def models_of_lapsed_sessions(self, before: datetime.datetime) -> list[str]:
+        """Resident models whose session's last heartbeat is older than `before`."""
+        with self.session() as s:
+            return list(s.scalars(select(ModelRow.model_id).join(
+                SessionRow, SessionRow.session_id == ModelRow.session_id).where(
+                ModelRow.resident.is_(True), SessionRow.last_heartbeat < before)))
 
     def touch(self, cls, key, **values) -> bool:
         with self.session() as s:

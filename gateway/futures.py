@@ -41,6 +41,7 @@ class _ModelRunner:
         self.futures = futures
         self.next_seq = next_seq
         self.heap: list[tuple[int, str, Job]] = []
+        self.running: str | None = None
         self.arrived = asyncio.Event()
         self.task = asyncio.create_task(self._loop())
 
@@ -63,7 +64,20 @@ class _ModelRunner:
                     log.warning("seq %d never arrived; running seq %d", self.next_seq, self.heap[0][0])
             seq, request_id, job = heapq.heappop(self.heap)
             self.next_seq = max(self.next_seq, seq + 1)
-            await self.futures.run(request_id, job)
+            self.running = request_id
+            try:
+                await self.futures.run(request_id, job)
+            finally:
+                self.running = None
+
+    def ahead_of(self, request_id: str) -> int | None:
+        """Requests of this model that run before `request_id`; None if it is not queued here."""
+        if self.running == request_id:
+            return 0
+        seqs = [seq for seq, rid, _ in self.heap if rid == request_id]
+        if not seqs:
+            return None
+        return sum(1 for seq, _, _ in self.heap if seq < seqs[0]) + (self.running is not None)
 
 
 class Futures:
@@ -118,6 +132,12 @@ class Futures:
             except asyncio.TimeoutError:
                 pass
         return self.db.get(FutureRow, request_id)
+
+    def position(self, model_id: str | None, request_id: str) -> tuple[bool, int]:
+        """(running now, requests of the same model ahead of it) for a pending training future."""
+        runner = self._runners.get(model_id or "")
+        ahead = runner.ahead_of(request_id) if runner else None
+        return (runner is not None and runner.running == request_id), (ahead or 0)
 
     def forget_runner(self, model_id: str) -> None:
         runner = self._runners.pop(model_id, None)

@@ -14,6 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     p.add_argument("--state-dir", default="./state")
     p.add_argument("--db-url", default=None, help="SQLAlchemy URL; default sqlite:///<state-dir>/tinkerd.db")
+    p.add_argument("--session-timeout-s", type=float, default=600.0,
+                   help="unload the models of sessions without a heartbeat for this long")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -29,7 +31,7 @@ def main(args: argparse.Namespace) -> None:
     init_logging("gateway")
     settings = GatewaySettings(base_model=os.path.abspath(args.base_model), trainer=args.trainer,
                                samplers=args.sampler, state_dir=os.path.abspath(args.state_dir),
-                               aliases=args.alias, db_url=args.db_url)
+                               aliases=args.alias, db_url=args.db_url, session_timeout_s=args.session_timeout_s)
     app = create_app(settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

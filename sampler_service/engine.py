@@ -63,11 +63,13 @@ class SamplerEngine:
             worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension",
         )
         self._engine = LLMEngine.from_engine_args(args)
+        self._engine.collective_rpc("tinkerd_install_lora_fixes")   # see worker_ext.py
         self.max_model_len = max_model_len
         self.vocab_size = self._engine.model_config.get_vocab_size()
         tokenizer = self._engine.get_tokenizer()
         self.eos_token_id = tokenizer.eos_token_id
         self._snapshots: dict[str, Snapshot] = {}
+        self._registry_lock = threading.Lock()
         self._lora_ids = itertools.count(1)
         self._inbox: queue.Queue[_Pending] = queue.Queue()
         self._waiting: dict[str, tuple[concurrent.futures.Future, int, list]] = {}
@@ -77,22 +79,29 @@ class SamplerEngine:
 
     # ---- public API (any thread) ----------------------------------------------------------
 
-    def snapshot(self, snapshot_id: str) -> Snapshot | None:
+    def snapshot(self, snapshot_id: str, path: str = "") -> Snapshot | None:
+        """The snapshot; one this replica never received is registered from its persisted copy
+        at `path` (vLLM loads it on first use), so a restarted or new replica still serves it."""
         if not snapshot_id:
             return None
-        snap = self._snapshots.get(snapshot_id)
+        with self._registry_lock:
+            snap = self._snapshots.get(snapshot_id)
+            if snap is None and path and os.path.isfile(os.path.join(path, "adapter_config.json")):
+                snap = self._snapshots[snapshot_id] = Snapshot(snapshot_id, next(self._lora_ids), path)
+                log.info("snapshot %s registered from its persisted copy %s", snapshot_id, path)
         if snap is None:
-            raise NotFoundError(f"unknown snapshot {snapshot_id!r}: it was never pushed to this sampler")
+            raise NotFoundError(f"unknown snapshot {snapshot_id!r}: it was never pushed to this sampler"
+                                + (f" and {path} holds no adapter" if path else ""))
         return snap
 
     def list_snapshots(self) -> list[str]:
         return list(self._snapshots)
 
     def generate(self, prompt_tokens: list[int], params, num_samples: int,
-                 snapshot_id: str = "") -> concurrent.futures.Future:
+                 snapshot_id: str = "", snapshot_path: str = "") -> concurrent.futures.Future:
         """Future of a list of `num_samples` vLLM RequestOutputs (one sequence each)."""
         self._check_prompt(prompt_tokens, params.max_tokens)
-        snap = self.snapshot(snapshot_id)
+        snap = self.snapshot(snapshot_id, snapshot_path)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Pending("generate", (prompt_tokens, params, num_samples, snap), future))
         return future
@@ -159,7 +168,8 @@ class SamplerEngine:
         lora_id = next(self._lora_ids)
         self._engine.collective_rpc("tinkerd_add_lora_tensors", args=(lora_id, tensors, adapter_config))
         snap = Snapshot(snapshot_id, lora_id, path or _NO_PATH)
-        self._snapshots[snapshot_id] = snap
+        with self._registry_lock:
+            self._snapshots[snapshot_id] = snap
         item.future.set_result(snap)
 
     def _add_generate(self, item: _Pending) -> None:

@@ -106,17 +106,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             raise UserError(f"num_samples must be at least 1, got {request.num_samples}")
         params = sampling_params(request)
         outputs = self.engine.generate(list(request.prompt_tokens), params, request.num_samples,
-                                       request.snapshot_id).result(_RESULT_TIMEOUT_S)
+                                       request.snapshot_id, request.snapshot_path).result(_RESULT_TIMEOUT_S)
         return sample_response(request, outputs)
 
     @rpc_boundary
     def ComputeLogprobs(self, request, context):
         sample = sampler_pb2.SampleRequest(
-            request_id=request.request_id, snapshot_id=request.snapshot_id,
+            request_id=request.request_id, snapshot_id=request.snapshot_id, snapshot_path=request.snapshot_path,
             prompt_tokens=request.prompt_tokens, num_samples=1, prompt_logprobs=True,
             params=sampler_pb2.SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=-1))
         outputs = self.engine.generate(list(request.prompt_tokens), sampling_params(sample), 1,
-                                       request.snapshot_id).result(_RESULT_TIMEOUT_S)
+                                       request.snapshot_id, request.snapshot_path).result(_RESULT_TIMEOUT_S)
         return sampler_pb2.ComputeLogprobsResponse(
             logprobs=prompt_logprobs(outputs[0], list(request.prompt_tokens), 0))
 

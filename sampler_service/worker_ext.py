@@ -1,12 +1,102 @@
 """Runs inside the vLLM worker (named by `worker_extension_cls`): registers LoRA snapshots
-from in-memory tensors, so a streamed adapter never touches disk on its way in."""
+from in-memory tensors, so a streamed adapter never touches disk on its way in, and installs
+two fixes for vLLM 0.32's multi-LoRA batching that tenants sharing a batch depend on.
+
+1. Prompt logprobs with a LoRA on lm_head: `_get_prompt_logprobs_dict` computes the logits of
+   a request's prompt tokens with the punica wrapper's *per-request* sampler indices, which do
+   not line up with the prompt tokens once two requests share a batch (einsum shape error, or
+   silently another request's adapter when the lengths happen to match). We give each of those
+   calls the per-token indices of exactly the tokens it scores.
+2. The PyTorch (CPU) punica ops index the stacked adapter weights with the LoRA slot, and a
+   base-model token's slot is -1, which Python indexing turns into the *last* slot: a base
+   request batched with adapter requests got some tenant's adapter applied. We zero the
+   shrink output of those rows, so nothing is added for them.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 
+def _zero_base_rows(shrink):
+    """A shrink op whose rows with slot -1 (no adapter) come out zero."""
+
+    @functools.wraps(shrink)
+    def wrapper(inputs, weights, output, indices, *args, **kwargs):
+        shrink(inputs, weights, output, indices, *args, **kwargs)
+        base_rows = indices < 0
+        if bool(base_rows.any()):
+            output[base_rows] = 0
+    return wrapper
+
+
+def _patch_cpu_punica_ops() -> None:
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    if getattr(lora_ops.bgmv_shrink, "_tinkerd_patched", False):
+        return
+    fixed = _zero_base_rows(lora_ops.bgmv_shrink)
+    fixed._tinkerd_patched = True
+    lora_ops.bgmv_shrink = fixed          # sgmv_shrink calls it through the module
+    punica_cpu.bgmv_shrink = fixed        # the CPU wrapper imported it by name
+
+
+def _language_punica_wrapper(model_runner):
+    wrappers = model_runner.lora_manager._adapter_manager.punica_wrapper_mapping
+    from vllm.lora.model_manager import DEFAULT_LANGUAGE_WRAPPER_KEY
+    return wrappers.get(DEFAULT_LANGUAGE_WRAPPER_KEY) or next(iter(wrappers.values()))
+
+
+def _per_token_prompt_logits(model_runner) -> None:
+    original = model_runner._get_prompt_logprobs_dict
+
+    @functools.wraps(original)
+    def patched(hidden_states: torch.Tensor, num_scheduled_tokens):
+        lora_manager = getattr(model_runner, "lora_manager", None)
+        if lora_manager is None:
+            return original(hidden_states, num_scheduled_tokens)
+        punica = _language_punica_wrapper(model_runner)
+        model = model_runner.model
+        compute_logits = model.compute_logits
+
+        def per_token(h: torch.Tensor):
+            # h is hidden_states[offset : offset + n]: the tokens it scores start at `offset`.
+            offset = (h.storage_offset() - hidden_states.storage_offset()) // hidden_states.stride(0)
+            n = h.shape[0]
+            saved_len, saved = punica.indices_len[1], punica._sampler_indices[:n].clone()
+            punica._sampler_indices[:n].copy_(punica._token_lora_indices[offset:offset + n])
+            punica.indices_len[1] = n
+            try:
+                return compute_logits(h)
+            finally:
+                punica._sampler_indices[:n].copy_(saved)
+                punica.indices_len[1] = saved_len
+
+        model.compute_logits = per_token
+        try:
+            return original(hidden_states, num_scheduled_tokens)
+        finally:
+            del model.compute_logits
+
+    model_runner._get_prompt_logprobs_dict = patched
+
+
 class SnapshotWorkerExtension:
+    def tinkerd_install_lora_fixes(self) -> bool:
+        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+        runner = self.model_runner
+        if getattr(runner, "_tinkerd_fixed", False) or getattr(runner, "lora_manager", None) is None:
+            return False
+        _per_token_prompt_logits(runner)
+        if isinstance(_language_punica_wrapper(runner), PunicaWrapperCPU):
+            _patch_cpu_punica_ops()
+        runner._tinkerd_fixed = True
+        return True
+
     def tinkerd_add_lora_tensors(self, lora_int_id: int, tensors: dict[str, torch.Tensor],
                                  adapter_config: dict) -> bool:
         from vllm.lora.lora_model import LoRAModel

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -23,14 +24,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama"))
 
 
-@pytest.fixture(scope="session")
-def stack(tiny_model_dir, tmp_path_factory):
-    """`tinkerd up` on the tiny model; yields (base_url, state_dir, start_seconds)."""
-    state = tmp_path_factory.mktemp("state")
+@contextlib.contextmanager
+def running_stack(model_dir: str, state, *extra_args: str):
+    """`tinkerd up` on `model_dir`; yields (base_url, state_dir, start_seconds), stops it after."""
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tinkerd.cli", "up", "--base-model", tiny_model_dir, "--port", "0",
-         "--state-dir", str(state), "--alias", "tiny/alias-model"],
+        [sys.executable, "-m", "tinkerd.cli", "up", "--base-model", model_dir, "--port", "0",
+         "--state-dir", str(state), *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = None
     lines = []
@@ -44,10 +44,24 @@ def stack(tiny_model_dir, tmp_path_factory):
         proc.wait(timeout=30)
         logs = "".join(open(os.path.join(state, "logs", f)).read()[-3000:] for f in os.listdir(state / "logs"))
         raise RuntimeError("tinkerd up failed:\n" + "".join(lines) + logs)
-    start_seconds = time.monotonic() - t0
-    yield url, str(state), start_seconds
-    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        yield url, str(state), time.monotonic() - t0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model_dir, tmp_path_factory):
+    """The shared `tinkerd up` on the tiny model, with default settings."""
+    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("state"), "--alias", "tiny/alias-model") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def start_stack():
+    """For tests that need a stack with other settings: `with start_stack(model, state, *flags)`."""
+    return running_stack

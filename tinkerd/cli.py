@@ -83,12 +83,15 @@ def up(args: argparse.Namespace) -> None:
                                               "--zero-stage", str(args.zero_stage), "--dtype", args.dtype],
                                   ready, log_dir)
         procs["sampler"] = _start("sampler", ["sampler", "--base-model", base, "--dtype", args.dtype,
-                                              "--max-model-len", str(args.max_model_len)], ready, log_dir)
+                                              "--max-model-len", str(args.max_model_len),
+                                              "--max-loras", str(args.max_loras),
+                                              "--max-cpu-loras", str(args.max_cpu_loras)], ready, log_dir)
         _wait_ready(procs, ready, ["trainer", "sampler"], args.start_timeout, log_dir)
         procs["gateway"] = _start("gateway", [
             "gateway", "--base-model", base, *aliases, "--host", args.host, "--port", str(args.port),
             "--state-dir", state_dir, "--trainer", f"127.0.0.1:{ready['trainer']}",
-            "--sampler", f"127.0.0.1:{ready['sampler']}", *(["--db-url", args.db_url] if args.db_url else [])],
+            "--sampler", f"127.0.0.1:{ready['sampler']}", "--session-timeout-s", str(args.session_timeout_s),
+            *(["--db-url", args.db_url] if args.db_url else [])],
             ready, log_dir)
         _wait_ready(procs, ready, ["gateway"], args.start_timeout, log_dir)
         url = f"http://{args.host}:{ready['gateway']}"
@@ -138,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights dtype of trainer and sampler alike (equal dtypes give equal logprobs; "
                         "bfloat16 is faster on CPUs with AMX)")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-loras", type=int, default=4, help="sampler: LoRA snapshots active in one batch")
+    p.add_argument("--max-cpu-loras", type=int, default=64,
+                   help="sampler: LoRA snapshots resident in memory (LRU; evicted ones reload from disk)")
+    p.add_argument("--session-timeout-s", type=float, default=600.0,
+                   help="unload the models of sessions without a heartbeat for this long")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.set_defaults(func=up)
 

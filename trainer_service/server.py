@@ -29,6 +29,7 @@ def main(args: argparse.Namespace) -> None:
 
     engine = TrainerEngine(args.base_model, zero_stage=args.zero_stage, dtype=args.dtype,
                            max_lora_rank=args.max_lora_rank, base_model_names=tuple(args.alias))
-    server, port = create_server(args.listen)
+    # Handler threads wait in the fair scheduler, one per model with work in flight.
+    server, port = create_server(args.listen, max_workers=256)
     trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(engine, advertise_host=args.advertise_host), server)
     serve_until_signal(server, port, "trainer")

@@ -20,6 +20,7 @@ from tinkerd.rpc import channel, rpc_boundary
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from trainer_service.engine import AdamParams, DatumInput, TrainerEngine, save_peft_adapter
 from trainer_service.lora import LoraSpec
+from trainer_service.scheduler import FairScheduler, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.advertise_host = advertise_host
         self.transfer_timeout_s = transfer_timeout_s
         self.replies = ReplyCache()
+        self.scheduler = FairScheduler()
+
+    def _fair(self, model_id: str, fn):
+        """Runs engine work when the model's tenant gets its turn (see scheduler.py)."""
+        return self.scheduler.run(tenant_of(model_id), fn)
 
     def _info(self, model_id: str) -> trainer_pb2.ModelInfo:
+        if model_id in self.engine.model_ids()[1]:
+            return trainer_pb2.ModelInfo(model_id=model_id, base_model=self.engine.base_model_dir, resident=False)
         m = self.engine.get(model_id)
         s = m.spec
         lora = common_pb2.LoraConfig(rank=s.rank, train_attn=s.train_attn, train_mlp=s.train_mlp,
@@ -93,7 +101,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if s.seed is not None:
             lora.seed = s.seed
         return trainer_pb2.ModelInfo(model_id=model_id, base_model=self.engine.base_model_dir, lora_config=lora,
-                                     step=m.step, num_params=self.engine.num_params(m))
+                                     step=m.step, num_params=self.engine.num_params(m), resident=True)
 
     @rpc_boundary
     def Health(self, request, context):
@@ -106,7 +114,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                             f"{sorted(self.engine.base_model_names)}")
         if not request.model_id:
             raise UserError("model_id is required")
-        self.engine.create_model(request.model_id, _lora_spec(request.lora_config))
+        if request.load_from:
+            def create():
+                if self.engine.is_resident(request.model_id):
+                    return self.engine.get(request.model_id)   # a resent create
+                return self.engine.load_state(request.model_id, request.load_from,
+                                              with_optimizer=request.load_optimizer)
+        else:
+            def create():
+                return self.engine.create_model(request.model_id, _lora_spec(request.lora_config))
+        self._fair(request.model_id, create)
         return self._info(request.model_id)
 
     @rpc_boundary
@@ -116,7 +133,32 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc_boundary
     def DeleteModel(self, request, context):
         self.replies.forget(request.model_id)
-        return trainer_pb2.DeleteModelResponse(deleted=self.engine.delete_model(request.model_id))
+        return trainer_pb2.DeleteModelResponse(
+            deleted=self._fair(request.model_id, lambda: self.engine.delete_model(request.model_id)))
+
+    @rpc_boundary
+    def SaveState(self, request, context):
+        if not request.directory:
+            raise UserError("directory is required")
+
+        def save():
+            size = self._fair(request.model_id, lambda: self.engine.save_state(
+                request.model_id, request.directory, with_optimizer=request.with_optimizer))
+            return trainer_pb2.SaveStateResponse(directory=request.directory, size_bytes=size)
+        return self.replies.once(request.model_id, request.seq_id, "save_state", save)
+
+    @rpc_boundary
+    def UnloadModel(self, request, context):
+        if not request.directory:
+            raise UserError("directory is required")
+        directory = self._fair(request.model_id, lambda: self.engine.unload_model(request.model_id,
+                                                                                   request.directory))
+        return trainer_pb2.UnloadModelResponse(directory=directory)
+
+    @rpc_boundary
+    def GetQueueState(self, request, context):
+        snap = self.scheduler.snapshot()
+        return trainer_pb2.QueueState(running_tenant=snap.running or "", queued=snap.queued)
 
     @rpc_boundary
     def ForwardBackward(self, request, context):
@@ -125,9 +167,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def _forward_backward(self, request) -> trainer_pb2.ForwardBackwardResponse:
         data = [_datum(d, i) for i, d in enumerate(request.data)]
-        outputs, metrics = self.engine.forward_backward(
+        outputs, metrics = self._fair(request.model_id, lambda: self.engine.forward_backward(
             request.model_id, data, request.loss_fn, dict(request.loss_fn_config),
-            forward_only=request.forward_only)
+            forward_only=request.forward_only))
         return trainer_pb2.ForwardBackwardResponse(
             outputs=[trainer_pb2.DatumOutput(outputs={k: tensors.from_numpy(v.numpy()) for k, v in o.items()})
                      for o in outputs],
@@ -139,7 +181,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         adam = AdamParams(learning_rate=a.learning_rate, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
                           weight_decay=a.weight_decay, grad_clip_norm=a.grad_clip_norm)
         return self.replies.once(request.model_id, request.seq_id, "optim_step", lambda: trainer_pb2.OptimStepResponse(
-            metrics=self.engine.optim_step(request.model_id, adam)))
+            metrics=self._fair(request.model_id, lambda: self.engine.optim_step(request.model_id, adam))))
 
     @rpc_boundary
     def PushWeights(self, request, context):
@@ -149,7 +191,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if not request.snapshot_id:
             raise UserError("snapshot_id is required")
         t0 = time.perf_counter()
-        adapter, config = self.engine.export_adapter(request.model_id)
+        adapter, config = self._fair(request.model_id, lambda: self.engine.export_adapter(request.model_id))
         t1 = time.perf_counter()
         persisted = ""
         if request.persist_dir:
@@ -162,7 +204,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         t2 = time.perf_counter()
         reply = trainer_pb2.PushWeightsResponse(
             snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes),
-            num_tensors=len(packed.specs), gather_seconds=t1 - t0, stream_seconds=t2 - t1)
+            num_tensors=len(packed.specs), gather_seconds=t1 - t0, stream_seconds=t2 - t1, persisted_path=persisted)
         log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, stream %.1f ms", request.snapshot_id,
                  reply.num_tensors, reply.num_bytes, 1e3 * reply.gather_seconds, 1e3 * reply.stream_seconds)
         return reply

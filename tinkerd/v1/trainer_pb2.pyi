@@ -8,28 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateModelRequest(_message.Message):
-    __slots__ = ("model_id", "lora_config", "base_model")
+    __slots__ = ("model_id", "lora_config", "base_model", "load_from", "load_optimizer")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FROM_FIELD_NUMBER: _ClassVar[int]
+    LOAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     lora_config: _common_pb2.LoraConfig
     base_model: str
-    def __init__(self, model_id: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model: _Optional[str] = ...) -> None: ...
+    load_from: str
+    load_optimizer: bool
+    def __init__(self, model_id: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model: _Optional[str] = ..., load_from: _Optional[str] = ..., load_optimizer: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "base_model", "lora_config", "step", "num_params")
+    __slots__ = ("model_id", "base_model", "lora_config", "step", "num_params", "resident")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     base_model: str
     lora_config: _common_pb2.LoraConfig
     step: int
     num_params: int
-    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., step: _Optional[int] = ..., num_params: _Optional[int] = ...) -> None: ...
+    resident: bool
+    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., step: _Optional[int] = ..., num_params: _Optional[int] = ..., resident: _Optional[bool] = ...) -> None: ...
 
 class DeleteModelRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -138,15 +144,70 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., sampler_addresses: _Optional[_Iterable[str]] = ..., persist_dir: _Optional[str] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("snapshot_id", "num_bytes", "num_tensors", "gather_seconds", "stream_seconds")
+    __slots__ = ("snapshot_id", "num_bytes", "num_tensors", "gather_seconds", "stream_seconds", "persisted_path")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     GATHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STREAM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTED_PATH_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     num_bytes: int
     num_tensors: int
     gather_seconds: float
     stream_seconds: float
-    def __init__(self, snapshot_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., stream_seconds: _Optional[float] = ...) -> None: ...
+    persisted_path: str
+    def __init__(self, snapshot_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., stream_seconds: _Optional[float] = ..., persisted_path: _Optional[str] = ...) -> None: ...
+
+class SaveStateRequest(_message.Message):
+    __slots__ = ("model_id", "seq_id", "directory", "with_optimizer")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    seq_id: int
+    directory: str
+    with_optimizer: bool
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., directory: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
+
+class SaveStateResponse(_message.Message):
+    __slots__ = ("directory", "size_bytes")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    size_bytes: int
+    def __init__(self, directory: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("model_id", "directory")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    directory: str
+    def __init__(self, model_id: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class UnloadModelResponse(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class QueueStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class QueueState(_message.Message):
+    __slots__ = ("running_tenant", "queued")
+    class QueuedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RUNNING_TENANT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    running_tenant: str
+    queued: _containers.ScalarMap[str, int]
+    def __init__(self, running_tenant: _Optional[str] = ..., queued: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -65,6 +65,21 @@ class TrainerStub:
                 request_serializer=tinkerd_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
                 response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
                 _registered_method=True)
+        self.SaveState = channel.unary_unary(
+                '/tinkerd.v1.Trainer/SaveState',
+                request_serializer=tinkerd_dot_v1_dot_trainer__pb2.SaveStateRequest.SerializeToString,
+                response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.SaveStateResponse.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/tinkerd.v1.Trainer/UnloadModel',
+                request_serializer=tinkerd_dot_v1_dot_trainer__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.UnloadModelResponse.FromString,
+                _registered_method=True)
+        self.GetQueueState = channel.unary_unary(
+                '/tinkerd.v1.Trainer/GetQueueState',
+                request_serializer=tinkerd_dot_v1_dot_trainer__pb2.QueueStateRequest.SerializeToString,
+                response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.QueueState.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/tinkerd.v1.Trainer/Health',
                 request_serializer=tinkerd_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
@@ -114,6 +129,27 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveState(self, request, context):
+        """Writes a checkpoint directory: the adapter in PEFT format, plus optimizer state if asked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Frees a model's memory after saving its full state; its next use reloads it transparently.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetQueueState(self, request, context):
+        """Who is running and queued in the fair scheduler (tenant = session id of the model id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -152,6 +188,21 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.PushWeights,
                     request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.PushWeightsRequest.FromString,
                     response_serializer=tinkerd_dot_v1_dot_trainer__pb2.PushWeightsResponse.SerializeToString,
+            ),
+            'SaveState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveState,
+                    request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.SaveStateRequest.FromString,
+                    response_serializer=tinkerd_dot_v1_dot_trainer__pb2.SaveStateResponse.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.UnloadModelRequest.FromString,
+                    response_serializer=tinkerd_dot_v1_dot_trainer__pb2.UnloadModelResponse.SerializeToString,
+            ),
+            'GetQueueState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQueueState,
+                    request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.QueueStateRequest.FromString,
+                    response_serializer=tinkerd_dot_v1_dot_trainer__pb2.QueueState.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -321,6 +372,87 @@ class Trainer:
             '/tinkerd.v1.Trainer/PushWeights',
             tinkerd_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
             tinkerd_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tinkerd.v1.Trainer/SaveState',
+            tinkerd_dot_v1_dot_trainer__pb2.SaveStateRequest.SerializeToString,
+            tinkerd_dot_v1_dot_trainer__pb2.SaveStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tinkerd.v1.Trainer/UnloadModel',
+            tinkerd_dot_v1_dot_trainer__pb2.UnloadModelRequest.SerializeToString,
+            tinkerd_dot_v1_dot_trainer__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQueueState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tinkerd.v1.Trainer/GetQueueState',
+            tinkerd_dot_v1_dot_trainer__pb2.QueueStateRequest.SerializeToString,
+            tinkerd_dot_v1_dot_trainer__pb2.QueueState.FromString,
             options,
             channel_credentials,
             insecure,
