@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tinker
 from tinker import types
+from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -47,8 +48,7 @@ def test_four_clients_train_four_adapters_at_once(stack, tiny_model_dir):
     """...while a fifth client samples the base model, in the same sampler batches."""
     url = stack[0]
     base = tinker.ServiceClient(base_url=url).create_sampling_client(base_model=tiny_model_dir)
-    probe_tok = tinker.ServiceClient(base_url=url).create_lora_training_client(
-        base_model=tiny_model_dir, rank=1).result().get_tokenizer()
+    probe_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     probes = [_data(probe_tok, corpus)[0] for corpus in CORPORA]
     base_alone = [_sampler_logprobs(base, p) for p in probes]
 
@@ -157,7 +157,7 @@ def test_evicted_snapshots_reload_with_the_same_logprobs(small_cache_stack, tiny
 
 
 def test_lapsed_session_model_unloads_and_comes_back(small_cache_stack, tiny_model_dir):
-    url, state_dir, _ = small_cache_stack
+    url, state_dir = small_cache_stack.url, small_cache_stack.state_dir
     service = tinker.ServiceClient(base_url=url)
     tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=8, seed=31).result()
     data = _data(tc.get_tokenizer(), CORPORA[3])

@@ -18,7 +18,7 @@ TEXTS = ["the cat sat on a mat and the dog ran to the red ball", "one two three 
 
 @pytest.fixture(scope="module")
 def service(stack):
-    url, _, _ = stack
+    url = stack.url
     return tinker.ServiceClient(base_url=url)
 
 

@@ -1,0 +1,90 @@
+"""`python -m bench`: runs the benchmarks and writes bench/results/latest.md (and .json).
+
+  python -m bench                 everything (about 10 minutes on a 2-core CPU)
+  python -m bench --quick         a few iterations each, no verdicts (the test suite's smoke run)
+  python -m bench --only tenants,batching
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+from bench.common import REPO, Context, Row, check, smollm2_model, tiny_model
+
+BENCHMARKS = ["train_step", "sampling", "weight_sync", "futures", "startup", "tenants", "batching"]
+
+
+def machine() -> str:
+    import torch
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.node()}: {os.cpu_count()} CPUs, {gpu}, torch {torch.__version__}"
+
+
+def render(rows: list[Row], header: str, notes: list[str]) -> str:
+    lines = [header, "", "| benchmark | case | tinkerd | raw engine | ratio | target | verdict | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        raw = f"{r.raw:.4g} {r.unit}" if r.raw is not None else ""
+        ratio = f"{r.ratio:.3g}" if r.ratio is not None else ""
+        verdict = "" if r.met is None else ("met" if r.met else "MISSED")
+        lines.append(f"| {r.benchmark} | {r.case} | {r.ours:.4g} {r.unit} | {raw} | {ratio} | {r.target} | "
+                     f"{verdict} | {r.note} |")
+    return "\n".join(lines + [""] + notes) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default=",".join(BENCHMARKS))
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument("--no-smollm2", action="store_true", help="tiny model only")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TINKER_API_KEY", "tml-bench")
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    work = tempfile.mkdtemp(prefix="tinkerd-bench-")
+    models = {"tiny": tiny_model(work)}
+    if not args.no_smollm2 and (path := smollm2_model()):
+        models["smollm2"] = path
+    ctx = Context(quick=args.quick, work_dir=work, models=models)
+    rows: list[Row] = []
+    notes: list[str] = []
+    t_all = time.monotonic()
+    for name in args.only.split(","):
+        t0 = time.monotonic()
+        module = importlib.import_module(f"bench.{name}")
+        got = module.run(ctx)
+        for r in got:
+            if r.target and r.ratio is not None and not ctx.quick:
+                r.met = check(r.ratio, r.target)
+        rows += got
+        notes += getattr(module, "NOTES", [])
+        print(f"[bench] {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"## Benchmarks — {stamp}{' (quick smoke run: no verdicts)' if ctx.quick else ''}\n\n"
+              f"Machine: {machine()}. Models: {', '.join(models)}. Total {time.monotonic() - t_all:.0f} s.")
+    table = render(rows, header, notes)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    stem = "quick" if ctx.quick else "latest"
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+        json.dump({"date": stamp, "machine": machine(), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""What every benchmark shares: result rows, timing, the models, and a running stack."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class Row:
+    benchmark: str
+    case: str                       # what was measured (model, size, ...)
+    ours: float                     # through tinkerd
+    raw: float | None               # the raw engine, same work, same run
+    unit: str
+    ratio: float | None = None      # the figure of merit, oriented so that higher is better
+    target: str = ""                # e.g. ">= 0.9"
+    met: bool | None = None
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Context:
+    quick: bool                     # a few iterations, for the smoke test
+    work_dir: str
+    models: dict[str, str]          # "tiny" / "smollm2" -> local directory
+
+    def iters(self, full: int, quick: int = 2) -> int:
+        return quick if self.quick else full
+
+
+def median_time(fn: Callable[[], object], n: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def check(ratio: float, target: str) -> bool:
+    op, value = target.split()
+    return ratio >= float(value) if op == ">=" else ratio <= float(value)
+
+
+def tiny_model(work_dir: str) -> str:
+    from tinkerd.models import build_tiny_model
+    return str(build_tiny_model(os.path.join(work_dir, "tiny-llama")))
+
+
+def smollm2_model() -> str | None:
+    """SmolLM2-135M if `tinkerd fetch-smollm2 models/smollm2` has run (README main job), else None."""
+    path = os.path.join(REPO, "models", "smollm2")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def new_dir(ctx: Context, name: str) -> str:
+    return tempfile.mkdtemp(prefix=f"{name}-", dir=ctx.work_dir)
+
+
+def rss_mib(pid: int) -> float:
+    import psutil
+    return psutil.Process(pid).memory_info().rss / 2**20
