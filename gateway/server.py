@@ -35,6 +35,9 @@ def main(args: argparse.Namespace) -> None:
     app = create_app(settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this. Without it a response written as headers + body waits
+    # for the client's delayed ACK: 40 ms added to every call on a kept-alive connection.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)

@@ -24,10 +24,13 @@ class Stack(NamedTuple):
 def running_stack(model_dir: str, state, *extra_args: str):
     """`tinkerd up` on `model_dir`; yields a Stack and stops it after."""
     t0 = time.monotonic()
+    # The caller may have its own torch.distributed group (benchmarks run raw engines in-process).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tinkerd.cli", "up", "--base-model", model_dir, "--port", "0",
          "--state-dir", str(state), *extra_args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = None
     lines = []
     for line in proc.stdout:
