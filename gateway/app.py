@@ -102,6 +102,11 @@ def _sampling_params(p: dict) -> sampler_pb2.SamplingParams:
     return out
 
 
+def _aware(t: datetime.datetime) -> datetime.datetime:
+    """SQLite hands back naive datetimes (we store UTC)."""
+    return t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)
+
+
 def _safe_name(model_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", model_id)
 
@@ -236,7 +241,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     def submit_training(kind: str, model_id: str, seq_id: int, job, **extra):
         row = futures().submit(kind, job, idempotency_key=f"{model_id}#{seq_id}", model_id=model_id,
                                seq_id=seq_id, extra=extra)
-        db.touch(ModelRow, model_id, last_request_time=now(), resident=True)
+        model = db.get(ModelRow, model_id)
+        stamp = now()
+        if model is not None and (not model.resident or (stamp - _aware(model.last_request_time)).total_seconds() > 5):
+            db.touch(ModelRow, model_id, last_request_time=stamp, resident=True)   # at most every 5 s
         return _future(row, model_id=model_id)
 
     @app.post("/api/v1/create_model")
@@ -395,6 +403,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return _future(row, sample_sequence_ids=[f"{row.request_id}:{i}" for i in range(num_samples)])
 
     # ---- futures --------------------------------------------------------------------------
+
+    @app.post("/internal/noop_future")
+    async def noop_future():
+        """Not Tinker: a future whose job is one trainer Health call (bench/futures.py)."""
+        async def job():
+            await rpc().trainer.Health(common_pb2.HealthRequest())
+            return json_body({"type": "noop"})
+        return _future(futures().submit("noop", job))
 
     async def describe_queue(row) -> tuple[str, str]:
         """Where a pending future is: for training, its place among its model's requests and how

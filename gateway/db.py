@@ -81,6 +81,11 @@ class CheckpointRow(Base):
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
+# Rows read on every request and (nearly) never changed: served from memory after first read.
+# touch() and add() keep the cache right for this process; one gateway per database.
+_CACHED = ("ModelRow", "SamplingSessionRow", "CheckpointRow")
+
+
 class Database:
     def __init__(self, url: str):
         self.engine = create_engine(url, future=True)
@@ -93,6 +98,7 @@ class Database:
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
         Base.metadata.create_all(self.engine)
+        self._cache: dict[tuple[str, str], object] = {}
 
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
@@ -101,25 +107,39 @@ class Database:
         with self.session() as s:
             s.add(row)
             s.commit()
+        name = type(row).__name__
+        if name in _CACHED:
+            self._cache[(name, row.__mapper__.primary_key_from_instance(row)[0])] = row
 
     def get(self, cls, key):
+        cached = self._cache.get((cls.__name__, key))
+        if cached is not None:
+            return cached
         with self.session() as s:
-            return s.get(cls, key)
+            row = s.get(cls, key)
+        if row is not None and cls.__name__ in _CACHED:
+            self._cache[(cls.__name__, key)] = row
+        return row
+
+    # Futures are the hot path: plain Core statements, no ORM unit of work.
 
     def insert_future(self, row: FutureRow) -> FutureRow:
         """Inserts a pending future, or returns the existing one with the same idempotency key."""
+        values = {c.name: getattr(row, c.name) for c in FutureRow.__table__.columns}
+        values.update(status="pending", created_at=now(), extra=row.extra or {})
+        row.status = "pending"
         try:
-            self.add(row)
+            with self.engine.begin() as conn:
+                conn.execute(FutureRow.__table__.insert().values(**values))
             return row
         except IntegrityError:
             with self.session() as s:
                 return s.scalars(select(FutureRow).where(FutureRow.idempotency_key == row.idempotency_key)).one()
 
     def finish_future(self, request_id: str, status: str, content_type: str, result: bytes) -> None:
-        with self.session() as s:
-            s.execute(update(FutureRow).where(FutureRow.request_id == request_id).values(
+        with self.engine.begin() as conn:
+            conn.execute(FutureRow.__table__.update().where(FutureRow.__table__.c.request_id == request_id).values(
                 status=status, content_type=content_type, result=result, completed_at=now()))
-            s.commit()
 
     def fail_orphaned_futures(self) -> int:
         """Futures left pending by a previous gateway process can never finish: fail them."""
@@ -139,6 +159,7 @@ class Database:
                 ModelRow.resident.is_(True), SessionRow.last_heartbeat < before)))
 
     def touch(self, cls, key, **values) -> bool:
+        self._cache.pop((cls.__name__, key), None)
         with self.session() as s:
             pk = cls.__mapper__.primary_key[0]
             n = s.execute(update(cls).where(pk == key).values(**values)).rowcount

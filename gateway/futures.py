@@ -9,6 +9,7 @@ seq_id has run, waiting a bounded time for a gap to fill. Samples run concurrent
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import json
 import logging
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 Job = Callable[[], Awaitable[tuple[str, bytes]]]   # -> (content_type, body)
 GAP_TIMEOUT_S = 10.0
+_FINISHED_KEPT = 4096      # recent results answered from memory; older ones from the database
 
 
 def json_body(obj) -> tuple[str, bytes]:
@@ -84,6 +86,8 @@ class Futures:
     def __init__(self, db: Database):
         self.db = db
         self._done: dict[str, asyncio.Event] = {}
+        self._finished: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
+        self._pending_model: dict[str, str | None] = {}
         self._runners: dict[str, _ModelRunner] = {}
 
     def submit(self, request_type: str, job: Job, *, idempotency_key: str | None = None,
@@ -94,6 +98,7 @@ class Futures:
         if row.request_id in self._done or row.status != "pending":
             return row    # a resend: already scheduled or finished
         self._done[row.request_id] = asyncio.Event()
+        self._pending_model[row.request_id] = model_id
         if seq_id is not None and model_id is not None:
             runner = self._runners.get(model_id)
             if runner is None:
@@ -116,22 +121,30 @@ class Futures:
             log.exception("job %s failed", request_id)
             status, content_type, body = "failed", "application/json", failure_body(f"{type(e).__name__}: {e}", "server")
         self.db.finish_future(request_id, status, content_type, body)
-        event = self._done.get(request_id)
+        self._finished[request_id] = FutureRow(request_id=request_id, status=status, content_type=content_type,
+                                               result=body)
+        while len(self._finished) > _FINISHED_KEPT:
+            self._finished.popitem(last=False)
+        self._pending_model.pop(request_id, None)
+        event = self._done.pop(request_id, None)
         if event:
             event.set()
 
     async def wait(self, request_id: str, timeout_s: float) -> FutureRow | None:
         """The future's row once finished, or still pending after `timeout_s`; None if unknown."""
-        row = self.db.get(FutureRow, request_id)
-        if row is None or row.status != "pending":
-            return row
         event = self._done.get(request_id)
         if event is not None:
             try:
                 await asyncio.wait_for(event.wait(), timeout_s)
             except asyncio.TimeoutError:
-                pass
+                return self.pending_row(request_id)
+        finished = self._finished.get(request_id)
+        if finished is not None:
+            return finished
         return self.db.get(FutureRow, request_id)
+
+    def pending_row(self, request_id: str) -> FutureRow:
+        return FutureRow(request_id=request_id, status="pending", model_id=self._pending_model.get(request_id))
 
     def position(self, model_id: str | None, request_id: str) -> tuple[bool, int]:
         """(running now, requests of the same model ahead of it) for a pending training future."""

@@ -60,5 +60,7 @@ class AdapterModule(torch.nn.Module):
             self.register_parameter(f"lora_{i}", p)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        self._peft_model.base_model.set_adapter(self.adapter_name)
+        tuner = self._peft_model.base_model
+        if tuner.active_adapters != [self.adapter_name]:   # set_adapter walks every module: skip if set
+            tuner.set_adapter(self.adapter_name)
         return self._peft_model(input_ids=input_ids, attention_mask=attention_mask).logits

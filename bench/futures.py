@@ -1,0 +1,83 @@
+"""Gateway futures: how many no-op futures per second, and the latency the gateway adds.
+
+A no-op future (POST /internal/noop_future, then retrieve_future) does everything a Tinker
+future does (database row, job, one gRPC call to the trainer, long-poll) around a trivial job:
+the trainer's Health. Raw: the same Health call made directly over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import time
+
+from bench.common import Context, Row, new_dir, percentile
+from tinkerd.stack import running_stack
+
+
+def _trainer_port(state_dir: str) -> int:
+    with open(f"{state_dir}/logs/trainer.log", "rb") as f:
+        return int(re.search(rb"READY trainer (\d+)", f.read()).group(1))
+
+
+async def _round_trip(client) -> None:
+    r = await client.post("/internal/noop_future")
+    done = await client.post("/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]})
+    assert done.status_code == 200, done.text
+
+
+async def _latencies(url: str, n: int) -> list[float]:
+    import httpx
+    async with httpx.AsyncClient(base_url=url) as client:
+        for _ in range(20):
+            await _round_trip(client)
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await _round_trip(client)
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+async def _throughput(url: str, seconds: float, concurrency: int) -> float:
+    import httpx
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+        count = 0
+        deadline = time.perf_counter() + seconds
+
+        async def worker():
+            nonlocal count
+            while time.perf_counter() < deadline:
+                await _round_trip(client)
+                count += 1
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return count / (time.perf_counter() - t0)
+
+
+def run(ctx: Context) -> list[Row]:
+    from tinkerd.rpc import channel
+    from tinkerd.v1 import common_pb2, trainer_pb2_grpc
+
+    n = ctx.iters(500, 30)
+    with running_stack(ctx.models["tiny"], new_dir(ctx, "futures")) as stack:
+        stub = trainer_pb2_grpc.TrainerStub(channel(f"127.0.0.1:{_trainer_port(stack.state_dir)}"))
+        direct = []
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            stub.Health(common_pb2.HealthRequest())
+            if i >= 20:
+                direct.append(time.perf_counter() - t0)
+        via = asyncio.run(_latencies(stack.url, n))
+        rate = asyncio.run(_throughput(stack.url, 1.0 if ctx.quick else 4.0, 32))
+    p50 = 1e3 * (statistics.median(via) - statistics.median(direct))
+    p99 = 1e3 * (percentile(via, 0.99) - percentile(direct, 0.99))
+    return [
+        Row("futures", "no-op futures per second (32 concurrent clients, 1 process)", rate, None, "/s",
+            target=">= 2000"),
+        Row("futures", "added latency p50 (gateway round trip - direct gRPC)", p50,
+            1e3 * statistics.median(direct), "ms", target="<= 5"),
+        Row("futures", "added latency p99", p99, 1e3 * percentile(direct, 0.99), "ms"),
+    ]

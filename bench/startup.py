@@ -1,0 +1,54 @@
+"""Startup: `tinkerd up` to ready, and to the first finished training step through the SDK.
+Raw: the engines alone, built one after the other in this process (the DeepSpeed trainer engine
+with one LoRA model, and vllm.LLM), which is the floor a serial start could reach."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+from bench.common import Context, Row, new_dir
+from tinkerd.stack import running_stack
+
+
+def raw_seconds(model_dir: str) -> float:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    from trainer_service.engine import TrainerEngine
+    from trainer_service.lora import LoraSpec
+
+    t0 = time.perf_counter()
+    engine = TrainerEngine(model_dir)
+    engine.create_model("m", LoraSpec(rank=8, seed=0))
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, enable_lora=True,
+              max_loras=4, max_lora_rank=64)
+    seconds = time.perf_counter() - t0
+    engine.delete_model("m")
+    del engine, llm
+    gc.collect()
+    return seconds
+
+
+def run(ctx: Context) -> list[Row]:
+    import tinker
+    from tinker import types
+
+    rows = []
+    for name, model in ctx.models.items():
+        raw = raw_seconds(model)
+        t0 = time.perf_counter()
+        with running_stack(model, new_dir(ctx, f"startup-{name}")) as stack:
+            ready = time.perf_counter() - t0
+            tc = tinker.ServiceClient(base_url=stack.url).create_lora_training_client(base_model=model, rank=8).result()
+            datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+                                loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            first_step = time.perf_counter() - t0
+        rows.append(Row("startup", f"{name}: tinkerd up to ready", ready, raw, "s", ratio=raw / ready,
+                        note="raw: trainer engine + vllm.LLM built serially in one process"))
+        rows.append(Row("startup", f"{name}: tinkerd up to first finished step", first_step, None, "s"))
+    return rows

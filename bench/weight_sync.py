@@ -1,0 +1,102 @@
+"""Weight streaming trainer -> sampler.
+
+1. Throughput: a full model's weights through tinkerd's weight stream (pack into chunks,
+   broadcast chunk by chunk over a side gloo group, unpack on the receiver) against one raw
+   `broadcast` of the same bytes over the same kind of group, between two processes.
+2. Adapter sync latency through the SDK: `save_weights_and_get_sampling_client()` for a rank-8
+   and a rank-32 adapter (gather under ZeRO, announce over gRPC, stream, register in vLLM),
+   the time a user waits before sampling the new weights.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+from bench.common import Context, Row, new_dir
+from tinkerd import weight_stream
+from tinkerd.stack import running_stack
+
+
+def _full_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    import safetensors.torch
+    import glob
+    tensors = {}
+    for f in sorted(glob.glob(f"{model_dir}/*.safetensors")):
+        tensors.update(safetensors.torch.load_file(f))
+    return tensors
+
+
+def _receiver(port: int, specs, sizes, total: int, trials: int) -> None:
+    store = weight_stream.create_store("127.0.0.1", port, 2, is_master=False, timeout_s=120)
+    group = weight_stream.join_group(store, 1, 2, "gloo", 120, "bench")
+    ack = torch.zeros(1)
+    for _ in range(trials):
+        weight_stream.unpack(specs, weight_stream.receive(group, sizes))
+        group.pg.broadcast(ack, 1).wait()
+        group.pg.broadcast(torch.empty(total, dtype=torch.uint8), 0).wait()
+        group.pg.broadcast(ack, 1).wait()
+
+
+def stream_seconds(tensors: dict[str, torch.Tensor], trials: int) -> tuple[float, float, int]:
+    """(ours, raw) median seconds to move `tensors` to another process, and the bytes moved."""
+    packed = weight_stream.pack(tensors)
+    total = sum(packed.chunk_num_bytes)
+    store = weight_stream.create_store("127.0.0.1", 0, 2, is_master=True, timeout_s=120)
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_receiver, args=(store.port, packed.specs, packed.chunk_num_bytes, total, trials))
+    proc.start()
+    group = weight_stream.join_group(store, 0, 2, "gloo", 120, "bench")
+    flat = torch.empty(total, dtype=torch.uint8)
+    ack = torch.zeros(1)
+    ours, raw = [], []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        weight_stream.send(group, weight_stream.pack(tensors).chunks)
+        group.pg.broadcast(ack, 1).wait()
+        ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        group.pg.broadcast(flat, 0).wait()
+        group.pg.broadcast(ack, 1).wait()
+        raw.append(time.perf_counter() - t0)
+    proc.join(timeout=60)
+    return statistics.median(ours), statistics.median(raw), total
+
+
+def adapter_sync_ms(model_dir: str, ranks: tuple[int, ...], trials: int, state_dir: str) -> dict[int, float]:
+    import tinker
+    from tinker import types
+
+    out = {}
+    with running_stack(model_dir, state_dir) as stack:
+        service = tinker.ServiceClient(base_url=stack.url)
+        for rank in ranks:
+            tc = service.create_lora_training_client(base_model=model_dir, rank=rank, seed=0).result()
+            datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+                                loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            times = []
+            for i in range(trials + 1):
+                t0 = time.perf_counter()
+                tc.save_weights_and_get_sampling_client().result()
+                times.append(time.perf_counter() - t0)
+            out[rank] = 1e3 * statistics.median(times[1:])
+    return out
+
+
+def run(ctx: Context) -> list[Row]:
+    rows = []
+    name = "smollm2" if "smollm2" in ctx.models else "tiny"
+    tensors = _full_weights(ctx.models[name])
+    ours, raw, total = stream_seconds(tensors, ctx.iters(5))
+    rows.append(Row("weight_sync", f"{name}: full weights ({total / 2**20:.0f} MiB, {len(tensors)} tensors), gloo",
+                    total / ours / 2**20, total / raw / 2**20, "MiB/s", ratio=raw / ours, target=">= 0.8"))
+    for name, model in ctx.models.items():
+        for rank, ms in adapter_sync_ms(model, (8, 32), ctx.iters(5), new_dir(ctx, f"sync-{name}")).items():
+            rows.append(Row("weight_sync", f"{name}: rank-{rank} adapter, save_weights_and_get_sampling_client",
+                            ms, None, "ms", target="<= 100" if (name == "smollm2" and rank == 32) else ""))
+    return rows
