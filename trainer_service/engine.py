@@ -28,7 +28,7 @@ import torch
 
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service.losses import get_loss
-from trainer_service.lora import AdapterModule, LoraSpec, linear_groups, peft_config
+from trainer_service.lora import ACTIVE_MARK, AdapterModule, LoraSpec, linear_groups, peft_config
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ class TrainerEngine:
             name = f"m{self._next_adapter}"
             self._next_adapter += 1
             seed = spec.seed if spec.seed is not None else int.from_bytes(os.urandom(4), "little")
+            setattr(self.peft, ACTIVE_MARK, None)     # adding/removing adapters moves PEFT's active one
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 self.peft.add_adapter(name, peft_config(self._linear_groups, spec))
@@ -204,6 +205,7 @@ class TrainerEngine:
             if model is None:
                 return parked
             model.engine.destroy()
+            setattr(self.peft, ACTIVE_MARK, None)
             self.peft.base_model.delete_adapter(model.adapter_name)
             return True
 

@@ -8,6 +8,9 @@ import dataclasses
 import torch
 from peft import LoraConfig
 
+# Attribute on the shared PEFT model: the adapter AdapterModule last activated.
+ACTIVE_MARK = "_tinkerd_active_adapter"
+
 # Tinker fixes alpha rather than scaling it with the rank; 32 is its documented default.
 LORA_ALPHA = 32
 
@@ -60,7 +63,9 @@ class AdapterModule(torch.nn.Module):
             self.register_parameter(f"lora_{i}", p)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        tuner = self._peft_model.base_model
-        if tuner.active_adapters != [self.adapter_name]:   # set_adapter walks every module: skip if set
-            tuner.set_adapter(self.adapter_name)
+        # set_adapter walks every module (and flips requires_grad): skip it when the last one we
+        # set is still in place. The engine clears the mark whenever adapters are added/removed.
+        if getattr(self._peft_model, ACTIVE_MARK, None) != self.adapter_name:
+            self._peft_model.base_model.set_adapter(self.adapter_name)
+            setattr(self._peft_model, ACTIVE_MARK, self.adapter_name)
         return self._peft_model(input_ids=input_ids, attention_mask=attention_mask).logits
