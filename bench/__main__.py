@@ -14,6 +14,7 @@ import importlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,29 +49,46 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=",".join(BENCHMARKS))
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--no-smollm2", action="store_true", help="tiny model only")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--rows-to", help=argparse.SUPPRESS)
+    p.add_argument("--work-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TINKER_API_KEY", "tml-bench")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    work = tempfile.mkdtemp(prefix="tinkerd-bench-")
+    work = args.work_dir or tempfile.mkdtemp(prefix="tinkerd-bench-")
     models = {"tiny": tiny_model(work)}
     if not args.no_smollm2 and (path := smollm2_model()):
         models["smollm2"] = path
     ctx = Context(quick=args.quick, work_dir=work, models=models)
+    if args.one:     # child: run one benchmark, write its rows as JSON
+        module = importlib.import_module(f"bench.{args.one}")
+        rows = module.run(ctx)
+        with open(args.rows_to, "w") as f:
+            json.dump({"rows": [dataclasses.asdict(r) for r in rows], "notes": getattr(module, "NOTES", [])}, f)
+        return 0
+
     rows: list[Row] = []
     notes: list[str] = []
     t_all = time.monotonic()
     for name in args.only.split(","):
+        # Each benchmark in its own process: raw vLLM and DeepSpeed each own torch.distributed state.
         t0 = time.monotonic()
-        module = importlib.import_module(f"bench.{name}")
-        got = module.run(ctx)
-        for r in got:
+        out = os.path.join(work, f"{name}.rows.json")
+        cmd = [sys.executable, "-m", "bench", "--one", name, "--rows-to", out, "--work-dir", work,
+               *(["--quick"] if args.quick else []), *(["--no-smollm2"] if args.no_smollm2 else [])]
+        if subprocess.run(cmd, cwd=REPO).returncode != 0:
+            print(f"[bench] {name} failed", file=sys.stderr)
+            return 1
+        with open(out) as f:
+            got = json.load(f)
+        for r in (Row(**d) for d in got["rows"]):
             if r.target and not ctx.quick:   # a ratio's target, else the value's own
                 r.met = check(r.ratio if r.ratio is not None else r.ours, r.target)
-        rows += got
-        notes += getattr(module, "NOTES", [])
+            rows.append(r)
+        notes += got["notes"]
         print(f"[bench] {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"## Benchmarks — {stamp}{' (quick smoke run: no verdicts)' if ctx.quick else ''}\n\n"

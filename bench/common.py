@@ -57,8 +57,11 @@ def check(ratio: float, target: str) -> bool:
 
 
 def tiny_model(work_dir: str) -> str:
+    path = os.path.join(work_dir, "tiny-llama")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
     from tinkerd.models import build_tiny_model
-    return str(build_tiny_model(os.path.join(work_dir, "tiny-llama")))
+    return str(build_tiny_model(path))
 
 
 def smollm2_model() -> str | None:

@@ -1,35 +1,45 @@
 """Startup: `tinkerd up` to ready, and to the first finished training step through the SDK.
-Raw: the engines alone, built one after the other in this process (the DeepSpeed trainer engine
-with one LoRA model, and vllm.LLM), which is the floor a serial start could reach."""
+Raw: the engines alone, each built in a fresh process, one after the other (the DeepSpeed trainer
+engine with one LoRA model, then vllm.LLM with LoRA enabled): what a serial start would take."""
 
 from __future__ import annotations
 
-import gc
-import os
+import subprocess
+import sys
 import time
 
-from bench.common import Context, Row, new_dir
+from bench.common import REPO, Context, Row, new_dir
 from tinkerd.stack import running_stack
 
 
+_BUILD_TRAINER = """
+import sys, time
+t0 = time.perf_counter()
+from trainer_service.engine import TrainerEngine
+from trainer_service.lora import LoraSpec
+TrainerEngine(sys.argv[1]).create_model("m", LoraSpec(rank=8, seed=0))
+print(time.perf_counter() - t0)
+"""
+_BUILD_VLLM = """
+import os, sys, time
+t0 = time.perf_counter()
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM
+LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=1024, enable_lora=True,
+    max_loras=4, max_lora_rank=64)
+print(time.perf_counter() - t0)
+"""
+
+
 def raw_seconds(model_dir: str) -> float:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    from trainer_service.engine import TrainerEngine
-    from trainer_service.lora import LoraSpec
-
-    t0 = time.perf_counter()
-    engine = TrainerEngine(model_dir)
-    engine.create_model("m", LoraSpec(rank=8, seed=0))
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, enable_lora=True,
-              max_loras=4, max_lora_rank=64)
-    seconds = time.perf_counter() - t0
-    engine.delete_model("m")
-    del engine, llm
-    gc.collect()
-    return seconds
+    """Each engine built (imports included) in a fresh process, one after the other."""
+    total = 0.0
+    for script in (_BUILD_TRAINER, _BUILD_VLLM):
+        out = subprocess.run([sys.executable, "-c", script, model_dir], capture_output=True, text=True,
+                             check=True, cwd=REPO)
+        total += float(out.stdout.strip().splitlines()[-1])
+    return total
 
 
 def run(ctx: Context) -> list[Row]:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway import wire
 from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, now
 from gateway.futures import Futures, json_body
+from gateway.registry import delete_checkpoint_files, expires, file_routes, parse_tinker_path, registry_routes
 from tinkerd.errors import NotFoundError, UserError
 from tinkerd.rpc import aio_channel
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -139,6 +140,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         log.warning("failed %d futures left pending by a previous run", orphaned)
     state: dict = {}
     app = FastAPI(title="tinkerd gateway")
+    app.include_router(registry_routes(db))
+    app.include_router(file_routes(db))
 
     @app.on_event("startup")
     async def _startup():
@@ -319,6 +322,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         model_id, seq_id = b.get("model_id"), int(b.get("seq_id", 0))
         model = model_row(model_id)
         name = b.get("path")
+        ttl_expiry = expires(b.get("ttl_seconds"))
         snapshot_id = f"{model_id}@{seq_id}-{uuid.uuid4().hex[:8]}"
         if name is not None:
             if not _NAME_RE.match(name):
@@ -337,13 +341,89 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 persist_dir=snapshots_dir))
             if name is not None:
                 db.add(CheckpointRow(tinker_path=result["path"], model_id=model_id, checkpoint_type="sampler",
-                                     name=name, snapshot_id=snapshot_id, snapshot_path=pushed.persisted_path))
+                                     name=name, snapshot_id=snapshot_id, snapshot_path=pushed.persisted_path,
+                                     directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
+                                     expires_at=ttl_expiry))
             else:
                 db.add(SamplingSessionRow(sampling_session_id=result["sampling_session_id"],
                                           session_id=model.session_id, base_model=model.base_model,
                                           snapshot_id=snapshot_id, snapshot_path=pushed.persisted_path))
             return json_body(result)
         return submit_training("save_weights_for_sampler", model_id, seq_id, job)
+
+    def checkpoint_name(b: dict) -> str:
+        name = b.get("path")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
+        return name
+
+    def checkpoint_dir(model_id: str, kind: str, name: str) -> str:
+        return os.path.join(settings.state_dir, "checkpoints", _safe_name(model_id), kind, name)
+
+    async def save_files(request: Request, kind: str, with_optimizer: bool, response_type: str):
+        """save_weights (adapter + optimizer) and save_weights_external (adapter files to download)."""
+        b = await body(request)
+        model_id, seq_id = b.get("model_id"), int(b.get("seq_id", 0))
+        model_row(model_id)
+        name = checkpoint_name(b)
+        tinker_path = f"tinker://{model_id}/{kind}/{name}"
+        existing = db.get(CheckpointRow, tinker_path)
+        if existing is not None and not b.get("overwrite"):
+            raise UserError(f"checkpoint {tinker_path} already exists (pass overwrite=True to replace it)")
+        ttl_expiry = expires(b.get("ttl_seconds"))
+        directory = checkpoint_dir(model_id, kind, name)
+
+        async def job():
+            saved = await rpc().trainer.SaveState(trainer_pb2.SaveStateRequest(
+                model_id=model_id, seq_id=seq_id, directory=directory, with_optimizer=with_optimizer))
+            db.put(CheckpointRow(tinker_path=tinker_path, model_id=model_id, name=name, directory=directory,
+                                 checkpoint_type="training" if kind == "weights" else "external",
+                                 size_bytes=saved.size_bytes, expires_at=ttl_expiry,
+                                 user_metadata=b.get("user_metadata") or {}, created_at=now()))
+            return json_body({"path": tinker_path, "type": response_type})
+        return submit_training(f"save_{kind}", model_id, seq_id, job)
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request):
+        return await save_files(request, "weights", with_optimizer=True, response_type="save_weights")
+
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request):
+        return await save_files(request, "external_weights", with_optimizer=False,
+                                response_type="save_weights_external")
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request):
+        """Create-via-load ({session_id, model_seq_id}) or load into an existing model (legacy)."""
+        b = await body(request)
+        path = b.get("path")
+        source_run, kind, _ = parse_tinker_path(path)
+        ckpt = db.get(CheckpointRow, path)
+        if ckpt is None or kind != "weights":
+            raise UserError(f"unknown training checkpoint {path!r}: load_weights takes a "
+                            f"tinker://<run>/weights/<name> path from save_state")
+        source = model_row(source_run)
+        optimizer = bool(b.get("optimizer"))
+        if b.get("model_id"):
+            model_id, seq_id = b["model_id"], int(b.get("seq_id", 0))
+            model_row(model_id)
+        else:
+            session_id = b.get("session_id")
+            if db.get(SessionRow, session_id or "") is None:
+                raise UserError(f"unknown session_id {session_id!r}")
+            model_id, seq_id = f"{session_id}:train:{int(b.get('model_seq_id', 0))}", 0
+            if db.get(ModelRow, model_id) is None:
+                db.add(ModelRow(model_id=model_id, session_id=session_id, base_model=source.base_model,
+                                lora_rank=source.lora_rank, lora_config=source.lora_config))
+        create = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=settings.base_model,
+                                                load_from=ckpt.directory, load_optimizer=optimizer)
+
+        async def job():
+            if seq_id > 0:     # legacy: replace the existing model's state
+                await rpc().trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=model_id))
+            await rpc().trainer.CreateModel(create)
+            return json_body({"path": path, "model_id": model_id, "type": "load_weights"})
+        return submit_training("load_weights", model_id, seq_id, job)
 
     # ---- sampling -------------------------------------------------------------------------
 

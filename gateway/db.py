@@ -77,8 +77,16 @@ class CheckpointRow(Base):
     name: Mapped[str] = mapped_column(String(256))
     snapshot_id: Mapped[str] = mapped_column(String(256), default="")
     snapshot_path: Mapped[str] = mapped_column(Text, default="")
+    directory: Mapped[str] = mapped_column(Text, default="")           # the files on disk
     size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    expires_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+    @property
+    def checkpoint_id(self) -> str:          # "weights/<name>", "sampler_weights/<name>"
+        return self.tinker_path.split("/", 3)[3]
 
 
 # Rows read on every request and (nearly) never changed: served from memory after first read.
@@ -157,6 +165,34 @@ class Database:
             return list(s.scalars(select(ModelRow.model_id).join(
                 SessionRow, SessionRow.session_id == ModelRow.session_id).where(
                 ModelRow.resident.is_(True), SessionRow.last_heartbeat < before)))
+
+    def put(self, row) -> None:
+        """Insert or replace by primary key."""
+        with self.session() as s:
+            s.merge(row)
+            s.commit()
+        name = type(row).__name__
+        if name in _CACHED:
+            self._cache.pop((name, row.__mapper__.primary_key_from_instance(row)[0]), None)
+
+    def delete(self, cls, key) -> bool:
+        self._cache.pop((cls.__name__, key), None)
+        with self.session() as s:
+            row = s.get(cls, key)
+            if row is None:
+                return False
+            s.delete(row)
+            s.commit()
+            return True
+
+    def select(self, stmt) -> list:
+        with self.session() as s:
+            return list(s.scalars(stmt))
+
+    def count(self, stmt) -> int:
+        from sqlalchemy import func
+        with self.session() as s:
+            return s.scalar(select(func.count()).select_from(stmt.subquery()))
 
     def touch(self, cls, key, **values) -> bool:
         self._cache.pop((cls.__name__, key), None)

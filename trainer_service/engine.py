@@ -179,12 +179,17 @@ class TrainerEngine:
                 torch.manual_seed(seed)
                 self.peft.add_adapter(name, peft_config(self._linear_groups, spec))
             if initial is not None:
-                result = set_peft_model_state_dict(self.peft, initial, adapter_name=name)
-                missing = [k for k in result.missing_keys if f".{name}." in k]
-                if missing or result.unexpected_keys:
+                try:
+                    result = set_peft_model_state_dict(self.peft, initial, adapter_name=name)
+                    missing = [k for k in result.missing_keys if f".{name}." in k]
+                    problem = (f"missing {missing[:2]}, unexpected {list(result.unexpected_keys)[:2]}"
+                               if missing or result.unexpected_keys else None)
+                except RuntimeError as e:        # shape mismatch: another base model
+                    problem = str(e).splitlines()[0]
+                if problem:
                     self.peft.base_model.delete_adapter(name)
-                    raise UserError(f"the checkpoint does not fit a rank-{spec.rank} adapter on this base model "
-                                    f"(missing {missing[:2]}, unexpected {list(result.unexpected_keys)[:2]})")
+                    raise UserError(f"the checkpoint does not fit a rank-{spec.rank} adapter on this base "
+                                    f"model ({problem})")
             params = [p for n, p in self.peft.named_parameters() if f".{name}." in n]
             for p in params:
                 p.requires_grad_(True)

@@ -1,0 +1,31 @@
+"""Every benchmark runs end to end (a few iterations, tiny model, no verdicts), so none rots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.__main__ import BENCHMARKS
+
+pytestmark = pytest.mark.e2e
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_every_benchmark_runs_and_reports(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--no-smollm2", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "quick.json").read_text())
+    seen = {row["benchmark"] for row in report["rows"]}
+    assert seen == set(BENCHMARKS)
+    for row in report["rows"]:
+        assert math.isfinite(row["ours"]), row
+        if row["ratio"] is not None:
+            assert row["ratio"] > 0, row
+    table = (tmp_path / "quick.md").read_text()
+    assert "| benchmark | case |" in table and "train_step" in table
