@@ -18,6 +18,7 @@ import uuid
 
 import grpc
 from fastapi import FastAPI, Request
+from sqlalchemy import select
 from fastapi.responses import JSONResponse, Response
 
 from gateway import wire
@@ -46,6 +47,8 @@ class GatewaySettings:
     db_url: str | None = None
     # Models of sessions without a heartbeat for this long are unloaded (reloaded on next use).
     session_timeout_s: float = 600.0
+    # Sample requests in flight beyond this get HTTP 429: the SDK backs off and resends.
+    max_pending_samples: int = 4096
 
     @property
     def model_names(self) -> list[str]:
@@ -131,6 +134,17 @@ async def unload_lapsed_models(db: Database, trainer, settings: GatewaySettings)
     return unloaded
 
 
+def delete_expired_checkpoints(db: Database) -> int:
+    """Checkpoints past their ttl: rows and files go."""
+    expired = db.select(select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None),
+                                                    CheckpointRow.expires_at < now()))
+    for row in expired:
+        db.delete(CheckpointRow, row.tinker_path)
+        delete_checkpoint_files(row)
+        log.info("deleted expired checkpoint %s", row.tinker_path)
+    return len(expired)
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     os.makedirs(settings.state_dir, exist_ok=True)
     snapshots_dir = os.path.join(settings.state_dir, "snapshots")
@@ -138,7 +152,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     orphaned = db.fail_orphaned_futures()
     if orphaned:
         log.warning("failed %d futures left pending by a previous run", orphaned)
-    state: dict = {}
+    state: dict = {"samples_in_flight": 0}
     app = FastAPI(title="tinkerd gateway")
     app.include_router(registry_routes(db))
     app.include_router(file_routes(db))
@@ -155,8 +169,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await asyncio.sleep(interval)
             try:
                 await unload_lapsed_models(db, rpc().trainer, settings)
+                delete_expired_checkpoints(db)
             except Exception:  # noqa: BLE001 - the reaper must outlive one bad pass
-                log.exception("unloading lapsed sessions failed")
+                log.exception("housekeeping failed")
 
     def futures() -> Futures:
         return state["futures"]
@@ -475,8 +490,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if int(b.get("prompt_alt_tokens_k") or 0) > 0:
             raise UserError("prompt_alt_tokens_k is not supported by this server")
 
+        if state["samples_in_flight"] >= settings.max_pending_samples:
+            return JSONResponse({"error": f"{state['samples_in_flight']} sample requests are queued; retry shortly",
+                                 "category": "server"}, status_code=429)
+
         async def job():
-            reply = await rpc().sampler().Sample(msg)
+            state["samples_in_flight"] += 1
+            try:
+                reply = await rpc().sampler().Sample(msg)
+            finally:
+                state["samples_in_flight"] -= 1
             return "application/x-protobuf", wire.sample_response(reply)
         row = futures().submit("sample", job, idempotency_key=f"{sid}#{int(b.get('seq_id', 0))}")
         msg.request_id = row.request_id

@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db-url", default=None, help="SQLAlchemy URL; default sqlite:///<state-dir>/tinkerd.db")
     p.add_argument("--session-timeout-s", type=float, default=600.0,
                    help="unload the models of sessions without a heartbeat for this long")
+    p.add_argument("--max-pending-samples", type=int, default=4096,
+                   help="sample requests in flight beyond this get HTTP 429 (the SDK backs off and resends)")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -31,7 +33,8 @@ def main(args: argparse.Namespace) -> None:
     init_logging("gateway")
     settings = GatewaySettings(base_model=os.path.abspath(args.base_model), trainer=args.trainer,
                                samplers=args.sampler, state_dir=os.path.abspath(args.state_dir),
-                               aliases=args.alias, db_url=args.db_url, session_timeout_s=args.session_timeout_s)
+                               aliases=args.alias, db_url=args.db_url, session_timeout_s=args.session_timeout_s,
+                               max_pending_samples=args.max_pending_samples)
     app = create_app(settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

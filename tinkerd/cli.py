@@ -91,6 +91,7 @@ def up(args: argparse.Namespace) -> None:
             "gateway", "--base-model", base, *aliases, "--host", args.host, "--port", str(args.port),
             "--state-dir", state_dir, "--trainer", f"127.0.0.1:{ready['trainer']}",
             "--sampler", f"127.0.0.1:{ready['sampler']}", "--session-timeout-s", str(args.session_timeout_s),
+            "--max-pending-samples", str(args.max_pending_samples),
             *(["--db-url", args.db_url] if args.db_url else [])],
             ready, log_dir)
         _wait_ready(procs, ready, ["gateway"], args.start_timeout, log_dir)
@@ -146,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampler: LoRA snapshots resident in memory (LRU; evicted ones reload from disk)")
     p.add_argument("--session-timeout-s", type=float, default=600.0,
                    help="unload the models of sessions without a heartbeat for this long")
+    p.add_argument("--max-pending-samples", type=int, default=4096,
+                   help="sample requests in flight beyond this get HTTP 429 (the SDK backs off)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.set_defaults(func=up)
 

@@ -58,7 +58,44 @@ def dro(lp, inputs, config):
     return -(lp * adv - 0.5 * beta * (lp - q) ** 2)
 
 
+def _sequence_mask(inputs, q, adv) -> torch.Tensor:
+    """The datum's sampled tokens: `sequence_ratio_mask` if sent, else where the sampler's logprob
+    or the advantage is set (prompt positions carry zeros for both in Tinker's RL data)."""
+    mask = inputs.get("sequence_ratio_mask")
+    if mask is not None:
+        return (mask != 0).to(q.dtype)
+    return ((q != 0) | (adv != 0)).to(q.dtype)
+
+
+def gspo(lp, inputs, config):
+    """Group Sequence Policy Optimization (Zheng et al. 2025), token form: one importance ratio per
+    sequence, s = exp(mean over sampled tokens of (lp - q)), clipped PPO-style; each token carries
+    s * exp(lp - sg(lp)) so the gradient is s * A * mean of the tokens' grad lp. Summed over the
+    tokens the loss is the sequence's -min(s A, clip(s) A). Defaults: the paper's clip range."""
+    q, adv = _require(inputs, "logprobs", "advantages")
+    lo = config.get("clip_low_threshold", 1 - 3e-4)
+    hi = config.get("clip_high_threshold", 1 + 4e-4)
+    mask = _sequence_mask(inputs, q, adv)
+    n = mask.sum().clamp(min=1)
+    s = torch.exp(((lp - q) * mask).sum() / n)
+    s_tok = s.detach() * torch.exp(lp - lp.detach())
+    return -torch.minimum(s_tok * adv, s_tok.clamp(lo, hi) * adv) * mask / n
+
+
+def stable_reinforce(lp, inputs, config):
+    """REINFORCE with a truncated, stop-gradient importance weight: -sg(min(r, C)) * lp * A with
+    r = exp(lp - q), C = `truncation` (default 2.0). Tinker's own stable_reinforce is not public;
+    this is the standard stable off-policy REINFORCE correction (truncated importance sampling),
+    accepted with the same inputs so cookbook recipes that default to it run."""
+    q, adv = _require(inputs, "logprobs", "advantages")
+    cap = config.get("truncation", 2.0)
+    weight = torch.exp(lp - q).clamp(max=cap).detach()
+    return -weight * lp * adv
+
+
 LOSSES: dict[str, LossFn] = {
+    "gspo": gspo,
+    "stable_reinforce": stable_reinforce,
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
     "ppo": ppo,

@@ -131,3 +131,27 @@ def test_bad_checkpoint_paths_are_user_errors(service, tiny_model_dir):
     tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=44).result()
     with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match="must match"):
         tc.save_state("bad name with spaces").result()
+
+
+def test_checkpoints_outlive_a_restart(tiny_model_dir, tmp_path, start_stack):
+    """Named sampler checkpoints and training checkpoints open again after `tinkerd up` restarts
+    on the same state directory (the sampler re-registers the snapshot from its PEFT copy)."""
+    state = tmp_path / "state"
+    with start_stack(tiny_model_dir, state) as first:
+        service = tinker.ServiceClient(base_url=first.url)
+        tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=8, seed=45).result()
+        data = _data(tc.get_tokenizer())
+        _train(tc, data, steps=2)
+        sampler_path = tc.save_weights_for_sampler("keep").result().path
+        state_path = tc.save_state("keep").result().path
+        prompt = types.ModelInput.from_ints(tc.get_tokenizer().encode(TEXTS[0]))
+        sampled = service.create_sampling_client(model_path=sampler_path).compute_logprobs(prompt).result()
+        trained = _logprobs(tc, data)
+        service.close()
+    with start_stack(tiny_model_dir, state) as second:
+        service = tinker.ServiceClient(base_url=second.url)
+        again = service.create_sampling_client(model_path=sampler_path).compute_logprobs(prompt).result()
+        assert np.max(np.abs(np.array(again[1:]) - np.array(sampled[1:]))) < 1e-5
+        resumed = service.create_training_client_from_state_with_optimizer(state_path).result()
+        assert np.max(np.abs(_logprobs(resumed, data) - trained)) < 1e-6
+        service.close()

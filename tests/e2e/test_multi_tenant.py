@@ -149,9 +149,10 @@ def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys
 @pytest.fixture(scope="module")
 def small_cache_stack(tiny_model_dir, tmp_path_factory, start_stack):
     """A stack whose sampler keeps only 2 adapters in memory and whose gateway unloads the models
-    of sessions silent for 3 s (the SDK heart-beats every 10 s, so idle models get unloaded)."""
+    of sessions silent for 3 s (the SDK heart-beats every 10 s, so idle models get unloaded), and
+    that answers 429 beyond 2 sample requests in flight."""
     with start_stack(tiny_model_dir, tmp_path_factory.mktemp("small-cache"), "--max-loras", "2",
-                       "--max-cpu-loras", "2", "--session-timeout-s", "3") as s:
+                       "--max-cpu-loras", "2", "--session-timeout-s", "3", "--max-pending-samples", "2") as s:
         yield s
 
 
@@ -193,3 +194,31 @@ def test_lapsed_session_model_unloads_and_comes_back(small_cache_stack, tiny_mod
     assert np.max(np.abs(after - before)) < 1e-6
     tc.forward_backward(data, "cross_entropy").result()
     assert tc.optim_step(types.AdamParams(learning_rate=2e-2)).result().metrics["step:max"] == step1 + 1
+
+
+def test_a_full_sampler_queue_answers_429_and_the_sdk_backs_off(small_cache_stack, tiny_model_dir):
+    import asyncio
+
+    import httpx
+
+    url = small_cache_stack.url
+    service = tinker.ServiceClient(base_url=url)
+    sc = service.create_sampling_client(base_model=tiny_model_dir)
+    params = types.SamplingParams(max_tokens=64, temperature=0.0, stop=[])
+    prompt = types.ModelInput.from_ints([5, 6, 7, 8])
+    sid = httpx.post(f"{url}/api/v1/create_sampling_session",
+                     json={"session_id": httpx.post(f"{url}/api/v1/create_session", json={}).json()["session_id"],
+                           "sampling_session_seq_id": 0, "base_model": tiny_model_dir}).json()["sampling_session_id"]
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=url) as client:
+            replies = await asyncio.gather(*(client.post("/api/v1/asample", json={
+                "sampling_session_id": sid, "seq_id": i, "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                "sampling_params": {"max_tokens": 64, "temperature": 0.0, "stop": []}}) for i in range(8)))
+            return [r.status_code for r in replies]
+    codes = asyncio.run(burst())
+    assert 429 in codes and 200 in codes, codes
+    # The SDK treats 429 as backpressure: every one of its requests still completes.
+    results = [sc.sample(prompt, 1, params) for _ in range(6)]
+    assert all(len(r.result().sequences[0].tokens) == 64 for r in results)
