@@ -29,6 +29,7 @@ def main(args: argparse.Namespace) -> None:
     engine = SamplerEngine(args.base_model, dtype=args.dtype, max_model_len=args.max_model_len,
                            max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                            max_lora_rank=args.max_lora_rank, max_num_seqs=args.max_num_seqs)
-    server, port = create_server(args.listen)
+    # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
+    server, port = create_server(args.listen, max_workers=max(256, 2 * args.max_num_seqs))
     sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine), server)
     serve_until_signal(server, port, "sampler", on_stop=engine.shutdown)

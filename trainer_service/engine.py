@@ -326,14 +326,16 @@ class TrainerEngine:
             grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
             with grad_ctx:
                 logits = model.engine(ids, mask)
-                logprobs_all = torch.log_softmax(logits.float(), dim=-1)
+                if logits.dtype != torch.float32:
+                    logits = logits.float()
                 total = logits.new_zeros((), dtype=torch.float32)
                 outputs = []
                 for i, d in enumerate(data):
                     inputs = {k: v.to(self.device, torch.float32) if v.is_floating_point() else v.to(self.device)
                               for k, v in d.loss_fn_inputs.items()}
                     targets = inputs["target_tokens"].long()
-                    lp = logprobs_all[i, :lengths[i]].gather(-1, targets[:, None]).squeeze(-1)
+                    # log p(target) = -cross_entropy: fused, and no (T, vocab) log-softmax kept for backward
+                    lp = -torch.nn.functional.cross_entropy(logits[i, :lengths[i]], targets, reduction="none")
                     per_token = loss_impl(lp, inputs, loss_fn_config)
                     total = total + per_token.sum()
                     outputs.append({"logprobs": lp.detach().float().cpu(),
