@@ -132,13 +132,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                                            timeout_s=rv.timeout_seconds)
         group = weight_stream.join_group(store, rv.rank, rv.world_size, rv.backend, rv.timeout_seconds,
                                          request.snapshot_id)
+        t_joined = time.perf_counter()
         chunks = weight_stream.receive(group, list(request.chunk_num_bytes))
+        t_received = time.perf_counter()
         specs = [weight_stream.TensorSpec(s.name, tensors.NAME_BY_DTYPE[s.dtype], tuple(s.shape), s.chunk, s.offset)
                  for s in request.tensors]
         received = weight_stream.unpack(specs, chunks)
         self.engine.register_snapshot(request.snapshot_id, received, json.loads(request.adapter_config_json),
                                       request.persisted_path).result(_RESULT_TIMEOUT_S)
         seconds = time.perf_counter() - t0
-        log.info("snapshot %s: %d tensors in %.1f ms", request.snapshot_id, len(received), 1e3 * seconds)
+        log.info("snapshot %s: %d tensors in %.1f ms (join %.1f, receive %.1f, register %.1f)",
+                 request.snapshot_id, len(received), 1e3 * seconds, 1e3 * (t_joined - t0),
+                 1e3 * (t_received - t_joined), 1e3 * (time.perf_counter() - t_received))
         return sampler_pb2.SnapshotInfo(snapshot_id=request.snapshot_id,
                                         num_bytes=sum(request.chunk_num_bytes), receive_seconds=seconds)

@@ -394,9 +394,15 @@ def write_peft_adapter(directory: str, tensors: dict[str, torch.Tensor], config:
         json.dump(config, f)
 
 
-def save_peft_adapter(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    """Writes a PEFT-format adapter directory (loadable by peft and by vLLM), atomically."""
+def save_peft_adapter(path: str, packed, config: dict) -> None:
+    """Writes a PEFT-format adapter directory (loadable by peft and by vLLM) from packed tensors
+    (tinkerd.weight_stream.Packed), atomically."""
+    from tinkerd.weight_stream import write_safetensors
+
     tmp = f"{path}.partial-{os.getpid()}-{time.monotonic_ns()}"
-    write_peft_adapter(tmp, tensors, config)
+    os.makedirs(tmp, exist_ok=True)
+    write_safetensors(os.path.join(tmp, "adapter_model.safetensors"), packed)
+    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     os.replace(tmp, path)

@@ -86,6 +86,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.transfer_timeout_s = transfer_timeout_s
         self.replies = ReplyCache()
         self.scheduler = FairScheduler()
+        self._samplers: dict[str, sampler_pb2_grpc.SamplerStub] = {}
 
     def _fair(self, model_id: str, fn):
         """Runs engine work when the model's tenant gets its turn (see scheduler.py)."""
@@ -196,21 +197,26 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         persisted = ""
         if request.persist_dir:
             persisted = os.path.join(request.persist_dir, request.snapshot_id.replace("/", "_").replace(":", "_"))
-            # Off the hot path: the copy only matters if a sampler must reload an evicted snapshot.
-            threading.Thread(target=save_peft_adapter, args=(persisted, adapter, config), daemon=True).start()
         packed = weight_stream.pack(adapter)
+        t_packed = time.perf_counter()
         if request.sampler_addresses:
             self._stream(request, packed, config, persisted)
         t2 = time.perf_counter()
+        if persisted:
+            # After the stream, not during it (it would compete for the CPU): the copy only matters
+            # if a sampler must reload an evicted snapshot, or for a named checkpoint.
+            threading.Thread(target=save_peft_adapter, args=(persisted, packed, config), daemon=True).start()
         reply = trainer_pb2.PushWeightsResponse(
             snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes),
             num_tensors=len(packed.specs), gather_seconds=t1 - t0, stream_seconds=t2 - t1, persisted_path=persisted)
-        log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, stream %.1f ms", request.snapshot_id,
-                 reply.num_tensors, reply.num_bytes, 1e3 * reply.gather_seconds, 1e3 * reply.stream_seconds)
+        log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, pack %.1f ms, stream %.1f ms",
+                 request.snapshot_id, reply.num_tensors, reply.num_bytes, 1e3 * reply.gather_seconds,
+                 1e3 * (t_packed - t1), 1e3 * (t2 - t_packed))
         return reply
 
     def _stream(self, request, packed: weight_stream.Packed, config: dict, persisted: str) -> None:
         """Announce over gRPC, broadcast over the side group, then wait for each commit."""
+        t0 = time.perf_counter()
         world = 1 + len(request.sampler_addresses)
         backend = weight_stream.default_backend()
         store = weight_stream.create_store(self.advertise_host, 0, world, is_master=True,
@@ -225,10 +231,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 rendezvous=sampler_pb2.Rendezvous(host=self.advertise_host, port=store.port, rank=rank,
                                                   world_size=world, backend=backend,
                                                   timeout_seconds=self.transfer_timeout_s))
-            stub = sampler_pb2_grpc.SamplerStub(channel(address))
-            replies.append(stub.ReceiveWeights.future(manifest, timeout=self.transfer_timeout_s))
+            replies.append(self._sampler(address).ReceiveWeights.future(manifest, timeout=self.transfer_timeout_s))
+        t_announced = time.perf_counter()
         group = weight_stream.join_group(store, 0, world, backend, self.transfer_timeout_s, request.snapshot_id)
+        t_joined = time.perf_counter()
         weight_stream.send(group, packed.chunks)
+        t_sent = time.perf_counter()
         for reply in replies:
             reply.result()
+        log.info("stream %s: announce %.1f ms, join %.1f ms, send %.1f ms, commit %.1f ms", request.snapshot_id,
+                 1e3 * (t_announced - t0), 1e3 * (t_joined - t_announced), 1e3 * (t_sent - t_joined),
+                 1e3 * (time.perf_counter() - t_sent))
+
+    def _sampler(self, address: str):
+        """One channel per sampler replica, kept: a new one per push costs a connection setup."""
+        stub = self._samplers.get(address)
+        if stub is None:
+            stub = self._samplers[address] = sampler_pb2_grpc.SamplerStub(channel(address))
+        return stub
 

@@ -38,3 +38,14 @@ def test_stream_between_processes():
     got = out.get(timeout=60)
     proc.join(timeout=30)
     assert {k: v for k, v in got.items()} == {k: v.float().tolist() for k, v in TENSORS.items()}
+
+
+def test_packed_tensors_write_a_valid_safetensors_file(tmp_path):
+    import safetensors.torch
+
+    packed = weight_stream.pack(TENSORS, chunk_bytes=1024)       # two chunks
+    path = str(tmp_path / "a.safetensors")
+    weight_stream.write_safetensors(path, packed)
+    loaded = safetensors.torch.load_file(path)
+    assert set(loaded) == set(TENSORS)
+    assert all(torch.equal(loaded[k], TENSORS[k]) for k in TENSORS)
