@@ -152,7 +152,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     orphaned = db.fail_orphaned_futures()
     if orphaned:
         log.warning("failed %d futures left pending by a previous run", orphaned)
-    state: dict = {"samples_in_flight": 0}
+    state: dict = {}
     app = FastAPI(title="tinkerd gateway")
     app.include_router(registry_routes(db))
     app.include_router(file_routes(db))
@@ -490,16 +490,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if int(b.get("prompt_alt_tokens_k") or 0) > 0:
             raise UserError("prompt_alt_tokens_k is not supported by this server")
 
-        if state["samples_in_flight"] >= settings.max_pending_samples:
-            return JSONResponse({"error": f"{state['samples_in_flight']} sample requests are queued; retry shortly",
+        queued = futures().pending("sample")
+        if queued >= settings.max_pending_samples:
+            return JSONResponse({"error": f"{queued} sample requests are queued; retry shortly",
                                  "category": "server"}, status_code=429)
 
         async def job():
-            state["samples_in_flight"] += 1
-            try:
-                reply = await rpc().sampler().Sample(msg)
-            finally:
-                state["samples_in_flight"] -= 1
+            reply = await rpc().sampler().Sample(msg)
             return "application/x-protobuf", wire.sample_response(reply)
         row = futures().submit("sample", job, idempotency_key=f"{sid}#{int(b.get('seq_id', 0))}")
         msg.request_id = row.request_id

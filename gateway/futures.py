@@ -88,6 +88,8 @@ class Futures:
         self._done: dict[str, asyncio.Event] = {}
         self._finished: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
         self._pending_model: dict[str, str | None] = {}
+        self._pending_by_type: collections.Counter[str] = collections.Counter()
+        self._type_of: dict[str, str] = {}
         self._runners: dict[str, _ModelRunner] = {}
 
     def submit(self, request_type: str, job: Job, *, idempotency_key: str | None = None,
@@ -99,6 +101,8 @@ class Futures:
             return row    # a resend: already scheduled or finished
         self._done[row.request_id] = asyncio.Event()
         self._pending_model[row.request_id] = model_id
+        self._pending_by_type[request_type] += 1
+        self._type_of[row.request_id] = request_type
         if seq_id is not None and model_id is not None:
             runner = self._runners.get(model_id)
             if runner is None:
@@ -126,6 +130,7 @@ class Futures:
         while len(self._finished) > _FINISHED_KEPT:
             self._finished.popitem(last=False)
         self._pending_model.pop(request_id, None)
+        self._pending_by_type[self._type_of.pop(request_id, "")] -= 1
         event = self._done.pop(request_id, None)
         if event:
             event.set()
@@ -142,6 +147,10 @@ class Futures:
         if finished is not None:
             return finished
         return self.db.get(FutureRow, request_id)
+
+    def pending(self, request_type: str) -> int:
+        """Futures of this type scheduled here and not finished yet."""
+        return self._pending_by_type[request_type]
 
     def pending_row(self, request_id: str) -> FutureRow:
         return FutureRow(request_id=request_id, status="pending", model_id=self._pending_model.get(request_id))

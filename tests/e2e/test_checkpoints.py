@@ -147,11 +147,11 @@ def test_checkpoints_outlive_a_restart(tiny_model_dir, tmp_path, start_stack):
         prompt = types.ModelInput.from_ints(tc.get_tokenizer().encode(TEXTS[0]))
         sampled = service.create_sampling_client(model_path=sampler_path).compute_logprobs(prompt).result()
         trained = _logprobs(tc, data)
-        service.close()
+        service.close("success").result()
     with start_stack(tiny_model_dir, state) as second:
         service = tinker.ServiceClient(base_url=second.url)
         again = service.create_sampling_client(model_path=sampler_path).compute_logprobs(prompt).result()
         assert np.max(np.abs(np.array(again[1:]) - np.array(sampled[1:]))) < 1e-5
         resumed = service.create_training_client_from_state_with_optimizer(state_path).result()
         assert np.max(np.abs(_logprobs(resumed, data) - trained)) < 1e-6
-        service.close()
+        service.close("success").result()
