@@ -41,20 +41,24 @@ async def _latencies(url: str, n: int) -> list[float]:
 
 
 async def _throughput(url: str, seconds: float, concurrency: int) -> float:
+    """`concurrency` clients, each with its own connection (one shared httpx pool serialises
+    badly: measured 145/s at 32 concurrent against 566/s with a client each)."""
     import httpx
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
-        count = 0
-        deadline = time.perf_counter() + seconds
+    clients = [httpx.AsyncClient(base_url=url) for _ in range(concurrency)]
+    count = 0
+    deadline = time.perf_counter() + seconds
 
-        async def worker():
-            nonlocal count
-            while time.perf_counter() < deadline:
-                await _round_trip(client)
-                count += 1
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return count / (time.perf_counter() - t0)
+    async def worker(client):
+        nonlocal count
+        while time.perf_counter() < deadline:
+            await _round_trip(client)
+            count += 1
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in clients))
+    rate = count / (time.perf_counter() - t0)
+    for c in clients:
+        await c.aclose()
+    return rate
 
 
 def run(ctx: Context) -> list[Row]:
@@ -75,7 +79,7 @@ def run(ctx: Context) -> list[Row]:
     p50 = 1e3 * (statistics.median(via) - statistics.median(direct))
     p99 = 1e3 * (percentile(via, 0.99) - percentile(direct, 0.99))
     return [
-        Row("futures", "no-op futures per second (32 concurrent clients, 1 process)", rate, None, "/s",
+        Row("futures", "no-op futures per second (32 concurrent clients in 1 process, same 2 cores)", rate, None, "/s",
             target=">= 2000"),
         Row("futures", "added latency p50 (gateway round trip - direct gRPC)", p50,
             1e3 * statistics.median(direct), "ms", target="<= 5"),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import datetime
 import json
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Integer, LargeBinary, String, Text, create_engine,
-                        event, select, update)
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Integer, LargeBinary, String, Text, bindparam,
+                        create_engine, event, select, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -89,6 +89,11 @@ class CheckpointRow(Base):
         return self.tinker_path.split("/", 3)[3]
 
 
+_INSERT_FUTURE = FutureRow.__table__.insert()
+_FINISH_FUTURE = FutureRow.__table__.update().where(FutureRow.__table__.c.request_id == bindparam("rid")).values(
+    status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
+    completed_at=bindparam("completed_at"))
+
 # Rows read on every request and (nearly) never changed: served from memory after first read.
 # touch() and add() keep the cache right for this process; one gateway per database.
 _CACHED = ("ModelRow", "SamplingSessionRow", "CheckpointRow")
@@ -138,7 +143,7 @@ class Database:
         row.status = "pending"
         try:
             with self.engine.begin() as conn:
-                conn.execute(FutureRow.__table__.insert().values(**values))
+                conn.execute(_INSERT_FUTURE, values)     # prebuilt statement, parameters apart
             return row
         except IntegrityError:
             with self.session() as s:
@@ -146,8 +151,8 @@ class Database:
 
     def finish_future(self, request_id: str, status: str, content_type: str, result: bytes) -> None:
         with self.engine.begin() as conn:
-            conn.execute(FutureRow.__table__.update().where(FutureRow.__table__.c.request_id == request_id).values(
-                status=status, content_type=content_type, result=result, completed_at=now()))
+            conn.execute(_FINISH_FUTURE, {"rid": request_id, "status": status, "content_type": content_type,
+                                          "result": result, "completed_at": now()})
 
     def fail_orphaned_futures(self) -> int:
         """Futures left pending by a previous gateway process can never finish: fail them."""
