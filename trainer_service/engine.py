@@ -355,8 +355,7 @@ class TrainerEngine:
                              weight_decay=adam.weight_decay)
             engine.optimizer.clip_grad = adam.grad_clip_norm
             engine.set_gradient_accumulation_boundary(True)
-            closing = engine(torch.zeros(1, 1, dtype=torch.long, device=self.device)).sum() * 0.0
-            engine.backward(closing, scale_wrt_gas=False)
+            engine.backward(self._closing_loss(model), scale_wrt_gas=False)
             engine.step()
             engine.set_gradient_accumulation_boundary(False)
             model.step += 1
@@ -365,6 +364,16 @@ class TrainerEngine:
             if norm is not None:
                 metrics["grad_norm:mean"] = float(norm)
             return metrics
+
+    def _closing_loss(self, model: LoraModel) -> torch.Tensor:
+        """A zero loss whose backward touches every parameter of the model: the micro-step that
+        closes the accumulation window and runs ZeRO's reduction. Under ZeRO-1/2 the parameters
+        are whole, so a sum over them does it without running the base model; under ZeRO-3 they
+        are partitioned and only a forward gathers them, so that takes a 1-token forward."""
+        if self.zero_stage == 3:
+            return model.engine(torch.zeros(1, 1, dtype=torch.long, device=self.device)).sum() * 0.0
+        model.engine.module.activate()       # PEFT keeps requires_grad only on the active adapter
+        return sum(p.sum() for p in model.params) * 0.0
 
     # ---- export ---------------------------------------------------------------------------
 

@@ -62,10 +62,14 @@ class AdapterModule(torch.nn.Module):
         for i, p in enumerate(params):
             self.register_parameter(f"lora_{i}", p)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        # set_adapter walks every module (and flips requires_grad): skip it when the last one we
-        # set is still in place. The engine clears the mark whenever adapters are added/removed.
+    def activate(self) -> None:
+        """Makes this adapter the active one (and its parameters the ones requiring grad).
+        set_adapter walks every module: skip it when the last one we set is still in place.
+        The engine clears the mark whenever adapters are added or removed."""
         if getattr(self._peft_model, ACTIVE_MARK, None) != self.adapter_name:
             self._peft_model.base_model.set_adapter(self.adapter_name)
             setattr(self._peft_model, ACTIVE_MARK, self.adapter_name)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        self.activate()
         return self._peft_model(input_ids=input_ids, attention_mask=attention_mask).logits
