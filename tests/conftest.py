@@ -31,3 +31,16 @@ def stack(tiny_model_dir, tmp_path_factory):
 def start_stack():
     """For tests that need a stack with other settings: `with start_stack(model, state, *flags)`."""
     return running_stack
+
+
+def sft_data(tok, texts):
+    """One next-token datum per text (weights 1), as SDK types. Test modules import it:
+    `from conftest import sft_data`."""
+    from tinker import types
+
+    out = []
+    for text in texts:
+        t = tok.encode(text)
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),
+                               loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)}))
+    return out

@@ -9,6 +9,8 @@ import pytest
 import tinker
 from tinker import types
 
+from conftest import sft_data
+
 pytestmark = pytest.mark.e2e
 
 TEXTS = ["alpha beta gamma delta epsilon", "the dog and the red ball ran", "one two three four"]
@@ -20,12 +22,7 @@ def service(stack):
 
 
 def _data(tok):
-    out = []
-    for text in TEXTS:
-        t = tok.encode(text)
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),
-                               loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)}))
-    return out
+    return sft_data(tok, TEXTS)
 
 
 def _logprobs(tc, data) -> np.ndarray:

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import tinker
 from tinker import types
+
+from conftest import sft_data
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.e2e
@@ -27,12 +29,7 @@ CORPORA = [
 
 
 def _data(tok, texts):
-    out = []
-    for text in texts:
-        t = tok.encode(text)
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),
-                               loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)}))
-    return out
+    return sft_data(tok, texts)
 
 
 def _trainer_logprobs(tc, datum) -> np.ndarray:

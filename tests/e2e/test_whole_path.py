@@ -10,6 +10,8 @@ import pytest
 import tinker
 from tinker import types
 
+from conftest import sft_data
+
 pytestmark = pytest.mark.e2e
 
 TEXTS = ["the cat sat on a mat and the dog ran to the red ball", "one two three four five",
@@ -28,12 +30,7 @@ def base_name(tiny_model_dir):
 
 
 def _data(tok, texts=TEXTS):
-    out = []
-    for text in texts:
-        t = tok.encode(text)
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),
-                               loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)}))
-    return out
+    return sft_data(tok, texts)
 
 
 def test_server_capabilities_list_base_model_and_alias(stack, base_name):
