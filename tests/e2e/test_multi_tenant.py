@@ -127,20 +127,20 @@ def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys
         return times
 
     victim_steps(2)                                   # warm
-    alone = statistics.median(victim_steps(8))
+    alone = statistics.median(victim_steps(12))
     flooder = subprocess.Popen([sys.executable, "-c", FLOODER % (CORPORA[1],), stack.url, tiny_model_dir],
                                stdout=subprocess.PIPE, text=True)
     assert flooder.stdout.readline().strip() == "flooding"
     time.sleep(2.0)                                   # let its 400 requests reach the server
-    during = victim_steps(8)
+    during = victim_steps(12)
     still_flooding = flooder.poll() is None
     assert flooder.wait(timeout=300) == 0
     slowdown = statistics.median(during) / alone
     with capsys.disabled():
         print(f"\n[fairness] victim step alone {1e3 * alone:.0f} ms, under a 4-model flood from another "
               f"process {1e3 * statistics.median(during):.0f} ms: x{slowdown:.2f}")
-    assert still_flooding            # the victim really was measured under the flood
-    assert slowdown < 4.0
+    assert still_flooding, "the flood ended before the victim's steps did"
+    assert slowdown < 4.0, f"alone {alone:.3f} s, under the flood {during}"
 
 
 @pytest.fixture(scope="module")
