@@ -59,6 +59,6 @@ def run(ctx: Context) -> list[Row]:
             tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
             first_step = time.perf_counter() - t0
         rows.append(Row("startup", f"{name}: tinkerd up to ready", ready, raw, "s", ratio=raw / ready,
-                        note="raw: trainer engine + vllm.LLM built serially in one process"))
+                        note="raw: trainer engine, then vllm.LLM, each built in a fresh process"))
         rows.append(Row("startup", f"{name}: tinkerd up to first finished step", first_step, None, "s"))
     return rows
