@@ -77,8 +77,9 @@ NOTES = [
     "vLLM's LoRA layer wrappers cost time even in steps with no adapter: measured on the tiny model, "
     "the same engine with LoRA enabled does 0.83x the raw engine's tokens/s (after our fix that skips "
     "the LoRA math in such steps; before it, 0.25x). On SmolLM2 the API path lands at 0.78-0.95 "
-    "across runs (alternating rounds measure the lower end); on the tiny model the per-request HTTP + long-poll + gRPC work (on the same 2 "
-    "cores as the engine) is several times the engine's own work for 32 tokens.",
+    "across runs (alternating rounds measure the lower end); on the tiny model the per-request "
+    "HTTP + long-poll + gRPC work (on the same 2 cores as the engine) is several times the engine's "
+    "own work for 32 tokens.",
 ]
 
 
