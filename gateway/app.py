@@ -18,13 +18,13 @@ import uuid
 
 import grpc
 from fastapi import FastAPI, Request
-from sqlalchemy import select
 from fastapi.responses import JSONResponse, Response
 
 from gateway import wire
-from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, now
+from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
 from gateway.futures import Futures, json_body
-from gateway.registry import delete_checkpoint_files, expires, file_routes, parse_tinker_path, registry_routes
+from gateway.registry import (delete_expired_checkpoints, expires, file_routes, parse_tinker_path,
+                              registry_routes)
 from tinkerd.errors import NotFoundError, UserError
 from tinkerd.rpc import aio_channel
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -106,11 +106,6 @@ def _sampling_params(p: dict) -> sampler_pb2.SamplingParams:
     return out
 
 
-def _aware(t: datetime.datetime) -> datetime.datetime:
-    """SQLite hands back naive datetimes (we store UTC)."""
-    return t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)
-
-
 def _safe_name(model_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", model_id)
 
@@ -132,17 +127,6 @@ async def unload_lapsed_models(db: Database, trainer, settings: GatewaySettings)
     if unloaded:
         log.info("unloaded %d models of lapsed sessions: %s", len(unloaded), unloaded)
     return unloaded
-
-
-def delete_expired_checkpoints(db: Database) -> int:
-    """Checkpoints past their ttl: rows and files go."""
-    expired = db.select(select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None),
-                                                    CheckpointRow.expires_at < now()))
-    for row in expired:
-        db.delete(CheckpointRow, row.tinker_path)
-        delete_checkpoint_files(row)
-        log.info("deleted expired checkpoint %s", row.tinker_path)
-    return len(expired)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -261,7 +245,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                                seq_id=seq_id, extra=extra)
         model = db.get(ModelRow, model_id)
         stamp = now()
-        if model is not None and (not model.resident or (stamp - _aware(model.last_request_time)).total_seconds() > 5):
+        if model is not None and (not model.resident or (stamp - aware(model.last_request_time)).total_seconds() > 5):
             db.touch(ModelRow, model_id, last_request_time=stamp, resident=True)   # at most every 5 s
         return _future(row, model_id=model_id)
 
@@ -331,17 +315,21 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})
         return submit_training("optim_step", model_id, seq_id, job)
 
+    def checkpoint_name(b: dict) -> str:
+        name = b.get("path")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
+        return name
+
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
         b = await body(request)
         model_id, seq_id = b.get("model_id"), int(b.get("seq_id", 0))
         model = model_row(model_id)
-        name = b.get("path")
+        name = checkpoint_name(b) if b.get("path") is not None else None
         ttl_expiry = expires(b.get("ttl_seconds"))
         snapshot_id = f"{model_id}@{seq_id}-{uuid.uuid4().hex[:8]}"
         if name is not None:
-            if not _NAME_RE.match(name):
-                raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
             tinker_path = f"tinker://{model_id}/sampler_weights/{name}"
             if db.get(CheckpointRow, tinker_path) is not None:
                 raise UserError(f"checkpoint {tinker_path} already exists")
@@ -365,12 +353,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                                           snapshot_id=snapshot_id, snapshot_path=pushed.persisted_path))
             return json_body(result)
         return submit_training("save_weights_for_sampler", model_id, seq_id, job)
-
-    def checkpoint_name(b: dict) -> str:
-        name = b.get("path")
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
-        return name
 
     def checkpoint_dir(model_id: str, kind: str, name: str) -> str:
         return os.path.join(settings.state_dir, "checkpoints", _safe_name(model_id), kind, name)

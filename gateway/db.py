@@ -16,6 +16,11 @@ def now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+def aware(t: datetime.datetime) -> datetime.datetime:
+    """SQLite hands back naive datetimes; we store UTC."""
+    return t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)
+
+
 class Base(DeclarativeBase):
     pass
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import heapq
 import json
 import logging
@@ -34,6 +35,13 @@ def json_body(obj) -> tuple[str, bytes]:
 
 def failure_body(message: str, category: str) -> bytes:
     return json.dumps({"error": message, "category": category}).encode()
+
+
+@dataclasses.dataclass
+class _Pending:
+    done: asyncio.Event
+    model_id: str | None
+    request_type: str
 
 
 class _ModelRunner:
@@ -85,11 +93,9 @@ class _ModelRunner:
 class Futures:
     def __init__(self, db: Database):
         self.db = db
-        self._done: dict[str, asyncio.Event] = {}
+        self._pending: dict[str, _Pending] = {}        # scheduled here, not finished yet
         self._finished: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
-        self._pending_model: dict[str, str | None] = {}
         self._pending_by_type: collections.Counter[str] = collections.Counter()
-        self._type_of: dict[str, str] = {}
         self._runners: dict[str, _ModelRunner] = {}
 
     def submit(self, request_type: str, job: Job, *, idempotency_key: str | None = None,
@@ -97,12 +103,10 @@ class Futures:
         """Records the future and schedules its job; a resent request gets the first one back."""
         row = self.db.insert_future(FutureRow(request_id=uuid.uuid4().hex, idempotency_key=idempotency_key,
                                               request_type=request_type, model_id=model_id, extra=extra or {}))
-        if row.request_id in self._done or row.status != "pending":
+        if row.request_id in self._pending or row.status != "pending":
             return row    # a resend: already scheduled or finished
-        self._done[row.request_id] = asyncio.Event()
-        self._pending_model[row.request_id] = model_id
+        self._pending[row.request_id] = _Pending(asyncio.Event(), model_id, request_type)
         self._pending_by_type[request_type] += 1
-        self._type_of[row.request_id] = request_type
         if seq_id is not None and model_id is not None:
             runner = self._runners.get(model_id)
             if runner is None:
@@ -129,20 +133,19 @@ class Futures:
                                                result=body)
         while len(self._finished) > _FINISHED_KEPT:
             self._finished.popitem(last=False)
-        self._pending_model.pop(request_id, None)
-        self._pending_by_type[self._type_of.pop(request_id, "")] -= 1
-        event = self._done.pop(request_id, None)
-        if event:
-            event.set()
+        pending = self._pending.pop(request_id, None)
+        if pending:
+            self._pending_by_type[pending.request_type] -= 1
+            pending.done.set()
 
     async def wait(self, request_id: str, timeout_s: float) -> FutureRow | None:
         """The future's row once finished, or still pending after `timeout_s`; None if unknown."""
-        event = self._done.get(request_id)
-        if event is not None:
+        pending = self._pending.get(request_id)
+        if pending is not None:
             try:
-                await asyncio.wait_for(event.wait(), timeout_s)
+                await asyncio.wait_for(pending.done.wait(), timeout_s)
             except asyncio.TimeoutError:
-                return self.pending_row(request_id)
+                return FutureRow(request_id=request_id, status="pending", model_id=pending.model_id)
         finished = self._finished.get(request_id)
         if finished is not None:
             return finished
@@ -151,9 +154,6 @@ class Futures:
     def pending(self, request_type: str) -> int:
         """Futures of this type scheduled here and not finished yet."""
         return self._pending_by_type[request_type]
-
-    def pending_row(self, request_id: str) -> FutureRow:
-        return FutureRow(request_id=request_id, status="pending", model_id=self._pending_model.get(request_id))
 
     def position(self, model_id: str | None, request_id: str) -> tuple[bool, int]:
         """(running now, requests of the same model ahead of it) for a pending training future."""

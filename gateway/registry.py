@@ -9,6 +9,7 @@ gateway serves over plain GET). Checkpoint ids contain a slash, run ids colons.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import shutil
 
@@ -16,8 +17,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 from sqlalchemy import select
 
-from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, now
+from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
 from tinkerd.errors import NotFoundError, UserError
+
+log = logging.getLogger(__name__)
 
 _KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
@@ -25,7 +28,7 @@ _KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights
 def _iso(t: datetime.datetime | None) -> str | None:
     if t is None:
         return None
-    return (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).isoformat()
+    return aware(t).isoformat()
 
 
 def checkpoint_json(row: CheckpointRow) -> dict:
@@ -68,6 +71,17 @@ def _page(request: Request) -> tuple[int, int]:
 def delete_checkpoint_files(row: CheckpointRow) -> None:
     for path in {row.directory, row.snapshot_path} - {""}:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def delete_expired_checkpoints(db: Database) -> int:
+    """Checkpoints past their ttl: rows and files go. Run by the gateway's housekeeping loop."""
+    expired = db.select(select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None),
+                                                    CheckpointRow.expires_at < now()))
+    for row in expired:
+        db.delete(CheckpointRow, row.tinker_path)
+        delete_checkpoint_files(row)
+        log.info("deleted expired checkpoint %s", row.tinker_path)
+    return len(expired)
 
 
 def registry_routes(db: Database) -> APIRouter:
