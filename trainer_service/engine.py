@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from tinkerd import weight_stream
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service.losses import get_loss
 from trainer_service.lora import ACTIVE_MARK, AdapterModule, LoraSpec, linear_groups, peft_config
@@ -237,7 +238,7 @@ class TrainerEngine:
             model = self.get(model_id)
             tensors, config = self.export_adapter(model_id)
             tmp = f"{directory}.partial-{os.getpid()}-{time.monotonic_ns()}"
-            write_peft_adapter(tmp, tensors, config)
+            write_peft_adapter(tmp, weight_stream.pack(tensors), config)
             meta = {"spec": dataclasses.asdict(model.spec), "step": model.step,
                     "base_model": self.base_model_dir, "zero_stage": self.zero_stage,
                     "has_optimizer": with_optimizer}
@@ -394,24 +395,18 @@ class TrainerEngine:
         return tensors, config
 
 
-def write_peft_adapter(directory: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    import safetensors.torch
-
+def write_peft_adapter(directory: str, packed, config: dict) -> None:
+    """A PEFT-format adapter directory (loadable by peft and by vLLM) from packed tensors
+    (tinkerd.weight_stream.Packed): the safetensors file is written straight from the chunks."""
     os.makedirs(directory, exist_ok=True)
-    safetensors.torch.save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+    weight_stream.write_safetensors(os.path.join(directory, "adapter_model.safetensors"), packed)
     with open(os.path.join(directory, "adapter_config.json"), "w") as f:
         json.dump(config, f)
 
 
 def save_peft_adapter(path: str, packed, config: dict) -> None:
-    """Writes a PEFT-format adapter directory (loadable by peft and by vLLM) from packed tensors
-    (tinkerd.weight_stream.Packed), atomically."""
-    from tinkerd.weight_stream import write_safetensors
-
+    """write_peft_adapter, atomically: into a temporary directory, then renamed into place."""
     tmp = f"{path}.partial-{os.getpid()}-{time.monotonic_ns()}"
-    os.makedirs(tmp, exist_ok=True)
-    write_safetensors(os.path.join(tmp, "adapter_model.safetensors"), packed)
-    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
+    write_peft_adapter(tmp, packed, config)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     os.replace(tmp, path)
