@@ -23,7 +23,8 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def stack(tiny_model_dir, tmp_path_factory):
     """The shared `tinkerd up` on the tiny model, with default settings."""
-    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("state"), "--alias", "tiny/alias-model") as s:
+    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("state"), "--alias", "tiny/alias-model",
+                       "--alias", "Qwen/Qwen3.5-9B-Base") as s:
         yield s
 
 
