@@ -14,18 +14,21 @@ import json
 import logging
 import os
 import re
+import shutil
 import uuid
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy import select
 
 from gateway import wire
 from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
 from gateway.futures import Futures, json_body
-from gateway.registry import (delete_expired_checkpoints, expires, file_routes, parse_tinker_path,
-                              registry_routes)
+from gateway.registry import (checkpoint_dir, delete_expired_checkpoints, expires, file_routes,
+                              parse_tinker_path, registry_routes)
 from tinkerd.errors import NotFoundError, UserError
+from tinkerd.paths import dir_name
 from tinkerd.rpc import aio_channel
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -106,8 +109,9 @@ def _sampling_params(p: dict) -> sampler_pb2.SamplingParams:
     return out
 
 
-def _safe_name(model_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", model_id)
+def unloaded_dir(settings: GatewaySettings, model_id: str) -> str:
+    """Where an unloaded model's state waits for its next use."""
+    return os.path.join(settings.state_dir, "unloaded", dir_name(model_id))
 
 
 async def unload_lapsed_models(db: Database, trainer, settings: GatewaySettings) -> list[str]:
@@ -115,7 +119,7 @@ async def unload_lapsed_models(db: Database, trainer, settings: GatewaySettings)
     cutoff = now() - datetime.timedelta(seconds=settings.session_timeout_s)
     unloaded = []
     for model_id in db.models_of_lapsed_sessions(cutoff):
-        directory = os.path.join(settings.state_dir, "unloaded", _safe_name(model_id))
+        directory = unloaded_dir(settings, model_id)
         try:
             await trainer.UnloadModel(trainer_pb2.UnloadModelRequest(model_id=model_id, directory=directory))
         except grpc.aio.AioRpcError as e:
@@ -137,8 +141,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     if orphaned:
         log.warning("failed %d futures left pending by a previous run", orphaned)
     state: dict = {}
+    # Sessions closed by the client (ServiceClient.close): their models are released and every
+    # later call on them is refused. Read on every training/sampling request, so kept in memory.
+    finished = set(db.select(select(SessionRow.session_id).where(SessionRow.finished.is_(True))))
+    releasing: set[asyncio.Task] = set()
     app = FastAPI(title="tinkerd gateway")
-    app.include_router(registry_routes(db))
+    app.include_router(registry_routes(db, settings.state_dir))
     app.include_router(file_routes(db))
 
     @app.on_event("startup")
@@ -182,6 +190,35 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if row is None:
             raise UserError(f"unknown model_id {model_id!r}: create it with create_model first")
         return row
+
+    def open_session(session_id: str) -> str:
+        if db.get(SessionRow, session_id or "") is None:
+            raise UserError(f"unknown session_id {session_id!r}")
+        if session_id in finished:
+            raise UserError(f"session {session_id} was closed (ServiceClient.close); start a new ServiceClient")
+        return session_id
+
+    def live_model(model_id: str) -> ModelRow:
+        """A model that can still be trained: known, and its session not closed."""
+        row = model_row(model_id)
+        if row.session_id in finished:
+            raise UserError(f"model {model_id} belongs to session {row.session_id}, which was closed "
+                            f"(ServiceClient.close); its checkpoints can still be loaded in a new session")
+        return row
+
+    async def release_models(session_id: str) -> None:
+        """After a session closes: once each model's queued requests have run, free it on the trainer."""
+        for model_id in db.select(select(ModelRow.model_id).where(ModelRow.session_id == session_id)):
+            await futures().drained(model_id)
+            try:
+                await rpc().trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=model_id))
+            except grpc.aio.AioRpcError as e:
+                log.warning("could not release %s: %s", model_id, e.details())
+                continue
+            futures().forget_runner(model_id)
+            shutil.rmtree(unloaded_dir(settings, model_id), ignore_errors=True)
+            db.touch(ModelRow, model_id, resident=False)
+        log.info("session %s closed; its models are released", session_id)
 
     # ---- client / service -----------------------------------------------------------------
 
@@ -228,14 +265,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
         b = await body(request)
-        if not db.touch(SessionRow, b.get("session_id", ""), last_heartbeat=now()):
+        sid = b.get("session_id", "")
+        if sid in finished:    # 410 stops the SDK's heartbeats
+            return JSONResponse({"error": f"session {sid} was closed", "category": "user"}, status_code=410)
+        if not db.touch(SessionRow, sid, last_heartbeat=now()):
             return JSONResponse({"error": "unknown session", "category": "user"}, status_code=404)
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str):
+        if session_id in finished:
+            return {}
         if not db.touch(SessionRow, session_id, finished=True):
             raise NotFoundError(f"unknown session {session_id!r}")
+        finished.add(session_id)
+        task = asyncio.create_task(release_models(session_id))
+        releasing.add(task)              # held until done: the loop keeps only weak references
+        task.add_done_callback(releasing.discard)
         return {}
 
     # ---- training -------------------------------------------------------------------------
@@ -252,9 +298,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
         b = await body(request)
-        session_id, base = b.get("session_id"), b.get("base_model")
-        if db.get(SessionRow, session_id or "") is None:
-            raise UserError(f"unknown session_id {session_id!r}")
+        session_id, base = open_session(b.get("session_id")), b.get("base_model")
         if base not in settings.model_names:
             raise UserError(f"base model {base!r} is not supported; this server serves {settings.model_names}")
         lora = b.get("lora_config") or {}
@@ -289,7 +333,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if "json" in request.headers.get("content-type", ""):
             raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
         msg = wire.forward_backward_request(raw)
-        model_row(msg.model_id)
+        live_model(msg.model_id)
 
         async def job():
             reply = await rpc().trainer.ForwardBackward(msg)
@@ -300,7 +344,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def optim_step(request: Request):
         b = await body(request)
         model_id, seq_id = b.get("model_id"), int(b.get("seq_id", 0))
-        model_row(model_id)
+        live_model(model_id)
         p = b.get("adam_params") or b.get("optim_params") or b.get("optimizer_params") or {}
         if p.get("type", "adam") not in ("adam", "adamw"):
             raise UserError(f"optimizer {p.get('type')!r} is not supported; use Adam")
@@ -325,7 +369,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def save_weights_for_sampler(request: Request):
         b = await body(request)
         model_id, seq_id = b.get("model_id"), int(b.get("seq_id", 0))
-        model = model_row(model_id)
+        model = live_model(model_id)
         name = checkpoint_name(b) if b.get("path") is not None else None
         ttl_expiry = expires(b.get("ttl_seconds"))
         snapshot_id = f"{model_id}@{seq_id}-{uuid.uuid4().hex[:8]}"
@@ -354,21 +398,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return json_body(result)
         return submit_training("save_weights_for_sampler", model_id, seq_id, job)
 
-    def checkpoint_dir(model_id: str, kind: str, name: str) -> str:
-        return os.path.join(settings.state_dir, "checkpoints", _safe_name(model_id), kind, name)
-
     async def save_files(request: Request, kind: str, with_optimizer: bool, response_type: str):
         """save_weights (adapter + optimizer) and save_weights_external (adapter files to download)."""
         b = await body(request)
         model_id, seq_id = b.get("model_id"), int(b.get("seq_id", 0))
-        model_row(model_id)
+        live_model(model_id)
         name = checkpoint_name(b)
         tinker_path = f"tinker://{model_id}/{kind}/{name}"
         existing = db.get(CheckpointRow, tinker_path)
         if existing is not None and not b.get("overwrite"):
             raise UserError(f"checkpoint {tinker_path} already exists (pass overwrite=True to replace it)")
         ttl_expiry = expires(b.get("ttl_seconds"))
-        directory = checkpoint_dir(model_id, kind, name)
+        directory = checkpoint_dir(settings.state_dir, model_id, kind, name)
 
         async def job():
             saved = await rpc().trainer.SaveState(trainer_pb2.SaveStateRequest(
@@ -403,15 +444,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         optimizer = bool(b.get("optimizer"))
         if b.get("model_id"):
             model_id, seq_id = b["model_id"], int(b.get("seq_id", 0))
-            model_row(model_id)
+            live_model(model_id)
         else:
-            session_id = b.get("session_id")
-            if db.get(SessionRow, session_id or "") is None:
-                raise UserError(f"unknown session_id {session_id!r}")
+            session_id = open_session(b.get("session_id"))
             model_id, seq_id = f"{session_id}:train:{int(b.get('model_seq_id', 0))}", 0
             if db.get(ModelRow, model_id) is None:
                 db.add(ModelRow(model_id=model_id, session_id=session_id, base_model=source.base_model,
-                                lora_rank=source.lora_rank, lora_config=source.lora_config))
+                                lora_rank=source.lora_rank,
+                                lora_config={k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}))
         create = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=settings.base_model,
                                                 load_from=ckpt.directory, load_optimizer=optimizer)
 
@@ -427,9 +467,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
         b = await body(request)
-        session_id = b.get("session_id")
-        if db.get(SessionRow, session_id or "") is None:
-            raise UserError(f"unknown session_id {session_id!r}")
+        session_id = open_session(b.get("session_id"))
         sid = f"{session_id}:sample:{int(b.get('sampling_session_seq_id', 0))}"
         path = b.get("model_path")
         if path:
@@ -460,6 +498,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         session = db.get(SamplingSessionRow, sid)
         if session is None:
             raise UserError(f"unknown sampling_session_id {sid!r}")
+        if session.session_id in finished:
+            raise UserError(f"sampling session {sid} belongs to session {session.session_id}, which was closed "
+                            f"(ServiceClient.close)")
         num_samples = int(b.get("num_samples", 1))
         if not 1 <= num_samples <= 1024:
             raise UserError(f"num_samples must be in 1..1024, got {num_samples}")

@@ -161,6 +161,12 @@ class Futures:
         ahead = runner.ahead_of(request_id) if runner else None
         return (runner is not None and runner.running == request_id), (ahead or 0)
 
+    async def drained(self, model_id: str) -> None:
+        """Returns once every future of this model scheduled so far has finished."""
+        waits = [p.done.wait() for p in self._pending.values() if p.model_id == model_id]
+        if waits:
+            await asyncio.gather(*waits)
+
     def forget_runner(self, model_id: str) -> None:
         runner = self._runners.pop(model_id, None)
         if runner:

@@ -9,9 +9,11 @@ gateway serves over plain GET). Checkpoint ids contain a slash, run ids colons.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import os
 import shutil
+import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
@@ -19,6 +21,7 @@ from sqlalchemy import select
 
 from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
 from tinkerd.errors import NotFoundError, UserError
+from tinkerd.paths import dir_name
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,16 @@ def expires(ttl_seconds) -> datetime.datetime | None:
     return now() + datetime.timedelta(seconds=ttl)
 
 
+def _knows_external(request: Request) -> bool:
+    """SDKs before 0.28 have checkpoint_type "training" | "sampler" only and fail to parse a
+    list holding an external one; they cannot make one either, so their lists leave them out."""
+    try:
+        version = tuple(int(p) for p in request.headers.get("x-stainless-package-version", "").split(".")[:2])
+    except ValueError:
+        return True
+    return len(version) < 2 or version >= (0, 28)
+
+
 def _page(request: Request) -> tuple[int, int]:
     try:
         limit = int(request.query_params.get("limit", 100))
@@ -66,6 +79,17 @@ def _page(request: Request) -> tuple[int, int]:
     if not (1 <= limit <= 10_000 and offset >= 0):
         raise UserError("limit must be in 1..10000 and offset >= 0")
     return limit, offset
+
+
+def checkpoint_dir(state_dir: str, model_id: str, kind: str, name: str) -> str:
+    return os.path.join(state_dir, "checkpoints", dir_name(model_id), kind, name)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)            # shares the bytes; deleting either side leaves the other intact
+    except OSError:
+        shutil.copy2(src, dst)       # another filesystem
 
 
 def delete_checkpoint_files(row: CheckpointRow) -> None:
@@ -84,7 +108,7 @@ def delete_expired_checkpoints(db: Database) -> int:
     return len(expired)
 
 
-def registry_routes(db: Database) -> APIRouter:
+def registry_routes(db: Database, state_dir: str) -> APIRouter:
     r = APIRouter(prefix="/api/v1")
 
     def run_row(run_id: str) -> ModelRow:
@@ -127,18 +151,21 @@ def registry_routes(db: Database) -> APIRouter:
     async def get_run(run_id: str):
         return run_json(run_row(run_id))
 
+    def visible(request: Request, stmt):
+        return stmt if _knows_external(request) else stmt.where(CheckpointRow.checkpoint_type != "external")
+
     @r.get("/training_runs/{run_id}/checkpoints")
-    async def list_run_checkpoints(run_id: str):
+    async def list_run_checkpoints(run_id: str, request: Request):
         run_row(run_id)
-        rows = db.select(select(CheckpointRow).where(CheckpointRow.model_id == run_id)
-                         .order_by(CheckpointRow.created_at))
+        rows = db.select(visible(request, select(CheckpointRow).where(CheckpointRow.model_id == run_id)
+                                 .order_by(CheckpointRow.created_at)))
         return {"checkpoints": [checkpoint_json(c) for c in rows],
                 "cursor": {"offset": 0, "limit": len(rows), "total_count": len(rows)}}
 
     @r.get("/checkpoints")
     async def list_all_checkpoints(request: Request):
-        return paged(request, select(CheckpointRow).order_by(CheckpointRow.created_at), "checkpoints",
-                     checkpoint_json)
+        return paged(request, visible(request, select(CheckpointRow).order_by(CheckpointRow.created_at)),
+                     "checkpoints", checkpoint_json)
 
     @r.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
     async def publish(run_id: str, checkpoint_id: str):
@@ -187,6 +214,52 @@ def registry_routes(db: Database) -> APIRouter:
         return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.lora_rank,
                 "train_unembed": lora.get("train_unembed", True), "train_mlp": lora.get("train_mlp", True),
                 "train_attn": lora.get("train_attn", True)}
+
+    @r.post("/copy_weights")
+    async def copy_weights(request: Request):
+        """A copy of a checkpoint in a new training run that cannot be trained on (it has no model
+        on the trainer). Files are hard links. The run is `{session_id}:train:{model_seq_id}` when
+        the client names its session (SDK 0.30), else run 0 of a new session for the project."""
+        b = await request.json() or {}
+        source_path = b.get("source_path")
+        parse_tinker_path(source_path)
+        source = db.get(CheckpointRow, source_path)
+        if source is None:
+            raise NotFoundError(f"unknown checkpoint {source_path!r}")
+        source_run = run_row(source.model_id)
+        key = request.headers.get("x-idempotency-key") or uuid.uuid4().hex
+        if b.get("session_id") is not None:
+            session_id = b["session_id"]
+            if db.get(SessionRow, session_id) is None:
+                raise UserError(f"unknown session_id {session_id!r}")
+            run_id = f"{session_id}:train:{int(b.get('model_seq_id') or 0)}"
+        elif b.get("destination_project_id"):
+            session_id = "sess-copy-" + hashlib.sha256(key.encode()).hexdigest()[:12]   # a retry finds it
+            run_id = f"{session_id}:train:0"
+            if db.get(SessionRow, session_id) is None:
+                db.add(SessionRow(session_id=session_id, tags=["copy"], finished=True,
+                                  user_metadata={"project_id": str(b["destination_project_id"])}))
+        else:
+            raise UserError("copy_weights needs destination_project_id, or session_id and model_seq_id")
+        tinker_path = f"tinker://{run_id}/{source.checkpoint_id}"
+        existing = db.get(ModelRow, run_id)
+        if existing is not None:
+            if (existing.lora_config or {}).get("copied_from") == source_path and db.get(CheckpointRow, tinker_path):
+                return {"tinker_path": tinker_path}           # the same request, resent
+            raise UserError(f"training run {run_id} already exists; use another model_seq_id")
+        kind, name = source.checkpoint_id.split("/", 1)
+        directory = checkpoint_dir(state_dir, run_id, kind, name)
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.copytree(source.directory, directory, copy_function=_link_or_copy)
+        db.add(ModelRow(model_id=run_id, session_id=session_id, base_model=source_run.base_model,
+                        lora_rank=source_run.lora_rank, resident=False,
+                        lora_config={**(source_run.lora_config or {}), "copied_from": source_path}))
+        db.add(CheckpointRow(tinker_path=tinker_path, model_id=run_id, checkpoint_type=source.checkpoint_type,
+                             name=name, snapshot_id=source.snapshot_id,
+                             snapshot_path=directory if source.snapshot_path else "", directory=directory,
+                             size_bytes=source.size_bytes, expires_at=expires(b.get("ttl_seconds"))))
+        log.info("copied %s to %s", source_path, tinker_path)
+        return {"tinker_path": tinker_path}
 
     @r.get("/sessions")
     async def list_sessions(request: Request):

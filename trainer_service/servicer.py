@@ -16,6 +16,7 @@ import torch
 
 from tinkerd import tensors, weight_stream
 from tinkerd.errors import UserError
+from tinkerd.paths import dir_name
 from tinkerd.rpc import channel, rpc_boundary
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from trainer_service.engine import AdamParams, DatumInput, TrainerEngine, save_peft_adapter
@@ -196,7 +197,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         t1 = time.perf_counter()
         persisted = ""
         if request.persist_dir:
-            persisted = os.path.join(request.persist_dir, request.snapshot_id.replace("/", "_").replace(":", "_"))
+            persisted = os.path.join(request.persist_dir, dir_name(request.snapshot_id))
         packed = weight_stream.pack(adapter)
         t_packed = time.perf_counter()
         if request.sampler_addresses:

@@ -1,25 +1,226 @@
-"""Core SDK calls (create, train, sample, save_state, create-from-state) with whatever tinker SDK
-runs it; prints OK lines. tests/e2e/test_older_sdks.py runs it with older releases."""
-import sys, os
+"""Every Tinker endpoint the SDK can reach, driven through whatever `tinker` release runs this
+script (tests/e2e/test_sdk_endpoints.py runs it with 0.38.0 and, in their own venvs, older ones).
+
+Prints `OK <step>` per step, and `SKIP <step>: <why>` where this SDK release has no such call.
+Exits non-zero on the first failure. Usage: sdk_probe.py <base_url> <base_model>
+"""
+import inspect
+import math
+import os
+import sys
+import urllib.request
+
 os.environ.setdefault("TINKER_API_KEY", "tml-probe")
-import tinker
-from tinker import types
+os.environ.setdefault("TINKER_PROJECT_ID", "probe-project")
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
 url, base = sys.argv[1], sys.argv[2]
+LOSSES = set(__import__("typing").get_args(types.LossFnType))
+
+
+def res(x):
+    """Older releases return values where newer ones return futures (or the reverse)."""
+    return x.result() if hasattr(x, "result") else x
+
+
+def ok(step, detail=""):
+    print(f"OK {step} {detail}".rstrip(), flush=True)
+
+
+def skip(step, why):
+    print(f"SKIP {step}: {why}", flush=True)
+
+
+def fails(step, fn, *needles):
+    """`fn` must raise an error that names the problem (a user error), not hang or crash."""
+    try:
+        res(fn())
+    except Exception as e:  # noqa: BLE001 - the SDK's error classes differ across releases
+        text = f"{type(e).__name__}: {e}"
+        assert any(n in text for n in needles), f"{step}: unexpected error {text}"
+        assert "user" in str(getattr(e, "category", "user")).lower(), text
+        ok(step, f"-> {text[:100]}")
+        return
+    raise AssertionError(f"{step}: no error")
+
+
 sc = tinker.ServiceClient(base_url=url)
-tc = sc.create_lora_training_client(base_model=base, rank=4)
-tc = tc.result() if hasattr(tc, "result") else tc
-print("OK create", tc.model_id if hasattr(tc, "model_id") else "")
-d = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7, 8]), loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4})
-for _ in range(3):
-    fb = tc.forward_backward([d], "cross_entropy").result()
-    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-print("OK train", fb.metrics)
-s = tc.save_weights_and_get_sampling_client()
-s = s.result() if hasattr(s, "result") else s
-r = s.sample(types.ModelInput.from_ints([5, 6, 7]), 2, types.SamplingParams(max_tokens=4, temperature=1.0)).result()
-print("OK sample", [q.tokens for q in r.sequences])
-p = tc.save_state("probe").result().path
-print("OK save_state", p)
-c = sc.create_training_client_from_state(p)
-c = c.result() if hasattr(c, "result") else c
-print("OK load", c.model_id if hasattr(c, "model_id") else "")
+caps = res(sc.get_server_capabilities())
+assert base in [m.model_name for m in caps.supported_models], caps
+ok("get_server_capabilities")
+
+tc = res(sc.create_lora_training_client(base_model=base, rank=4))
+info = res(tc.get_info())
+assert info.model_data.model_name == base, info
+ok("create_model + get_info", tc.model_id if hasattr(tc, "model_id") else "")
+
+prompt = [5, 6, 7, 8, 9, 10]
+sft = types.Datum(model_input=types.ModelInput.from_ints(prompt[:-1]),
+                  loss_fn_inputs={"target_tokens": prompt[1:], "weights": [1.0] * 5})
+fwd = res(tc.forward([sft], "cross_entropy"))
+lp = fwd.loss_fn_outputs[0]["logprobs"].tolist()
+assert len(lp) == 5 and abs(sum(lp) + fwd.metrics["loss:sum"]) < 1e-3, (lp, fwd.metrics)
+ok("forward", fwd.metrics)
+
+for _ in range(4):
+    fb = res(tc.forward_backward([sft], "cross_entropy"))
+    res(tc.optim_step(types.AdamParams(learning_rate=2e-3)))
+after = res(tc.forward([sft], "cross_entropy")).metrics["loss:sum"]
+assert after < fwd.metrics["loss:sum"], (after, fwd.metrics)
+ok("forward_backward + optim_step (cross_entropy)", f"loss:sum {fwd.metrics['loss:sum']:.3f} -> {after:.3f}")
+
+rl = types.Datum(model_input=types.ModelInput.from_ints(prompt[:-1]),
+                 loss_fn_inputs={"target_tokens": prompt[1:], "logprobs": [-2.0] * 5, "advantages": [1.0] * 5})
+configs = {"ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, "dro": {"beta": 0.1}}
+for loss in ("importance_sampling", "ppo", "cispo", "dro", "gspo"):
+    if loss not in LOSSES:
+        skip(f"forward_backward ({loss})", "not a loss name in this SDK")
+        continue
+    out = res(tc.forward_backward([rl], loss, loss_fn_config=configs.get(loss)))
+    assert all(math.isfinite(v) for v in out.metrics.values()), out.metrics
+    assert len(out.loss_fn_outputs[0]["logprobs"].tolist()) == 5
+    ok(f"forward_backward ({loss})", out.metrics)
+res(tc.optim_step(types.AdamParams(learning_rate=1e-3)))
+
+import torch  # noqa: E402 - the custom loss runs on the client
+
+
+def custom_loss(data, logprobs_list):
+    loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(data, logprobs_list))
+    return loss, {"custom_loss": float(loss)}
+
+
+out = res(tc.forward_backward_custom([sft], custom_loss))
+assert math.isfinite(out.metrics["custom_loss"]), out.metrics
+ok("forward_backward_custom", out.metrics)
+
+fails("bad input: missing advantages", lambda: tc.forward_backward([sft], "importance_sampling"), "advantages")
+fails("bad input: targets of the wrong length", lambda: tc.forward_backward([types.Datum(
+    model_input=types.ModelInput.from_ints(prompt), loss_fn_inputs={"target_tokens": [1, 2], "weights": [1.0, 1.0]})],
+    "cross_entropy"), "target", "length", "shape")
+
+# ---- sampling ----
+sampler = res(tc.save_weights_and_get_sampling_client())
+ids = types.ModelInput.from_ints(prompt)
+r = res(sampler.sample(ids, 2, types.SamplingParams(max_tokens=4, temperature=1.0, seed=1)))
+assert len(r.sequences) == 2 and all(len(s.tokens) == len(s.logprobs) <= 4 for s in r.sequences), r
+ok("save_weights_and_get_sampling_client + sample", [s.tokens for s in r.sequences])
+r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])))
+assert len(r.sequences[0].tokens) == 6 and r.sequences[0].stop_reason == "length", r
+first = r.sequences[0].tokens[0]
+r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[first])))
+assert r.sequences[0].stop_reason == "stop", r
+ok("sample stop=[] / stop=[token id]")
+r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True, topk_prompt_logprobs=2))
+assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None, r.prompt_logprobs
+assert all(len(k) == 2 for k in r.topk_prompt_logprobs[1:]), r.topk_prompt_logprobs
+ok("sample with prompt logprobs + top-k")
+if "topk_sample_logprobs" in inspect.signature(sampler.sample).parameters:
+    r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=3), topk_sample_logprobs=2))
+    ok("sample with top-k sample logprobs")
+else:
+    skip("sample with top-k sample logprobs", "no topk_sample_logprobs in this SDK")
+clp = res(sampler.compute_logprobs(ids))
+assert len(clp) == len(prompt) and clp[0] is None, clp
+trainer_lp = res(tc.forward([sft], "cross_entropy")).loss_fn_outputs[0]["logprobs"].tolist()
+assert max(abs(a - b) for a, b in zip(clp[1:], trainer_lp)) < 1e-3, (clp, trainer_lp)
+ok("compute_logprobs equals the trainer's forward")
+
+named = res(tc.save_weights_for_sampler("probe-sampler")).path
+assert named.endswith("/sampler_weights/probe-sampler"), named
+from_path = res(sc.create_sampling_client(model_path=named))
+assert max(abs(a - b) for a, b in zip(res(from_path.compute_logprobs(ids))[1:], clp[1:])) < 1e-4
+r = res(from_path.sample(ids, 1, types.SamplingParams(max_tokens=3, temperature=0.0)))
+ok("save_weights_for_sampler (named) + create_sampling_client(model_path)", named)
+
+base_sampler = res(sc.create_sampling_client(base_model=base))
+res(base_sampler.sample(ids, 1, types.SamplingParams(max_tokens=2)))
+ok("create_sampling_client(base_model)")
+
+# ---- state ----
+state = res(tc.save_state("probe-state")).path
+assert state.endswith("/weights/probe-state"), state
+ok("save_state", state)
+fails("save_state to an existing name", lambda: tc.save_state("probe-state"), "exists")
+for make in ("create_training_client_from_state", "create_training_client_from_state_with_optimizer"):
+    c = res(getattr(sc, make)(state))
+    moved = res(c.forward([sft], "cross_entropy")).loss_fn_outputs[0]["logprobs"].tolist()
+    assert max(abs(a - b) for a, b in zip(moved, trainer_lp)) < 1e-4, (moved, trainer_lp)
+    ok(make, c.model_id if hasattr(c, "model_id") else "")
+res(c.load_state(state))
+ok("load_state (legacy, into an existing model)")
+fails("load an unknown checkpoint", lambda: sc.create_training_client_from_state(state + "-missing"), "unknown")
+fails("load a sampler path as state", lambda: sc.create_training_client_from_state(named), "unknown training checkpoint")
+
+# ---- REST registry ----
+rest = tinker.RestClient(base_url=url) if hasattr(tinker, "RestClient") else sc.create_rest_client()
+run_id = state.split("/")[2]
+runs = res(rest.list_training_runs(limit=100)).training_runs
+assert run_id in [r.training_run_id for r in runs], runs
+run = res(rest.get_training_run(run_id))
+assert run.base_model == base and run.last_checkpoint is not None, run
+assert res(rest.get_training_run_by_tinker_path(state)).training_run_id == run_id
+ok("training_runs list / get / by path")
+ckpts = {c.tinker_path for c in res(rest.list_checkpoints(run_id)).checkpoints}
+assert {state, named} <= ckpts, ckpts
+assert state in {c.tinker_path for c in res(rest.list_user_checkpoints()).checkpoints}
+ok("checkpoints list per run / all")
+w = res(rest.get_weights_info_by_tinker_path(state))
+assert w.base_model == base and w.lora_rank == 4, w
+ok("weights_info")
+res(rest.publish_checkpoint_from_tinker_path(state))
+assert [c.public for c in res(rest.list_checkpoints(run_id)).checkpoints if c.tinker_path == state] == [True]
+res(rest.unpublish_checkpoint_from_tinker_path(state))
+ok("publish / unpublish")
+res(rest.set_checkpoint_ttl_from_tinker_path(state, 3600))
+assert [c.expires_at is not None for c in res(rest.list_checkpoints(run_id)).checkpoints if c.tinker_path == state] == [True]
+ok("checkpoint ttl")
+session_id = run_id.split(":")[0]
+assert run_id in res(rest.get_session(session_id)).training_run_ids
+assert session_id in res(rest.list_sessions(limit=1000)).sessions
+ok("sessions get / list")
+sampler_id = getattr(from_path, "_sampling_session_id", None)
+if sampler_id and hasattr(rest, "get_sampler"):
+    assert res(rest.get_sampler(sampler_id)).base_model == base
+    ok("get_sampler")
+
+if hasattr(tc, "save_weights_external"):
+    ext = res(tc.save_weights_external("probe-external")).path
+    urls = res(rest.get_external_weights_urls(ext)).urls
+    assert any(f.endswith("adapter_model.safetensors") for f in urls), urls
+    with urllib.request.urlopen(next(iter(urls.values()))) as f:
+        assert f.status == 200 and f.read()
+    ok("save_weights_external + external_weights_urls + file download")
+else:
+    skip("save_weights_external", "not in this SDK")
+
+if hasattr(sc, "copy_weights"):
+    copied = res(sc.copy_weights(named))
+    assert copied.endswith("/sampler_weights/probe-sampler") and copied != named, copied
+    assert res(rest.get_weights_info_by_tinker_path(copied)).base_model == base
+    r = res(res(sc.create_sampling_client(model_path=copied)).sample(ids, 1, types.SamplingParams(max_tokens=3, temperature=0.0)))
+    copied_state = res(sc.copy_weights(state))
+    c = res(sc.create_training_client_from_state(copied_state))
+    assert max(abs(a - b) for a, b in zip(res(c.forward([sft], "cross_entropy")).loss_fn_outputs[0]["logprobs"].tolist(),
+                                          trainer_lp)) < 1e-4
+    ok("copy_weights (sampler and state) then open the copies", copied)
+else:
+    skip("copy_weights", "not in this SDK")
+
+res(rest.delete_checkpoint_from_tinker_path(named))
+assert named not in {c.tinker_path for c in res(rest.list_checkpoints(run_id)).checkpoints}
+fails("open a deleted checkpoint", lambda: res(sc.create_sampling_client(model_path=named)).sample(
+    ids, 1, types.SamplingParams(max_tokens=2)), "unknown")
+ok("delete checkpoint")
+
+if hasattr(sc, "close"):
+    res(sc.close("success") if "status" in inspect.signature(sc.close).parameters else sc.close())
+    fails("train after ServiceClient.close", lambda: tc.forward([sft], "cross_entropy"), "closed")
+    again = tinker.ServiceClient(base_url=url)
+    c = res(again.create_training_client_from_state(state))
+    res(c.forward([sft], "cross_entropy"))
+    ok("close (sessions/finish); a new ServiceClient loads the closed run's checkpoint")
+else:
+    skip("close", "no ServiceClient.close in this SDK")
+print("ALL DONE", tinker.__version__, flush=True)
