@@ -25,6 +25,7 @@ from sqlalchemy import select
 from gateway import wire
 from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
 from gateway.futures import Futures, json_body
+from gateway.stability import StabilityRecords
 from gateway.registry import (checkpoint_dir, delete_expired_checkpoints, expires, file_routes,
                               parse_tinker_path, registry_routes)
 from tinkerd.errors import NotFoundError, UserError
@@ -52,6 +53,8 @@ class GatewaySettings:
     session_timeout_s: float = 600.0
     # Sample requests in flight beyond this get HTTP 429: the SDK backs off and resends.
     max_pending_samples: int = 4096
+    # Sampled sequences recorded for stable_reinforce are dropped after this long unused.
+    stability_ttl_s: float = 3600.0
 
     @property
     def model_names(self) -> list[str]:
@@ -145,6 +148,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # later call on them is refused. Read on every training/sampling request, so kept in memory.
     finished = set(db.select(select(SessionRow.session_id).where(SessionRow.finished.is_(True))))
     releasing: set[asyncio.Task] = set()
+    stability = StabilityRecords(ttl_s=settings.stability_ttl_s)
     app = FastAPI(title="tinkerd gateway")
     app.include_router(registry_routes(db, settings.state_dir))
     app.include_router(file_routes(db))
@@ -162,6 +166,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             try:
                 await unload_lapsed_models(db, rpc().trainer, settings)
                 delete_expired_checkpoints(db)
+                stability.expire()
             except Exception:  # noqa: BLE001 - the reaper must outlive one bad pass
                 log.exception("housekeeping failed")
 
@@ -332,8 +337,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         raw = wire.decompress(await request.body(), request.headers.get("content-encoding"))
         if "json" in request.headers.get("content-type", ""):
             raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
-        msg = wire.forward_backward_request(raw)
-        live_model(msg.model_id)
+        msg, spans = wire.forward_backward_request(raw)
+        model = live_model(msg.model_id)
+        if msg.loss_fn == "stable_reinforce" and not msg.forward_only:
+            stability.apply(msg, spans, model.session_id)
 
         async def job():
             reply = await rpc().trainer.ForwardBackward(msg)
@@ -518,8 +525,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return JSONResponse({"error": f"{queued} sample requests are queued; retry shortly",
                                  "category": "server"}, status_code=429)
 
+        record = bool(b.get("record_stability_info"))
+
         async def job():
             reply = await rpc().sampler().Sample(msg)
+            if record:       # for stable_reinforce, which names these sequences by id
+                for i, seq in enumerate(reply.sequences):
+                    stability.record(session.session_id, f"{msg.request_id}:{i}", seq.tokens, seq.logprobs)
             return "application/x-protobuf", wire.sample_response(reply)
         row = futures().submit("sample", job, idempotency_key=f"{sid}#{int(b.get('seq_id', 0))}")
         msg.request_id = row.request_id

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from gateway import tinker_wire_pb2 as tw
+from gateway.stability import Span
 from tinkerd.errors import UserError
 from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
 
@@ -54,7 +55,8 @@ def _ours(arr: np.ndarray) -> common_pb2.Tensor:
     return from_numpy(arr)
 
 
-def forward_backward_request(body: bytes) -> trainer_pb2.ForwardBackwardRequest:
+def forward_backward_request(body: bytes) -> tuple[trainer_pb2.ForwardBackwardRequest, list[list[Span]]]:
+    """Our request, and each datum's loss_fn_input_spans (provenance; empty where none was sent)."""
     msg = tw.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -66,7 +68,9 @@ def forward_backward_request(body: bytes) -> trainer_pb2.ForwardBackwardRequest:
             config[key] = value.number
     out = trainer_pb2.ForwardBackwardRequest(model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn,
                                              loss_fn_config=config, forward_only=msg.forward_only)
+    spans: list[list[Span]] = []
     for i, datum in enumerate(msg.data):
+        spans.append([_span(p) for p in datum.loss_fn_input_spans])
         d = out.data.add()
         for chunk in datum.model_input:
             kind = chunk.WhichOneof("chunk")
@@ -75,7 +79,15 @@ def forward_backward_request(body: bytes) -> trainer_pb2.ForwardBackwardRequest:
             d.tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
         for key, t in datum.loss_fn_inputs.items():
             d.loss_fn_inputs[key].CopyFrom(_ours(_tensor_to_numpy(t, f"datum {i}: loss_fn_inputs[{key!r}]")))
-    return out
+    return out, spans
+
+
+def _span(p: tw.ProvenanceSpan) -> Span:
+    kind = p.WhichOneof("span")
+    arm = p.sampled_tokens if kind == "sampled_tokens" else p.prompt_tokens
+    if arm.length < 0 or arm.offset < 0:
+        raise UserError(f"provenance span with negative offset or length: {arm}")
+    return Span(sampled=kind == "sampled_tokens", sequence_id=arm.sequence_id, offset=arm.offset, length=arm.length)
 
 
 def forward_backward_output(reply: trainer_pb2.ForwardBackwardResponse) -> bytes:

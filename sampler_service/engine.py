@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 
 import torch
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 # A LoRARequest needs a non-empty path even when the adapter is already resident.
 _NO_PATH = "/nonexistent/tinkerd-snapshot-without-persisted-copy"
+PERSISTED_COPY_WAIT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,11 @@ class SamplerEngine:
         at `path` (vLLM loads it on first use), so a restarted or new replica still serves it."""
         if not snapshot_id:
             return None
+        if path and snapshot_id not in self._snapshots:
+            # The trainer writes the copy just after the push returns: give it a moment.
+            deadline = time.monotonic() + PERSISTED_COPY_WAIT_S
+            while not os.path.isfile(os.path.join(path, "adapter_config.json")) and time.monotonic() < deadline:
+                time.sleep(0.02)
         with self._registry_lock:
             snap = self._snapshots.get(snapshot_id)
             if snap is None and path and os.path.isfile(os.path.join(path, "adapter_config.json")):

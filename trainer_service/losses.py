@@ -85,8 +85,9 @@ def gspo(lp, inputs, config):
 def stable_reinforce(lp, inputs, config):
     """REINFORCE with a truncated, stop-gradient importance weight: -sg(min(r, C)) * lp * A with
     r = exp(lp - q), C = `truncation` (default 2.0). Tinker's own stable_reinforce is not public;
-    this is the standard stable off-policy REINFORCE correction (truncated importance sampling),
-    accepted with the same inputs so cookbook recipes that default to it run."""
+    this is the standard stable off-policy REINFORCE correction (truncated importance sampling).
+    Through the gateway, q at sampled positions is the sampler's recorded logprob, found by the
+    datum's provenance spans (gateway/stability.py), not the client's copy."""
     q, adv = _require(inputs, "logprobs", "advantages")
     cap = config.get("truncation", 2.0)
     weight = torch.exp(lp - q).clamp(max=cap).detach()

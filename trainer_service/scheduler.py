@@ -20,6 +20,9 @@ import time
 from typing import Callable
 
 
+_KEEP_IDLE = 1024     # idle tenants whose used time is remembered
+
+
 def tenant_of(model_id: str) -> str:
     return model_id.split(":train:", 1)[0]
 
@@ -81,3 +84,18 @@ class FairScheduler:
                 with self._cv:
                     self._used[tenant] += time.perf_counter() - t0
                     self._running = None
+                    if len(self._used) > len(self._queues) + _KEEP_IDLE:
+                        self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        """Drops the used time of idle tenants that would be levelled up on return anyway (at or
+        below every active tenant's); if that is not enough, the least-served idle ones, down to
+        half the limit so this runs rarely."""
+        idle = [t for t in self._used if t not in self._queues]
+        if self._queues:
+            floor = min(self._used[t] for t in self._queues)
+            for t in [t for t in idle if self._used[t] <= floor]:
+                del self._used[t]
+            idle = [t for t in self._used if t not in self._queues]
+        for t in sorted(idle, key=self._used.__getitem__)[:max(0, len(idle) - _KEEP_IDLE // 2)]:
+            del self._used[t]

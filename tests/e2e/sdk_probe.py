@@ -127,6 +127,32 @@ trainer_lp = res(tc.forward([sft], "cross_entropy")).loss_fn_outputs[0]["logprob
 assert max(abs(a - b) for a, b in zip(clp[1:], trainer_lp)) < 1e-3, (clp, trainer_lp)
 ok("compute_logprobs equals the trainer's forward")
 
+if "stable_reinforce" in LOSSES and hasattr(types.Datum, "with_provenance"):
+    recorder = res(tc.save_weights_and_get_sampling_client(record_stability_info=True))
+    seq = res(recorder.sample(ids, 1, types.SamplingParams(max_tokens=4, temperature=1.0, stop=[]))).sequences[0]
+    full, n = prompt + list(seq.tokens), len(seq.tokens)
+
+    def reinforce_datum(targets, sequence_id):
+        d = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": targets, "logprobs": [0.0] * (len(full) - 1),
+                                        "advantages": [0.0] * (len(prompt) - 1) + [1.0] * n})
+        return d.with_provenance(
+            model_input=[types.PromptProvenanceSpan(sequence_id=sequence_id, offset=0, length=len(prompt)),
+                         types.SampledProvenanceSpan(sequence_id=sequence_id, offset=0, length=n - 1)],
+            loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sequence_id, offset=1, length=len(prompt) - 1),
+                            types.SampledProvenanceSpan(sequence_id=sequence_id, offset=0, length=n)])
+
+    out = res(tc.forward_backward([reinforce_datum(full[1:], seq.sequence_id)], "stable_reinforce"))
+    assert math.isfinite(out.metrics["loss:sum"]), out.metrics
+    ok("forward_backward (stable_reinforce) over recorded samples", out.metrics)
+    wrong = full[1:-1] + [(full[-1] + 1) % 100]
+    fails("stable_reinforce: targets that are not the sampled tokens",
+          lambda: tc.forward_backward([reinforce_datum(wrong, seq.sequence_id)], "stable_reinforce"), "not the tokens")
+    fails("stable_reinforce: a sequence never recorded",
+          lambda: tc.forward_backward([reinforce_datum(full[1:], "nope:0")], "stable_reinforce"), "no stability record")
+else:
+    skip("forward_backward (stable_reinforce)", "no stable_reinforce / provenance in this SDK")
+
 named = res(tc.save_weights_for_sampler("probe-sampler")).path
 assert named.endswith("/sampler_weights/probe-sampler"), named
 from_path = res(sc.create_sampling_client(model_path=named))

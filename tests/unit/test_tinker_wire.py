@@ -58,7 +58,7 @@ def test_sparse_csr_inputs_are_densified():
     t.sparse_csr.values = np.array([0.5, 2.0], dtype="<f4").tobytes()
     t.sparse_csr.crow_indices = np.array([0, 1, 2], dtype="<i8").tobytes()
     t.sparse_csr.col_indices = np.array([2, 0], dtype="<i8").tobytes()
-    msg = wire.forward_backward_request(req.SerializeToString())
+    msg, spans = wire.forward_backward_request(req.SerializeToString())
     from tinkerd.tensors import to_numpy
     dense = to_numpy(msg.data[0].loss_fn_inputs["weights"])
     assert dense.tolist() == [[0, 0, 0.5], [2.0, 0, 0]]

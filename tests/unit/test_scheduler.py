@@ -1,0 +1,39 @@
+"""The trainer's fair scheduler: least-used tenant first, and a bounded memory of idle tenants."""
+
+import threading
+import time
+
+from trainer_service import scheduler
+from trainer_service.scheduler import FairScheduler, tenant_of
+
+
+def test_tenant_is_the_session():
+    assert tenant_of("sess-1:train:3") == "sess-1" and tenant_of("other") == "other"
+
+
+def test_a_waiting_light_tenant_goes_before_a_flooding_one():
+    s = FairScheduler()
+    order, gate = [], threading.Event()
+    s_thread = threading.Thread(target=s.run, args=("flood", gate.wait))   # holds the engine
+    s_thread.start()
+    time.sleep(0.05)
+    threads = [threading.Thread(target=s.run, args=("flood", lambda: (order.append("flood"), time.sleep(0.01))))
+               for _ in range(5)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    light = threading.Thread(target=s.run, args=("light", lambda: order.append("light")))
+    light.start()
+    time.sleep(0.05)
+    gate.set()
+    for t in [s_thread, light, *threads]:
+        t.join(5)
+    assert order.index("light") == 0, order
+
+
+def test_idle_tenants_are_forgotten(monkeypatch):
+    monkeypatch.setattr(scheduler, "_KEEP_IDLE", 8)
+    s = FairScheduler()
+    for i in range(50):
+        s.run(f"t{i}", lambda: None)
+    assert len(s.snapshot().used_seconds) <= 9
