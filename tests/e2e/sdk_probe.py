@@ -96,6 +96,7 @@ assert math.isfinite(out.metrics["custom_loss"]), out.metrics
 ok("forward_backward_custom", out.metrics)
 
 fails("bad input: missing advantages", lambda: tc.forward_backward([sft], "importance_sampling"), "advantages")
+fails("bad input: unknown loss name", lambda: tc.forward_backward([sft], "no_such_loss"), "no_such_loss")
 fails("bad input: targets of the wrong length", lambda: tc.forward_backward([types.Datum(
     model_input=types.ModelInput.from_ints(prompt), loss_fn_inputs={"target_tokens": [1, 2], "weights": [1.0, 1.0]})],
     "cross_entropy"), "target", "length", "shape")
@@ -112,15 +113,25 @@ first = r.sequences[0].tokens[0]
 r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[first])))
 assert r.sequences[0].stop_reason == "stop", r
 ok("sample stop=[] / stop=[token id]")
-r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True, topk_prompt_logprobs=2))
+r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
+                       topk_prompt_logprobs=2))
 assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None, r.prompt_logprobs
 assert all(len(k) == 2 for k in r.topk_prompt_logprobs[1:]), r.topk_prompt_logprobs
 ok("sample with prompt logprobs + top-k")
 if "topk_sample_logprobs" in inspect.signature(sampler.sample).parameters:
-    r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=3), topk_sample_logprobs=2))
+    r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=3, stop=[]), topk_sample_logprobs=2))
+    topk = r.sequences[0].topk_logprobs
+    assert len(topk) == 3 and all(len(k) == 2 and k[0][1] >= k[1][1] for k in topk), topk
     ok("sample with top-k sample logprobs")
 else:
     skip("sample with top-k sample logprobs", "no topk_sample_logprobs in this SDK")
+if "prompt_logprobs_last_n" in inspect.signature(sampler.sample).parameters:
+    r = res(sampler.sample(ids, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                           prompt_logprobs_last_n=2))
+    assert r.prompt_logprobs[:-2] == [None] * (len(prompt) - 2) and None not in r.prompt_logprobs[-2:], r
+    ok("sample with prompt_logprobs_last_n")
+else:
+    skip("sample with prompt_logprobs_last_n", "not in this SDK")
 clp = res(sampler.compute_logprobs(ids))
 assert len(clp) == len(prompt) and clp[0] is None, clp
 trainer_lp = res(tc.forward([sft], "cross_entropy")).loss_fn_outputs[0]["logprobs"].tolist()
@@ -177,7 +188,8 @@ for make in ("create_training_client_from_state", "create_training_client_from_s
 res(c.load_state(state))
 ok("load_state (legacy, into an existing model)")
 fails("load an unknown checkpoint", lambda: sc.create_training_client_from_state(state + "-missing"), "unknown")
-fails("load a sampler path as state", lambda: sc.create_training_client_from_state(named), "unknown training checkpoint")
+fails("load a sampler path as state", lambda: sc.create_training_client_from_state(named),
+      "unknown training checkpoint")
 
 # ---- REST registry ----
 rest = tinker.RestClient(base_url=url) if hasattr(tinker, "RestClient") else sc.create_rest_client()
@@ -200,7 +212,8 @@ assert [c.public for c in res(rest.list_checkpoints(run_id)).checkpoints if c.ti
 res(rest.unpublish_checkpoint_from_tinker_path(state))
 ok("publish / unpublish")
 res(rest.set_checkpoint_ttl_from_tinker_path(state, 3600))
-assert [c.expires_at is not None for c in res(rest.list_checkpoints(run_id)).checkpoints if c.tinker_path == state] == [True]
+expiry = [c.expires_at for c in res(rest.list_checkpoints(run_id)).checkpoints if c.tinker_path == state]
+assert len(expiry) == 1 and expiry[0] is not None, expiry
 ok("checkpoint ttl")
 session_id = run_id.split(":")[0]
 assert run_id in res(rest.get_session(session_id)).training_run_ids
@@ -225,11 +238,12 @@ if hasattr(sc, "copy_weights"):
     copied = res(sc.copy_weights(named))
     assert copied.endswith("/sampler_weights/probe-sampler") and copied != named, copied
     assert res(rest.get_weights_info_by_tinker_path(copied)).base_model == base
-    r = res(res(sc.create_sampling_client(model_path=copied)).sample(ids, 1, types.SamplingParams(max_tokens=3, temperature=0.0)))
+    copy_sampler = res(sc.create_sampling_client(model_path=copied))
+    assert max(abs(a - b) for a, b in zip(res(copy_sampler.compute_logprobs(ids))[1:], clp[1:])) < 1e-4
     copied_state = res(sc.copy_weights(state))
     c = res(sc.create_training_client_from_state(copied_state))
-    assert max(abs(a - b) for a, b in zip(res(c.forward([sft], "cross_entropy")).loss_fn_outputs[0]["logprobs"].tolist(),
-                                          trainer_lp)) < 1e-4
+    copy_lp = res(c.forward([sft], "cross_entropy")).loss_fn_outputs[0]["logprobs"].tolist()
+    assert max(abs(a - b) for a, b in zip(copy_lp, trainer_lp)) < 1e-4
     ok("copy_weights (sampler and state) then open the copies", copied)
 else:
     skip("copy_weights", "not in this SDK")
@@ -243,6 +257,22 @@ ok("delete checkpoint")
 if hasattr(sc, "close"):
     res(sc.close("success") if "status" in inspect.signature(sc.close).parameters else sc.close())
     fails("train after ServiceClient.close", lambda: tc.forward([sft], "cross_entropy"), "closed")
+    # What the server says to a client that keeps using a closed session (the SDK may stop first).
+    import json
+    import urllib.error
+
+    def post(path, body):
+        req = urllib.request.Request(f"{url}/api/v1/{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "X-API-Key": "tml-probe"})
+        try:
+            with urllib.request.urlopen(req) as f:
+                return f.status, f.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+    status, text = post("optim_step", {"model_id": run_id, "seq_id": 999, "adam_params": {"learning_rate": 1e-3}})
+    assert status == 400 and "closed" in text and '"user"' in text, (status, text)
+    assert post("session_heartbeat", {"session_id": session_id})[0] == 410
+    ok("a closed session's model and heartbeat are refused (400 user / 410)")
     again = tinker.ServiceClient(base_url=url)
     c = res(again.create_training_client_from_state(state))
     res(c.forward([sft], "cross_entropy"))

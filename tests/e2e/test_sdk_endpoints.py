@@ -15,8 +15,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # What each release cannot send (its SDK has no such method or loss name).
 NOT_IN_SDK = {
     "0.38.0": set(),
-    "0.30.4": {"forward_backward (gspo)", "forward_backward (stable_reinforce)"},
-    "0.25.0": {"forward_backward (gspo)", "forward_backward (stable_reinforce)", "sample with top-k sample logprobs", "save_weights_external",
+    "0.30.4": {"forward_backward (gspo)", "forward_backward (stable_reinforce)",
+               "sample with prompt_logprobs_last_n"},
+    "0.25.0": {"forward_backward (gspo)", "forward_backward (stable_reinforce)",
+               "sample with prompt_logprobs_last_n", "sample with top-k sample logprobs", "save_weights_external",
                "copy_weights", "close"},
 }
 
