@@ -154,3 +154,19 @@ def test_rl_loop(cookbook, workdir):
     assert len(metrics) == 2, metrics
     names = _checkpoint_names(log)
     assert names[-1] == "final", names
+
+
+def test_sl_basic_with_a_test_set(cookbook, workdir):
+    """The blueprint with a held-out split: each eval samples from a fresh snapshot and scores the
+    test set with compute_logprobs."""
+    log = workdir / "runs" / "sl_basic"
+    cookbook("tinker_cookbook.recipes.sl_basic", "lora_rank=8", "max_steps=3", "save_every=2", "eval_every=1",
+             f"log_path={log}", "dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder",
+             f"dataset_builder.file_path={workdir / 'sft.jsonl'}", "dataset_builder.test_size=4",
+             f"dataset_builder.common_config.model_name_for_tokenizer={ALIAS}",
+             "dataset_builder.common_config.renderer_name=role_colon",
+             "dataset_builder.common_config.max_length=512", "dataset_builder.common_config.batch_size=4")
+    metrics = _records(log / "metrics.jsonl")
+    evals = [v for m in metrics for k, v in m.items() if k.startswith("test/") and "nll" in k]
+    assert evals and all(math.isfinite(v) for v in evals), metrics
+    assert _checkpoint_names(log)[-1] == "final"
