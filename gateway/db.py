@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Integer, LargeBinary, String, Text, bindparam,
-                        create_engine, event, select, update)
+                        create_engine, event, inspect, literal, select, text, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+log = logging.getLogger(__name__)
 
 
 def now() -> datetime.datetime:
@@ -94,6 +97,29 @@ class CheckpointRow(Base):
         return self.tinker_path.split("/", 3)[3]
 
 
+def add_missing_columns(engine) -> list[str]:
+    """Forward-only schema upgrade: a database made by an older tinkerd gets the columns added
+    since (create_all makes missing tables, never missing columns). Old rows get the column's
+    scalar default, or NULL where the default is computed (JSON dicts, timestamps)."""
+    existing = inspect(engine)
+    added = []
+    with engine.begin() as conn:
+        for table in Base.metadata.sorted_tables:
+            have = {c["name"] for c in existing.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in have:
+                    continue
+                ddl = f"ALTER TABLE {table.name} ADD COLUMN {column.name} {column.type.compile(engine.dialect)}"
+                default = column.default
+                if default is not None and default.is_scalar:
+                    value = literal(default.arg, column.type).compile(
+                        dialect=engine.dialect, compile_kwargs={"literal_binds": True})
+                    ddl += f" DEFAULT {value}"
+                conn.execute(text(ddl))
+                added.append(f"{table.name}.{column.name}")
+    return added
+
+
 _INSERT_FUTURE = FutureRow.__table__.insert()
 _FINISH_FUTURE = FutureRow.__table__.update().where(FutureRow.__table__.c.request_id == bindparam("rid")).values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
@@ -116,6 +142,9 @@ class Database:
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
         Base.metadata.create_all(self.engine)
+        added = add_missing_columns(self.engine)
+        if added:
+            log.info("database upgraded: added columns %s", added)
         self._cache: dict[tuple[str, str], object] = {}
 
     def session(self) -> Session:
