@@ -25,9 +25,9 @@ from sqlalchemy import select
 from gateway import wire
 from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
 from gateway.futures import Futures, json_body
-from gateway.stability import StabilityRecords
 from gateway.registry import (checkpoint_dir, delete_expired_checkpoints, expires, file_routes,
                               parse_tinker_path, registry_routes)
+from gateway.stability import StabilityRecords
 from tinkerd.errors import NotFoundError, UserError
 from tinkerd.paths import dir_name
 from tinkerd.rpc import aio_channel
@@ -456,9 +456,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             session_id = open_session(b.get("session_id"))
             model_id, seq_id = f"{session_id}:train:{int(b.get('model_seq_id', 0))}", 0
             if db.get(ModelRow, model_id) is None:
+                lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
                 db.add(ModelRow(model_id=model_id, session_id=session_id, base_model=source.base_model,
-                                lora_rank=source.lora_rank,
-                                lora_config={k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}))
+                                lora_rank=source.lora_rank, lora_config=lora))
         create = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=settings.base_model,
                                                 load_from=ckpt.directory, load_optimizer=optimizer)
 

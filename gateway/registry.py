@@ -220,7 +220,9 @@ def registry_routes(db: Database, state_dir: str) -> APIRouter:
         """A copy of a checkpoint in a new training run that cannot be trained on (it has no model
         on the trainer). Files are hard links. The run is `{session_id}:train:{model_seq_id}` when
         the client names its session (SDK 0.30), else run 0 of a new session for the project."""
-        b = await request.json() or {}
+        b = await request.json()
+        if not isinstance(b, dict):
+            raise UserError("the request body must be a JSON object")
         source_path = b.get("source_path")
         parse_tinker_path(source_path)
         source = db.get(CheckpointRow, source_path)
