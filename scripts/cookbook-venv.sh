@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Creates .venv-cookbook (or $VENV): a client-only venv with tinker 0.38.0 and tinker-cookbook 0.6.1,
-# used by tests/e2e/test_cookbook.py. The cookbook pins tml-renderers>=0.4.1, which the registry
-# lacks (only the Inkling/Kimi-K3.1 renderers import it), so it goes in with --no-deps and its
-# other dependencies are listed here. Idempotent.
+# Creates .venv-cookbook (or $VENV): a client-only venv with tinker 0.38.0 and tinker-cookbook 0.6.1
+# (and pytest, for the cookbook's own smoke tests), used by tests/e2e/test_cookbook.py. The cookbook
+# pins tml-renderers>=0.4.1, which the registry lacks (only the Inkling/Kimi-K3.1 renderers import
+# it), so it goes in with --no-deps and its other dependencies are listed here. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv-cookbook}"
 PY="$VENV/bin/python"
-if "$PY" -c "import tinker_cookbook, tinker, math_verify" 2>/dev/null; then exit 0; fi
+if "$PY" -c "import tinker_cookbook, tinker, math_verify, pytest" 2>/dev/null; then exit 0; fi
 python3 -m venv --clear "$VENV"
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q torch==2.13.0
 "$PY" -m pip install -q tinker==0.38.0 aiohttp anyio blobfile chz cloudpickle "datasets>=2.14" \
   "huggingface-hub>=0.20" numpy pillow pydantic pyrage rich safetensors termcolor "tiktoken>=0.12" tqdm \
   "transformers>=4.57.6,!=5.3.0,!=5.4.*,!=5.5.0,!=5.5.1,!=5.5.2,!=5.5.3,!=5.6.*" \
-  "math-verify>=0.5.0" "pylatexenc>=2.0" "sympy>=1.12.0"
+  "math-verify>=0.5.0" "pylatexenc>=2.0" "sympy>=1.12.0" pytest
 "$PY" -m pip install -q --no-deps tinker-cookbook==0.6.1
 "$PY" -c "import tinker_cookbook.recipes.sl_loop, tinker_cookbook.recipes.math_rl.train; print('cookbook venv ready')"

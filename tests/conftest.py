@@ -24,7 +24,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def stack(tiny_model_dir, tmp_path_factory):
     """The shared `tinkerd up` on the tiny model, with default settings."""
     with running_stack(tiny_model_dir, tmp_path_factory.mktemp("state"), "--alias", "tiny/alias-model",
-                       "--alias", "Qwen/Qwen3.5-9B-Base") as s:
+                       "--alias", "Qwen/Qwen3.5-9B-Base", "--alias", "Qwen/Qwen3.5-4B") as s:
         yield s
 
 

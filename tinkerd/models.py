@@ -15,7 +15,11 @@ import sys
 import tempfile
 import zipfile
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Besides the chat markers, the single tokens the cookbook's qwen3 / qwen3_5 / llama3 renderers
+# insist on (e.g. `</think>`), so cookbook recipes run on the tiny model with any renderer.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                  "</tool_call>", "<tool_response>", "</tool_response>", "<|begin_of_text|>",
+                  "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -19,6 +19,9 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ALIAS = "Qwen/Qwen3.5-9B-Base"      # the cookbook's default model; model_info maps it to role_colon
+ALIAS_CHAT = "Qwen/Qwen3.5-4B"      # the smoke tests' RL model: the qwen3_5 renderer, token-id stops
+SMOKE_TESTS = ["tests/recipes/test_recipe_chat_sl.py", "tests/recipes/test_recipe_rolling_checkpoints.py",
+               "tests/recipes/test_recipe_math_rl.py"]
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +45,14 @@ def _chats(n: int) -> list[dict]:
 def workdir(tmp_path_factory, tiny_model_dir) -> pathlib.Path:
     """cwd of every recipe: alias dir, dataset stand-ins, an SFT file."""
     root = tmp_path_factory.mktemp("cookbook")
-    alias = root / ALIAS
-    alias.parent.mkdir(parents=True)
-    alias.symlink_to(tiny_model_dir, target_is_directory=True)
+    for name in (ALIAS, ALIAS_CHAT):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).symlink_to(tiny_model_dir, target_is_directory=True)
     _write_jsonl(root / "sft.jsonl", _chats(48))
-    for split, n in (("train", 32), ("test", 4)):
+    # The smoke tests train chat_sl at its default batch size (256) for up to 6 steps.
+    for split, n in (("train", 1600), ("test", 4)):
         _write_jsonl(root / "HuggingFaceH4" / "no_robots" / f"{split}.jsonl", _chats(n))
+    for split, n in (("train", 32), ("test", 4)):
         _write_jsonl(root / "openai" / "gsm8k" / "main" / f"{split}.jsonl",
                      [{"question": f"What is {i} + 2?", "answer": f"{i} plus 2 is {i + 2}.\n#### {i + 2}"}
                       for i in range(n)])
@@ -170,3 +175,32 @@ def test_sl_basic_with_a_test_set(cookbook, workdir):
     evals = [v for m in metrics for k, v in m.items() if k.startswith("test/") and "nll" in k]
     assert evals and all(math.isfinite(v) for v in evals), metrics
     assert _checkpoint_names(log)[-1] == "final"
+
+
+def test_the_cookbooks_own_smoke_tests(cookbook_python, workdir, stack):
+    """tests/recipes of the tinker-cookbook 0.6.1 sdist, unmodified: chat_sl and its resume, rolling
+    checkpoints and their resume, math_rl sync / async (off-policy) / stream-minibatch. They run
+    recipes with `uv run`; a two-line shim runs them with the cookbook venv's python instead."""
+    sdist_dir = REPO / ".venv-cookbook" / "sdist"
+    if not (sdist_dir / "tests" / "recipes").is_dir():
+        subprocess.run([cookbook_python, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
+                        "-d", str(sdist_dir), "tinker-cookbook==0.6.1"], check=True, timeout=300)
+        subprocess.run(["tar", "xzf", "tinker_cookbook-0.6.1.tar.gz", "--strip-components=1",
+                        "tinker_cookbook-0.6.1/tests"], cwd=sdist_dir, check=True)
+    tests = workdir / "tests"
+    if not tests.exists():
+        tests.symlink_to(sdist_dir / "tests", target_is_directory=True)
+    shim = workdir / "shim" / "uv"
+    shim.parent.mkdir(exist_ok=True)
+    shim.write_text('#!/bin/sh\n[ "$1" = run ] && shift\nexec "$@"\n')
+    shim.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "HF_", "MASTER_", "PYTEST_"))}
+    env.update(HF_HOME=str(workdir / "hf-home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TINKER_BASE_URL=stack.url, TINKER_API_KEY="tml-cookbook-smoke",
+               TINKER_TELEMETRY="0", TINKER_COOKBOOK_RUNS_DIR=str(workdir / "runs"), WANDB_MODE="disabled",
+               OMP_NUM_THREADS="1", SMOKE_TEST_TIMEOUT="600",
+               PATH=f"{shim.parent}:{pathlib.Path(cookbook_python).parent}:{os.environ['PATH']}")
+    out = subprocess.run([cookbook_python, "-m", "pytest", "-p", "no:cacheprovider", "-q", *SMOKE_TESTS],
+                         cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-3000:]
+    assert "7 passed" in out.stdout, out.stdout[-3000:]
