@@ -35,15 +35,25 @@ class Context:
         return quick if self.quick else full
 
 
+def seconds(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def median_time(fn: Callable[[], object], n: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(seconds(fn) for _ in range(n))
+
+
+def alternately(ours: Callable[[], float], raw: Callable[[], float], rounds: int,
+                warmup: int = 1) -> tuple[float, float]:
+    """(ours, raw) medians of two measurements taken in turn, so machine noise hits both alike."""
+    for _ in range(warmup):
+        ours(), raw()
+    pairs = [(ours(), raw()) for _ in range(rounds)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -10,12 +10,11 @@ Rounds alternate between the two, so noise on this shared machine hits both alik
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 import torch
 
-from bench.common import Context, Row, new_dir
+from bench.common import Context, Row, alternately, new_dir
 from tinkerd.stack import running_stack
 
 PROMPT_LEN, MAX_TOKENS = 16, 32
@@ -63,13 +62,7 @@ def side_by_side(model_dir: str, prompts: list[list[int]], rounds: int, state_di
     """(ours, raw) median tokens/s, rounds alternating so machine noise hits both alike (the idle
     side waits: the stack's sampler blocks on its inbox, the raw engine is not called)."""
     with running_stack(model_dir, state_dir) as stack:
-        ours_run, raw_run = api_generate(stack.url, model_dir, prompts), raw_generate(model_dir, prompts)
-        ours_run(), raw_run()                                     # warm both
-        ours, raw = [], []
-        for _ in range(rounds):
-            ours.append(ours_run())
-            raw.append(raw_run())
-        return statistics.median(ours), statistics.median(raw)
+        return alternately(api_generate(stack.url, model_dir, prompts), raw_generate(model_dir, prompts), rounds)
 
 
 NOTES = [

@@ -8,12 +8,10 @@ Measured alternately, step by step, so noise on this shared machine hits both al
 
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 
-from bench.common import Context, Row, new_dir
+from bench.common import Context, Row, alternately, new_dir, seconds
 from tinkerd.stack import running_stack
 
 RANK = 16
@@ -70,24 +68,12 @@ def api_step(url: str, model_dir: str, sequences: list[list[int]]):
     return step
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def side_by_side(model_dir: str, sequences: list[list[int]], iters: int, state_dir: str) -> tuple[float, float]:
     """(ours, raw) median seconds, measured alternately so both see the same machine: the raw
     engine runs in this process while the idle stack waits (~3% of a core), and the other way."""
     with running_stack(model_dir, state_dir) as stack:
         ours_step, raw = api_step(stack.url, model_dir, sequences), raw_step(model_dir, sequences)
-        for _ in range(2):
-            ours_step(), raw()
-        ours, raws = [], []
-        for _ in range(iters):
-            ours.append(timed(ours_step))
-            raws.append(timed(raw))
-        return statistics.median(ours), statistics.median(raws)
+        return alternately(lambda: seconds(ours_step), lambda: seconds(raw), iters, warmup=2)
 
 
 NOTES = [

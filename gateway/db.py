@@ -8,7 +8,7 @@ import json
 import logging
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Integer, LargeBinary, String, Text, bindparam,
-                        create_engine, event, inspect, literal, select, text, update)
+                        create_engine, event, func, inspect, literal, select, text, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -130,6 +130,10 @@ _FINISH_FUTURE = FutureRow.__table__.update().where(FutureRow.__table__.c.reques
 _CACHED = ("ModelRow", "SamplingSessionRow", "CheckpointRow")
 
 
+def _cache_key(row) -> tuple[str, str]:
+    return type(row).__name__, row.__mapper__.primary_key_from_instance(row)[0]
+
+
 class Database:
     def __init__(self, url: str):
         self.engine = create_engine(url, future=True)
@@ -154,9 +158,8 @@ class Database:
         with self.session() as s:
             s.add(row)
             s.commit()
-        name = type(row).__name__
-        if name in _CACHED:
-            self._cache[(name, row.__mapper__.primary_key_from_instance(row)[0])] = row
+        if type(row).__name__ in _CACHED:
+            self._cache[_cache_key(row)] = row
 
     def get(self, cls, key):
         cached = self._cache.get((cls.__name__, key))
@@ -210,9 +213,7 @@ class Database:
         with self.session() as s:
             s.merge(row)
             s.commit()
-        name = type(row).__name__
-        if name in _CACHED:
-            self._cache.pop((name, row.__mapper__.primary_key_from_instance(row)[0]), None)
+        self._cache.pop(_cache_key(row), None)
 
     def delete(self, cls, key) -> bool:
         self._cache.pop((cls.__name__, key), None)
@@ -229,7 +230,6 @@ class Database:
             return list(s.scalars(stmt))
 
     def count(self, stmt) -> int:
-        from sqlalchemy import func
         with self.session() as s:
             return s.scalar(select(func.count()).select_from(stmt.subquery()))
 

@@ -86,14 +86,15 @@ class SamplerEngine:
         at `path` (vLLM loads it on first use), so a restarted or new replica still serves it."""
         if not snapshot_id:
             return None
-        if path and snapshot_id not in self._snapshots:
+        written = path and os.path.join(path, "adapter_config.json")    # there once the copy is in place
+        if written and snapshot_id not in self._snapshots:
             # The trainer writes the copy just after the push returns: give it a moment.
             deadline = time.monotonic() + PERSISTED_COPY_WAIT_S
-            while not os.path.isfile(os.path.join(path, "adapter_config.json")) and time.monotonic() < deadline:
+            while not os.path.isfile(written) and time.monotonic() < deadline:
                 time.sleep(0.02)
         with self._registry_lock:
             snap = self._snapshots.get(snapshot_id)
-            if snap is None and path and os.path.isfile(os.path.join(path, "adapter_config.json")):
+            if snap is None and written and os.path.isfile(written):
                 snap = self._snapshots[snapshot_id] = Snapshot(snapshot_id, next(self._lora_ids), path)
                 log.info("snapshot %s registered from its persisted copy %s", snapshot_id, path)
         if snap is None:
