@@ -70,7 +70,7 @@ def tiny_model(work_dir: str) -> str:
     path = os.path.join(work_dir, "tiny-llama")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    from tinkerd.models import build_tiny_model
+    from harness.models import build_tiny_model
     return str(build_tiny_model(path))
 
 

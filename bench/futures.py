@@ -13,7 +13,7 @@ import statistics
 import time
 
 from bench.common import Context, Row, new_dir, percentile
-from tinkerd.stack import running_stack
+from harness.stack import running_stack
 
 
 def _trainer_port(state_dir: str) -> int:

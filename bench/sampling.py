@@ -15,7 +15,7 @@ import time
 import torch
 
 from bench.common import Context, Row, alternately, new_dir
-from tinkerd.stack import running_stack
+from harness.stack import running_stack
 
 PROMPT_LEN, MAX_TOKENS = 16, 32
 

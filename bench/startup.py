@@ -9,7 +9,7 @@ import sys
 import time
 
 from bench.common import REPO, Context, Row, new_dir
-from tinkerd.stack import running_stack
+from harness.stack import running_stack
 
 
 _BUILD_TRAINER = """

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from bench.common import Context, Row, median_time, new_dir, rss_mib
-from tinkerd.stack import running_stack, service_pids
+from harness.stack import running_stack, service_pids
 
 TEXT = "the quick brown fox jumps over the lazy dog and the cat sat on the mat"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from bench.common import Context, Row, alternately, new_dir, seconds
-from tinkerd.stack import running_stack
+from harness.stack import running_stack
 
 RANK = 16
 BATCH, LENGTH = 4, 64

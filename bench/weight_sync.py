@@ -18,7 +18,7 @@ import torch
 
 from bench.common import Context, Row, new_dir
 from tinkerd import weight_stream
-from tinkerd.stack import running_stack
+from harness.stack import running_stack
 
 
 def _full_weights(model_dir: str) -> dict[str, torch.Tensor]:

@@ -4,13 +4,14 @@ sessions, training models, futures (with their results), sampling sessions, chec
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Integer, LargeBinary, String, Text, bindparam,
                         create_engine, event, func, inspect, literal, select, text, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from gateway.errors import error_json
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +194,7 @@ class Database:
 
     def fail_orphaned_futures(self) -> int:
         """Futures left pending by a previous gateway process can never finish: fail them."""
-        body = json.dumps({"error": "the server restarted before this request finished; send it again",
-                           "category": "server"}).encode()
+        body = error_json("the server restarted before this request finished; send it again", "server")
         with self.session() as s:
             n = s.execute(update(FutureRow).where(FutureRow.status == "pending").values(
                 status="failed", content_type="application/json", result=body, completed_at=now())).rowcount

@@ -20,6 +20,7 @@ from typing import Awaitable, Callable
 import grpc
 
 from gateway.db import Database, FutureRow
+from gateway.errors import error_json
 from tinkerd.errors import ServiceError, category_for
 
 log = logging.getLogger(__name__)
@@ -31,10 +32,6 @@ _FINISHED_KEPT = 4096      # recent results answered from memory; older ones fro
 
 def json_body(obj) -> tuple[str, bytes]:
     return "application/json", json.dumps(obj).encode()
-
-
-def failure_body(message: str, category: str) -> bytes:
-    return json.dumps({"error": message, "category": category}).encode()
 
 
 @dataclasses.dataclass
@@ -121,13 +118,13 @@ class Futures:
             content_type, body = await job()
             status = "complete"
         except ServiceError as e:
-            status, content_type, body = "failed", "application/json", failure_body(str(e), category_for(e.code))
+            status, content_type, body = "failed", "application/json", error_json(str(e), category_for(e.code))
         except grpc.aio.AioRpcError as e:
             status, content_type = "failed", "application/json"
-            body = failure_body(e.details() or e.code().name, category_for(e.code()))
+            body = error_json(e.details() or e.code().name, category_for(e.code()))
         except Exception as e:  # noqa: BLE001 - a failed job must still finish its future
             log.exception("job %s failed", request_id)
-            status, content_type, body = "failed", "application/json", failure_body(f"{type(e).__name__}: {e}", "server")
+            status, content_type, body = "failed", "application/json", error_json(f"{type(e).__name__}: {e}", "server")
         self.db.finish_future(request_id, status, content_type, body)
         self._finished[request_id] = FutureRow(request_id=request_id, status=status, content_type=content_type,
                                                result=body)

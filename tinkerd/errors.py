@@ -46,3 +46,10 @@ def category_for(code: grpc.StatusCode) -> str:
     if code in _SERVER_CODES:
         return "server"
     return "unknown"
+
+
+def category_for_http(status: int) -> str:
+    """Tinker's category for an HTTP error status: waiting (408, 429) and 5xx are the server's."""
+    if status in (408, 429) or status >= 500:
+        return "server"
+    return "user" if 400 <= status < 500 else "unknown"

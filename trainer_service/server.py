@@ -5,18 +5,13 @@ from __future__ import annotations
 import argparse
 
 from tinkerd.process import cpu_defaults, init_logging, serve_until_signal
+from tinkerd.settings import add_arguments as _add_settings
+from tinkerd.settings import from_args
+from trainer_service.settings import TrainerSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-model", required=True, help="local directory of the HF base model")
-    p.add_argument("--alias", action="append", default=[], help="another name clients may use for the base model")
-    p.add_argument("--listen", default="127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
-    p.add_argument("--advertise-host", default="127.0.0.1",
-                   help="host samplers connect to for weight streaming")
-    p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="base model weights dtype (LoRA weights are float32)")
-    p.add_argument("--max-lora-rank", type=int, default=64)
+    _add_settings(p, TrainerSettings)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -27,9 +22,10 @@ def main(args: argparse.Namespace) -> None:
     from trainer_service.engine import TrainerEngine
     from trainer_service.servicer import TrainerServicer
 
-    engine = TrainerEngine(args.base_model, zero_stage=args.zero_stage, dtype=args.dtype,
-                           max_lora_rank=args.max_lora_rank, base_model_names=tuple(args.alias))
+    s = from_args(TrainerSettings, args)
+    engine = TrainerEngine(s.base_model, zero_stage=s.zero_stage, dtype=s.dtype, max_lora_rank=s.max_lora_rank,
+                           base_model_names=tuple(s.aliases))
     # Handler threads wait in the fair scheduler, one per model with work in flight.
-    server, port = create_server(args.listen, max_workers=256)
-    trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(engine, advertise_host=args.advertise_host), server)
+    server, port = create_server(s.listen, max_workers=256)
+    trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(engine, advertise_host=s.advertise_host), server)
     serve_until_signal(server, port, "trainer")

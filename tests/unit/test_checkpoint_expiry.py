@@ -5,7 +5,7 @@ import datetime
 from sqlalchemy import select
 
 from gateway.db import CheckpointRow, Database, now
-from gateway.registry import delete_expired_checkpoints
+from gateway.checkpoints import delete_expired_checkpoints
 
 
 def test_expired_checkpoints_go_others_stay(tmp_path):

@@ -2,7 +2,7 @@
 
 import pathlib
 
-from tinkerd import codegen
+from harness import codegen
 
 
 def test_generated_stubs_are_current(tmp_path):
@@ -13,7 +13,7 @@ def test_generated_stubs_are_current(tmp_path):
         committed = codegen.REPO_ROOT / path.relative_to(tmp_path)
         if not committed.exists() or committed.read_bytes() != path.read_bytes():
             stale.append(str(committed.relative_to(codegen.REPO_ROOT)))
-    assert not stale, f"stale stubs (run `python -m tinkerd.codegen`): {stale}"
+    assert not stale, f"stale stubs (run `python -m harness.codegen`): {stale}"
 
 
 def test_stubs_import_as_a_package():

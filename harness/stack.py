@@ -28,7 +28,7 @@ def running_stack(model_dir: str, state, *extra_args: str):
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tinkerd.cli", "up", "--base-model", model_dir, "--port", "0",
+        [sys.executable, "-m", "launcher.cli", "up", "--base-model", model_dir, "--port", "0",
          "--state-dir", str(state), *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = None

@@ -3,7 +3,7 @@
 `proto/tinkerd/v1/*.proto` becomes `tinkerd/v1/*_pb2*.py`, and `proto/gateway/*.proto`
 becomes `gateway/*_pb2.py`, so generated imports (`from tinkerd.v1 import common_pb2`) are
 plain absolute package imports. The stubs are committed; tests/unit/test_codegen.py fails
-when they are stale. Run: `python -m tinkerd.codegen`.
+when they are stale. Run: `python -m harness.codegen`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Our tinker wire schema (proto/gateway/tinker_wire.proto) agrees with the SDK's own, field by
+"""gateway/convert.py: our tinker wire schema (proto/gateway/tinker_wire.proto) agrees with the SDK's own, field by
 field, and the gateway's encoders produce what the SDK's decoders read."""
 
 import numpy as np
 import pytest
 
 from gateway import tinker_wire_pb2 as ours
-from gateway import wire
+from gateway import convert
 from tinkerd.v1 import sampler_pb2, trainer_pb2
 
 sdk = pytest.importorskip("tinker.proto.tinker_public_pb2")
@@ -32,7 +32,7 @@ def test_forward_backward_output_decodes_in_the_sdk():
     reply = trainer_pb2.ForwardBackwardResponse(metrics={"loss:sum": 3.5})
     for n in (3, 5):
         reply.outputs.add(outputs={"logprobs": from_numpy(-np.arange(n, dtype=np.float32))})
-    out = deserialize_forward_backward_output(wire.forward_backward_output(reply))
+    out = deserialize_forward_backward_output(convert.forward_backward_output(reply))
     assert [o["logprobs"].to_numpy().tolist() for o in out.loss_fn_outputs] == [[0, -1, -2], [0, -1, -2, -3, -4]]
     assert out.metrics["loss:sum"] == 3.5
 
@@ -43,7 +43,7 @@ def test_sample_response_decodes_in_the_sdk():
     reply = sampler_pb2.SampleResponse(prompt_logprobs=[float("nan"), -1.0, -2.0])
     seq = reply.sequences.add(tokens=[4, 5], logprobs=[-0.5, -0.25], stop_reason=sampler_pb2.STOP_REASON_LENGTH)
     seq.topk_logprobs.CopyFrom(sampler_pb2.TopkLogprobs(k=2, token_ids=[4, 7, 5, 0], logprobs=[-0.5, -1.0, -0.25, -99999.0]))
-    out = deserialize_sample_response(wire.sample_response(reply))
+    out = deserialize_sample_response(convert.sample_response(reply))
     assert out.prompt_logprobs[0] is None and out.prompt_logprobs[1:] == [-1.0, -2.0]
     assert out.sequences[0].tokens == [4, 5] and out.sequences[0].stop_reason == "length"
     assert out.sequences[0].logprobs == [-0.5, -0.25]
@@ -58,8 +58,10 @@ def test_sparse_csr_inputs_are_densified():
     t.sparse_csr.values = np.array([0.5, 2.0], dtype="<f4").tobytes()
     t.sparse_csr.crow_indices = np.array([0, 1, 2], dtype="<i8").tobytes()
     t.sparse_csr.col_indices = np.array([2, 0], dtype="<i8").tobytes()
-    msg, spans = wire.forward_backward_request(req.SerializeToString())
+    fb = convert.forward_backward(req.SerializeToString())
+    assert fb.data[0].inputs["weights"].tolist() == [[0, 0, 0.5], [2.0, 0, 0]]
+    assert fb.data[0].tokens == [1, 2]
     from tinkerd.tensors import to_numpy
-    dense = to_numpy(msg.data[0].loss_fn_inputs["weights"])
-    assert dense.tolist() == [[0, 0, 0.5], [2.0, 0, 0]]
+    msg = convert.trainer_request(fb)
+    assert to_numpy(msg.data[0].loss_fn_inputs["weights"]).tolist() == [[0, 0, 0.5], [2.0, 0, 0]]
     assert list(msg.data[0].tokens) == [1, 2]

@@ -1,0 +1,131 @@
+"""Checkpoints: their tinker:// paths, where their files live, what the registry shows of them,
+expiry, and copies.
+
+A training run is a model (`{session_id}:train:{n}`); its checkpoints are database rows with
+their files on disk: `weights/<name>` (PEFT adapter + optimizer state, from save_state),
+`sampler_weights/<name>` (the adapter a sampler serves), `external_weights/<name>` (files the
+gateway serves over plain GET). Checkpoint ids contain a slash, run ids colons.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import shutil
+
+from sqlalchemy import select
+
+from gateway import protocol
+from gateway.db import CheckpointRow, Database, ModelRow, aware, now
+from tinkerd.errors import UserError
+from tinkerd.paths import dir_name
+
+log = logging.getLogger(__name__)
+
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
+
+
+def checkpoint_name(name: str | None) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
+    return name
+
+
+def tinker_path(run_id: str, kind: str, name: str) -> str:
+    return f"tinker://{run_id}/{kind}/{name}"
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """tinker://<run>/<kind>/<name> -> (run, kind, name); a user error if it is not one."""
+    if not isinstance(path, str) or not path.startswith("tinker://"):
+        raise UserError(f"{path!r} is not a tinker:// path")
+    parts = path[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in KINDS or not parts[0] or not parts[2]:
+        raise UserError(f"{path!r} is not a checkpoint path (tinker://<run>/<weights|sampler_weights|"
+                        f"external_weights>/<name>)")
+    return parts[0], parts[1], parts[2]
+
+
+def checkpoint_dir(state_dir: str, model_id: str, kind: str, name: str) -> str:
+    return os.path.join(state_dir, "checkpoints", dir_name(model_id), kind, name)
+
+
+def expires(ttl_seconds: int | None) -> datetime.datetime | None:
+    if ttl_seconds is None:
+        return None
+    if ttl_seconds <= 0:
+        raise UserError(f"ttl_seconds must be positive, got {ttl_seconds}")
+    return now() + datetime.timedelta(seconds=ttl_seconds)
+
+
+def iso(t: datetime.datetime | None) -> str | None:
+    return None if t is None else aware(t).isoformat()
+
+
+def checkpoint_json(row: CheckpointRow) -> protocol.Checkpoint:
+    return protocol.Checkpoint(
+        checkpoint_id=row.checkpoint_id, checkpoint_type=row.checkpoint_type, time=iso(row.created_at),
+        tinker_path=row.tinker_path, size_bytes=row.size_bytes, public=bool(row.public),
+        user_metadata=row.user_metadata or None, expires_at=iso(row.expires_at))
+
+
+def last_checkpoint(db: Database, run_id: str, checkpoint_type: str) -> protocol.Checkpoint | None:
+    rows = db.select(select(CheckpointRow).where(CheckpointRow.model_id == run_id,
+                                                 CheckpointRow.checkpoint_type == checkpoint_type)
+                     .order_by(CheckpointRow.created_at.desc()).limit(1))
+    return checkpoint_json(rows[0]) if rows else None
+
+
+def run_json(db: Database, row: ModelRow) -> protocol.TrainingRun:
+    return protocol.TrainingRun(
+        training_run_id=row.model_id, base_model=row.base_model, model_owner=row.session_id,
+        lora_rank=row.lora_rank, last_request_time=iso(row.last_request_time),
+        last_checkpoint=last_checkpoint(db, row.model_id, "training"),
+        last_sampler_checkpoint=last_checkpoint(db, row.model_id, "sampler"))
+
+
+def delete_checkpoint_files(row: CheckpointRow) -> None:
+    for path in {row.directory, row.snapshot_path} - {""}:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def delete_expired_checkpoints(db: Database) -> int:
+    """Checkpoints past their ttl: rows and files go. Run by the gateway's housekeeping loop."""
+    expired = db.select(select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None),
+                                                    CheckpointRow.expires_at < now()))
+    for row in expired:
+        db.delete(CheckpointRow, row.tinker_path)
+        delete_checkpoint_files(row)
+        log.info("deleted expired checkpoint %s", row.tinker_path)
+    return len(expired)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)            # shares the bytes; deleting either side leaves the other intact
+    except OSError:
+        shutil.copy2(src, dst)       # another filesystem
+
+
+def copy_checkpoint(db: Database, state_dir: str, source: CheckpointRow, run_id: str, session_id: str,
+                    ttl_seconds: int | None) -> str:
+    """A copy of `source` as the only checkpoint of a new training run `run_id` that cannot be
+    trained on (it has no model on the trainer). Files are hard links. Returns its tinker path."""
+    source_run = db.get(ModelRow, source.model_id)
+    kind, name = source.checkpoint_id.split("/", 1)
+    directory = checkpoint_dir(state_dir, run_id, kind, name)
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(source.directory, directory, copy_function=_link_or_copy)
+    db.add(ModelRow(model_id=run_id, session_id=session_id, base_model=source_run.base_model,
+                    lora_rank=source_run.lora_rank, resident=False,
+                    lora_config={**(source_run.lora_config or {}), "copied_from": source.tinker_path}))
+    path = tinker_path(run_id, kind, name)
+    db.add(CheckpointRow(tinker_path=path, model_id=run_id, checkpoint_type=source.checkpoint_type,
+                         name=name, snapshot_id=source.snapshot_id,
+                         snapshot_path=directory if source.snapshot_path else "", directory=directory,
+                         size_bytes=source.size_bytes, expires_at=expires(ttl_seconds)))
+    log.info("copied %s to %s", source.tinker_path, path)
+    return path

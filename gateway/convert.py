@@ -1,0 +1,214 @@
+"""REST <-> gRPC: the one module that knows both the Tinker SDK's bodies and our gRPC messages.
+
+In: the SDK's JSON bodies (as gateway/protocol.py models) and its binary forward_backward body
+(application/x-protobuf, maybe zstd) become tinkerd.v1 requests. Out: trainer and sampler
+replies become the SDK's binary results. What the SDK can send but we cannot serve (images,
+audio) is refused here with a user error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gateway import protocol
+from gateway import tinker_wire_pb2 as tw
+from gateway.stability import Span
+from tinkerd.errors import UserError
+from tinkerd.tensors import from_numpy, to_numpy
+from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
+
+DEFAULT_MAX_TOKENS = 128
+_Stop = sampler_pb2.SamplingParams.StopMode
+_NP = {tw.DTYPE_FLOAT32: np.dtype("<f4"), tw.DTYPE_INT64: np.dtype("<i8"), tw.DTYPE_INT32: np.dtype("<i4")}
+
+
+def decompress(body: bytes, content_encoding: str | None) -> bytes:
+    if content_encoding and "zstd" in content_encoding.lower():
+        import zstandard
+        return zstandard.ZstdDecompressor().decompressobj().decompress(body)
+    return body
+
+
+# ---- forward_backward: SDK protobuf -> arrays -> trainer request ---------------------------
+
+@dataclasses.dataclass
+class DatumArrays:
+    tokens: list[int]
+    inputs: dict[str, np.ndarray]      # loss_fn_inputs, dense
+    spans: list[Span]                  # loss_fn_input_spans (provenance); empty where none sent
+
+
+@dataclasses.dataclass
+class ForwardBackward:
+    """A decoded forward_backward body: the arrays are edited in place (stable_reinforce puts
+    the sampler's logprobs in) before trainer_request() encodes them once."""
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    forward_only: bool
+    data: list[DatumArrays]
+
+
+def forward_backward(body: bytes) -> ForwardBackward:
+    msg = tw.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        raise UserError(f"the forward_backward body is not a valid ForwardBackwardRequest: {e}") from None
+    config = dict(msg.loss_fn_config)
+    for key, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "number":
+            config[key] = value.number
+    return ForwardBackward(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only,
+                           [_datum(d, i) for i, d in enumerate(msg.data)])
+
+
+def _datum(datum: tw.Datum, i: int) -> DatumArrays:
+    tokens: list[int] = []
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise UserError(f"datum {i}: {kind} inputs are not supported by this server (text only)")
+        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
+    inputs = {key: _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]") for key, t in datum.loss_fn_inputs.items()}
+    return DatumArrays(tokens, inputs, [_span(p) for p in datum.loss_fn_input_spans])
+
+
+def _values(t: tw.Tensor, where: str) -> np.ndarray:
+    raw = t.dense if t.HasField("dense") else t.sparse_csr.values
+    if t.dtype == tw.DTYPE_BFLOAT16:      # numpy has no bfloat16: widen to float32
+        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    if t.dtype in _NP:
+        return np.frombuffer(raw, dtype=_NP[t.dtype])
+    raise UserError(f"{where}: unsupported dtype {tw.DType.Name(t.dtype)}")
+
+
+def _tensor(t: tw.Tensor, where: str) -> np.ndarray:
+    values, shape = _values(t, where), tuple(t.shape)
+    if t.HasField("sparse_csr"):
+        return _densify(t.sparse_csr, values, shape, where)
+    if not shape:
+        shape = (values.size,)
+    if int(np.prod(shape)) != values.size:
+        raise UserError(f"{where}: {values.size} values do not fill shape {list(shape)}")
+    return values.reshape(shape)
+
+
+def _densify(csr: tw.SparseCsr, values: np.ndarray, shape: tuple, where: str) -> np.ndarray:
+    if len(shape) != 2:
+        raise UserError(f"{where}: a sparse tensor needs a 2-D shape, got {list(shape)}")
+    crow = np.frombuffer(csr.crow_indices, dtype="<i8")
+    col = np.frombuffer(csr.col_indices, dtype="<i8")
+    if len(crow) != shape[0] + 1 or len(col) != len(values) or (len(col) and col.max() >= shape[1]):
+        raise UserError(f"{where}: malformed sparse CSR tensor")
+    dense = np.zeros(shape, dtype=values.dtype)
+    dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values
+    return dense
+
+
+def _span(p: tw.ProvenanceSpan) -> Span:
+    kind = p.WhichOneof("span")
+    arm = p.sampled_tokens if kind == "sampled_tokens" else p.prompt_tokens
+    if arm.length < 0 or arm.offset < 0:
+        raise UserError(f"provenance span with negative offset or length: {arm}")
+    return Span(sampled=kind == "sampled_tokens", sequence_id=arm.sequence_id, offset=arm.offset, length=arm.length)
+
+
+def trainer_request(fb: ForwardBackward) -> trainer_pb2.ForwardBackwardRequest:
+    out = trainer_pb2.ForwardBackwardRequest(model_id=fb.model_id, seq_id=fb.seq_id, loss_fn=fb.loss_fn,
+                                             loss_fn_config=fb.loss_fn_config, forward_only=fb.forward_only)
+    for datum in fb.data:
+        d = out.data.add(tokens=datum.tokens)
+        for key, array in datum.inputs.items():
+            d.loss_fn_inputs[key].CopyFrom(from_numpy(array))
+    return out
+
+
+def forward_backward_output(reply: trainer_pb2.ForwardBackwardResponse) -> bytes:
+    out = tw.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=dict(reply.metrics))
+    record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(reply.outputs))
+    keys = sorted(reply.outputs[0].outputs) if reply.outputs else []
+    for key in keys:
+        arrays = [to_numpy(o.outputs[key]).astype("<f4") for o in reply.outputs]
+        sizes = np.array([0] + [a.nbytes for a in arrays], dtype="<i8")
+        record.fields[key].CopyFrom(tw.BatchedTensor(
+            data=b"".join(a.tobytes() for a in arrays), offsets=np.cumsum(sizes).astype("<i8").tobytes(),
+            dtype=tw.DTYPE_FLOAT32, trailing_shape=list(arrays[0].shape[1:])))
+    return out.SerializeToString()
+
+
+# ---- training JSON bodies -> trainer requests ----------------------------------------------
+
+def lora_config(lora: protocol.LoraConfig) -> common_pb2.LoraConfig:
+    return common_pb2.LoraConfig(rank=lora.rank, seed=lora.seed, train_attn=lora.train_attn,
+                                 train_mlp=lora.train_mlp, train_unembed=lora.train_unembed)
+
+
+def adam_params(p: protocol.AdamParams) -> common_pb2.AdamParams:
+    if p.type not in ("adam", "adamw"):
+        raise UserError(f"optimizer {p.type!r} is not supported; use Adam")
+    return common_pb2.AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
+                                 weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
+
+
+# ---- sampling: JSON body -> sampler request; sampler reply -> SDK protobuf -------------------
+
+def sample_request(body: protocol.SampleRequest, snapshot_id: str, snapshot_path: str) -> sampler_pb2.SampleRequest:
+    if body.prompt_alt_tokens_k > 0:
+        raise UserError("prompt_alt_tokens_k is not supported by this server")
+    return sampler_pb2.SampleRequest(
+        snapshot_id=snapshot_id, snapshot_path=snapshot_path, prompt_tokens=prompt_tokens(body.prompt),
+        num_samples=body.num_samples, params=sampling_params(body.sampling_params),
+        prompt_logprobs=body.prompt_logprobs, topk_prompt_logprobs=body.topk_prompt_logprobs,
+        prompt_logprobs_last_n=body.prompt_logprobs_last_n, topk_sample_logprobs=body.topk_sample_logprobs)
+
+
+def prompt_tokens(prompt: protocol.ModelInput) -> list[int]:
+    tokens: list[int] = []
+    for chunk in prompt.chunks:
+        if chunk.type != "encoded_text":
+            raise UserError(f"{chunk.type} prompt chunks are not supported by this server (text only)")
+        tokens.extend(chunk.tokens)
+    return tokens
+
+
+def sampling_params(p: protocol.SamplingParams) -> sampler_pb2.SamplingParams:
+    out = sampler_pb2.SamplingParams(max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS, temperature=p.temperature,
+                                     top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+    stop = p.stop
+    if stop is None:
+        out.stop_mode = _Stop.STOP_MODE_DEFAULT
+    elif isinstance(stop, str):
+        out.stop_mode, out.stop_strings[:] = _Stop.STOP_MODE_STRINGS, [stop]
+    elif len(stop) == 0:
+        out.stop_mode = _Stop.STOP_MODE_NONE
+    elif all(isinstance(s, str) for s in stop):
+        out.stop_mode, out.stop_strings[:] = _Stop.STOP_MODE_STRINGS, stop
+    else:
+        out.stop_mode, out.stop_token_ids[:] = _Stop.STOP_MODE_TOKENS, stop
+    return out
+
+
+def _topk(src: sampler_pb2.TopkLogprobs) -> tw.TopkLogprobs:
+    return tw.TopkLogprobs(token_ids=np.asarray(src.token_ids, dtype="<i4").tobytes(),
+                           logprobs=np.asarray(src.logprobs, dtype="<f4").tobytes(),
+                           k=src.k, length=len(src.token_ids) // max(src.k, 1))
+
+
+def sample_response(reply: sampler_pb2.SampleResponse) -> bytes:
+    out = tw.SampleResponse()
+    for seq in reply.sequences:
+        s = out.sequences.add(stop_reason=(tw.STOP_REASON_LENGTH if seq.stop_reason == sampler_pb2.STOP_REASON_LENGTH
+                                           else tw.STOP_REASON_STOP),
+                              tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+                              logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes())
+        if seq.HasField("topk_logprobs"):
+            s.topk_sampled_logprobs.CopyFrom(_topk(seq.topk_logprobs))
+    if len(reply.prompt_logprobs):
+        out.prompt_logprobs = np.asarray(reply.prompt_logprobs, dtype="<f4").tobytes()
+    if reply.HasField("topk_prompt_logprobs"):
+        out.topk_prompt_logprobs.CopyFrom(_topk(reply.topk_prompt_logprobs))
+    return out.SerializeToString()

@@ -1,0 +1,51 @@
+"""Errors as the SDK reads them: the Tinker error body `{"error", "category"}` is built here and
+nowhere else, with the category taken from tinkerd/errors.py's one table."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from tinkerd.errors import NotFoundError, UserError, category_for_http
+
+
+def error_body(message: str, category: str) -> dict:
+    return {"error": message, "category": category, "detail": message}
+
+
+def error_json(message: str, category: str) -> bytes:
+    """A failed future's stored result."""
+    return json.dumps(error_body(message, category)).encode()
+
+
+def error_response(message: str, status: int = 400, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, category_for_http(status)), status_code=status, headers=headers)
+
+
+def _field_errors(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+async def _on_user_error(request: Request, exc: UserError) -> JSONResponse:
+    return error_response(str(exc), 404 if isinstance(exc, NotFoundError) else 400)
+
+
+async def _on_invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(f"invalid request: {_field_errors(exc)}")
+
+
+async def _on_bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+    return error_response(f"the request body is not valid JSON: {exc}")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(UserError, _on_user_error)
+    app.add_exception_handler(RequestValidationError, _on_invalid_body)
+    app.add_exception_handler(json.JSONDecodeError, _on_bad_json)

@@ -1,0 +1,72 @@
+"""What the gateway does on its own: unloading the models of sessions that stopped
+heart-beating, releasing the models of closed sessions, expiring checkpoints and records."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import shutil
+
+import grpc
+from sqlalchemy import select
+
+from gateway.checkpoints import delete_expired_checkpoints
+from gateway.db import ModelRow, now
+from gateway.state import Gateway
+from tinkerd.paths import dir_name
+from tinkerd.v1 import trainer_pb2
+
+log = logging.getLogger(__name__)
+
+
+def unloaded_dir(gw: Gateway, model_id: str) -> str:
+    """Where an unloaded model's state waits for its next use."""
+    return os.path.join(gw.settings.state_dir, "unloaded", dir_name(model_id))
+
+
+async def unload_lapsed_models(gw: Gateway) -> list[str]:
+    """Unloads the models of sessions that stopped heart-beating; returns their ids."""
+    cutoff = now() - datetime.timedelta(seconds=gw.settings.session_timeout_s)
+    unloaded = []
+    for model_id in gw.db.models_of_lapsed_sessions(cutoff):
+        request = trainer_pb2.UnloadModelRequest(model_id=model_id, directory=unloaded_dir(gw, model_id))
+        try:
+            await gw.trainer.UnloadModel(request)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("could not unload %s: %s", model_id, e.details())
+                continue
+        gw.db.touch(ModelRow, model_id, resident=False)
+        unloaded.append(model_id)
+    if unloaded:
+        log.info("unloaded %d models of lapsed sessions: %s", len(unloaded), unloaded)
+    return unloaded
+
+
+async def release_models(gw: Gateway, session_id: str) -> None:
+    """After a session closes: once each model's queued requests have run, free it on the trainer."""
+    for model_id in gw.db.select(select(ModelRow.model_id).where(ModelRow.session_id == session_id)):
+        await gw.futures.drained(model_id)
+        try:
+            await gw.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=model_id))
+        except grpc.aio.AioRpcError as e:
+            log.warning("could not release %s: %s", model_id, e.details())
+            continue
+        gw.futures.forget_runner(model_id)
+        shutil.rmtree(unloaded_dir(gw, model_id), ignore_errors=True)
+        gw.db.touch(ModelRow, model_id, resident=False)
+    log.info("session %s closed; its models are released", session_id)
+
+
+async def run_forever(gw: Gateway) -> None:
+    interval = min(max(gw.settings.session_timeout_s / 4, 0.5), 30.0)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await unload_lapsed_models(gw)
+            delete_expired_checkpoints(gw.db)
+            gw.stability.expire()
+        except Exception:  # noqa: BLE001 - housekeeping must outlive one bad pass
+            log.exception("housekeeping failed")

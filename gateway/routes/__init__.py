@@ -1,0 +1,6 @@
+"""The Tinker REST API, one module per concern; gateway/app.py mounts every ROUTERS entry."""
+
+from gateway.routes import checkpoints, files, futures, sampling, service, sessions, training, weights
+
+ROUTERS = [service.router, sessions.router, training.router, weights.router, sampling.router,
+           futures.router, checkpoints.router, files.router]

@@ -1,0 +1,38 @@
+"""Client sessions: create, heartbeat, close (ServiceClient.close frees the session's models)."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter
+
+from gateway import housekeeping
+from gateway.db import SessionRow, now
+from gateway.errors import error_response
+from gateway.protocol import CreateSessionRequest, CreateSessionResponse, SessionHeartbeatRequest
+from gateway.state import GatewayDep
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/create_session")
+async def create_session(body: CreateSessionRequest, gw: GatewayDep) -> CreateSessionResponse:
+    session_id = f"sess-{uuid.uuid4().hex[:12]}"
+    gw.db.add(SessionRow(session_id=session_id, tags=body.tags, user_metadata=body.user_metadata))
+    return CreateSessionResponse(session_id=session_id)
+
+
+@router.post("/session_heartbeat")
+async def heartbeat(body: SessionHeartbeatRequest, gw: GatewayDep):
+    if body.session_id in gw.sessions.closed:      # 410 stops the SDK's heartbeats
+        return error_response(f"session {body.session_id} was closed", 410)
+    if not gw.db.touch(SessionRow, body.session_id, last_heartbeat=now()):
+        return error_response("unknown session", 404)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, gw: GatewayDep) -> dict:
+    if gw.sessions.close(session_id):
+        gw.in_background(housekeeping.release_models(gw, session_id))
+    return {}

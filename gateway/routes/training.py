@@ -1,0 +1,83 @@
+"""Training a model: create, get_info, forward_backward (forward), optim_step. Each call that
+does work is a future run in the model's seq_id order (gateway/futures.py)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from fastapi import APIRouter, Request
+
+from gateway import convert
+from gateway.db import ModelRow
+from gateway.futures import json_body
+from gateway.protocol import (CreateModelRequest, FutureResponse, GetInfoResponse, ModelData, ModelIdRequest,
+                              OptimStepRequest)
+from gateway.state import Gateway, GatewayDep
+from tinkerd.errors import UserError
+from tinkerd.v1 import trainer_pb2
+
+router = APIRouter(prefix="/api/v1")
+
+
+def supported_base_model(gw: Gateway, name: str | None) -> str:
+    if name not in gw.settings.model_names:
+        raise UserError(f"base model {name!r} is not supported; this server serves {gw.settings.model_names}")
+    return name
+
+
+@router.post("/create_model")
+async def create_model(body: CreateModelRequest, gw: GatewayDep) -> FutureResponse:
+    session_id = gw.sessions.open(body.session_id)
+    base = supported_base_model(gw, body.base_model)
+    model_id = f"{session_id}:train:{body.model_seq_id}"
+    msg = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=gw.settings.base_model,
+                                         lora_config=convert.lora_config(body.lora_config))
+    if gw.db.get(ModelRow, model_id) is None:
+        gw.db.add(ModelRow(model_id=model_id, session_id=session_id, base_model=base,
+                           lora_rank=body.lora_config.rank, lora_config=body.lora_config.model_dump(exclude_none=True)))
+    return gw.submit_training("create_model", model_id, 0, functools.partial(_create_model, gw, msg))
+
+
+async def _create_model(gw: Gateway, msg: trainer_pb2.CreateModelRequest):
+    await gw.trainer.CreateModel(msg)
+    return json_body({"model_id": msg.model_id, "type": "create_model"})
+
+
+@router.post("/get_info")
+async def get_info(body: ModelIdRequest, gw: GatewayDep) -> GetInfoResponse:
+    row = gw.sessions.model(body.model_id)
+    return GetInfoResponse(model_id=row.model_id, lora_rank=row.lora_rank, model_name=row.base_model,
+                           model_data=ModelData(arch="llama", model_name=row.base_model,
+                                                tokenizer_id=os.path.abspath(gw.settings.base_model)))
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, gw: GatewayDep) -> FutureResponse:
+    """The SDK's protobuf body (maybe zstd); stable_reinforce gets the sampler's recorded logprobs."""
+    if "json" in request.headers.get("content-type", ""):
+        raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
+    fb = convert.forward_backward(convert.decompress(await request.body(), request.headers.get("content-encoding")))
+    model = gw.sessions.live_model(fb.model_id)
+    if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
+        gw.stability.apply(fb, model.session_id)
+    kind = "forward" if fb.forward_only else "forward_backward"
+    job = functools.partial(_forward_backward, gw, convert.trainer_request(fb))
+    return gw.submit_training(kind, fb.model_id, fb.seq_id, job)
+
+
+async def _forward_backward(gw: Gateway, msg: trainer_pb2.ForwardBackwardRequest):
+    return "application/x-protobuf", convert.forward_backward_output(await gw.trainer.ForwardBackward(msg))
+
+
+@router.post("/optim_step")
+async def optim_step(body: OptimStepRequest, gw: GatewayDep) -> FutureResponse:
+    gw.sessions.live_model(body.model_id)
+    msg = trainer_pb2.OptimStepRequest(model_id=body.model_id, seq_id=body.seq_id,
+                                       adam_params=convert.adam_params(body.params))
+    return gw.submit_training("optim_step", body.model_id, body.seq_id, functools.partial(_optim_step, gw, msg))
+
+
+async def _optim_step(gw: Gateway, msg: trainer_pb2.OptimStepRequest):
+    reply = await gw.trainer.OptimStep(msg)
+    return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})

@@ -1,0 +1,128 @@
+"""A model's weights in and out: snapshots for samplers (ephemeral or named), save_state
+(adapter + optimizer), external files, and loading a saved state into a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import uuid
+
+from fastapi import APIRouter
+
+from gateway import checkpoints
+from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, now
+from gateway.futures import json_body
+from gateway.protocol import FutureResponse, LoadWeightsRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest
+from gateway.state import Gateway, GatewayDep
+from tinkerd.errors import UserError
+from tinkerd.v1 import trainer_pb2
+
+router = APIRouter(prefix="/api/v1")
+
+
+@dataclasses.dataclass
+class _SnapshotTarget:
+    """Where a pushed snapshot is recorded once the samplers hold it: a named sampler checkpoint
+    (`path`), or an ephemeral sampling session."""
+    model: ModelRow
+    path: str | None
+    sampling_session_id: str | None
+    expires_at: object
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, gw: GatewayDep) -> FutureResponse:
+    model = gw.sessions.live_model(body.model_id)
+    target = _SnapshotTarget(model, None, None, checkpoints.expires(body.ttl_seconds))
+    if body.path is not None:
+        name = checkpoints.checkpoint_name(body.path)
+        target.path = checkpoints.tinker_path(body.model_id, "sampler_weights", name)
+        if gw.db.get(CheckpointRow, target.path) is not None:
+            raise UserError(f"checkpoint {target.path} already exists")
+    else:
+        target.sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
+    push = trainer_pb2.PushWeightsRequest(
+        model_id=body.model_id, seq_id=body.seq_id, snapshot_id=f"{body.model_id}@{body.seq_id}-{uuid.uuid4().hex[:8]}",
+        sampler_addresses=gw.settings.samplers, persist_dir=gw.snapshots_dir)
+    job = functools.partial(_push_weights, gw, push, target)
+    return gw.submit_training("save_weights_for_sampler", body.model_id, body.seq_id, job)
+
+
+async def _push_weights(gw: Gateway, push: trainer_pb2.PushWeightsRequest, target: _SnapshotTarget):
+    pushed = await gw.trainer.PushWeights(push)
+    if target.path is not None:
+        gw.db.add(CheckpointRow(tinker_path=target.path, model_id=push.model_id, checkpoint_type="sampler",
+                                name=target.path.rsplit("/", 1)[1], snapshot_id=push.snapshot_id,
+                                snapshot_path=pushed.persisted_path, directory=pushed.persisted_path,
+                                size_bytes=pushed.num_bytes, expires_at=target.expires_at))
+    else:
+        gw.db.add(SamplingSessionRow(sampling_session_id=target.sampling_session_id,
+                                     session_id=target.model.session_id, base_model=target.model.base_model,
+                                     snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path))
+    return json_body({"path": target.path, "sampling_session_id": target.sampling_session_id,
+                      "type": "save_weights_for_sampler"})
+
+
+@router.post("/save_weights")
+async def save_weights(body: SaveWeightsRequest, gw: GatewayDep) -> FutureResponse:
+    return _save_state(gw, body, "weights", with_optimizer=True, response_type="save_weights")
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(body: SaveWeightsRequest, gw: GatewayDep) -> FutureResponse:
+    return _save_state(gw, body, "external_weights", with_optimizer=False, response_type="save_weights_external")
+
+
+def _save_state(gw: Gateway, body: SaveWeightsRequest, kind: str, *, with_optimizer: bool,
+                response_type: str) -> FutureResponse:
+    gw.sessions.live_model(body.model_id)
+    name = checkpoints.checkpoint_name(body.path)
+    path = checkpoints.tinker_path(body.model_id, kind, name)
+    if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
+        raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
+    directory = checkpoints.checkpoint_dir(gw.settings.state_dir, body.model_id, kind, name)
+    row = CheckpointRow(tinker_path=path, model_id=body.model_id, name=name, directory=directory,
+                        checkpoint_type=checkpoints.KINDS[kind], expires_at=checkpoints.expires(body.ttl_seconds),
+                        user_metadata=body.user_metadata)
+    save = trainer_pb2.SaveStateRequest(model_id=body.model_id, seq_id=body.seq_id, directory=directory,
+                                        with_optimizer=with_optimizer)
+    job = functools.partial(_save, gw, save, row, response_type)
+    return gw.submit_training(f"save_{kind}", body.model_id, body.seq_id, job)
+
+
+async def _save(gw: Gateway, save: trainer_pb2.SaveStateRequest, row: CheckpointRow, response_type: str):
+    saved = await gw.trainer.SaveState(save)
+    row.size_bytes, row.created_at = saved.size_bytes, now()
+    gw.db.put(row)
+    return json_body({"path": row.tinker_path, "type": response_type})
+
+
+@router.post("/load_weights")
+async def load_weights(body: LoadWeightsRequest, gw: GatewayDep) -> FutureResponse:
+    """Create-via-load ({session_id, model_seq_id}) or load into an existing model (legacy)."""
+    source_run, kind, _ = checkpoints.parse_tinker_path(body.path)
+    ckpt = gw.db.get(CheckpointRow, body.path)
+    if ckpt is None or kind != "weights":
+        raise UserError(f"unknown training checkpoint {body.path!r}: load_weights takes a "
+                        f"tinker://<run>/weights/<name> path from save_state")
+    source = gw.sessions.model(source_run)
+    if body.model_id:
+        model_id, seq_id = body.model_id, body.seq_id
+        gw.sessions.live_model(model_id)
+    else:
+        session_id = gw.sessions.open(body.session_id)
+        model_id, seq_id = f"{session_id}:train:{body.model_seq_id}", 0
+        if gw.db.get(ModelRow, model_id) is None:
+            lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
+            gw.db.add(ModelRow(model_id=model_id, session_id=session_id, base_model=source.base_model,
+                               lora_rank=source.lora_rank, lora_config=lora))
+    create = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=gw.settings.base_model,
+                                            load_from=ckpt.directory, load_optimizer=body.optimizer)
+    return gw.submit_training("load_weights", model_id, seq_id, functools.partial(_load, gw, create, seq_id, body.path))
+
+
+async def _load(gw: Gateway, create: trainer_pb2.CreateModelRequest, seq_id: int, path: str):
+    if seq_id > 0:     # legacy: replace the existing model's state
+        await gw.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=create.model_id))
+    await gw.trainer.CreateModel(create)
+    return json_body({"path": path, "model_id": create.model_id, "type": "load_weights"})

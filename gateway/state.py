@@ -1,0 +1,72 @@
+"""The gateway's runtime parts, made once per process and reached by every route through the
+`GatewayDep` dependency (routes are plain module-level functions, not closures)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from gateway import protocol
+from gateway.backends import Backends
+from gateway.db import Database, ModelRow, aware, now
+from gateway.futures import Futures, Job
+from gateway.sessions import Sessions
+from gateway.settings import GatewaySettings
+from gateway.stability import StabilityRecords
+
+# A model's last_request_time is written at most this often (one write per request is too many).
+_REQUEST_TIME_RESOLUTION_S = 5.0
+
+
+@dataclasses.dataclass
+class Gateway:
+    settings: GatewaySettings
+    db: Database
+    sessions: Sessions
+    futures: Futures
+    stability: StabilityRecords
+    backends: Backends | None = None          # made on startup, inside the event loop
+    background: set[asyncio.Task] = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def create(cls, settings: GatewaySettings) -> "Gateway":
+        os.makedirs(settings.state_dir, exist_ok=True)
+        db = Database(settings.database_url)
+        return cls(settings, db, Sessions(db), Futures(db), StabilityRecords(ttl_s=settings.stability_ttl_s))
+
+    @property
+    def trainer(self):
+        return self.backends.trainer
+
+    @property
+    def snapshots_dir(self) -> str:
+        return os.path.join(self.settings.state_dir, "snapshots")
+
+    def in_background(self, coroutine) -> None:
+        """Runs a coroutine to completion, holding it (the loop keeps only weak references)."""
+        task = asyncio.create_task(coroutine)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def submit_training(self, kind: str, model_id: str, seq_id: int, job: Job) -> protocol.FutureResponse:
+        """A future for a model's request, run in seq_id order with the model's other requests;
+        a resent (model_id, seq_id) gets the first one back."""
+        row = self.futures.submit(kind, job, idempotency_key=f"{model_id}#{seq_id}", model_id=model_id,
+                                  seq_id=seq_id)
+        model = self.db.get(ModelRow, model_id)
+        stamp = now()
+        if model is not None and (not model.resident or (stamp - aware(model.last_request_time)).total_seconds()
+                                  > _REQUEST_TIME_RESOLUTION_S):
+            self.db.touch(ModelRow, model_id, last_request_time=stamp, resident=True)
+        return protocol.FutureResponse(request_id=row.request_id, model_id=model_id)
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(_gateway)]

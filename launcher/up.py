@@ -1,0 +1,136 @@
+"""`tinkerd up`: trainer, sampler and gateway as separate processes on this machine.
+
+Its flags are the union of the three services' settings (each written once, in the service's
+settings.py), less the addresses that `up` wires itself; each child's command line is derived
+from its settings object, so a flag given to `up` always reaches every service that has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from gateway.settings import GatewaySettings
+from sampler_service.settings import SamplerSettings
+from tinkerd import settings
+from trainer_service.settings import TrainerSettings
+
+CHILDREN = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
+# Settings `up` fills in itself: where the children find each other.
+WIRED = {"trainer": ("listen",), "sampler": ("listen",), "gateway": ("trainer", "samplers")}
+
+
+@dataclasses.dataclass
+class UpSettings:
+    start_timeout: float = settings.setting(600.0, help="seconds the services may take to become ready")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every child's settings once; a setting two services share (base model, dtype, LoRA rank
+    limit) is one flag for both, so its default must agree between them."""
+    added: dict[str, dataclasses.Field] = {}
+    for name, cls in CHILDREN.items():
+        shared = []
+        for field in settings.fields(cls):
+            if field.name in added:
+                other = added[field.name]
+                if settings.default_of(field) != settings.default_of(other):
+                    raise AssertionError(f"{cls.__name__}.{field.name} and the setting of the same name "
+                                         f"elsewhere have different defaults")
+                shared.append(field.name)
+            added.setdefault(field.name, field)
+        settings.add_arguments(parser, cls, skip=(*WIRED[name], *shared))
+    settings.add_arguments(parser, UpSettings)
+
+
+def child_argv(args: argparse.Namespace, name: str, **wiring) -> list[str]:
+    return [name, *settings.to_argv(settings.from_args(CHILDREN[name], args, **wiring))]
+
+
+def _start(name: str, argv: list[str], ready: dict, log_dir: str) -> subprocess.Popen:
+    """Starts `tinkerd <argv>`; a reader thread records the port it prints as READY."""
+    log = open(os.path.join(log_dir, f"{name}.log"), "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=log, start_new_session=True)
+
+    def read():
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            parts = line.decode(errors="replace").split()
+            if len(parts) == 3 and parts[0] == "READY":
+                ready[name] = int(parts[2])
+    threading.Thread(target=read, daemon=True).start()
+    return proc
+
+
+def _wait_ready(procs: dict[str, subprocess.Popen], ready: dict, names: list[str], timeout_s: float,
+                log_dir: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(n in ready for n in names):
+        for n in names:
+            if procs[n].poll() is not None:
+                raise SystemExit(f"tinkerd: {n} exited with code {procs[n].returncode}; see {log_dir}/{n}.log")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"tinkerd: {names} not ready after {timeout_s:.0f} s; see {log_dir}/")
+        time.sleep(0.05)
+
+
+def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str) -> str:
+    """Trainer and sampler start in parallel; the gateway once both answer. Returns its URL."""
+    for name in ("trainer", "sampler"):
+        procs[name] = _start(name, child_argv(args, name), ready, log_dir)
+    _wait_ready(procs, ready, ["trainer", "sampler"], args.start_timeout, log_dir)
+    argv = child_argv(args, "gateway", trainer=f"127.0.0.1:{ready['trainer']}",
+                      samplers=[f"127.0.0.1:{ready['sampler']}"])
+    procs["gateway"] = _start("gateway", argv, ready, log_dir)
+    _wait_ready(procs, ready, ["gateway"], args.start_timeout, log_dir)
+    url = f"http://{args.host}:{ready['gateway']}"
+    with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=10) as r:
+        assert r.status == 200
+    return url
+
+
+def up(args: argparse.Namespace) -> None:
+    t0 = time.monotonic()
+    args.base_model, args.state_dir = os.path.abspath(args.base_model), os.path.abspath(args.state_dir)
+    log_dir = os.path.join(args.state_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    procs: dict[str, subprocess.Popen] = {}
+
+    def stop(*_):
+        _stop_all(procs)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        url = _start_all(args, procs, {}, log_dir)
+        print(f"tinkerd ready at {url} in {time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
+        print(f"TINKER_BASE_URL={url}", flush=True)
+        while True:
+            for name, p in procs.items():
+                if p.poll() is not None:
+                    print(f"tinkerd: {name} exited with code {p.returncode}; stopping", file=sys.stderr)
+                    stop()
+            time.sleep(0.5)
+    except BaseException:
+        stop()

@@ -1,0 +1,20 @@
+"""A sampler replica's settings: the one place their defaults are written (flags derive from here)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tinkerd.settings import setting
+
+
+@dataclasses.dataclass
+class SamplerSettings:
+    base_model: str = setting(help="local directory of the HF base model")
+    listen: str = setting("127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
+    dtype: str = setting("float32", help="vLLM dtype, the trainer's by default (auto = the checkpoint's, "
+                                         "which downcasts fp32 checkpoints to 16-bit: logprobs differ)")
+    max_model_len: int = setting(1024, help="context length: prompt + max_tokens")
+    max_loras: int = setting(4, help="LoRA snapshots active in one batch")
+    max_cpu_loras: int = setting(64, help="LoRA snapshots resident in memory (LRU; evicted ones reload from disk)")
+    max_lora_rank: int = setting(64, help="the largest LoRA rank a snapshot may have")
+    max_num_seqs: int = setting(64, help="sequences in one engine batch")

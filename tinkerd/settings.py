@@ -1,0 +1,100 @@
+"""Settings written once: each service has one dataclass whose fields carry their default and
+help. Its command-line flags, the parsing of them, and the command line `tinkerd up` builds for
+the child process are all derived from that dataclass, so no default is written twice and no
+flag can be forgotten on the way to a child.
+
+    @dataclasses.dataclass
+    class SamplerSettings:
+        base_model: str = setting(help="...")                 # required (no default)
+        max_loras: int = setting(4, help="...")               # --max-loras N
+        aliases: list[str] = setting([], flag="alias", help="...")   # --alias A --alias B
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+_REQUIRED = dataclasses.MISSING
+
+
+def setting(default=_REQUIRED, *, help: str, flag: str | None = None, choices=None):
+    """A settings field. `flag` overrides the flag's name (default: the field name in kebab-case);
+    a list default makes a repeatable flag."""
+    metadata = {"help": help, "flag": flag, "choices": choices}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    return "--" + (field.metadata.get("flag") or field.name).replace("_", "-")
+
+
+def default_of(field: dataclasses.Field):
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def _kind(cls, field: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(cls)[field.name]
+    if typing.get_origin(hint) is list:
+        return list
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of `cls`, except those named in `skip`."""
+    for field in fields(cls):
+        if field.name in skip:
+            continue
+        kind, default = _kind(cls, field), default_of(field)
+        kwargs = {"dest": field.name, "help": field.metadata["help"]}
+        if default is _REQUIRED:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = default
+            if default not in (None, []):
+                kwargs["help"] += f" (default: {default})"
+        if kind is list:
+            kwargs["action"] = "append"      # onto None, not onto the shared default list
+            kwargs["default"] = None
+        elif kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if field.metadata.get("choices"):
+                kwargs["choices"] = field.metadata["choices"]
+        parser.add_argument(flag_name(field), **kwargs)
+
+
+def from_args(cls, args: argparse.Namespace, **overrides):
+    """The settings object from parsed flags; fields without a flag value keep their default, and
+    `overrides` (e.g. how `tinkerd up` wires children together) win."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+    return cls(**{**values, **overrides})
+
+
+def to_argv(settings) -> list[str]:
+    """The flags that reproduce `settings` (every field, defaults included)."""
+    argv: list[str] = []
+    for field in fields(type(settings)):
+        value, name = getattr(settings, field.name), flag_name(field)
+        kind = _kind(type(settings), field)
+        if value is None:
+            continue
+        if kind is list:
+            for item in value:
+                argv += [name, str(item)]
+        elif kind is bool:
+            argv.append(name if value else "--no-" + name[2:])
+        else:
+            argv += [name, str(value)]
+    return argv

@@ -1,0 +1,20 @@
+"""The trainer's settings: the one place their defaults are written (flags derive from here)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tinkerd.settings import setting
+
+
+@dataclasses.dataclass
+class TrainerSettings:
+    base_model: str = setting(help="local directory of the HF base model")
+    aliases: list[str] = setting([], flag="alias", help="another name clients may use for the base model")
+    listen: str = setting("127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
+    advertise_host: str = setting("127.0.0.1", help="host samplers connect to for weight streaming")
+    zero_stage: int = setting(2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
+    dtype: str = setting("float32", choices=["float32", "bfloat16", "float16"],
+                         help="weights dtype of trainer and sampler alike (equal dtypes give equal logprobs; "
+                              "bfloat16 is faster on CPUs with AMX); LoRA weights stay float32")
+    max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
