@@ -1,0 +1,147 @@
+"""The gateway on in-process fake Trainer and Sampler gRPC services (real grpc servers on port 0),
+driven over HTTP in-process (fastapi's TestClient): route logic tested in milliseconds. The fakes
+record every request and answer with simple, predictable values; the real services are tested
+end to end in tests/e2e. Test modules import the `gateway` fixture from here."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import grpc
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from tinkerd.rpc import create_server
+from tinkerd.tensors import from_numpy
+from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+
+class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self):
+        self.requests: list[tuple[str, object]] = []
+
+    def _got(self, name, request):
+        self.requests.append((name, request))
+
+    def of(self, name: str) -> list:
+        return [r for n, r in self.requests if n == name]
+
+    def Health(self, request, context):
+        return common_pb2.HealthResponse(ready=True)
+
+    def CreateModel(self, request, context):
+        self._got("CreateModel", request)
+        if request.lora_config.rank > 64:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoRA rank must be in 1..64")
+        return trainer_pb2.ModelInfo(model_id=request.model_id)
+
+    def DeleteModel(self, request, context):
+        self._got("DeleteModel", request)
+        return trainer_pb2.DeleteModelResponse(deleted=True)
+
+    def ForwardBackward(self, request, context):
+        """logprobs = -token ids / 100, one per input position."""
+        self._got("ForwardBackward", request)
+        outputs = [trainer_pb2.DatumOutput(outputs={"logprobs": from_numpy(-np.asarray(d.tokens, np.float32) / 100)})
+                   for d in request.data]
+        return trainer_pb2.ForwardBackwardResponse(outputs=outputs, metrics={"loss:sum": 1.5})
+
+    def OptimStep(self, request, context):
+        self._got("OptimStep", request)
+        return trainer_pb2.OptimStepResponse(metrics={"step:max": float(len(self.of("OptimStep")))})
+
+    def PushWeights(self, request, context):
+        self._got("PushWeights", request)
+        path = os.path.join(request.persist_dir, request.snapshot_id.replace(":", "_"))
+        return trainer_pb2.PushWeightsResponse(snapshot_id=request.snapshot_id, num_bytes=123, persisted_path=path)
+
+    def SaveState(self, request, context):
+        self._got("SaveState", request)
+        os.makedirs(request.directory, exist_ok=True)
+        with open(os.path.join(request.directory, "adapter_model.safetensors"), "wb") as f:
+            f.write(b"x" * 10)
+        return trainer_pb2.SaveStateResponse(directory=request.directory, size_bytes=10)
+
+    def UnloadModel(self, request, context):
+        self._got("UnloadModel", request)
+        return trainer_pb2.UnloadModelResponse(directory=request.directory)
+
+    def GetQueueState(self, request, context):
+        return trainer_pb2.QueueState()
+
+
+class FakeSampler(sampler_pb2_grpc.SamplerServicer):
+    def __init__(self):
+        self.requests: list[sampler_pb2.SampleRequest] = []
+
+    def Health(self, request, context):
+        return common_pb2.HealthResponse(ready=True)
+
+    def Sample(self, request, context):
+        """Each sample is the prompt reversed, logprob -1 per token."""
+        self.requests.append(request)
+        reply = sampler_pb2.SampleResponse()
+        for _ in range(request.num_samples):
+            tokens = list(reversed(request.prompt_tokens))[:request.params.max_tokens]
+            reply.sequences.add(tokens=tokens, logprobs=[-1.0] * len(tokens))
+        return reply
+
+
+def serve(servicer, add_to_server) -> tuple[grpc.Server, str]:
+    server, port = create_server("127.0.0.1:0", max_workers=8)
+    add_to_server(servicer, server)
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+class Api:
+    """The HTTP calls a test makes, as the SDK makes them."""
+
+    def __init__(self, client: TestClient):
+        self.client = client
+
+    def post(self, path: str, body=None, **kwargs):
+        return self.client.post(f"/api/v1/{path}", json=body, **kwargs)
+
+    def get(self, path: str, **kwargs):
+        return self.client.get(f"/api/v1/{path}", **kwargs)
+
+    def result(self, future: dict):
+        """The finished future's response (retrieve_future long-polls until it is done)."""
+        return self.post("retrieve_future", {"request_id": future["request_id"]})
+
+    def session(self) -> str:
+        return self.post("create_session", {"tags": []}).json()["session_id"]
+
+    def model(self, session_id: str, rank: int = 8) -> str:
+        future = self.post("create_model", {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny/base",
+                                            "lora_config": {"rank": rank}}).json()
+        return self.result(future).json()["model_id"]
+
+
+@pytest.fixture
+def gateway(tmp_path):
+    trainer, sampler = FakeTrainer(), FakeSampler()
+    trainer_server, trainer_address = serve(trainer, trainer_pb2_grpc.add_TrainerServicer_to_server)
+    sampler_server, sampler_address = serve(sampler, sampler_pb2_grpc.add_SamplerServicer_to_server)
+    settings = GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=trainer_address,
+                               samplers=[sampler_address], state_dir=str(tmp_path / "state"))
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield types.SimpleNamespace(api=Api(client), trainer=trainer, sampler=sampler, settings=settings)
+    finally:
+        trainer_server.stop(0)
+        sampler_server.stop(0)
+
+
+def assert_user_error(response, status: int, *words: str) -> dict:
+    body = response.json()
+    assert response.status_code == status, body
+    assert body["category"] == "user", body
+    for word in words:
+        assert word in body["error"], body
+    return body

@@ -1,0 +1,70 @@
+"""Weights and registry routes on fake backends: named checkpoints, save_state, the registry's
+listings, publish/ttl/delete, copies, and the user errors on each."""
+
+import os
+
+from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
+
+
+def test_save_state_lists_publishes_and_deletes(gateway):
+    api = gateway.api
+    model_id = api.model(api.session())
+    saved = api.result(api.post("save_weights", {"model_id": model_id, "seq_id": 1, "path": "step-1",
+                                                 "user_metadata": {"note": "x"}}).json()).json()
+    path = saved["path"]
+    assert path == f"tinker://{model_id}/weights/step-1"
+    (save,) = gateway.trainer.of("SaveState")
+    assert save.with_optimizer and save.directory.startswith(gateway.settings.state_dir)
+    ckpts = api.get(f"training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert [(c["checkpoint_id"], c["size_bytes"], c["user_metadata"]) for c in ckpts] == [("weights/step-1", 10, {"note": "x"})]
+    run = api.get(f"training_runs/{model_id}").json()
+    assert run["last_checkpoint"]["tinker_path"] == path and run["lora_rank"] == 8
+    assert api.post(f"training_runs/{model_id}/checkpoints/weights/step-1/publish").status_code == 200
+    assert api.get("checkpoints").json()["checkpoints"][0]["public"] is True
+    assert_user_error(api.post("save_weights", {"model_id": model_id, "seq_id": 2, "path": "step-1"}), 400,
+                      "already exists")
+    assert api.client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/step-1").status_code == 200
+    assert not os.path.exists(save.directory)
+    assert_user_error(api.client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/step-1"), 404)
+
+
+def test_named_sampler_checkpoint_opens_a_sampling_session(gateway):
+    api = gateway.api
+    session = api.session()
+    model_id = api.model(session)
+    saved = api.result(api.post("save_weights_for_sampler", {"model_id": model_id, "seq_id": 1,
+                                                             "path": "s1"}).json()).json()
+    assert saved == {"path": f"tinker://{model_id}/sampler_weights/s1", "sampling_session_id": None,
+                     "type": "save_weights_for_sampler"}
+    (push,) = gateway.trainer.of("PushWeights")
+    assert list(push.sampler_addresses) == gateway.settings.samplers
+    sid = api.post("create_sampling_session", {"session_id": session, "model_path": saved["path"]}).json()
+    sampler = api.get(f"samplers/{sid['sampling_session_id']}").json()
+    assert sampler == {"sampler_id": sid["sampling_session_id"], "base_model": "tiny/base", "model_path": saved["path"]}
+
+
+def test_ephemeral_snapshot_and_copy(gateway):
+    api = gateway.api
+    session = api.session()
+    model_id = api.model(session)
+    eph = api.result(api.post("save_weights_for_sampler", {"model_id": model_id, "seq_id": 1,
+                                                           "sampling_session_seq_id": 3}).json()).json()
+    assert eph["sampling_session_id"] == f"{session}:sample:3" and eph["path"] is None
+    path = api.result(api.post("save_weights", {"model_id": model_id, "seq_id": 2, "path": "c"}).json()).json()["path"]
+    headers = {"x-idempotency-key": "k1"}
+    copy = api.post("copy_weights", {"source_path": path, "destination_project_id": "p"}, headers=headers).json()
+    assert api.post("copy_weights", {"source_path": path, "destination_project_id": "p"}, headers=headers).json() == copy
+    info = api.post("weights_info", {"tinker_path": copy["tinker_path"]}).json()
+    assert info["lora_rank"] == 8 and info["base_model"] == "tiny/base"
+
+
+def test_registry_user_errors(gateway):
+    api = gateway.api
+    assert_user_error(api.get("training_runs", params={"limit": 0}), 400, "limit")
+    assert_user_error(api.get("training_runs/nobody:train:0"), 404)
+    assert_user_error(api.post("weights_info", {"tinker_path": "file:///etc"}), 400, "tinker://")
+    assert_user_error(api.post("copy_weights", {"source_path": "tinker://a:train:0/weights/x"}), 404)
+    model_id = api.model(api.session())
+    assert_user_error(api.post("save_weights", {"model_id": model_id, "path": "a/b"}), 400, "checkpoint name")
+    assert_user_error(api.client.put(f"/api/v1/training_runs/{model_id}/checkpoints/weights/x/ttl",
+                                     json={"ttl_seconds": 5}), 404)

@@ -1,0 +1,77 @@
+"""Sampling routes on fake backends: JSON sampling params become the sampler's request, its
+reply becomes the SDK's SampleResponse, and bad input is a 400 before anything is queued."""
+
+import pytest
+
+from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
+from tinkerd.v1 import sampler_pb2
+
+_Stop = sampler_pb2.SamplingParams.StopMode
+
+
+def _sampling_session(api) -> str:
+    body = {"session_id": api.session(), "sampling_session_seq_id": 0, "base_model": "tiny/base"}
+    return api.post("create_sampling_session", body).json()["sampling_session_id"]
+
+
+def _sample(api, sid: str, seq_id: int = 0, **fields):
+    body = {"sampling_session_id": sid, "seq_id": seq_id, "num_samples": 2,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4, 5]}]},
+            "sampling_params": {"max_tokens": 2, "temperature": 0.5}, **fields}
+    return api.post("asample", body)
+
+
+@pytest.mark.parametrize("stop, mode, strings, tokens", [
+    (None, _Stop.STOP_MODE_DEFAULT, [], []),
+    ([], _Stop.STOP_MODE_NONE, [], []),
+    ("\n", _Stop.STOP_MODE_STRINGS, ["\n"], []),
+    (["a", "b"], _Stop.STOP_MODE_STRINGS, ["a", "b"], []),
+    ([7, 9], _Stop.STOP_MODE_TOKENS, [], [7, 9]),
+])
+def test_stop_forms_reach_the_sampler(gateway, stop, mode, strings, tokens):
+    api = gateway.api
+    r = _sample(api, _sampling_session(api), sampling_params={"max_tokens": 2, "stop": stop})
+    api.result(r.json())
+    params = gateway.sampler.requests[-1].params
+    assert (params.stop_mode, list(params.stop_strings), list(params.stop_token_ids)) == (mode, strings, tokens)
+
+
+def test_a_sample_comes_back_in_the_sdk_format(gateway):
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    api = gateway.api
+    future = _sample(api, _sampling_session(api), prompt_logprobs=True, topk_prompt_logprobs=2).json()
+    assert future["sample_sequence_ids"] == [f"{future['request_id']}:{i}" for i in range(2)]
+    out = deserialize_sample_response(api.result(future).content)
+    assert [s.tokens for s in out.sequences] == [[5, 4], [5, 4]] and out.sequences[0].logprobs == [-1.0, -1.0]
+    sent = gateway.sampler.requests[-1]
+    assert list(sent.prompt_tokens) == [3, 4, 5] and sent.num_samples == 2 and sent.prompt_logprobs
+    assert sent.topk_prompt_logprobs == 2 and sent.params.temperature == 0.5 and sent.snapshot_id == ""
+
+
+def test_a_resent_sample_gets_the_first_future(gateway):
+    api = gateway.api
+    sid = _sampling_session(api)
+    assert _sample(api, sid, 3).json() == _sample(api, sid, 3).json()
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"num_samples": 0}, ["num_samples"]),
+    ({"sampling_params": {"stop": [1, "a"]}}, ["sampling_params.stop"]),
+    ({"sampling_params": {"temperature": "hot"}}, ["sampling_params.temperature"]),
+    ({"prompt": {"chunks": [{"type": "image", "data": "x"}]}}, ["image"]),
+    ({"prompt_alt_tokens_k": 2}, ["prompt_alt_tokens_k"]),
+])
+def test_bad_sample_requests_are_refused_before_queueing(gateway, fields, words):
+    api = gateway.api
+    assert_user_error(_sample(api, _sampling_session(api), **fields), 400, *words)
+    assert gateway.sampler.requests == []
+
+
+def test_unknown_ids(gateway):
+    api = gateway.api
+    assert_user_error(_sample(api, "sess-x:sample:0"), 400, "unknown sampling_session_id")
+    assert_user_error(api.get("samplers/sess-x:sample:0"), 404)
+    assert_user_error(api.post("retrieve_future", {"request_id": "nope"}), 404)
+    body = {"session_id": api.session(), "model_path": "tinker://r:train:0/sampler_weights/x"}
+    assert_user_error(api.post("create_sampling_session", body), 400, "unknown sampler checkpoint")
