@@ -42,7 +42,7 @@ def render(rows: list[Row], header: str, notes: list[str]) -> str:
     return "\n".join(lines + [""] + notes) + "\n"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -52,36 +52,29 @@ def main(argv=None) -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--rows-to", help=argparse.SUPPRESS)
     p.add_argument("--work-dir", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("TINKER_API_KEY", "tml-bench")
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return p.parse_args(argv)
 
-    work = args.work_dir or tempfile.mkdtemp(prefix="tinkerd-bench-")
-    models = {"tiny": tiny_model(work)}
-    if not args.no_smollm2 and (path := smollm2_model()):
-        models["smollm2"] = path
-    ctx = Context(quick=args.quick, work_dir=work, models=models)
-    if args.one:     # child: run one benchmark, write its rows as JSON
-        module = importlib.import_module(f"bench.{args.one}")
-        rows = module.run(ctx)
-        with open(args.rows_to, "w") as f:
-            json.dump({"rows": [dataclasses.asdict(r) for r in rows], "notes": getattr(module, "NOTES", [])}, f)
-        return 0
 
+def run_one(ctx: Context, name: str, rows_to: str) -> None:
+    """In a child process: one benchmark, its rows written as JSON."""
+    module = importlib.import_module(f"bench.{name}")
+    rows = module.run(ctx)
+    with open(rows_to, "w") as f:
+        json.dump({"rows": [dataclasses.asdict(r) for r in rows], "notes": getattr(module, "NOTES", [])}, f)
+
+
+def run_all(ctx: Context, args: argparse.Namespace) -> tuple[list[Row], list[str]] | None:
     rows: list[Row] = []
     notes: list[str] = []
-    t_all = time.monotonic()
     for name in args.only.split(","):
         # Each benchmark in its own process: raw vLLM and DeepSpeed each own torch.distributed state.
         t0 = time.monotonic()
-        out = os.path.join(work, f"{name}.rows.json")
-        cmd = [sys.executable, "-m", "bench", "--one", name, "--rows-to", out, "--work-dir", work,
+        out = os.path.join(ctx.work_dir, f"{name}.rows.json")
+        cmd = [sys.executable, "-m", "bench", "--one", name, "--rows-to", out, "--work-dir", ctx.work_dir,
                *(["--quick"] if args.quick else []), *(["--no-smollm2"] if args.no_smollm2 else [])]
         if subprocess.run(cmd, cwd=REPO).returncode != 0:
             print(f"[bench] {name} failed", file=sys.stderr)
-            return 1
+            return None
         with open(out) as f:
             got = json.load(f)
         for r in (Row(**d) for d in got["rows"]):
@@ -90,19 +83,44 @@ def main(argv=None) -> int:
             rows.append(r)
         notes += got["notes"]
         print(f"[bench] {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    return rows, notes
+
+
+def write_results(ctx: Context, out_dir: str, rows: list[Row], notes: list[str], seconds: float) -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"## Benchmarks — {stamp}{' (quick smoke run: no verdicts)' if ctx.quick else ''}\n\n"
-              f"Machine: {machine()}. Models: {', '.join(models)}. Total {time.monotonic() - t_all:.0f} s.")
+              f"Machine: {machine()}. Models: {', '.join(ctx.models)}. Total {seconds:.0f} s.")
     if notes:
         notes = ["### Why the misses (profiled)", ""] + [f"- {n}" for n in notes]
     table = render(rows, header, notes)
     print(table)
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(out_dir, exist_ok=True)
     stem = "quick" if ctx.quick else "latest"
-    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(table)
-    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
         json.dump({"date": stamp, "machine": machine(), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TINKER_API_KEY", "tml-bench")
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    work = args.work_dir or tempfile.mkdtemp(prefix="tinkerd-bench-")
+    models = {"tiny": tiny_model(work)}
+    if not args.no_smollm2 and (path := smollm2_model()):
+        models["smollm2"] = path
+    ctx = Context(quick=args.quick, work_dir=work, models=models)
+    if args.one:
+        run_one(ctx, args.one, args.rows_to)
+        return 0
+    t0 = time.monotonic()
+    result = run_all(ctx, args)
+    if result is None:
+        return 1
+    write_results(ctx, args.out, *result, time.monotonic() - t0)
     return 0
 
 

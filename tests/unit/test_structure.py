@@ -1,0 +1,78 @@
+"""The structure docs/architecture.md describes, checked: layers import only downwards, no
+function is longer than a screen, route modules stay small, and no route is a closure."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGES = ["tinkerd", "gateway", "trainer_service", "sampler_service", "launcher", "harness", "bench"]
+# What each layer may import of this project (everything else is third-party or the stdlib).
+MAY_IMPORT = {
+    "tinkerd": {"tinkerd"},
+    "gateway": {"tinkerd", "gateway"},
+    "trainer_service": {"tinkerd", "trainer_service"},
+    "sampler_service": {"tinkerd", "sampler_service"},
+    "harness": {"tinkerd", "harness"},
+    "launcher": {"tinkerd", "gateway", "trainer_service", "sampler_service", "launcher", "harness"},
+}
+MAX_FUNCTION_LINES = 60
+MAX_ROUTE_MODULE_LINES = 250
+_ROUTE_DECORATORS = {"get", "post", "put", "delete", "patch", "api_route", "route"}
+
+
+def _modules(packages=PACKAGES):
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if "_pb2" not in path.name:
+                yield path, ast.parse(path.read_text())
+
+
+def _imported(tree) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_layers_import_only_downwards():
+    ours = set(MAY_IMPORT)
+    wrong = [f"{path.relative_to(ROOT)} imports {sorted((_imported(tree) & ours) - MAY_IMPORT[package])}"
+             for package in MAY_IMPORT for path, tree in _modules([package])
+             if (_imported(tree) & ours) - MAY_IMPORT[package]]
+    assert not wrong, wrong
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path, tree in _modules() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "gateway" / "routes").glob("*.py")), ids=lambda p: p.name)
+def test_route_modules_are_small_and_flat(path):
+    tree = ast.parse(path.read_text())
+    assert len(path.read_text().splitlines()) < MAX_ROUTE_MODULE_LINES
+    for outer in ast.walk(tree):
+        if not isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for inner in ast.walk(outer):
+            if inner is not outer and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                decorators = {d.func.attr for d in inner.decorator_list
+                              if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)}
+                assert not decorators & _ROUTE_DECORATORS, f"route {inner.name} is defined inside {outer.name}"
+
+
+def test_every_route_is_mounted():
+    from gateway.app import create_app  # noqa: F401 - imports every route module
+    from gateway.routes import ROUTERS
+
+    modules = {p.stem for p in (ROOT / "gateway" / "routes").glob("*.py")} - {"__init__"}
+    mounted = {r.routes[0].endpoint.__module__.rsplit(".", 1)[1] for r in ROUTERS}
+    assert mounted == modules
