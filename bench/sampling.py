@@ -76,11 +76,12 @@ NOTES = [
 ]
 
 
+def _row(ctx: Context, name: str, model: str) -> Row:
+    prompts = _prompts(8 if ctx.quick else (64 if name == "tiny" else 32))
+    ours, raw = side_by_side(model, prompts, ctx.iters(3, 1), new_dir(ctx, f"sampling-{name}"))
+    return Row("sampling", f"{name}: {len(prompts)} concurrent requests, {PROMPT_LEN}+{MAX_TOKENS} tokens",
+               ours, raw, "tok/s", ratio=ours / raw, target=">= 0.9")
+
+
 def run(ctx: Context) -> list[Row]:
-    rows = []
-    for name, model in ctx.models.items():
-        prompts = _prompts(8 if ctx.quick else (64 if name == "tiny" else 32))
-        ours, raw = side_by_side(model, prompts, ctx.iters(3, 1), new_dir(ctx, f"sampling-{name}"))
-        rows.append(Row("sampling", f"{name}: {len(prompts)} concurrent requests, {PROMPT_LEN}+{MAX_TOKENS} tokens",
-                        ours, raw, "tok/s", ratio=ours / raw, target=">= 0.9"))
-    return rows
+    return [_row(ctx, name, model) for name, model in ctx.models.items()]

@@ -85,14 +85,14 @@ NOTES = [
 ]
 
 
-def run(ctx: Context) -> list[Row]:
+def _row(ctx: Context, name: str, model: str) -> Row:
     from transformers import AutoConfig
 
-    rows = []
-    for name, model in ctx.models.items():
-        sequences = _batch(AutoConfig.from_pretrained(model).vocab_size)
-        iters = ctx.iters(15 if name == "tiny" else 8)
-        ours, raw = side_by_side(model, sequences, iters, new_dir(ctx, f"train-{name}"))
-        rows.append(Row("train_step", f"{name}: fwd_bwd+optim, {BATCH}x{LENGTH} tokens, rank {RANK}",
-                        1e3 * ours, 1e3 * raw, "ms", ratio=raw / ours, target=">= 0.9"))
-    return rows
+    sequences = _batch(AutoConfig.from_pretrained(model).vocab_size)
+    ours, raw = side_by_side(model, sequences, ctx.iters(15 if name == "tiny" else 8), new_dir(ctx, f"train-{name}"))
+    return Row("train_step", f"{name}: fwd_bwd+optim, {BATCH}x{LENGTH} tokens, rank {RANK}",
+               1e3 * ours, 1e3 * raw, "ms", ratio=raw / ours, target=">= 0.9")
+
+
+def run(ctx: Context) -> list[Row]:
+    return [_row(ctx, name, model) for name, model in ctx.models.items()]

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import os
 import socket
 
 from gateway.settings import GatewaySettings
-from tinkerd.settings import add_arguments as _add_settings
-from tinkerd.settings import from_args
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    _add_settings(p, GatewaySettings)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -27,14 +20,13 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def main(args: argparse.Namespace) -> None:
+def serve(settings: GatewaySettings) -> None:
     import uvicorn
 
     from gateway.app import create_app
     from tinkerd.process import init_logging
 
     init_logging("gateway")
-    settings = from_args(GatewaySettings, args)
     settings = dataclasses.replace(settings, base_model=os.path.abspath(settings.base_model),
                                    state_dir=os.path.abspath(settings.state_dir))
     app = create_app(settings)

@@ -12,14 +12,18 @@ import argparse
 import importlib
 
 from launcher import up
+from tinkerd import settings
 
+# Each service: its entry module (a `serve(settings)` function) and a line of help. Its flags
+# come from its settings class (launcher.up.CHILDREN).
 SERVICES = {"gateway": ("gateway.server", "the Tinker REST gateway"),
             "trainer": ("trainer_service.server", "the Trainer gRPC service"),
             "sampler": ("sampler_service.server", "the Sampler gRPC service")}
 
 
 def _run_service(args: argparse.Namespace) -> None:
-    importlib.import_module(SERVICES[args.command][0]).main(args)
+    service_settings = settings.from_args(up.CHILDREN[args.command], args)
+    importlib.import_module(SERVICES[args.command][0]).serve(service_settings)
 
 
 def make_tiny_model(args: argparse.Namespace) -> None:
@@ -39,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run gateway, trainer and a sampler on this machine")
     up.add_arguments(p)
     p.set_defaults(func=up.up)
-    for name, (module, help_) in SERVICES.items():
+    for name, (_, help_) in SERVICES.items():
         p = sub.add_parser(name, help=help_)
-        importlib.import_module(module).add_arguments(p)
+        settings.add_arguments(p, up.CHILDREN[name])
         p.set_defaults(func=_run_service)
     p = sub.add_parser("make-tiny-model", help="write a tiny random model + tokenizer to DIR")
     p.add_argument("dir")

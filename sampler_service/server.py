@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-
 from sampler_service.settings import SamplerSettings
 from tinkerd.process import cpu_defaults, init_logging, serve_until_signal
-from tinkerd.settings import add_arguments as _add_settings
-from tinkerd.settings import from_args
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    _add_settings(p, SamplerSettings)
-
-
-def main(args: argparse.Namespace) -> None:
+def serve(s: SamplerSettings) -> None:
     cpu_defaults()
     init_logging("sampler")
     from sampler_service.engine import SamplerEngine
@@ -22,7 +14,6 @@ def main(args: argparse.Namespace) -> None:
     from tinkerd.rpc import create_server
     from tinkerd.v1 import sampler_pb2_grpc
 
-    s = from_args(SamplerSettings, args)
     engine = SamplerEngine(s.base_model, dtype=s.dtype, max_model_len=s.max_model_len, max_loras=s.max_loras,
                            max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
                            max_num_seqs=s.max_num_seqs)

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-
 from tinkerd.process import cpu_defaults, init_logging, serve_until_signal
-from tinkerd.settings import add_arguments as _add_settings
-from tinkerd.settings import from_args
 from trainer_service.settings import TrainerSettings
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    _add_settings(p, TrainerSettings)
-
-
-def main(args: argparse.Namespace) -> None:
+def serve(s: TrainerSettings) -> None:
     cpu_defaults()
     init_logging("trainer")
     from tinkerd.rpc import create_server
@@ -22,7 +14,6 @@ def main(args: argparse.Namespace) -> None:
     from trainer_service.engine import TrainerEngine
     from trainer_service.servicer import TrainerServicer
 
-    s = from_args(TrainerSettings, args)
     engine = TrainerEngine(s.base_model, zero_stage=s.zero_stage, dtype=s.dtype, max_lora_rank=s.max_lora_rank,
                            base_model_names=tuple(s.aliases))
     # Handler threads wait in the fair scheduler, one per model with work in flight.
