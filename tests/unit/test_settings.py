@@ -1,0 +1,46 @@
+"""Settings written once: `tinkerd up` offers every service setting and hands each to the
+children that have it; each service's own flags parse back to the same settings object."""
+
+import dataclasses
+
+import pytest
+
+from launcher import cli, up
+from tinkerd import settings
+
+
+def _up_args(*flags: str):
+    return cli.build_parser().parse_args(["up", "--base-model", "/m", *flags])
+
+
+def test_a_shared_setting_reaches_every_service_that_has_it():
+    args = _up_args("--max-lora-rank", "16", "--dtype", "bfloat16", "--alias", "a/b")
+    trainer, sampler = up.child_argv(args, "trainer"), up.child_argv(args, "sampler")
+    gateway = up.child_argv(args, "gateway", trainer="t:1", samplers=["s:1", "s:2"])
+    for argv in (trainer, sampler):
+        assert argv[argv.index("--max-lora-rank") + 1] == "16"
+        assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert gateway[gateway.index("--alias") + 1] == "a/b" and trainer[trainer.index("--alias") + 1] == "a/b"
+    assert [gateway[i + 1] for i, a in enumerate(gateway) if a == "--sampler"] == ["s:1", "s:2"]
+
+
+@pytest.mark.parametrize("name", list(up.CHILDREN))
+def test_every_setting_of_a_child_is_passed_and_parses_back(name):
+    cls = up.CHILDREN[name]
+    wiring = {"trainer": "t:1", "samplers": ["s:1"]} if name == "gateway" else {"listen": "127.0.0.1:0"}
+    argv = up.child_argv(_up_args("--db-url", "sqlite:///x.db"), name, **wiring)
+    for field in settings.fields(cls):
+        if field.name not in ("aliases",):         # empty lists have no flag occurrence
+            assert settings.flag_name(field) in argv, f"{name} never gets {settings.flag_name(field)}"
+    parsed = cli.build_parser().parse_args(argv)
+    assert settings.from_args(cls, parsed) == settings.from_args(cls, _up_args("--db-url", "sqlite:///x.db"),
+                                                                 **wiring)
+
+
+def test_defaults_are_the_dataclass_defaults():
+    args = _up_args()
+    for name, cls in up.CHILDREN.items():
+        built = settings.from_args(cls, args, **{f: "x" for f in up.WIRED[name]})
+        for field in dataclasses.fields(cls):
+            if field.name not in up.WIRED[name] and field.name != "base_model":
+                assert getattr(built, field.name) == settings.default_of(field), (name, field.name)
