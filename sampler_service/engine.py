@@ -102,9 +102,6 @@ class SamplerEngine:
                                 + (f" and {path} holds no adapter" if path else ""))
         return snap
 
-    def list_snapshots(self) -> list[str]:
-        return list(self._snapshots)
-
     def generate(self, prompt_tokens: list[int], params, num_samples: int,
                  snapshot_id: str = "", snapshot_path: str = "") -> concurrent.futures.Future:
         """Future of a list of `num_samples` vLLM RequestOutputs (one sequence each)."""

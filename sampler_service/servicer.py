@@ -110,21 +110,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         return sample_response(request, outputs)
 
     @rpc_boundary
-    def ComputeLogprobs(self, request, context):
-        sample = sampler_pb2.SampleRequest(
-            request_id=request.request_id, snapshot_id=request.snapshot_id, snapshot_path=request.snapshot_path,
-            prompt_tokens=request.prompt_tokens, num_samples=1, prompt_logprobs=True,
-            params=sampler_pb2.SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=-1))
-        outputs = self.engine.generate(list(request.prompt_tokens), sampling_params(sample), 1,
-                                       request.snapshot_id, request.snapshot_path).result(_RESULT_TIMEOUT_S)
-        return sampler_pb2.ComputeLogprobsResponse(
-            logprobs=prompt_logprobs(outputs[0], list(request.prompt_tokens), 0))
-
-    @rpc_boundary
-    def ListSnapshots(self, request, context):
-        return sampler_pb2.ListSnapshotsResponse(snapshot_ids=self.engine.list_snapshots())
-
-    @rpc_boundary
     def ReceiveWeights(self, request, context):
         t0 = time.perf_counter()
         rv = request.rendezvous

@@ -129,10 +129,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self._info(request.model_id)
 
     @rpc_boundary
-    def GetModelInfo(self, request, context):
-        return self._info(request.model_id)
-
-    @rpc_boundary
     def DeleteModel(self, request, context):
         self.replies.forget(request.model_id)
         return trainer_pb2.DeleteModelResponse(

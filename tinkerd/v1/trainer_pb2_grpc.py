@@ -45,11 +45,6 @@ class TrainerStub:
                 request_serializer=tinkerd_dot_v1_dot_trainer__pb2.DeleteModelRequest.SerializeToString,
                 response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.DeleteModelResponse.FromString,
                 _registered_method=True)
-        self.GetModelInfo = channel.unary_unary(
-                '/tinkerd.v1.Trainer/GetModelInfo',
-                request_serializer=tinkerd_dot_v1_dot_trainer__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.ModelInfo.FromString,
-                _registered_method=True)
         self.ForwardBackward = channel.unary_unary(
                 '/tinkerd.v1.Trainer/ForwardBackward',
                 request_serializer=tinkerd_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.SerializeToString,
@@ -97,12 +92,6 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteModel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,11 +157,6 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.DeleteModel,
                     request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.DeleteModelRequest.FromString,
                     response_serializer=tinkerd_dot_v1_dot_trainer__pb2.DeleteModelResponse.SerializeToString,
-            ),
-            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetModelInfo,
-                    request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=tinkerd_dot_v1_dot_trainer__pb2.ModelInfo.SerializeToString,
             ),
             'ForwardBackward': grpc.unary_unary_rpc_method_handler(
                     servicer.ForwardBackward,
@@ -264,33 +248,6 @@ class Trainer:
             '/tinkerd.v1.Trainer/DeleteModel',
             tinkerd_dot_v1_dot_trainer__pb2.DeleteModelRequest.SerializeToString,
             tinkerd_dot_v1_dot_trainer__pb2.DeleteModelResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetModelInfo(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tinkerd.v1.Trainer/GetModelInfo',
-            tinkerd_dot_v1_dot_trainer__pb2.GetModelInfoRequest.SerializeToString,
-            tinkerd_dot_v1_dot_trainer__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
