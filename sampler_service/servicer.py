@@ -8,7 +8,7 @@ import logging
 import math
 import time
 
-from tinkerd import tensors, weight_stream
+from tinkerd import dtypes, weight_stream
 from tinkerd.errors import UserError
 from tinkerd.rpc import rpc_boundary
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
@@ -120,7 +120,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         t_joined = time.perf_counter()
         chunks = weight_stream.receive(group, list(request.chunk_num_bytes))
         t_received = time.perf_counter()
-        specs = [weight_stream.TensorSpec(s.name, tensors.NAME_BY_DTYPE[s.dtype], tuple(s.shape), s.chunk, s.offset)
+        specs = [weight_stream.TensorSpec(s.name, dtypes.by_wire(s.dtype).name, tuple(s.shape), s.chunk, s.offset)
                  for s in request.tensors]
         received = weight_stream.unpack(specs, chunks)
         self.engine.register_snapshot(request.snapshot_id, received, json.loads(request.adapter_config_json),

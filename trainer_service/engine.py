@@ -26,14 +26,14 @@ import time
 
 import torch
 
-from tinkerd import weight_stream
+from tinkerd import dtypes, weight_stream
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service.losses import get_loss
 from trainer_service.lora import ACTIVE_MARK, AdapterModule, LoraSpec, linear_groups, peft_config
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BASE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass
@@ -104,6 +104,8 @@ class TrainerEngine:
 
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
+        if dtype not in BASE_DTYPES:
+            raise ValueError(f"dtype must be one of {BASE_DTYPES}, got {dtype!r}")
         init_distributed_once()
         self.base_model_dir = base_model_dir
         self.base_model_names = {base_model_dir, os.path.abspath(base_model_dir), *base_model_names}
@@ -113,7 +115,7 @@ class TrainerEngine:
         config = AutoConfig.from_pretrained(base_model_dir)
         self.vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 20)
-        base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=_DTYPES[dtype]).to(self.device)
+        base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=dtypes.torch_dtype(dtype)).to(self.device)
         base.requires_grad_(False)
         self._base = base
         self._linear_groups = linear_groups(base)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tinkerd import tensors, weight_stream
+from tinkerd import dtypes, tensors, weight_stream
 from tinkerd.errors import UserError
 from tinkerd.paths import dir_name
 from tinkerd.rpc import channel, rpc_boundary
@@ -77,6 +77,13 @@ def _datum(msg: common_pb2.Datum, index: int) -> DatumInput:
         except ValueError as e:
             raise UserError(f"datum {index}: loss_fn_inputs[{key!r}]: {e}") from None
     return DatumInput(list(msg.tokens), inputs)
+
+
+def _wire_dtype(name: str) -> int:
+    wire = dtypes.by_name(name).wire
+    if wire is None:
+        raise ValueError(f"dtype {name} has no tinkerd.v1 DType")
+    return wire
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -218,7 +225,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         backend = weight_stream.default_backend()
         store = weight_stream.create_store(self.advertise_host, 0, world, is_master=True,
                                            timeout_s=self.transfer_timeout_s)
-        specs = [sampler_pb2.TensorSpec(name=s.name, dtype=tensors.DTYPE_BY_NAME[s.dtype], shape=s.shape,
+        specs = [sampler_pb2.TensorSpec(name=s.name, dtype=_wire_dtype(s.dtype), shape=s.shape,
                                         chunk=s.chunk, offset=s.offset) for s in packed.specs]
         replies = []
         for rank, address in enumerate(request.sampler_addresses, start=1):
