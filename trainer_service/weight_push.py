@@ -1,7 +1,16 @@
-"""PushWeights: an adapter snapshot to every sampler replica and to its persisted PEFT copy."""
+"""PushWeights: an adapter snapshot to every sampler replica and to its persisted PEFT copy.
+
+The protocol: pack the adapter; start writing the persisted copy (temporary directory, then
+rename) in a thread; stream to the samplers (announce over gRPC, broadcast over a side
+torch.distributed group, wait for each sampler's commit); join the copy. The reply goes out only
+when every sampler has committed AND the copy is complete, so whoever the caller hands
+persisted_path to finds the whole adapter there and never has to wait for it. Either failing
+fails the push.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -18,6 +27,23 @@ from trainer_service.convert import tensor_specs
 log = logging.getLogger(__name__)
 
 
+def _start_copy(path: str, packed: weight_stream.Packed, config: dict) -> concurrent.futures.Future:
+    """save_peft_adapter in its own thread (its large writes release the GIL, so it runs beside
+    the stream); the future's result is its duration in seconds."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def write():
+        t0 = time.perf_counter()
+        try:
+            save_peft_adapter(path, packed, config)
+        except BaseException as e:  # noqa: BLE001 - handed to the push, which fails with it
+            future.set_exception(e)
+        else:
+            future.set_result(time.perf_counter() - t0)
+    threading.Thread(target=write, name="persisted-copy", daemon=True).start()
+    return future
+
+
 class WeightPusher:
     def __init__(self, advertise_host: str, transfer_timeout_s: float):
         self.advertise_host = advertise_host
@@ -26,24 +52,28 @@ class WeightPusher:
 
     def push(self, request: trainer_pb2.PushWeightsRequest, adapter: dict, config: dict, *,
              gather_seconds: float) -> trainer_pb2.PushWeightsResponse:
-        """Streams the exported `adapter` to the request's samplers, then persists it if asked."""
+        """Streams and persists the exported `adapter` as the request asks; see the module docstring."""
         t0 = time.perf_counter()
         persisted = os.path.join(request.persist_dir, dir_name(request.snapshot_id)) if request.persist_dir else ""
         packed = weight_stream.pack(adapter)
         t_packed = time.perf_counter()
-        if request.sampler_addresses:
-            self._stream(request, packed, config, persisted)
+        copy = _start_copy(persisted, packed, config) if persisted else None
+        try:
+            if request.sampler_addresses:
+                self._stream(request, packed, config, persisted)
+        except BaseException:
+            if copy is not None:
+                concurrent.futures.wait([copy])    # no write goes on after the reply, a failed one included
+            raise
         t_streamed = time.perf_counter()
-        if persisted:
-            # After the stream, not during it (it would compete for the CPU): the copy only matters
-            # if a sampler must reload an evicted snapshot, or for a named checkpoint.
-            threading.Thread(target=save_peft_adapter, args=(persisted, packed, config), daemon=True).start()
+        copy_seconds = copy.result() if copy is not None else 0.0
         reply = trainer_pb2.PushWeightsResponse(
             snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes), num_tensors=len(packed.specs),
             gather_seconds=gather_seconds, stream_seconds=t_streamed - t0, persisted_path=persisted)
-        log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, pack %.1f ms, stream %.1f ms",
-                 request.snapshot_id, reply.num_tensors, reply.num_bytes, 1e3 * gather_seconds,
-                 1e3 * (t_packed - t0), 1e3 * (t_streamed - t_packed))
+        log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, pack %.1f ms, stream %.1f ms, "
+                 "copy %.1f ms (%.1f ms of it after the stream)", request.snapshot_id, reply.num_tensors,
+                 reply.num_bytes, 1e3 * gather_seconds, 1e3 * (t_packed - t0), 1e3 * (t_streamed - t_packed),
+                 1e3 * copy_seconds, 1e3 * (time.perf_counter() - t_streamed))
         return reply
 
     def _stream(self, request, packed: weight_stream.Packed, config: dict, persisted: str) -> None:

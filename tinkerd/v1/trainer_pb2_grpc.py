@@ -113,6 +113,9 @@ class TrainerServicer:
     def PushWeights(self, request, context):
         """Gathers the model's adapter (also under ZeRO-3) and streams it to the given samplers
         over a torch.distributed group; each sampler registers it as a new immutable snapshot.
+        With persist_dir it also writes the snapshot's PEFT copy, concurrently with the stream.
+        Returns only when every sampler has committed the snapshot AND the copy is complete, so a
+        persisted_path handed on after this reply always holds the whole adapter; fails if either fails.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
