@@ -5,8 +5,8 @@ snapshot registrations from an inbox between engine steps, so requests from many
 batches, and a registration never races a step. Callers get concurrent.futures.Future results.
 
 Snapshots: each arrives as in-memory tensors, gets a fresh LoRA int id, and is registered in
-the worker's adapter cache without touching disk. Its persisted copy (written by the trainer,
-off the hot path) is the path vLLM reloads from if the cache ever evicts it.
+the worker's adapter cache without touching disk. Its persisted copy (written by the trainer
+during the push) is the path vLLM reloads from if the cache ever evicts it.
 
 No gRPC here.
 """
@@ -20,7 +20,6 @@ import logging
 import os
 import queue
 import threading
-import time
 import uuid
 
 import torch
@@ -31,7 +30,6 @@ log = logging.getLogger(__name__)
 
 # A LoRARequest needs a non-empty path even when the adapter is already resident.
 _NO_PATH = "/nonexistent/tinkerd-snapshot-without-persisted-copy"
-PERSISTED_COPY_WAIT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,27 +81,20 @@ class SamplerEngine:
 
     def snapshot(self, snapshot_id: str, path: str = "") -> Snapshot | None:
         """The snapshot; one this replica never received is registered from its persisted copy
-        at `path` (vLLM loads it on first use), so a restarted or new replica still serves it."""
+        at `path` (vLLM loads it on first use), so a restarted or new replica still serves it.
+        The copy is complete by protocol (the trainer's PushWeights returns only after writing
+        it, and only then is its path handed out), so a path without an adapter is an error."""
         if not snapshot_id:
             return None
-        written = path and os.path.join(path, "adapter_config.json")    # there once the copy is in place
-        if written and snapshot_id not in self._snapshots:
-            # The trainer writes the copy just after the push returns: give it a moment.
-            deadline = time.monotonic() + PERSISTED_COPY_WAIT_S
-            while not os.path.isfile(written) and time.monotonic() < deadline:
-                time.sleep(0.02)
         with self._registry_lock:
             snap = self._snapshots.get(snapshot_id)
-            if snap is None and written and os.path.isfile(written):
+            if snap is None and path and os.path.isfile(os.path.join(path, "adapter_config.json")):
                 snap = self._snapshots[snapshot_id] = Snapshot(snapshot_id, next(self._lora_ids), path)
                 log.info("snapshot %s registered from its persisted copy %s", snapshot_id, path)
         if snap is None:
             raise NotFoundError(f"unknown snapshot {snapshot_id!r}: it was never pushed to this sampler"
                                 + (f" and {path} holds no adapter" if path else ""))
         return snap
-
-    def list_snapshots(self) -> list[str]:
-        return list(self._snapshots)
 
     def generate(self, prompt_tokens: list[int], params, num_samples: int,
                  snapshot_id: str = "", snapshot_path: str = "") -> concurrent.futures.Future:

@@ -1,95 +1,22 @@
-"""Sampler gRPC servicer: converts messages to vLLM parameters and results back, and receives
-streamed weight snapshots."""
+"""Sampler gRPC servicer: per RPC, convert the message (convert.py), call the engine, convert
+back; and receive streamed weight snapshots."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 
-from tinkerd import tensors, weight_stream
+from tinkerd import weight_stream
 from tinkerd.errors import UserError
 from tinkerd.rpc import rpc_boundary
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
+from sampler_service import convert
 from sampler_service.engine import SamplerEngine
 
 log = logging.getLogger(__name__)
 
-_TOPK_PAD_LOGPROB = -99999.0
-_Stop = sampler_pb2.SamplingParams.StopMode
 _RESULT_TIMEOUT_S = 600.0
-
-
-def sampling_params(request: sampler_pb2.SampleRequest):
-    from vllm import SamplingParams
-
-    p = request.params
-    if p.max_tokens < 1:
-        raise UserError(f"max_tokens must be at least 1, got {p.max_tokens}")
-    if p.temperature < 0:
-        raise UserError(f"temperature must be >= 0, got {p.temperature}")
-    if not 0 < p.top_p <= 1:
-        raise UserError(f"top_p must be in (0, 1], got {p.top_p}")
-    prompt_k = None
-    if request.prompt_logprobs or request.topk_prompt_logprobs > 0:
-        prompt_k = max(request.topk_prompt_logprobs, 0)
-    kwargs = dict(
-        n=1, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-        top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed if p.HasField("seed") else None,
-        logprobs=max(request.topk_sample_logprobs, 0), prompt_logprobs=prompt_k,
-        detokenize=p.stop_mode == _Stop.STOP_MODE_STRINGS,
-    )
-    if p.stop_mode == _Stop.STOP_MODE_NONE:
-        kwargs["ignore_eos"] = True
-    elif p.stop_mode == _Stop.STOP_MODE_STRINGS:
-        kwargs["stop"] = list(p.stop_strings)
-    elif p.stop_mode == _Stop.STOP_MODE_TOKENS:
-        kwargs["stop_token_ids"] = list(p.stop_token_ids)
-    return SamplingParams(**kwargs)
-
-
-def _topk(rows: list[dict], k: int) -> sampler_pb2.TopkLogprobs:
-    ids, lps = [], []
-    for row in rows:
-        best = sorted(((v.rank, tid, v.logprob) for tid, v in (row or {}).items() if v.rank is not None
-                       and v.rank <= k), key=lambda x: x[0])[:k]
-        ids += [tid for _, tid, _ in best] + [0] * (k - len(best))
-        lps += [lp for _, _, lp in best] + [_TOPK_PAD_LOGPROB] * (k - len(best))
-    return sampler_pb2.TopkLogprobs(k=k, token_ids=ids, logprobs=lps)
-
-
-def prompt_logprobs(output, prompt_tokens: list[int], last_n: int) -> list[float]:
-    values = [math.nan]
-    for pos in range(1, len(prompt_tokens)):
-        row = output.prompt_logprobs[pos] if output.prompt_logprobs else None
-        values.append(row[prompt_tokens[pos]].logprob if row else math.nan)
-    if last_n > 0:
-        cut = max(len(values) - last_n, 0)
-        values = [math.nan] * cut + values[cut:]
-    return values
-
-
-def sample_response(request: sampler_pb2.SampleRequest, outputs: list) -> sampler_pb2.SampleResponse:
-    reply = sampler_pb2.SampleResponse()
-    k = request.topk_sample_logprobs
-    for out in outputs:
-        completion = out.outputs[0]
-        seq = reply.sequences.add(
-            tokens=list(completion.token_ids),
-            logprobs=[row[t].logprob for t, row in zip(completion.token_ids, completion.logprobs or [])],
-            stop_reason=(sampler_pb2.STOP_REASON_LENGTH if completion.finish_reason == "length"
-                         else sampler_pb2.STOP_REASON_STOP))
-        if k > 0:
-            seq.topk_logprobs.CopyFrom(_topk(completion.logprobs or [], k))
-    first = outputs[0]
-    tokens = list(request.prompt_tokens)
-    if request.prompt_logprobs or request.topk_prompt_logprobs > 0:
-        reply.prompt_logprobs.extend(prompt_logprobs(first, tokens, request.prompt_logprobs_last_n))
-    if request.topk_prompt_logprobs > 0:
-        rows = [None] + list(first.prompt_logprobs[1:])
-        reply.topk_prompt_logprobs.CopyFrom(_topk(rows, request.topk_prompt_logprobs))
-    return reply
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
@@ -104,25 +31,10 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def Sample(self, request, context):
         if request.num_samples < 1:
             raise UserError(f"num_samples must be at least 1, got {request.num_samples}")
-        params = sampling_params(request)
+        params = convert.sampling_params(request)
         outputs = self.engine.generate(list(request.prompt_tokens), params, request.num_samples,
                                        request.snapshot_id, request.snapshot_path).result(_RESULT_TIMEOUT_S)
-        return sample_response(request, outputs)
-
-    @rpc_boundary
-    def ComputeLogprobs(self, request, context):
-        sample = sampler_pb2.SampleRequest(
-            request_id=request.request_id, snapshot_id=request.snapshot_id, snapshot_path=request.snapshot_path,
-            prompt_tokens=request.prompt_tokens, num_samples=1, prompt_logprobs=True,
-            params=sampler_pb2.SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=-1))
-        outputs = self.engine.generate(list(request.prompt_tokens), sampling_params(sample), 1,
-                                       request.snapshot_id, request.snapshot_path).result(_RESULT_TIMEOUT_S)
-        return sampler_pb2.ComputeLogprobsResponse(
-            logprobs=prompt_logprobs(outputs[0], list(request.prompt_tokens), 0))
-
-    @rpc_boundary
-    def ListSnapshots(self, request, context):
-        return sampler_pb2.ListSnapshotsResponse(snapshot_ids=self.engine.list_snapshots())
+        return convert.sample_response(request, outputs)
 
     @rpc_boundary
     def ReceiveWeights(self, request, context):
@@ -135,9 +47,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         t_joined = time.perf_counter()
         chunks = weight_stream.receive(group, list(request.chunk_num_bytes))
         t_received = time.perf_counter()
-        specs = [weight_stream.TensorSpec(s.name, tensors.NAME_BY_DTYPE[s.dtype], tuple(s.shape), s.chunk, s.offset)
-                 for s in request.tensors]
-        received = weight_stream.unpack(specs, chunks)
+        received = weight_stream.unpack(convert.tensor_specs(request), chunks)
         self.engine.register_snapshot(request.snapshot_id, received, json.loads(request.adapter_config_json),
                                       request.persisted_path).result(_RESULT_TIMEOUT_S)
         seconds = time.perf_counter() - t0

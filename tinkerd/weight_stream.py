@@ -17,21 +17,15 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from tinkerd import dtypes
+
 DEFAULT_CHUNK_BYTES = 64 << 20
 GROUP_PREFIX = "tinkerd-weights"
 
-_TORCH_DTYPES = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "int64": torch.int64, "int32": torch.int32,
-}
-
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of a dtype, the key of tinkerd.dtypes."""
     return str(dtype).removeprefix("torch.")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPES[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +41,7 @@ class TensorSpec:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+        return n * torch.empty((), dtype=dtypes.torch_dtype(self.dtype)).element_size()
 
 
 @dataclasses.dataclass
@@ -95,7 +89,7 @@ def unpack(specs: list[TensorSpec], chunks: list[torch.Tensor]) -> dict[str, tor
     out = {}
     for s in specs:
         raw = chunks[s.chunk][s.offset:s.offset + s.num_bytes]
-        out[s.name] = raw.view(torch_dtype(s.dtype)).reshape(s.shape)
+        out[s.name] = raw.view(dtypes.torch_dtype(s.dtype)).reshape(s.shape)
     return out
 
 
@@ -149,10 +143,6 @@ def receive(group: Group, chunk_num_bytes: list[int]) -> list[torch.Tensor]:
     return chunks
 
 
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
-                       "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-
-
 def write_safetensors(path: str, packed: Packed) -> None:
     """Writes packed tensors as a .safetensors file straight from the chunk buffers: a JSON header
     and the chunks as they are (tensors in a chunk are contiguous, so the layout is already
@@ -164,7 +154,7 @@ def write_safetensors(path: str, packed: Packed) -> None:
     for n in packed.chunk_num_bytes:
         starts.append(position)
         position += n
-    header = {s.name: {"dtype": _SAFETENSORS_DTYPES[s.dtype], "shape": list(s.shape),
+    header = {s.name: {"dtype": dtypes.by_name(s.dtype).safetensors, "shape": list(s.shape),
                        "data_offsets": [starts[s.chunk] + s.offset, starts[s.chunk] + s.offset + s.num_bytes]}
               for s in packed.specs}
     raw = json.dumps(header, separators=(",", ":")).encode()

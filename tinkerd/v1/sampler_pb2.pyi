@@ -101,24 +101,6 @@ class SampleResponse(_message.Message):
     topk_prompt_logprobs: TopkLogprobs
     def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., topk_prompt_logprobs: _Optional[_Union[TopkLogprobs, _Mapping]] = ...) -> None: ...
 
-class ComputeLogprobsRequest(_message.Message):
-    __slots__ = ("request_id", "snapshot_id", "prompt_tokens", "snapshot_path")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SNAPSHOT_PATH_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    snapshot_id: str
-    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
-    snapshot_path: str
-    def __init__(self, request_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., snapshot_path: _Optional[str] = ...) -> None: ...
-
-class ComputeLogprobsResponse(_message.Message):
-    __slots__ = ("logprobs",)
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
-
 class WeightManifest(_message.Message):
     __slots__ = ("snapshot_id", "adapter_config_json", "tensors", "chunk_num_bytes", "rendezvous", "persisted_path")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -174,13 +156,3 @@ class SnapshotInfo(_message.Message):
     num_bytes: int
     receive_seconds: float
     def __init__(self, snapshot_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
-
-class ListSnapshotsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class ListSnapshotsResponse(_message.Message):
-    __slots__ = ("snapshot_ids",)
-    SNAPSHOT_IDS_FIELD_NUMBER: _ClassVar[int]
-    snapshot_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, snapshot_ids: _Optional[_Iterable[str]] = ...) -> None: ...

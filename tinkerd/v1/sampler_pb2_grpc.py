@@ -40,20 +40,10 @@ class SamplerStub:
                 request_serializer=tinkerd_dot_v1_dot_sampler__pb2.SampleRequest.SerializeToString,
                 response_deserializer=tinkerd_dot_v1_dot_sampler__pb2.SampleResponse.FromString,
                 _registered_method=True)
-        self.ComputeLogprobs = channel.unary_unary(
-                '/tinkerd.v1.Sampler/ComputeLogprobs',
-                request_serializer=tinkerd_dot_v1_dot_sampler__pb2.ComputeLogprobsRequest.SerializeToString,
-                response_deserializer=tinkerd_dot_v1_dot_sampler__pb2.ComputeLogprobsResponse.FromString,
-                _registered_method=True)
         self.ReceiveWeights = channel.unary_unary(
                 '/tinkerd.v1.Sampler/ReceiveWeights',
                 request_serializer=tinkerd_dot_v1_dot_sampler__pb2.WeightManifest.SerializeToString,
                 response_deserializer=tinkerd_dot_v1_dot_sampler__pb2.SnapshotInfo.FromString,
-                _registered_method=True)
-        self.ListSnapshots = channel.unary_unary(
-                '/tinkerd.v1.Sampler/ListSnapshots',
-                request_serializer=tinkerd_dot_v1_dot_sampler__pb2.ListSnapshotsRequest.SerializeToString,
-                response_deserializer=tinkerd_dot_v1_dot_sampler__pb2.ListSnapshotsResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/tinkerd.v1.Sampler/Health',
@@ -71,23 +61,10 @@ class SamplerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ComputeLogprobs(self, request, context):
-        """Per-token logprobs of a prompt (the first position has none and is NaN).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ReceiveWeights(self, request, context):
         """Joins the torch.distributed group the manifest names, receives the announced tensors and
         registers them as a snapshot. Returns when the snapshot is ready to sample (the commit).
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ListSnapshots(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -106,20 +83,10 @@ def add_SamplerServicer_to_server(servicer, server):
                     request_deserializer=tinkerd_dot_v1_dot_sampler__pb2.SampleRequest.FromString,
                     response_serializer=tinkerd_dot_v1_dot_sampler__pb2.SampleResponse.SerializeToString,
             ),
-            'ComputeLogprobs': grpc.unary_unary_rpc_method_handler(
-                    servicer.ComputeLogprobs,
-                    request_deserializer=tinkerd_dot_v1_dot_sampler__pb2.ComputeLogprobsRequest.FromString,
-                    response_serializer=tinkerd_dot_v1_dot_sampler__pb2.ComputeLogprobsResponse.SerializeToString,
-            ),
             'ReceiveWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.ReceiveWeights,
                     request_deserializer=tinkerd_dot_v1_dot_sampler__pb2.WeightManifest.FromString,
                     response_serializer=tinkerd_dot_v1_dot_sampler__pb2.SnapshotInfo.SerializeToString,
-            ),
-            'ListSnapshots': grpc.unary_unary_rpc_method_handler(
-                    servicer.ListSnapshots,
-                    request_deserializer=tinkerd_dot_v1_dot_sampler__pb2.ListSnapshotsRequest.FromString,
-                    response_serializer=tinkerd_dot_v1_dot_sampler__pb2.ListSnapshotsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -165,33 +132,6 @@ class Sampler:
             _registered_method=True)
 
     @staticmethod
-    def ComputeLogprobs(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tinkerd.v1.Sampler/ComputeLogprobs',
-            tinkerd_dot_v1_dot_sampler__pb2.ComputeLogprobsRequest.SerializeToString,
-            tinkerd_dot_v1_dot_sampler__pb2.ComputeLogprobsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def ReceiveWeights(request,
             target,
             options=(),
@@ -208,33 +148,6 @@ class Sampler:
             '/tinkerd.v1.Sampler/ReceiveWeights',
             tinkerd_dot_v1_dot_sampler__pb2.WeightManifest.SerializeToString,
             tinkerd_dot_v1_dot_sampler__pb2.SnapshotInfo.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ListSnapshots(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tinkerd.v1.Sampler/ListSnapshots',
-            tinkerd_dot_v1_dot_sampler__pb2.ListSnapshotsRequest.SerializeToString,
-            tinkerd_dot_v1_dot_sampler__pb2.ListSnapshotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,12 +49,6 @@ class DeleteModelResponse(_message.Message):
     deleted: bool
     def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
 
-class GetModelInfoRequest(_message.Message):
-    __slots__ = ("model_id",)
-    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    model_id: str
-    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
-
 class ForwardBackwardRequest(_message.Message):
     __slots__ = ("model_id", "seq_id", "loss_fn", "loss_fn_config", "data", "forward_only")
     class LossFnConfigEntry(_message.Message):

@@ -45,11 +45,6 @@ class TrainerStub:
                 request_serializer=tinkerd_dot_v1_dot_trainer__pb2.DeleteModelRequest.SerializeToString,
                 response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.DeleteModelResponse.FromString,
                 _registered_method=True)
-        self.GetModelInfo = channel.unary_unary(
-                '/tinkerd.v1.Trainer/GetModelInfo',
-                request_serializer=tinkerd_dot_v1_dot_trainer__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.ModelInfo.FromString,
-                _registered_method=True)
         self.ForwardBackward = channel.unary_unary(
                 '/tinkerd.v1.Trainer/ForwardBackward',
                 request_serializer=tinkerd_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.SerializeToString,
@@ -102,12 +97,6 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ForwardBackward(self, request, context):
         """forward_only=true computes outputs without touching gradients.
         """
@@ -124,6 +113,9 @@ class TrainerServicer:
     def PushWeights(self, request, context):
         """Gathers the model's adapter (also under ZeRO-3) and streams it to the given samplers
         over a torch.distributed group; each sampler registers it as a new immutable snapshot.
+        With persist_dir it also writes the snapshot's PEFT copy, concurrently with the stream.
+        Returns only when every sampler has committed the snapshot AND the copy is complete, so a
+        persisted_path handed on after this reply always holds the whole adapter; fails if either fails.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,11 +160,6 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.DeleteModel,
                     request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.DeleteModelRequest.FromString,
                     response_serializer=tinkerd_dot_v1_dot_trainer__pb2.DeleteModelResponse.SerializeToString,
-            ),
-            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetModelInfo,
-                    request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=tinkerd_dot_v1_dot_trainer__pb2.ModelInfo.SerializeToString,
             ),
             'ForwardBackward': grpc.unary_unary_rpc_method_handler(
                     servicer.ForwardBackward,
@@ -264,33 +251,6 @@ class Trainer:
             '/tinkerd.v1.Trainer/DeleteModel',
             tinkerd_dot_v1_dot_trainer__pb2.DeleteModelRequest.SerializeToString,
             tinkerd_dot_v1_dot_trainer__pb2.DeleteModelResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetModelInfo(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tinkerd.v1.Trainer/GetModelInfo',
-            tinkerd_dot_v1_dot_trainer__pb2.GetModelInfoRequest.SerializeToString,
-            tinkerd_dot_v1_dot_trainer__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,66 @@
+"""Trainer gRPC messages <-> the engine's plain types (the only trainer module knowing both)."""
+
+from __future__ import annotations
+
+import torch
+
+from tinkerd import dtypes, tensors, weight_stream
+from tinkerd.errors import UserError
+from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
+from trainer_service.lora import LoraSpec
+from trainer_service.registry import LoraModel
+from trainer_service.training import AdamParams, DatumInput
+
+
+def lora_spec(msg: common_pb2.LoraConfig) -> LoraSpec:
+    return LoraSpec(rank=msg.rank, seed=msg.seed if msg.HasField("seed") else None,
+                    train_attn=msg.train_attn, train_mlp=msg.train_mlp, train_unembed=msg.train_unembed)
+
+
+def model_info(model_id: str, base_model: str, model: LoraModel | None, num_params: int = 0) -> trainer_pb2.ModelInfo:
+    """`model` None: unloaded to disk."""
+    if model is None:
+        return trainer_pb2.ModelInfo(model_id=model_id, base_model=base_model, resident=False)
+    s = model.spec
+    lora = common_pb2.LoraConfig(rank=s.rank, train_attn=s.train_attn, train_mlp=s.train_mlp,
+                                 train_unembed=s.train_unembed)
+    if s.seed is not None:
+        lora.seed = s.seed
+    return trainer_pb2.ModelInfo(model_id=model_id, base_model=base_model, lora_config=lora,
+                                 step=model.step, num_params=num_params, resident=True)
+
+
+def datum(msg: common_pb2.Datum, index: int) -> DatumInput:
+    inputs = {}
+    for key, t in msg.loss_fn_inputs.items():
+        try:
+            inputs[key] = torch.from_numpy(tensors.to_numpy(t).copy())
+        except ValueError as e:
+            raise UserError(f"datum {index}: loss_fn_inputs[{key!r}]: {e}") from None
+    return DatumInput(list(msg.tokens), inputs)
+
+
+def forward_backward_response(outputs: list[dict[str, torch.Tensor]],
+                              metrics: dict[str, float]) -> trainer_pb2.ForwardBackwardResponse:
+    return trainer_pb2.ForwardBackwardResponse(
+        outputs=[trainer_pb2.DatumOutput(outputs={k: tensors.from_numpy(v.numpy()) for k, v in o.items()})
+                 for o in outputs],
+        metrics=metrics)
+
+
+def adam_params(msg: common_pb2.AdamParams) -> AdamParams:
+    return AdamParams(learning_rate=msg.learning_rate, beta1=msg.beta1, beta2=msg.beta2, eps=msg.eps,
+                      weight_decay=msg.weight_decay, grad_clip_norm=msg.grad_clip_norm)
+
+
+def tensor_specs(packed: weight_stream.Packed) -> list[sampler_pb2.TensorSpec]:
+    """The manifest's view of a packed adapter's layout."""
+    return [sampler_pb2.TensorSpec(name=s.name, dtype=_wire_dtype(s.dtype), shape=s.shape, chunk=s.chunk,
+                                   offset=s.offset) for s in packed.specs]
+
+
+def _wire_dtype(name: str) -> int:
+    wire = dtypes.by_name(name).wire
+    if wire is None:
+        raise ValueError(f"dtype {name} has no tinkerd.v1 DType")
+    return wire

@@ -1,0 +1,56 @@
+"""DeepSpeed plumbing: the default process group, the engine config, and one engine per adapter."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from trainer_service.lora import AdapterModule
+
+
+def init_distributed_once() -> None:
+    """DeepSpeed's default group; a single process unless launched by a DeepSpeed launcher."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if not torch.cuda.is_available():
+        # On CPU DeepSpeed JIT-compiles a shared-memory allreduce op at init (35-85 s on a
+        # fresh machine). gloo does every collective just as well for our sizes.
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def deepspeed_config(zero_stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        # A window that never closes by count: optim_step closes it explicitly.
+        "gradient_accumulation_steps": 1 << 30,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": zero_stage},
+        "steps_per_print": 1 << 30,
+    }
+
+
+def adapter_engine(peft_model, adapter_name: str, params: list[torch.nn.Parameter], zero_stage: int):
+    """A DeepSpeed engine around one adapter's parameters, with its own AdamW (optimizer state,
+    gradients and step count never mix between adapters), its accumulation window open."""
+    import deepspeed
+
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=AdapterModule(peft_model, adapter_name, params),
+                                      optimizer=optimizer, config=deepspeed_config(zero_stage))
+    engine.set_gradient_accumulation_boundary(False)
+    return engine
