@@ -15,13 +15,13 @@ import numpy as np
 from gateway import protocol
 from gateway import tinker_wire_pb2 as tw
 from gateway.stability import Span
+from tinkerd import dtypes
 from tinkerd.errors import UserError
 from tinkerd.tensors import from_numpy, to_numpy
 from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
 
 DEFAULT_MAX_TOKENS = 128
 _Stop = sampler_pb2.SamplingParams.StopMode
-_NP = {tw.DTYPE_FLOAT32: np.dtype("<f4"), tw.DTYPE_INT64: np.dtype("<i8"), tw.DTYPE_INT32: np.dtype("<i4")}
 
 
 def decompress(body: bytes, content_encoding: str | None) -> bytes:
@@ -81,9 +81,13 @@ def _values(t: tw.Tensor, where: str) -> np.ndarray:
     raw = t.dense if t.HasField("dense") else t.sparse_csr.values
     if t.dtype == tw.DTYPE_BFLOAT16:      # numpy has no bfloat16: widen to float32
         return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-    if t.dtype in _NP:
-        return np.frombuffer(raw, dtype=_NP[t.dtype])
-    raise UserError(f"{where}: unsupported dtype {tw.DType.Name(t.dtype)}")
+    try:
+        numpy_dtype = dtypes.by_wire_name(tw.DType.Name(t.dtype)).numpy
+    except ValueError:                    # unknown to the table or to the SDK's enum
+        numpy_dtype = None
+    if numpy_dtype is None:
+        raise UserError(f"{where}: unsupported dtype {t.dtype}")
+    return np.frombuffer(raw, dtype=numpy_dtype)
 
 
 def _tensor(t: tw.Tensor, where: str) -> np.ndarray:

@@ -27,12 +27,13 @@ class DatumInput:
 
 @dataclasses.dataclass
 class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    """Every field given: the API's defaults are applied where requests arrive (gateway/protocol.py)."""
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float  # 0: no clipping
 
 
 def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int) -> None:

@@ -8,6 +8,11 @@ from trainer_service.engine import AdamParams, DatumInput, TrainerEngine
 from trainer_service.lora import LoraSpec
 
 
+def _adam(learning_rate, **overrides):
+    return AdamParams(**{"learning_rate": learning_rate, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12,
+                         "weight_decay": 0.0, "grad_clip_norm": 0.0, **overrides})
+
+
 def _datum(tokens):
     return DatumInput(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]),
                                     "weights": torch.ones(len(tokens) - 1)})
@@ -33,7 +38,7 @@ def test_two_calls_accumulate_like_one_and_tenants_stay_apart(tiny_model_dir, st
     engine.forward_backward("bystander", [B], "cross_entropy", {}, forward_only=True)
     engine.forward_backward("split", [B], "cross_entropy", {}, forward_only=False)
     engine.forward_backward("joint", [A, B], "cross_entropy", {}, forward_only=False)
-    adam = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+    adam = _adam(1e-2, weight_decay=0.01, grad_clip_norm=1.0)
     metrics = engine.optim_step("split", adam)
     engine.optim_step("joint", adam)
     assert metrics["step:max"] == 1.0 and metrics["grad_norm:mean"] > 0
@@ -68,7 +73,7 @@ def test_unloaded_model_comes_back_with_its_optimizer_state(tiny_model_dir, tmp_
     """A model unloaded mid-training and reloaded on next use trains on exactly like its twin
     that stayed in memory: same weights, same AdamW moments, same step count."""
     engine = TrainerEngine(tiny_model_dir, zero_stage=stage)
-    adam = AdamParams(learning_rate=1e-2)
+    adam = _adam(1e-2)
     for model_id in ("stays", "leaves"):
         engine.create_model(model_id, LoraSpec(rank=4, seed=1, train_unembed=False))
         engine.forward_backward(model_id, [A], "cross_entropy", {}, forward_only=False)
@@ -90,7 +95,7 @@ def test_weights_only_checkpoint_starts_a_fresh_optimizer(tiny_model_dir, tmp_pa
     engine = TrainerEngine(tiny_model_dir, zero_stage=2)
     engine.create_model("src", LoraSpec(rank=4, seed=2))
     engine.forward_backward("src", [A], "cross_entropy", {}, forward_only=False)
-    engine.optim_step("src", AdamParams(learning_rate=1e-2))
+    engine.optim_step("src", _adam(1e-2))
     engine.save_state("src", str(tmp_path / "w"), with_optimizer=False)
     copy = engine.load_state("copy", str(tmp_path / "w"), with_optimizer=False)
     assert copy.step == 0
@@ -113,7 +118,7 @@ def test_32_models_over_one_base(tiny_model_dir):
         before[i] = _adapter(engine, f"t{i}")
     for i in range(0, 32, 2):    # every other tenant trains; the rest must not move
         engine.forward_backward(f"t{i}", [A], "cross_entropy", {}, forward_only=False)
-        engine.optim_step(f"t{i}", AdamParams(learning_rate=1e-2))
+        engine.optim_step(f"t{i}", _adam(1e-2))
     for i in range(32):
         after = _adapter(engine, f"t{i}")
         moved = any(not torch.equal(after[k], before[i][k]) for k in after)
