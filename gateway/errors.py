@@ -8,6 +8,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from tinkerd.errors import NotFoundError, UserError, category_for_http
 
@@ -25,7 +26,7 @@ def error_response(message: str, status: int = 400, headers: dict | None = None)
     return JSONResponse(error_body(message, category_for_http(status)), status_code=status, headers=headers)
 
 
-def _field_errors(exc: RequestValidationError) -> str:
+def _field_errors(exc: RequestValidationError | ValidationError) -> str:
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
@@ -37,7 +38,7 @@ async def _on_user_error(request: Request, exc: UserError) -> JSONResponse:
     return error_response(str(exc), 404 if isinstance(exc, NotFoundError) else 400)
 
 
-async def _on_invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _on_invalid_body(request: Request, exc: RequestValidationError | ValidationError) -> JSONResponse:
     return error_response(f"invalid request: {_field_errors(exc)}")
 
 
@@ -48,4 +49,5 @@ async def _on_bad_json(request: Request, exc: json.JSONDecodeError) -> JSONRespo
 def install(app: FastAPI) -> None:
     app.add_exception_handler(UserError, _on_user_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_body)
+    app.add_exception_handler(ValidationError, _on_invalid_body)      # bodies a route validates itself
     app.add_exception_handler(json.JSONDecodeError, _on_bad_json)

@@ -65,8 +65,8 @@ class Gateway:
         return protocol.FutureResponse(request_id=row.request_id, model_id=model_id)
 
 
-def _gateway(request: Request) -> Gateway:
+def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-GatewayDep = Annotated[Gateway, Depends(_gateway)]
+GatewayDep = Annotated[Gateway, Depends(gateway_of)]

@@ -4,16 +4,18 @@ where it waits."""
 from __future__ import annotations
 
 import functools
+import json
 
 import grpc
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.db import FutureRow
 from gateway.errors import error_response
 from gateway.futures import json_body
 from gateway.protocol import FutureResponse, RetrieveFutureRequest, TryAgainResponse
-from gateway.state import Gateway, GatewayDep
+from gateway.state import Gateway, GatewayDep, gateway_of
+from tinkerd.errors import UserError
 from tinkerd.v1 import common_pb2, trainer_pb2
 
 router = APIRouter()
@@ -22,7 +24,11 @@ LONG_POLL_S = 25.0          # under the SDK's 45 s read timeout
 
 
 @router.post("/api/v1/retrieve_future")
-async def retrieve_future(body: RetrieveFutureRequest, gw: GatewayDep):
+async def retrieve_future(request: Request):
+    """The hottest route (every future polls it): read and checked by hand, without the
+    dependency and body machinery, which cost ~0.5 ms a request on a 2-core VM."""
+    body = RetrieveFutureRequest.model_validate(await _json(request))
+    gw = gateway_of(request)
     row = await gw.futures.wait(body.request_id, LONG_POLL_S)
     if row is None:
         return error_response(f"unknown request_id {body.request_id!r}", 404)
@@ -31,6 +37,13 @@ async def retrieve_future(body: RetrieveFutureRequest, gw: GatewayDep):
         try_again = TryAgainResponse(request_id=body.request_id, queue_state=queue_state, queue_state_reason=reason)
         return JSONResponse(try_again.model_dump(), status_code=408)
     return Response(content=row.result, media_type=row.content_type)
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except ValueError as e:
+        raise UserError(f"the request body is not valid JSON: {e}") from None
 
 
 async def _describe_queue(gw: Gateway, row: FutureRow) -> tuple[str, str]:

@@ -75,3 +75,10 @@ def test_unknown_ids(gateway):
     assert_user_error(api.post("retrieve_future", {"request_id": "nope"}), 404)
     body = {"session_id": api.session(), "model_path": "tinker://r:train:0/sampler_weights/x"}
     assert_user_error(api.post("create_sampling_session", body), 400, "unknown sampler checkpoint")
+
+
+def test_retrieve_future_bad_bodies(gateway):
+    api = gateway.api
+    assert_user_error(api.post("retrieve_future", {"request_id": 5}), 400, "request_id")
+    r = api.client.post("/api/v1/retrieve_future", content=b"{x", headers={"content-type": "application/json"})
+    assert_user_error(r, 400, "not valid JSON")
