@@ -42,12 +42,7 @@ async def _on_invalid_body(request: Request, exc: RequestValidationError | Valid
     return error_response(f"invalid request: {_field_errors(exc)}")
 
 
-async def _on_bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
-    return error_response(f"the request body is not valid JSON: {exc}")
-
-
 def install(app: FastAPI) -> None:
     app.add_exception_handler(UserError, _on_user_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_body)
     app.add_exception_handler(ValidationError, _on_invalid_body)      # bodies a route validates itself
-    app.add_exception_handler(json.JSONDecodeError, _on_bad_json)
