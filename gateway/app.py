@@ -1,7 +1,7 @@
 """The Tinker REST API (as SDK 0.38 speaks it) on top of the Trainer and Sampler gRPC services.
 
-create_app only assembles: the runtime parts (gateway/state.py), the error handlers
-(gateway/errors.py) and the routes (gateway/routes/, one module per concern). Immediate calls
+create_app only assembles: the runtime parts (gateway/state.py), authentication
+(gateway/auth.py), the error handlers (gateway/errors.py) and the routes (gateway/routes/, one module per concern). Immediate calls
 answer from the database; slow calls become futures (gateway/futures.py) whose jobs call gRPC.
 """
 
@@ -13,7 +13,8 @@ import logging
 
 from fastapi import FastAPI
 
-from gateway import errors, housekeeping
+from gateway import errors, housekeeping, limits
+from gateway.auth import AuthMiddleware
 from gateway.backends import Backends
 from gateway.routes import ROUTERS
 from gateway.settings import GatewaySettings
@@ -38,6 +39,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="tinkerd gateway", lifespan=lifespan)
     app.state.gateway = gw
     errors.install(app)
+    app.add_exception_handler(limits.OverLimit, limits.on_over_limit)
+    app.add_middleware(AuthMiddleware, authenticator=gw.authenticator)
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -81,7 +81,7 @@ def last_checkpoint(db: Database, run_id: str, checkpoint_type: str) -> protocol
 
 def run_json(db: Database, row: ModelRow) -> protocol.TrainingRun:
     return protocol.TrainingRun(
-        training_run_id=row.model_id, base_model=row.base_model, model_owner=row.session_id,
+        training_run_id=row.model_id, base_model=row.base_model, model_owner=f"tml:organization_user:{row.owner}",
         lora_rank=row.lora_rank, last_request_time=iso(row.last_request_time),
         last_checkpoint=last_checkpoint(db, row.model_id, "training"),
         last_sampler_checkpoint=last_checkpoint(db, row.model_id, "sampler"))
@@ -111,7 +111,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def copy_checkpoint(db: Database, state_dir: str, source: CheckpointRow, run_id: str, session_id: str,
-                    ttl_seconds: int | None) -> str:
+                    ttl_seconds: int | None, *, owner: str) -> str:
     """A copy of `source` as the only checkpoint of a new training run `run_id` that cannot be
     trained on (it has no model on the trainer). Files are hard links. Returns its tinker path."""
     source_run = db.get(ModelRow, source.model_id)
@@ -119,11 +119,11 @@ def copy_checkpoint(db: Database, state_dir: str, source: CheckpointRow, run_id:
     directory = checkpoint_dir(state_dir, run_id, kind, name)
     shutil.rmtree(directory, ignore_errors=True)
     shutil.copytree(source.directory, directory, copy_function=_link_or_copy)
-    db.add(ModelRow(model_id=run_id, session_id=session_id, base_model=source_run.base_model,
+    db.add(ModelRow(model_id=run_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
                     lora_rank=source_run.lora_rank, resident=False,
                     lora_config={**(source_run.lora_config or {}), "copied_from": source.tinker_path}))
     path = tinker_path(run_id, kind, name)
-    db.add(CheckpointRow(tinker_path=path, model_id=run_id, checkpoint_type=source.checkpoint_type,
+    db.add(CheckpointRow(tinker_path=path, model_id=run_id, owner=owner, checkpoint_type=source.checkpoint_type,
                          name=name, snapshot_id=source.snapshot_id,
                          snapshot_path=directory if source.snapshot_path else "", directory=directory,
                          size_bytes=source.size_bytes, expires_at=expires(ttl_seconds)))

@@ -1,5 +1,6 @@
-"""Durable gateway state in a SQL database (SQLite by default, Postgres by URL):
-sessions, training models, futures (with their results), sampling sessions, checkpoints."""
+"""Durable gateway state in a SQL database (SQLite by default, Postgres by URL): users and their
+API keys, sessions, training models, futures (with their results), sampling sessions,
+checkpoints, the audit log. Every row a user makes carries `owner` (their user id)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,49 @@ class Base(DeclarativeBase):
     pass
 
 
+class UserRow(Base):
+    __tablename__ = "users"
+    user_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    email: Mapped[str] = mapped_column(String(256), default="")
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class ApiKeyRow(Base):
+    """An API key `tml-<key_id>-<secret>` is stored as its id and the SHA-256 of its secret: the
+    secret is 256 random bits, so a fast hash is enough and the database never holds a usable key."""
+    __tablename__ = "api_keys"
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    user_id: Mapped[str] = mapped_column(String(64), index=True)
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    revoked_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ServerSecretRow(Base):
+    """Secrets the gateway makes once and keeps (the JWT and signed-URL signing key): in the
+    database, so every gateway process on it agrees."""
+    __tablename__ = "server_secrets"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(128))
+
+
+class AuditRow(Base):
+    __tablename__ = "audit_events"
+    event_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
+    org_id: Mapped[str] = mapped_column(String(128), index=True)
+    user_id: Mapped[str] = mapped_column(String(64))
+    event: Mapped[str] = mapped_column(String(64))
+    details: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
 class SessionRow(Base):
     __tablename__ = "sessions"
     session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
     last_heartbeat: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
     tags: Mapped[list] = mapped_column(JSON, default=list)
@@ -43,6 +84,7 @@ class ModelRow(Base):
     __tablename__ = "models"
     model_id: Mapped[str] = mapped_column(String(256), primary_key=True)
     session_id: Mapped[str] = mapped_column(String(128), index=True)
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     base_model: Mapped[str] = mapped_column(String(512))
     lora_rank: Mapped[int] = mapped_column(Integer)
     lora_config: Mapped[dict] = mapped_column(JSON)
@@ -57,6 +99,9 @@ class FutureRow(Base):
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     # (model_id, seq_id) or (sampling_session_id, seq_id): a resent request finds its future.
     idempotency_key: Mapped[str | None] = mapped_column(String(512), unique=True, nullable=True)
+    # What the request said (a hash): a resend must say the same, or it is a different request.
+    fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
     request_type: Mapped[str] = mapped_column(String(64))
     model_id: Mapped[str | None] = mapped_column(String(256), nullable=True, index=True)
     status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | complete | failed
@@ -71,6 +116,7 @@ class SamplingSessionRow(Base):
     __tablename__ = "sampling_sessions"
     sampling_session_id: Mapped[str] = mapped_column(String(256), primary_key=True)
     session_id: Mapped[str] = mapped_column(String(128), index=True)
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
     base_model: Mapped[str] = mapped_column(String(512))
     model_path: Mapped[str | None] = mapped_column(Text, nullable=True)
     snapshot_id: Mapped[str] = mapped_column(String(256), default="")   # "" = the base model
@@ -82,6 +128,7 @@ class CheckpointRow(Base):
     __tablename__ = "checkpoints"
     tinker_path: Mapped[str] = mapped_column(String(768), primary_key=True)
     model_id: Mapped[str] = mapped_column(String(256), index=True)
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     checkpoint_type: Mapped[str] = mapped_column(String(16))   # training | sampler
     name: Mapped[str] = mapped_column(String(256))
     snapshot_id: Mapped[str] = mapped_column(String(256), default="")
@@ -232,6 +279,13 @@ class Database:
     def count(self, stmt) -> int:
         with self.session() as s:
             return s.scalar(select(func.count()).select_from(stmt.subquery()))
+
+    def adopt_unowned(self, owner: str) -> None:
+        """Rows made before tinkerd had users (an upgraded database) become `owner`'s."""
+        with self.session() as s:
+            for cls in (SessionRow, ModelRow, FutureRow, SamplingSessionRow, CheckpointRow):
+                s.execute(update(cls).where(cls.owner.is_(None)).values(owner=owner))
+            s.commit()
 
     def touch(self, cls, key, **values) -> bool:
         self._cache.pop((cls.__name__, key), None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import heapq
 import json
 import logging
@@ -21,13 +22,19 @@ import grpc
 
 from gateway.db import Database, FutureRow
 from gateway.errors import error_json
-from tinkerd.errors import ServiceError, category_for
+from tinkerd.errors import ServiceError, UserError, category_for
 
 log = logging.getLogger(__name__)
 
 Job = Callable[[], Awaitable[tuple[str, bytes]]]   # -> (content_type, body)
 GAP_TIMEOUT_S = 10.0
 _FINISHED_KEPT = 4096      # recent results answered from memory; older ones from the database
+
+
+def fingerprint(kind: str, request: bytes | str) -> str:
+    """What identifies a request's content, to tell a resend from another request."""
+    data = request.encode() if isinstance(request, str) else request
+    return hashlib.sha256(kind.encode() + b"\0" + data).hexdigest()
 
 
 def json_body(obj) -> tuple[str, bytes]:
@@ -39,6 +46,7 @@ class _Pending:
     done: asyncio.Event
     model_id: str | None
     request_type: str
+    owner: str
 
 
 class _ModelRunner:
@@ -93,17 +101,26 @@ class Futures:
         self._pending: dict[str, _Pending] = {}        # scheduled here, not finished yet
         self._finished: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
         self._pending_by_type: collections.Counter[str] = collections.Counter()
+        self._pending_by_owner: collections.Counter[tuple[str, str]] = collections.Counter()
         self._runners: dict[str, _ModelRunner] = {}
 
-    def submit(self, request_type: str, job: Job, *, idempotency_key: str | None = None,
-               model_id: str | None = None, seq_id: int | None = None, extra: dict | None = None) -> FutureRow:
-        """Records the future and schedules its job; a resent request gets the first one back."""
-        row = self.db.insert_future(FutureRow(request_id=uuid.uuid4().hex, idempotency_key=idempotency_key,
-                                              request_type=request_type, model_id=model_id, extra=extra or {}))
+    def submit(self, request_type: str, job: Job, *, owner: str, fingerprint: str | None = None,
+               idempotency_key: str | None = None, model_id: str | None = None, seq_id: int | None = None,
+               extra: dict | None = None) -> FutureRow:
+        """Records the future and schedules its job. A resend (same idempotency key and the same
+        request) gets the first one back; the same key with a different request is a user error."""
+        request_id = uuid.uuid4().hex
+        row = self.db.insert_future(FutureRow(request_id=request_id, idempotency_key=idempotency_key,
+                                              fingerprint=fingerprint, owner=owner, request_type=request_type,
+                                              model_id=model_id, extra=extra or {}))
+        if row.request_id != request_id and (row.fingerprint != fingerprint or row.owner != owner):
+            raise UserError(f"{idempotency_key.replace('#', ' seq_id ')} was already used for a different "
+                            f"request ({row.request_type}); every request needs its own seq_id")
         if row.request_id in self._pending or row.status != "pending":
             return row    # a resend: already scheduled or finished
-        self._pending[row.request_id] = _Pending(asyncio.Event(), model_id, request_type)
+        self._pending[row.request_id] = _Pending(asyncio.Event(), model_id, request_type, owner)
         self._pending_by_type[request_type] += 1
+        self._pending_by_owner[owner, request_type] += 1
         if seq_id is not None and model_id is not None:
             runner = self._runners.get(model_id)
             if runner is None:
@@ -114,6 +131,7 @@ class Futures:
         return row
 
     async def run(self, request_id: str, job: Job) -> None:
+        owner = self._pending[request_id].owner if request_id in self._pending else None
         try:
             content_type, body = await job()
             status = "complete"
@@ -127,26 +145,34 @@ class Futures:
             status, content_type, body = "failed", "application/json", error_json(f"{type(e).__name__}: {e}", "server")
         self.db.finish_future(request_id, status, content_type, body)
         self._finished[request_id] = FutureRow(request_id=request_id, status=status, content_type=content_type,
-                                               result=body)
+                                               result=body, owner=owner)
         while len(self._finished) > _FINISHED_KEPT:
             self._finished.popitem(last=False)
         pending = self._pending.pop(request_id, None)
         if pending:
             self._pending_by_type[pending.request_type] -= 1
+            self._pending_by_owner[pending.owner, pending.request_type] -= 1
             pending.done.set()
 
-    async def wait(self, request_id: str, timeout_s: float) -> FutureRow | None:
-        """The future's row once finished, or still pending after `timeout_s`; None if unknown."""
+    async def wait(self, request_id: str, timeout_s: float, owner: str) -> FutureRow | None:
+        """The owner's future once finished, or still pending after `timeout_s`; None if unknown
+        (or another user's)."""
         pending = self._pending.get(request_id)
         if pending is not None:
+            if pending.owner != owner:
+                return None
             try:
                 await asyncio.wait_for(pending.done.wait(), timeout_s)
             except asyncio.TimeoutError:
                 return FutureRow(request_id=request_id, status="pending", model_id=pending.model_id)
-        finished = self._finished.get(request_id)
-        if finished is not None:
-            return finished
-        return self.db.get(FutureRow, request_id)
+        row = self._finished.get(request_id) or self.db.get(FutureRow, request_id)
+        return row if row is not None and row.owner == owner else None
+
+    def pending_of(self, owner: str, request_type: str | None = None) -> int:
+        """The owner's futures scheduled here and not finished yet (of one type, or all)."""
+        if request_type is None:
+            return sum(n for (o, _), n in self._pending_by_owner.items() if o == owner)
+        return self._pending_by_owner[owner, request_type]
 
     def pending(self, request_type: str) -> int:
         """Futures of this type scheduled here and not finished yet."""

@@ -9,6 +9,7 @@ gateway/convert.py.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -288,3 +289,26 @@ class SessionResponse(BaseModel):
 class Page(Body):
     limit: int = Field(100, ge=1, le=10_000)
     offset: int = Field(0, ge=0)
+
+
+# --- identity ---
+
+class AuthTokenResponse(BaseModel):
+    jwt: str
+
+
+class AuditQuery(Body):
+    event_type: Literal["all", "checkpoints", "projects", "teams", "organizations"] = "all"
+    day: datetime.date | None = None
+
+
+class AuditEntry(BaseModel):
+    timestamp: str
+    event: str
+    event_details: dict[str, Any]
+    model_id: str | None = None
+    tinker_path: str | None = None
+
+
+class AuditLogResponse(BaseModel):
+    entries: list[AuditEntry]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from tinkerd.settings import setting
 
@@ -21,6 +22,13 @@ class GatewaySettings:
                                                    "for this long (they reload on next use)")
     max_pending_samples: int = setting(4096, help="sample requests in flight beyond this get HTTP 429 "
                                                   "(the SDK backs off and resends)")
+    auth: bool = setting(True, help="require an API key (tinkerd keys create) on every request; --no-auth makes "
+                                    "every caller the one admin user, for local experiments only")
+    token_ttl_s: float = setting(3600.0, help="lifetime of the JWTs the SDK exchanges its API key for")
+    max_models_per_user: int = setting(32, help="training runs one user may have in open sessions")
+    max_queued_per_user: int = setting(256, help="training requests one user may have queued (HTTP 429 beyond)")
+    max_samples_per_user: int = setting(1024, help="sample requests one user may have in flight (HTTP 429 beyond)")
+    max_checkpoint_gb_per_user: float = setting(50.0, help="checkpoint bytes on disk one user may hold (GB)")
     stability_ttl_s: float = setting(3600.0, help="sampled sequences recorded for stable_reinforce are "
                                                   "dropped after this long unused")
 
@@ -30,5 +38,8 @@ class GatewaySettings:
 
     @property
     def database_url(self) -> str:
-        import os
-        return self.db_url or f"sqlite:///{os.path.join(self.state_dir, 'tinkerd.db')}"
+        return database_url(self.state_dir, self.db_url)
+
+
+def database_url(state_dir: str, db_url: str | None) -> str:
+    return db_url or f"sqlite:///{os.path.join(os.path.abspath(state_dir), 'tinkerd.db')}"

@@ -11,12 +11,20 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from gateway import protocol
+from gateway.auth import Authenticator
 from gateway.backends import Backends
 from gateway.db import Database, ModelRow, aware, now
 from gateway.futures import Futures, Job
+from gateway.keys import Caller, KeyStore, create_user
+from gateway.limits import Limits
 from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
 from gateway.stability import StabilityRecords
+from gateway.tokens import Signer, signing_secret
+
+# The user a fresh database starts with: `tinkerd up` gives it the first API key, rows made
+# before users existed become its, and with --no-auth every request acts as it.
+ADMIN_USER = "admin"
 
 # A model's last_request_time is written at most this often (one write per request is too many).
 _REQUEST_TIME_RESOLUTION_S = 5.0
@@ -29,6 +37,8 @@ class Gateway:
     sessions: Sessions
     futures: Futures
     stability: StabilityRecords
+    authenticator: Authenticator
+    limits: Limits
     backends: Backends | None = None          # made on startup, inside the event loop
     background: set[asyncio.Task] = dataclasses.field(default_factory=set)
 
@@ -36,7 +46,14 @@ class Gateway:
     def create(cls, settings: GatewaySettings) -> "Gateway":
         os.makedirs(settings.state_dir, exist_ok=True)
         db = Database(settings.database_url)
-        return cls(settings, db, Sessions(db), Futures(db), StabilityRecords(ttl_s=settings.stability_ttl_s))
+        admin = create_user(db, ADMIN_USER, admin=True)
+        db.adopt_unowned(admin.user_id)
+        anonymous = None if settings.auth else Caller(admin.user_id, admin.name, admin.org_id, admin.email,
+                                                      True, key_id="")
+        authenticator = Authenticator(KeyStore(db), Signer(signing_secret(db), settings.token_ttl_s), anonymous)
+        futures = Futures(db)
+        return cls(settings, db, Sessions(db), futures, StabilityRecords(ttl_s=settings.stability_ttl_s),
+                   authenticator, Limits(settings, db, futures))
 
     @property
     def trainer(self):
@@ -52,11 +69,17 @@ class Gateway:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    def submit_training(self, kind: str, model_id: str, seq_id: int, job: Job) -> protocol.FutureResponse:
+    @property
+    def signer(self) -> Signer:
+        return self.authenticator.signer
+
+    def submit_training(self, caller: Caller, kind: str, model_id: str, seq_id: int, job: Job,
+                        fingerprint: str) -> protocol.FutureResponse:
         """A future for a model's request, run in seq_id order with the model's other requests;
-        a resent (model_id, seq_id) gets the first one back."""
-        row = self.futures.submit(kind, job, idempotency_key=f"{model_id}#{seq_id}", model_id=model_id,
-                                  seq_id=seq_id)
+        a resent (model_id, seq_id) with the same request (`fingerprint`) gets the first one back."""
+        self.limits.check_queue(caller)
+        row = self.futures.submit(kind, job, owner=caller.user_id, fingerprint=fingerprint,
+                                  idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id)
         model = self.db.get(ModelRow, model_id)
         stamp = now()
         if model is not None and (not model.resident or (stamp - aware(model.last_request_time)).total_seconds()

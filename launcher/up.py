@@ -18,6 +18,7 @@ import time
 import urllib.request
 
 from gateway.settings import GatewaySettings
+from launcher import keys
 from sampler_service.settings import SamplerSettings
 from tinkerd import settings
 from trainer_service.settings import TrainerSettings
@@ -123,8 +124,14 @@ def up(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
+        api_key = keys.first_admin_key(args.state_dir, args.db_url) if args.auth else None
         url = _start_all(args, procs, {}, log_dir)
         print(f"tinkerd ready at {url} in {time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
+        if api_key:
+            print("the admin's API key (shown only now; more with `tinkerd keys create --user NAME`):", flush=True)
+            print(f"TINKER_API_KEY={api_key}", flush=True)
+        elif not args.auth:
+            print("auth is OFF (--no-auth): every caller acts as the admin user", flush=True)
         print(f"TINKER_BASE_URL={url}", flush=True)
         while True:
             for name, p in procs.items():

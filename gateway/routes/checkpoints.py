@@ -6,14 +6,19 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import time
+import urllib.parse
 import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import select
 
-from gateway import checkpoints
-from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, now
+from gateway import audit, checkpoints
+from gateway.auth import CallerDep
+from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, aware
+from gateway.keys import Caller
+from gateway.sessions import mine
 from gateway.protocol import (CheckpointsResponse, CopyWeightsRequest, CopyWeightsResponse, Cursor,
                               ExternalWeightsUrlsResponse, Page, SessionResponse, SessionsResponse, SetTtlRequest,
                               TrainingRun, TrainingRunsResponse, WeightsInfoRequest, WeightsInfoResponse)
@@ -25,19 +30,24 @@ PageDep = Annotated[Page, Query()]
 _CHECKPOINT = "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"
 
 
-def _run(gw: Gateway, run_id: str) -> ModelRow:
+def _run(gw: Gateway, caller: Caller, run_id: str) -> ModelRow:
     row = gw.db.get(ModelRow, run_id)
-    if row is None:
+    if not mine(caller, row):
         raise NotFoundError(f"unknown training run {run_id!r}")
     return row
 
 
-def _checkpoint(gw: Gateway, run_id: str, checkpoint_id: str) -> CheckpointRow:
-    _run(gw, run_id)
+def _checkpoint(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, *, change: bool) -> CheckpointRow:
+    """A checkpoint the caller may read (theirs or published) or, with `change`, that is theirs."""
     row = gw.db.get(CheckpointRow, f"tinker://{run_id}/{checkpoint_id}")
-    if row is None or row.model_id != run_id:
+    if row is None or row.model_id != run_id or not (mine(caller, row) or (row.public and not change)):
         raise NotFoundError(f"run {run_id!r} has no checkpoint {checkpoint_id!r}")
     return row
+
+
+def _changed(gw: Gateway, caller: Caller, event: str, row: CheckpointRow, **details) -> None:
+    audit.record(gw.db, event, user_id=caller.user_id, org_id=caller.org_id, model_id=row.model_id,
+                 tinker_path=row.tinker_path, **details)
 
 
 def _visible(request: Request, stmt):
@@ -53,21 +63,21 @@ def _visible(request: Request, stmt):
 
 
 @router.get("/training_runs")
-async def list_runs(page: PageDep, gw: GatewayDep) -> TrainingRunsResponse:
-    stmt = select(ModelRow).order_by(ModelRow.created_at)
+async def list_runs(page: PageDep, caller: CallerDep, gw: GatewayDep) -> TrainingRunsResponse:
+    stmt = select(ModelRow).where(ModelRow.owner == caller.user_id).order_by(ModelRow.created_at)
     rows = gw.db.select(stmt.offset(page.offset).limit(page.limit))
     return TrainingRunsResponse(training_runs=[checkpoints.run_json(gw.db, r) for r in rows],
                                 cursor=Cursor(offset=page.offset, limit=page.limit, total_count=gw.db.count(stmt)))
 
 
 @router.get("/training_runs/{run_id}")
-async def get_run(run_id: str, gw: GatewayDep) -> TrainingRun:
-    return checkpoints.run_json(gw.db, _run(gw, run_id))
+async def get_run(run_id: str, caller: CallerDep, gw: GatewayDep) -> TrainingRun:
+    return checkpoints.run_json(gw.db, _run(gw, caller, run_id))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_run_checkpoints(run_id: str, request: Request, gw: GatewayDep) -> CheckpointsResponse:
-    _run(gw, run_id)
+async def list_run_checkpoints(run_id: str, request: Request, caller: CallerDep, gw: GatewayDep) -> CheckpointsResponse:
+    _run(gw, caller, run_id)
     stmt = select(CheckpointRow).where(CheckpointRow.model_id == run_id).order_by(CheckpointRow.created_at)
     rows = gw.db.select(_visible(request, stmt))
     return CheckpointsResponse(checkpoints=[checkpoints.checkpoint_json(c) for c in rows],
@@ -75,58 +85,76 @@ async def list_run_checkpoints(run_id: str, request: Request, gw: GatewayDep) ->
 
 
 @router.get("/checkpoints")
-async def list_all_checkpoints(request: Request, page: PageDep, gw: GatewayDep) -> CheckpointsResponse:
-    stmt = _visible(request, select(CheckpointRow).order_by(CheckpointRow.created_at))
+async def list_all_checkpoints(request: Request, page: PageDep, caller: CallerDep, gw: GatewayDep) -> CheckpointsResponse:
+    stmt = _visible(request, select(CheckpointRow).where(CheckpointRow.owner == caller.user_id)
+                    .order_by(CheckpointRow.created_at))
     rows = gw.db.select(stmt.offset(page.offset).limit(page.limit))
     return CheckpointsResponse(checkpoints=[checkpoints.checkpoint_json(c) for c in rows],
                                cursor=Cursor(offset=page.offset, limit=page.limit, total_count=gw.db.count(stmt)))
 
 
 @router.post(_CHECKPOINT + "/publish")
-async def publish(run_id: str, checkpoint_id: str, gw: GatewayDep) -> dict:
-    gw.db.touch(CheckpointRow, _checkpoint(gw, run_id, checkpoint_id).tinker_path, public=True)
+async def publish(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
+    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
+    gw.db.touch(CheckpointRow, row.tinker_path, public=True)
+    _changed(gw, caller, "checkpoint_published", row)
     return {}
 
 
 @router.delete(_CHECKPOINT + "/publish")
-async def unpublish(run_id: str, checkpoint_id: str, gw: GatewayDep) -> dict:
-    gw.db.touch(CheckpointRow, _checkpoint(gw, run_id, checkpoint_id).tinker_path, public=False)
+async def unpublish(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
+    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
+    gw.db.touch(CheckpointRow, row.tinker_path, public=False)
+    _changed(gw, caller, "checkpoint_unpublished", row)
     return {}
 
 
 @router.put(_CHECKPOINT + "/ttl")
-async def set_ttl(run_id: str, checkpoint_id: str, body: SetTtlRequest, gw: GatewayDep) -> dict:
-    row = _checkpoint(gw, run_id, checkpoint_id)
+async def set_ttl(run_id: str, checkpoint_id: str, body: SetTtlRequest, caller: CallerDep, gw: GatewayDep) -> dict:
+    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
     gw.db.touch(CheckpointRow, row.tinker_path, expires_at=checkpoints.expires(body.ttl_seconds))
+    _changed(gw, caller, "checkpoint_ttl_set", row, ttl_seconds=body.ttl_seconds)
     return {}
 
 
+# Download links for external weights last this long (or until the checkpoint expires).
+URL_LIFETIME_S = 24 * 3600
+
+
 @router.get(_CHECKPOINT + "/external_weights_urls")
-async def external_urls(run_id: str, checkpoint_id: str, request: Request, gw: GatewayDep) -> ExternalWeightsUrlsResponse:
-    row = _checkpoint(gw, run_id, checkpoint_id)
+async def external_urls(run_id: str, checkpoint_id: str, request: Request, caller: CallerDep,
+                        gw: GatewayDep) -> ExternalWeightsUrlsResponse:
+    """Signed URLs: whoever holds one may download that file until it expires, no key needed."""
+    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=False)
     if row.checkpoint_type != "external":
         raise UserError(f"{row.tinker_path} is not an external_weights checkpoint")
+    expires = int(time.time()) + URL_LIFETIME_S
+    if row.expires_at is not None:
+        expires = min(expires, int(aware(row.expires_at).timestamp()))
     base = str(request.base_url).rstrip("/")
     files = sorted(os.path.relpath(os.path.join(root, f), row.directory)
                    for root, _, names in os.walk(row.directory) for f in names)
-    return ExternalWeightsUrlsResponse(urls={f: f"{base}/files/{run_id}/{checkpoint_id}/{f}" for f in files},
-                                       expires=checkpoints.iso(row.expires_at or now() + datetime.timedelta(days=1)))
+    urls = {}
+    for f in files:
+        path = urllib.parse.quote(f"/files/{run_id}/{checkpoint_id}/{f}")
+        urls[f] = f"{base}{path}?expires={expires}&signature={gw.signer.url_signature(path, expires)}"
+    return ExternalWeightsUrlsResponse(urls=urls, expires=datetime.datetime.fromtimestamp(
+        expires, datetime.timezone.utc).isoformat())
 
 
 @router.delete(_CHECKPOINT)
-async def delete(run_id: str, checkpoint_id: str, gw: GatewayDep) -> dict:
-    row = _checkpoint(gw, run_id, checkpoint_id)
+async def delete(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
+    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
     gw.db.delete(CheckpointRow, row.tinker_path)
     checkpoints.delete_checkpoint_files(row)
+    _changed(gw, caller, "checkpoint_deleted", row)
     return {}
 
 
 @router.post("/weights_info")
-async def weights_info(body: WeightsInfoRequest, gw: GatewayDep) -> WeightsInfoResponse:
-    run_id, _, _ = checkpoints.parse_tinker_path(body.tinker_path)
-    if gw.db.get(CheckpointRow, body.tinker_path) is None:
-        raise NotFoundError(f"unknown checkpoint {body.tinker_path!r}")
-    run = _run(gw, run_id)
+async def weights_info(body: WeightsInfoRequest, caller: CallerDep, gw: GatewayDep) -> WeightsInfoResponse:
+    checkpoints.parse_tinker_path(body.tinker_path)
+    run = gw.db.get(ModelRow, gw.sessions.readable_checkpoint(caller, body.tinker_path).model_id)
     lora = run.lora_config or {}
     return WeightsInfoResponse(base_model=run.base_model, lora_rank=run.lora_rank,
                                train_unembed=lora.get("train_unembed", True), train_mlp=lora.get("train_mlp", True),
@@ -134,16 +162,15 @@ async def weights_info(body: WeightsInfoRequest, gw: GatewayDep) -> WeightsInfoR
 
 
 @router.post("/copy_weights")
-async def copy_weights(body: CopyWeightsRequest, request: Request, gw: GatewayDep) -> CopyWeightsResponse:
+async def copy_weights(body: CopyWeightsRequest, request: Request, caller: CallerDep,
+                       gw: GatewayDep) -> CopyWeightsResponse:
     """The run is `{session_id}:train:{model_seq_id}` when the client names its session (SDK
     0.30), else run 0 of a new session for the project, named from the idempotency key so that a
-    resent request finds the copy it made."""
+    resent request finds the copy it made. The source is the caller's or published."""
     checkpoints.parse_tinker_path(body.source_path)
-    source = gw.db.get(CheckpointRow, body.source_path)
-    if source is None:
-        raise NotFoundError(f"unknown checkpoint {body.source_path!r}")
-    _run(gw, source.model_id)
-    session_id = _copy_session(gw, body, request.headers.get("x-idempotency-key") or uuid.uuid4().hex)
+    source = gw.sessions.readable_checkpoint(caller, body.source_path)
+    gw.limits.check_checkpoint_bytes(caller)
+    session_id = _copy_session(gw, caller, body, request.headers.get("x-idempotency-key") or uuid.uuid4().hex)
     run_id = f"{session_id}:train:{body.model_seq_id if body.session_id is not None else 0}"
     path = checkpoints.tinker_path(run_id, *source.checkpoint_id.split("/", 1))
     existing = gw.db.get(ModelRow, run_id)
@@ -151,35 +178,36 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, gw: GatewayDe
         if (existing.lora_config or {}).get("copied_from") == body.source_path and gw.db.get(CheckpointRow, path):
             return CopyWeightsResponse(tinker_path=path)          # the same request, resent
         raise UserError(f"training run {run_id} already exists; use another model_seq_id")
-    path = checkpoints.copy_checkpoint(gw.db, gw.settings.state_dir, source, run_id, session_id, body.ttl_seconds)
+    path = checkpoints.copy_checkpoint(gw.db, gw.settings.state_dir, source, run_id, session_id, body.ttl_seconds,
+                                       owner=caller.user_id)
+    audit.record(gw.db, "checkpoint_saved", user_id=caller.user_id, org_id=caller.org_id, model_id=run_id,
+                 tinker_path=path, copied_from=body.source_path)
     return CopyWeightsResponse(tinker_path=path)
 
 
-def _copy_session(gw: Gateway, body: CopyWeightsRequest, idempotency_key: str) -> str:
+def _copy_session(gw: Gateway, caller: Caller, body: CopyWeightsRequest, idempotency_key: str) -> str:
     if body.session_id is not None:
-        if gw.db.get(SessionRow, body.session_id) is None:
-            raise UserError(f"unknown session_id {body.session_id!r}")
-        return body.session_id
+        return gw.sessions.session(caller, body.session_id).session_id
     if not body.destination_project_id:
         raise UserError("copy_weights needs destination_project_id, or session_id and model_seq_id")
-    session_id = "sess-copy-" + hashlib.sha256(idempotency_key.encode()).hexdigest()[:12]
+    key = f"{caller.user_id}\0{idempotency_key}"        # one user's key never names another's copy
+    session_id = "sess-copy-" + hashlib.sha256(key.encode()).hexdigest()[:12]
     if gw.db.get(SessionRow, session_id) is None:
-        gw.db.add(SessionRow(session_id=session_id, tags=["copy"], finished=True,
+        gw.db.add(SessionRow(session_id=session_id, owner=caller.user_id, tags=["copy"], finished=True,
                              user_metadata={"project_id": str(body.destination_project_id)}))
     return session_id
 
 
 @router.get("/sessions")
-async def list_sessions(page: PageDep, gw: GatewayDep) -> SessionsResponse:
-    rows = gw.db.select(select(SessionRow).order_by(SessionRow.created_at).offset(page.offset).limit(page.limit))
+async def list_sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> SessionsResponse:
+    rows = gw.db.select(select(SessionRow).where(SessionRow.owner == caller.user_id)
+                        .order_by(SessionRow.created_at).offset(page.offset).limit(page.limit))
     return SessionsResponse(sessions=[s.session_id for s in rows])
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(session_id: str, gw: GatewayDep) -> SessionResponse:
-    row = gw.db.get(SessionRow, session_id)
-    if row is None:
-        raise NotFoundError(f"unknown session {session_id!r}")
+async def get_session(session_id: str, caller: CallerDep, gw: GatewayDep) -> SessionResponse:
+    row = gw.sessions.session(caller, session_id)
     runs = gw.db.select(select(ModelRow.model_id).where(ModelRow.session_id == session_id))
     samplers = gw.db.select(select(SamplingSessionRow.sampling_session_id)
                             .where(SamplingSessionRow.session_id == session_id))

@@ -1,10 +1,12 @@
-"""Plain GETs for external_weights files (the SDK's CLI downloads them without auth headers)."""
+"""Plain GETs for external_weights files. The SDK's CLI downloads them without credentials, so
+each URL carries its own expiry and signature (made by routes/checkpoints.py:external_urls)."""
 
 from __future__ import annotations
 
 import os
+import urllib.parse
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
 from gateway.db import CheckpointRow
@@ -15,7 +17,14 @@ router = APIRouter()
 
 
 @router.get("/files/{run_id}/external_weights/{name}/{relative:path}")
-async def get_file(run_id: str, name: str, relative: str, gw: GatewayDep) -> FileResponse:
+async def get_file(run_id: str, name: str, relative: str, request: Request, gw: GatewayDep) -> FileResponse:
+    try:
+        expires = int(request.query_params.get("expires", ""))
+    except ValueError:
+        expires = 0
+    signed_path = urllib.parse.quote(f"/files/{run_id}/external_weights/{name}/{relative}")
+    if not gw.signer.url_valid(signed_path, expires, request.query_params.get("signature", "")):
+        raise NotFoundError("this download link is unknown or has expired; ask for new external_weights_urls")
     row = gw.db.get(CheckpointRow, f"tinker://{run_id}/external_weights/{name}")
     if row is None:
         raise NotFoundError("unknown checkpoint")

@@ -10,6 +10,7 @@ import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.auth import CallerDep, caller_of
 from gateway.db import FutureRow
 from gateway.errors import error_response
 from gateway.futures import json_body
@@ -29,7 +30,7 @@ async def retrieve_future(request: Request):
     dependency and body machinery, which cost ~0.5 ms a request on a 2-core VM."""
     body = RetrieveFutureRequest.model_validate(await _json(request))
     gw = gateway_of(request)
-    row = await gw.futures.wait(body.request_id, LONG_POLL_S)
+    row = await gw.futures.wait(body.request_id, LONG_POLL_S, caller_of(request).user_id)
     if row is None:
         return error_response(f"unknown request_id {body.request_id!r}", 404)
     if row.status == "pending":
@@ -62,9 +63,9 @@ async def _describe_queue(gw: Gateway, row: FutureRow) -> tuple[str, str]:
 
 
 @router.post("/internal/noop_future")
-async def noop_future(gw: GatewayDep) -> FutureResponse:
+async def noop_future(caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     """Not Tinker: a future whose job is one trainer Health call (bench/futures.py)."""
-    row = gw.futures.submit("noop", functools.partial(_noop, gw))
+    row = gw.futures.submit("noop", functools.partial(_noop, gw), owner=caller.user_id)
     return FutureResponse(request_id=row.request_id)
 
 

@@ -7,13 +7,15 @@ import functools
 from fastapi import APIRouter
 
 from gateway import convert
-from gateway.db import CheckpointRow, SamplingSessionRow
+from gateway.auth import CallerDep
+from gateway.db import ModelRow, SamplingSessionRow
+from gateway.futures import fingerprint
 from gateway.errors import error_response
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
                               GetSamplerResponse, SampleRequest)
 from gateway.routes.training import supported_base_model
 from gateway.state import Gateway, GatewayDep
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import UserError
 from tinkerd.v1 import sampler_pb2
 
 router = APIRouter(prefix="/api/v1")
@@ -22,41 +24,44 @@ MAX_NUM_SAMPLES = 1024
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(body: CreateSamplingSessionRequest, gw: GatewayDep) -> CreateSamplingSessionResponse:
-    session_id = gw.sessions.open(body.session_id)
+async def create_sampling_session(body: CreateSamplingSessionRequest, caller: CallerDep,
+                                  gw: GatewayDep) -> CreateSamplingSessionResponse:
+    """Over the base model, or over a sampler checkpoint that is the caller's or published."""
+    session_id = gw.sessions.open(caller, body.session_id)
     sid = f"{session_id}:sample:{body.sampling_session_seq_id}"
     if body.model_path:
-        ckpt = gw.db.get(CheckpointRow, body.model_path)
-        if ckpt is None or ckpt.checkpoint_type != "sampler":
-            raise UserError(f"unknown sampler checkpoint {body.model_path!r}")
-        base, snapshot, snapshot_path = gw.sessions.model(ckpt.model_id).base_model, ckpt.snapshot_id, ckpt.snapshot_path
+        ckpt = gw.sessions.readable_checkpoint(caller, body.model_path)
+        if ckpt.checkpoint_type != "sampler":
+            raise UserError(f"{body.model_path!r} is not a sampler checkpoint (save_weights_for_sampler makes one)")
+        base, snapshot, snapshot_path = gw.db.get(ModelRow, ckpt.model_id).base_model, ckpt.snapshot_id, ckpt.snapshot_path
     else:
         base, snapshot, snapshot_path = supported_base_model(gw, body.base_model), "", ""
     if gw.db.get(SamplingSessionRow, sid) is None:
-        gw.db.add(SamplingSessionRow(sampling_session_id=sid, session_id=session_id, base_model=base,
-                                     model_path=body.model_path, snapshot_id=snapshot, snapshot_path=snapshot_path))
+        gw.db.add(SamplingSessionRow(sampling_session_id=sid, session_id=session_id, owner=caller.user_id,
+                                     base_model=base, model_path=body.model_path, snapshot_id=snapshot,
+                                     snapshot_path=snapshot_path))
     return CreateSamplingSessionResponse(sampling_session_id=sid)
 
 
 @router.get("/samplers/{sampler_id:path}")
-async def get_sampler(sampler_id: str, gw: GatewayDep) -> GetSamplerResponse:
-    row = gw.db.get(SamplingSessionRow, sampler_id)
-    if row is None:
-        raise NotFoundError(f"unknown sampler {sampler_id!r}")
+async def get_sampler(sampler_id: str, caller: CallerDep, gw: GatewayDep) -> GetSamplerResponse:
+    row = gw.sessions.sampling_session(caller, sampler_id)
     return GetSamplerResponse(sampler_id=row.sampling_session_id, base_model=row.base_model, model_path=row.model_path)
 
 
 @router.post("/asample")
-async def asample(body: SampleRequest, gw: GatewayDep):
-    session = gw.sessions.live_sampling_session(body.sampling_session_id)
+async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
+    session = gw.sessions.live_sampling_session(caller, body.sampling_session_id)
     if not 1 <= body.num_samples <= MAX_NUM_SAMPLES:
         raise UserError(f"num_samples must be in 1..{MAX_NUM_SAMPLES}, got {body.num_samples}")
     msg = convert.sample_request(body, session.snapshot_id, session.snapshot_path)
     queued = gw.futures.pending("sample")
     if queued >= gw.settings.max_pending_samples:
-        return error_response(f"{queued} sample requests are queued; retry shortly", 429)
+        return error_response(f"{queued} sample requests are queued; retry shortly", 429, {"Retry-After": "1"})
+    gw.limits.check_samples(caller)
     record_for = session.session_id if body.record_stability_info else None
-    row = gw.futures.submit("sample", functools.partial(_sample, gw, msg, record_for),
+    row = gw.futures.submit("sample", functools.partial(_sample, gw, msg, record_for), owner=caller.user_id,
+                            fingerprint=fingerprint("sample", body.model_dump_json()),
                             idempotency_key=f"{body.sampling_session_id}#{body.seq_id}")
     msg.request_id = row.request_id
     return FutureResponse(request_id=row.request_id,

@@ -14,14 +14,15 @@ from tinkerd.v1 import common_pb2
 router = APIRouter(prefix="/api/v1")
 
 # What the SDK switches on or off: only transports and features this server implements.
-CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": True,
+# With auth on, the SDK exchanges its API key for a JWT (routes/identity.py) and whoami works.
+CLIENT_CONFIG = {"use_pyqwest_transport": False, "proto_compress_fwdbwd": True,
                  "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": False,
                  "custom_loss_server_side": False, "sample_join_sampling_session": False}
 
 
 @router.post("/client/config")
-async def client_config() -> dict:
-    return CLIENT_CONFIG
+async def client_config(gw: GatewayDep) -> dict:
+    return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth}
 
 
 @router.post("/client/dynamic_config")

@@ -6,33 +6,39 @@ import uuid
 
 from fastapi import APIRouter
 
-from gateway import housekeeping
+from gateway import audit, housekeeping
+from gateway.auth import CallerDep
 from gateway.db import SessionRow, now
 from gateway.errors import error_response
 from gateway.protocol import CreateSessionRequest, CreateSessionResponse, SessionHeartbeatRequest
+from gateway.sessions import mine
 from gateway.state import GatewayDep
 
 router = APIRouter(prefix="/api/v1")
 
 
 @router.post("/create_session")
-async def create_session(body: CreateSessionRequest, gw: GatewayDep) -> CreateSessionResponse:
+async def create_session(body: CreateSessionRequest, caller: CallerDep, gw: GatewayDep) -> CreateSessionResponse:
     session_id = f"sess-{uuid.uuid4().hex[:12]}"
-    gw.db.add(SessionRow(session_id=session_id, tags=body.tags, user_metadata=body.user_metadata))
+    gw.db.add(SessionRow(session_id=session_id, owner=caller.user_id, tags=body.tags,
+                         user_metadata=body.user_metadata))
+    audit.record(gw.db, "session_created", user_id=caller.user_id, org_id=caller.org_id, session_id=session_id)
     return CreateSessionResponse(session_id=session_id)
 
 
 @router.post("/session_heartbeat")
-async def heartbeat(body: SessionHeartbeatRequest, gw: GatewayDep):
+async def heartbeat(body: SessionHeartbeatRequest, caller: CallerDep, gw: GatewayDep):
+    if not mine(caller, gw.db.get(SessionRow, body.session_id)):
+        return error_response("unknown session", 404)
     if body.session_id in gw.sessions.closed:      # 410 stops the SDK's heartbeats
         return error_response(f"session {body.session_id} was closed", 410)
-    if not gw.db.touch(SessionRow, body.session_id, last_heartbeat=now()):
-        return error_response("unknown session", 404)
+    gw.db.touch(SessionRow, body.session_id, last_heartbeat=now())
     return {"type": "session_heartbeat"}
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, gw: GatewayDep) -> dict:
-    if gw.sessions.close(session_id):
+async def finish_session(session_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
+    if gw.sessions.close(caller, session_id):
+        audit.record(gw.db, "session_closed", user_id=caller.user_id, org_id=caller.org_id, session_id=session_id)
         gw.in_background(housekeeping.release_models(gw, session_id))
     return {}

@@ -8,9 +8,11 @@ import os
 
 from fastapi import APIRouter, Request
 
-from gateway import convert
+from gateway import audit, convert
+from gateway.auth import CallerDep
 from gateway.db import ModelRow
-from gateway.futures import json_body
+from gateway.futures import fingerprint, json_body
+from gateway.keys import Caller
 from gateway.protocol import (CreateModelRequest, FutureResponse, GetInfoResponse, ModelData, ModelIdRequest,
                               OptimStepRequest)
 from gateway.state import Gateway, GatewayDep
@@ -27,43 +29,58 @@ def supported_base_model(gw: Gateway, name: str | None) -> str:
 
 
 @router.post("/create_model")
-async def create_model(body: CreateModelRequest, gw: GatewayDep) -> FutureResponse:
-    session_id = gw.sessions.open(body.session_id)
+async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
+    """The run's row is written only once the trainer has made the model: a failed create
+    leaves no run behind."""
+    session_id = gw.sessions.open(caller, body.session_id)
     base = supported_base_model(gw, body.base_model)
     model_id = f"{session_id}:train:{body.model_seq_id}"
+    if gw.db.get(ModelRow, model_id) is None:
+        gw.limits.check_models(caller)
     msg = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=gw.settings.base_model,
                                          lora_config=convert.lora_config(body.lora_config))
-    if gw.db.get(ModelRow, model_id) is None:
-        gw.db.add(ModelRow(model_id=model_id, session_id=session_id, base_model=base,
-                           lora_rank=body.lora_config.rank, lora_config=body.lora_config.model_dump(exclude_none=True)))
-    return gw.submit_training("create_model", model_id, 0, functools.partial(_create_model, gw, msg))
+    row = ModelRow(model_id=model_id, session_id=session_id, owner=caller.user_id, base_model=base,
+                   lora_rank=body.lora_config.rank, lora_config=body.lora_config.model_dump(exclude_none=True))
+    job = functools.partial(_create_model, gw, caller, msg, row)
+    return gw.submit_training(caller, "create_model", model_id, 0, job,
+                              fingerprint("create_model", body.model_dump_json()))
 
 
-async def _create_model(gw: Gateway, msg: trainer_pb2.CreateModelRequest):
+async def _create_model(gw: Gateway, caller: Caller, msg: trainer_pb2.CreateModelRequest, row: ModelRow):
     await gw.trainer.CreateModel(msg)
+    add_run(gw, caller, row)
     return json_body({"model_id": msg.model_id, "type": "create_model"})
 
 
+def add_run(gw: Gateway, caller: Caller, row: ModelRow) -> None:
+    """Records a training run the trainer now holds."""
+    if gw.db.get(ModelRow, row.model_id) is None:
+        gw.db.add(row)
+        audit.record(gw.db, "training_run_created", user_id=caller.user_id, org_id=caller.org_id,
+                     model_id=row.model_id, base_model=row.base_model, lora_rank=row.lora_rank)
+
+
 @router.post("/get_info")
-async def get_info(body: ModelIdRequest, gw: GatewayDep) -> GetInfoResponse:
-    row = gw.sessions.model(body.model_id)
+async def get_info(body: ModelIdRequest, caller: CallerDep, gw: GatewayDep) -> GetInfoResponse:
+    row = gw.sessions.model(caller, body.model_id)
     return GetInfoResponse(model_id=row.model_id, lora_rank=row.lora_rank, model_name=row.base_model,
                            model_data=ModelData(arch="llama", model_name=row.base_model,
                                                 tokenizer_id=os.path.abspath(gw.settings.base_model)))
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, gw: GatewayDep) -> FutureResponse:
+async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     """The SDK's protobuf body (maybe zstd); stable_reinforce gets the sampler's recorded logprobs."""
     if "json" in request.headers.get("content-type", ""):
         raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
-    fb = convert.forward_backward(convert.decompress(await request.body(), request.headers.get("content-encoding")))
-    model = gw.sessions.live_model(fb.model_id)
+    raw = convert.decompress(await request.body(), request.headers.get("content-encoding"))
+    fb = convert.forward_backward(raw)
+    model = gw.sessions.live_model(caller, fb.model_id)
     if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
         gw.stability.apply(fb, model.session_id)
     kind = "forward" if fb.forward_only else "forward_backward"
     job = functools.partial(_forward_backward, gw, convert.trainer_request(fb))
-    return gw.submit_training(kind, fb.model_id, fb.seq_id, job)
+    return gw.submit_training(caller, kind, fb.model_id, fb.seq_id, job, fingerprint(kind, raw))
 
 
 async def _forward_backward(gw: Gateway, msg: trainer_pb2.ForwardBackwardRequest):
@@ -71,11 +88,13 @@ async def _forward_backward(gw: Gateway, msg: trainer_pb2.ForwardBackwardRequest
 
 
 @router.post("/optim_step")
-async def optim_step(body: OptimStepRequest, gw: GatewayDep) -> FutureResponse:
-    gw.sessions.live_model(body.model_id)
+async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
+    gw.sessions.live_model(caller, body.model_id)
     msg = trainer_pb2.OptimStepRequest(model_id=body.model_id, seq_id=body.seq_id,
                                        adam_params=convert.adam_params(body.params))
-    return gw.submit_training("optim_step", body.model_id, body.seq_id, functools.partial(_optim_step, gw, msg))
+    job = functools.partial(_optim_step, gw, msg)
+    return gw.submit_training(caller, "optim_step", body.model_id, body.seq_id, job,
+                              fingerprint("optim_step", body.model_dump_json()))
 
 
 async def _optim_step(gw: Gateway, msg: trainer_pb2.OptimStepRequest):

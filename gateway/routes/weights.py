@@ -9,10 +9,13 @@ import uuid
 
 from fastapi import APIRouter
 
-from gateway import checkpoints
+from gateway import audit, checkpoints
+from gateway.auth import CallerDep
 from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, now
-from gateway.futures import json_body
+from gateway.futures import fingerprint, json_body
+from gateway.keys import Caller
 from gateway.protocol import FutureResponse, LoadWeightsRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest
+from gateway.routes.training import add_run
 from gateway.state import Gateway, GatewayDep
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
@@ -24,6 +27,7 @@ router = APIRouter(prefix="/api/v1")
 class _SnapshotTarget:
     """Where a pushed snapshot is recorded once the samplers hold it: a named sampler checkpoint
     (`path`), or an ephemeral sampling session."""
+    caller: Caller
     model: ModelRow
     path: str | None
     sampling_session_id: str | None
@@ -31,10 +35,12 @@ class _SnapshotTarget:
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, gw: GatewayDep) -> FutureResponse:
-    model = gw.sessions.live_model(body.model_id)
-    target = _SnapshotTarget(model, None, None, checkpoints.expires(body.ttl_seconds))
+async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: CallerDep,
+                                   gw: GatewayDep) -> FutureResponse:
+    model = gw.sessions.live_model(caller, body.model_id)
+    target = _SnapshotTarget(caller, model, None, None, checkpoints.expires(body.ttl_seconds))
     if body.path is not None:
+        gw.limits.check_checkpoint_bytes(caller)
         name = checkpoints.checkpoint_name(body.path)
         target.path = checkpoints.tinker_path(body.model_id, "sampler_weights", name)
         if gw.db.get(CheckpointRow, target.path) is not None:
@@ -45,84 +51,106 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, gw: Gatew
         model_id=body.model_id, seq_id=body.seq_id, snapshot_id=f"{body.model_id}@{body.seq_id}-{uuid.uuid4().hex[:8]}",
         sampler_addresses=gw.settings.samplers, persist_dir=gw.snapshots_dir)
     job = functools.partial(_push_weights, gw, push, target)
-    return gw.submit_training("save_weights_for_sampler", body.model_id, body.seq_id, job)
+    return gw.submit_training(caller, "save_weights_for_sampler", body.model_id, body.seq_id, job,
+                              fingerprint("save_weights_for_sampler", body.model_dump_json()))
 
 
 async def _push_weights(gw: Gateway, push: trainer_pb2.PushWeightsRequest, target: _SnapshotTarget):
     pushed = await gw.trainer.PushWeights(push)
     if target.path is not None:
-        gw.db.add(CheckpointRow(tinker_path=target.path, model_id=push.model_id, checkpoint_type="sampler",
-                                name=target.path.rsplit("/", 1)[1], snapshot_id=push.snapshot_id,
-                                snapshot_path=pushed.persisted_path, directory=pushed.persisted_path,
-                                size_bytes=pushed.num_bytes, expires_at=target.expires_at))
+        gw.db.add(CheckpointRow(tinker_path=target.path, model_id=push.model_id, owner=target.caller.user_id,
+                                checkpoint_type="sampler", name=target.path.rsplit("/", 1)[1],
+                                snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
+                                directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
+                                expires_at=target.expires_at))
+        _audit_saved(gw, target.caller, push.model_id, target.path)
     else:
-        gw.db.add(SamplingSessionRow(sampling_session_id=target.sampling_session_id,
+        gw.db.add(SamplingSessionRow(sampling_session_id=target.sampling_session_id, owner=target.caller.user_id,
                                      session_id=target.model.session_id, base_model=target.model.base_model,
                                      snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path))
     return json_body({"path": target.path, "sampling_session_id": target.sampling_session_id,
                       "type": "save_weights_for_sampler"})
 
 
+def _audit_saved(gw: Gateway, caller: Caller, model_id: str, path: str) -> None:
+    audit.record(gw.db, "checkpoint_saved", user_id=caller.user_id, org_id=caller.org_id, model_id=model_id,
+                 tinker_path=path)
+
+
 @router.post("/save_weights")
-async def save_weights(body: SaveWeightsRequest, gw: GatewayDep) -> FutureResponse:
-    return _save_state(gw, body, "weights", with_optimizer=True, response_type="save_weights")
+async def save_weights(body: SaveWeightsRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
+    return _save_state(gw, caller, body, "weights", with_optimizer=True, response_type="save_weights")
 
 
 @router.post("/save_weights_external")
-async def save_weights_external(body: SaveWeightsRequest, gw: GatewayDep) -> FutureResponse:
-    return _save_state(gw, body, "external_weights", with_optimizer=False, response_type="save_weights_external")
+async def save_weights_external(body: SaveWeightsRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
+    return _save_state(gw, caller, body, "external_weights", with_optimizer=False,
+                       response_type="save_weights_external")
 
 
-def _save_state(gw: Gateway, body: SaveWeightsRequest, kind: str, *, with_optimizer: bool,
+def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str, *, with_optimizer: bool,
                 response_type: str) -> FutureResponse:
-    gw.sessions.live_model(body.model_id)
+    gw.sessions.live_model(caller, body.model_id)
+    gw.limits.check_checkpoint_bytes(caller)
     name = checkpoints.checkpoint_name(body.path)
     path = checkpoints.tinker_path(body.model_id, kind, name)
     if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
         raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
     directory = checkpoints.checkpoint_dir(gw.settings.state_dir, body.model_id, kind, name)
-    row = CheckpointRow(tinker_path=path, model_id=body.model_id, name=name, directory=directory,
+    row = CheckpointRow(tinker_path=path, model_id=body.model_id, owner=caller.user_id, name=name,
+                        directory=directory,
                         checkpoint_type=checkpoints.KINDS[kind], expires_at=checkpoints.expires(body.ttl_seconds),
                         user_metadata=body.user_metadata)
     save = trainer_pb2.SaveStateRequest(model_id=body.model_id, seq_id=body.seq_id, directory=directory,
                                         with_optimizer=with_optimizer)
-    job = functools.partial(_save, gw, save, row, response_type)
-    return gw.submit_training(f"save_{kind}", body.model_id, body.seq_id, job)
+    job = functools.partial(_save, gw, caller, save, row, response_type)
+    return gw.submit_training(caller, f"save_{kind}", body.model_id, body.seq_id, job,
+                              fingerprint(f"save_{kind}", body.model_dump_json()))
 
 
-async def _save(gw: Gateway, save: trainer_pb2.SaveStateRequest, row: CheckpointRow, response_type: str):
+async def _save(gw: Gateway, caller: Caller, save: trainer_pb2.SaveStateRequest, row: CheckpointRow,
+                response_type: str):
     saved = await gw.trainer.SaveState(save)
     row.size_bytes, row.created_at = saved.size_bytes, now()
     gw.db.put(row)
+    _audit_saved(gw, caller, row.model_id, row.tinker_path)
     return json_body({"path": row.tinker_path, "type": response_type})
 
 
 @router.post("/load_weights")
-async def load_weights(body: LoadWeightsRequest, gw: GatewayDep) -> FutureResponse:
-    """Create-via-load ({session_id, model_seq_id}) or load into an existing model (legacy)."""
-    source_run, kind, _ = checkpoints.parse_tinker_path(body.path)
-    ckpt = gw.db.get(CheckpointRow, body.path)
-    if ckpt is None or kind != "weights":
-        raise UserError(f"unknown training checkpoint {body.path!r}: load_weights takes a "
+async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
+    """Create-via-load ({session_id, model_seq_id}) or load into an existing model (legacy). The
+    checkpoint is the caller's or a published one."""
+    _, kind, _ = checkpoints.parse_tinker_path(body.path)
+    ckpt = gw.sessions.readable_checkpoint(caller, body.path)
+    if kind != "weights":
+        raise UserError(f"{body.path!r} is not a training checkpoint: load_weights takes a "
                         f"tinker://<run>/weights/<name> path from save_state")
-    source = gw.sessions.model(source_run)
+    source = gw.db.get(ModelRow, ckpt.model_id)
+    new_run = None
     if body.model_id:
         model_id, seq_id = body.model_id, body.seq_id
-        gw.sessions.live_model(model_id)
+        gw.sessions.live_model(caller, model_id)
     else:
-        session_id = gw.sessions.open(body.session_id)
+        session_id = gw.sessions.open(caller, body.session_id)
         model_id, seq_id = f"{session_id}:train:{body.model_seq_id}", 0
         if gw.db.get(ModelRow, model_id) is None:
-            lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
-            gw.db.add(ModelRow(model_id=model_id, session_id=session_id, base_model=source.base_model,
-                               lora_rank=source.lora_rank, lora_config=lora))
+            gw.limits.check_models(caller)
+        lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
+        new_run = ModelRow(model_id=model_id, session_id=session_id, owner=caller.user_id,
+                           base_model=source.base_model, lora_rank=source.lora_rank, lora_config=lora)
     create = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=gw.settings.base_model,
                                             load_from=ckpt.directory, load_optimizer=body.optimizer)
-    return gw.submit_training("load_weights", model_id, seq_id, functools.partial(_load, gw, create, seq_id, body.path))
+    job = functools.partial(_load, gw, caller, create, seq_id, body.path, new_run)
+    return gw.submit_training(caller, "load_weights", model_id, seq_id, job,
+                              fingerprint("load_weights", body.model_dump_json()))
 
 
-async def _load(gw: Gateway, create: trainer_pb2.CreateModelRequest, seq_id: int, path: str):
+async def _load(gw: Gateway, caller: Caller, create: trainer_pb2.CreateModelRequest, seq_id: int, path: str,
+                new_run: ModelRow | None):
     if seq_id > 0:     # legacy: replace the existing model's state
         await gw.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=create.model_id))
     await gw.trainer.CreateModel(create)
+    if new_run is not None:
+        add_run(gw, caller, new_run)
     return json_body({"path": path, "model_id": create.model_id, "type": "load_weights"})

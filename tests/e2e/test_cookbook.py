@@ -68,7 +68,7 @@ def cookbook(cookbook_python, workdir, stack):
     """Runs `python -m <recipe> key=value ...` in the work dir against the shared stack."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "HF_", "MASTER_"))}
     env.update(HF_HOME=str(workdir / "hf-home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TINKER_BASE_URL=stack.url, TINKER_API_KEY="tml-cookbook",
+               TRANSFORMERS_OFFLINE="1", TINKER_BASE_URL=stack.url, TINKER_API_KEY=stack.api_key,
                TINKER_TELEMETRY="0", TINKER_COOKBOOK_RUNS_DIR=str(workdir / "runs"), WANDB_MODE="disabled",
                OMP_NUM_THREADS="1")
 
@@ -196,7 +196,7 @@ def test_the_cookbooks_own_smoke_tests(cookbook_python, workdir, stack):
     shim.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "HF_", "MASTER_", "PYTEST_"))}
     env.update(HF_HOME=str(workdir / "hf-home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TINKER_BASE_URL=stack.url, TINKER_API_KEY="tml-cookbook-smoke",
+               TRANSFORMERS_OFFLINE="1", TINKER_BASE_URL=stack.url, TINKER_API_KEY=stack.api_key,
                TINKER_TELEMETRY="0", TINKER_COOKBOOK_RUNS_DIR=str(workdir / "runs"), WANDB_MODE="disabled",
                OMP_NUM_THREADS="1", SMOKE_TEST_TIMEOUT="600",
                PATH=f"{shim.parent}:{pathlib.Path(cookbook_python).parent}:{os.environ['PATH']}")

@@ -32,7 +32,7 @@ def test_gateway_on_postgres_survives_a_restart(postgres_url, tiny_model_dir, tm
     state_dir = tmp_path / "state"
     with start_stack(tiny_model_dir, state_dir, "--db-url", postgres_url) as s:
         out = subprocess.run([sys.executable, PROBE, s.url, tiny_model_dir], capture_output=True, text=True,
-                             timeout=600, env={**os.environ, "TINKER_API_KEY": "tml-pg", "TINKER_TELEMETRY": "0"})
+                             timeout=600, env={**os.environ, "TINKER_API_KEY": s.api_key, "TINKER_TELEMETRY": "0"})
         assert out.returncode == 0 and "ALL DONE" in out.stdout, out.stdout[-3000:] + out.stderr[-5000:]
     assert not (state_dir / "tinkerd.db").exists()        # nothing went to SQLite
     state_path = re.search(r"^OK save_state (\S+)", out.stdout, re.M).group(1)

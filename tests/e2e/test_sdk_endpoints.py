@@ -42,7 +42,7 @@ def _sdk_python(version: str) -> str:
 def test_every_endpoint(version, stack, tiny_model_dir):
     out = subprocess.run([_sdk_python(version), os.path.join(REPO, "tests", "e2e", "sdk_probe.py"), stack.url,
                           tiny_model_dir], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TINKER_API_KEY": "tml-sdk-probe", "TINKER_TELEMETRY": "0"})
+                         env={**os.environ, "TINKER_API_KEY": stack.api_key, "TINKER_TELEMETRY": "0"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert f"ALL DONE {version}" in out.stdout, out.stdout
     skipped = {line[5:].split(":")[0] for line in out.stdout.splitlines() if line.startswith("SKIP ")}

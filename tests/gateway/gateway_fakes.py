@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from gateway import keys
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tinkerd.rpc import create_server
@@ -99,16 +100,29 @@ def serve(servicer, add_to_server) -> tuple[grpc.Server, str]:
 
 
 class Api:
-    """The HTTP calls a test makes, as the SDK makes them."""
+    """The HTTP calls a test makes, as the SDK makes them, with one user's API key."""
 
-    def __init__(self, client: TestClient):
+    def __init__(self, client: TestClient, api_key: str):
         self.client = client
+        self.api_key = api_key
+
+    def _headers(self, kwargs) -> dict:
+        return {"X-API-Key": self.api_key, **kwargs.pop("headers", {})}
 
     def post(self, path: str, body=None, **kwargs):
-        return self.client.post(f"/api/v1/{path}", json=body, **kwargs)
+        return self.client.post(f"/api/v1/{path}", json=body, headers=self._headers(kwargs), **kwargs)
 
     def get(self, path: str, **kwargs):
-        return self.client.get(f"/api/v1/{path}", **kwargs)
+        return self.client.get(f"/api/v1/{path}", headers=self._headers(kwargs), **kwargs)
+
+    def request(self, method: str, path: str, **kwargs):
+        return self.client.request(method, f"/api/v1/{path}", headers=self._headers(kwargs), **kwargs)
+
+    def as_user(self, name: str, **user) -> "Api":
+        """The same gateway, called by another user (made if new) with a key of their own."""
+        db = self.client.app.state.gateway.db
+        key, _ = keys.create_key(db, keys.create_user(db, name, **user))
+        return Api(self.client, key)
 
     def result(self, future: dict):
         """The finished future's response (retrieve_future long-polls until it is done)."""
@@ -132,7 +146,9 @@ def gateway(tmp_path):
                                samplers=[sampler_address], state_dir=str(tmp_path / "state"))
     try:
         with TestClient(create_app(settings)) as client:
-            yield types.SimpleNamespace(api=Api(client), trainer=trainer, sampler=sampler, settings=settings)
+            api = Api(client, "").as_user("tester", email="tester@example.com")
+            client.headers["X-API-Key"] = api.api_key      # raw client calls act as the tester too
+            yield types.SimpleNamespace(api=api, trainer=trainer, sampler=sampler, settings=settings)
     finally:
         trainer_server.stop(0)
         sampler_server.stop(0)

@@ -70,11 +70,11 @@ def test_bad_sample_requests_are_refused_before_queueing(gateway, fields, words)
 
 def test_unknown_ids(gateway):
     api = gateway.api
-    assert_user_error(_sample(api, "sess-x:sample:0"), 400, "unknown sampling_session_id")
+    assert_user_error(_sample(api, "sess-x:sample:0"), 404, "unknown sampling_session_id")
     assert_user_error(api.get("samplers/sess-x:sample:0"), 404)
     assert_user_error(api.post("retrieve_future", {"request_id": "nope"}), 404)
     body = {"session_id": api.session(), "model_path": "tinker://r:train:0/sampler_weights/x"}
-    assert_user_error(api.post("create_sampling_session", body), 400, "unknown sampler checkpoint")
+    assert_user_error(api.post("create_sampling_session", body), 404, "unknown checkpoint")
 
 
 def test_retrieve_future_bad_bodies(gateway):

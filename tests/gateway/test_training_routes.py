@@ -32,9 +32,14 @@ def test_forward_backward_and_optim_step_in_seq_order(gateway):
     model_id = api.model(api.session())
     headers = {"content-type": "application/x-protobuf"}
     fb = api.client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, [5, 6, 7]), headers=headers)
-    step = api.post("optim_step", {"model_id": model_id, "seq_id": 2, "type": "optim_step",
-                                   "adam_params": {"learning_rate": 0.5, "beta1": 0.8}})
-    assert api.post("optim_step", {"model_id": model_id, "seq_id": 2}).json() == step.json()   # a resend
+    step_body = {"model_id": model_id, "seq_id": 2, "type": "optim_step",
+                 "adam_params": {"learning_rate": 0.5, "beta1": 0.8}}
+    step = api.post("optim_step", step_body)
+    assert api.post("optim_step", step_body).json() == step.json()   # a resend gets the same future
+    # The same (model_id, seq_id) with another request is refused, not answered with the first's future.
+    assert_user_error(api.post("optim_step", {"model_id": model_id, "seq_id": 2}), 400, "seq_id 2 was already used")
+    assert_user_error(api.client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 2, [5, 6]),
+                                      headers=headers), 400, "already used")
     from tinker.proto.response_conv import deserialize_forward_backward_output
     out = deserialize_forward_backward_output(api.result(fb.json()).content)
     assert np.allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), [-0.05, -0.06, -0.07])
@@ -60,9 +65,9 @@ def test_not_json_and_unknown_ids_are_user_errors(gateway):
     api = gateway.api
     r = api.client.post("/api/v1/create_session", content=b"{nope", headers={"content-type": "application/json"})
     assert_user_error(r, 400)
-    assert_user_error(api.post("create_model", {"session_id": "sess-none", "base_model": "tiny/base"}), 400,
+    assert_user_error(api.post("create_model", {"session_id": "sess-none", "base_model": "tiny/base"}), 404,
                       "unknown session_id")
-    assert_user_error(api.post("optim_step", {"model_id": "nobody:train:0"}), 400, "unknown model_id")
+    assert_user_error(api.post("optim_step", {"model_id": "nobody:train:0"}), 404, "unknown model_id")
     session = api.session()
     assert_user_error(api.post("create_model", {"session_id": session, "base_model": "other"}), 400, "not supported")
     assert_user_error(api.post("optim_step", {"model_id": api.model(session), "adam_params": {"type": "sgd"}}), 400,

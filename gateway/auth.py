@@ -1,0 +1,84 @@
+"""Authentication: every request is resolved to a Caller before any route runs (and before its
+body is read), or refused with 401.
+
+The SDK sends its credential as `X-API-Key`: an API key (`tml-…`), or, when client/config
+advertises JWT auth, the token it got from `POST /api/v1/auth/token`. A token that is forged,
+expired or whose key was revoked gets 401 with `WWW-Authenticate: Bearer error="invalid_token"`,
+which makes the SDK exchange its key for a fresh one (and fail with AuthenticationError if the
+key itself is no longer valid). A plain ASGI middleware: it is on the futures hot path.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from gateway.errors import error_body
+from gateway.keys import Caller, KeyStore
+from gateway.tokens import Signer
+
+# Reachable without a credential: health probes, and downloads that carry their own signature.
+PUBLIC_PATHS = ("/api/v1/healthz",)
+PUBLIC_PREFIXES = ("/files/",)
+
+
+class Authenticator:
+    def __init__(self, keys: KeyStore, signer: Signer, anonymous: Caller | None):
+        self.keys = keys
+        self.signer = signer
+        self.anonymous = anonymous       # with auth off (--no-auth): who every request acts as
+
+    def caller(self, credential: str) -> tuple[Caller | None, bool]:
+        """(the caller, whether a bad credential was a token the SDK should replace)."""
+        if credential.startswith("tml-"):
+            return self.keys.caller_for_key(credential), False
+        key_id = self.signer.token_key_id(credential)
+        return (self.keys.caller_for_key_id(key_id) if key_id else None), True
+
+
+def _credential(scope) -> str:
+    for name, value in scope.get("headers", ()):
+        if name == b"x-api-key":
+            return value.decode("latin-1").strip()
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            return value[7:].decode("latin-1").strip()
+    return ""
+
+
+async def _refuse(send, message: str, invalid_token: bool) -> None:
+    headers = [(b"content-type", b"application/json")]
+    if invalid_token:
+        headers.append((b"www-authenticate", b'Bearer error="invalid_token"'))
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": json.dumps(error_body(message, "user")).encode()})
+
+
+class AuthMiddleware:
+    def __init__(self, app, authenticator: Authenticator):
+        self.app = app
+        self.auth = authenticator
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
+            return await self.app(scope, receive, send)
+        caller = self.auth.anonymous
+        if caller is None:
+            credential = _credential(scope)
+            if not credential:
+                return await _refuse(send, "missing API key: set TINKER_API_KEY (tinkerd keys create)", False)
+            caller, is_token = self.auth.caller(credential)
+            if caller is None:
+                what = "expired or invalid token" if is_token else "unknown or revoked API key"
+                return await _refuse(send, what, is_token)
+        scope.setdefault("state", {})["caller"] = caller
+        return await self.app(scope, receive, send)
+
+
+def caller_of(request: Request) -> Caller:
+    return request.state.caller
+
+
+CallerDep = Annotated[Caller, Depends(caller_of)]

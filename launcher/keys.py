@@ -1,0 +1,67 @@
+"""`tinkerd keys`: API keys in the gateway's database (the same --state-dir / --db-url as
+`tinkerd up`), usable while the stack runs: the gateway sees a new or revoked key within seconds.
+
+  tinkerd keys create --user NAME [--org ORG] [--email E] [--admin]   prints the key, once
+  tinkerd keys list
+  tinkerd keys revoke KEY_OR_KEY_ID
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from gateway import keys
+from gateway.db import Database
+from gateway.settings import GatewaySettings, database_url
+from tinkerd import settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="keys_command", required=True)
+    create = sub.add_parser("create", help="a new API key for a user (made if new); printed once")
+    create.add_argument("--user", required=True, help="user name (the same name is the same user)")
+    create.add_argument("--org", default="default", help="organization (default: default)")
+    create.add_argument("--email", default="", help="the user's email (whoami shows it)")
+    create.add_argument("--admin", action="store_true", help="may read the organization's audit log")
+    listing = sub.add_parser("list", help="every key: id, user, created, revoked")
+    revoke = sub.add_parser("revoke", help="revoke a key (give the key or its id)")
+    revoke.add_argument("key")
+    # The database: the gateway's flags of the same names, so `up`'s values work here too.
+    database_flags = tuple(f.name for f in settings.fields(GatewaySettings) if f.name not in ("state_dir", "db_url"))
+    for p in (create, listing, revoke):
+        settings.add_arguments(p, GatewaySettings, skip=database_flags)
+
+
+def open_database(state_dir: str, db_url: str | None) -> Database:
+    os.makedirs(state_dir, exist_ok=True)
+    return Database(database_url(state_dir, db_url))
+
+
+def new_key(db: Database, user: str, *, org: str = "default", email: str = "", admin: bool = False) -> str:
+    key, _ = keys.create_key(db, keys.create_user(db, user, org_id=org, email=email, admin=admin))
+    return key
+
+
+def first_admin_key(state_dir: str, db_url: str | None) -> str | None:
+    """For `tinkerd up`: on a database without API keys, a key for its admin user (printed once)."""
+    db = open_database(state_dir, db_url)
+    try:
+        return None if keys.list_keys(db) else new_key(db, "admin", admin=True)
+    finally:
+        db.engine.dispose()
+
+
+def run(args: argparse.Namespace) -> None:
+    db = open_database(args.state_dir, args.db_url)
+    if args.keys_command == "create":
+        print(new_key(db, args.user, org=args.org, email=args.email, admin=args.admin))
+    elif args.keys_command == "list":
+        for key, user in keys.list_keys(db):
+            state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
+            print(f"{key.key_id}  {user.name:<20} org={user.org_id:<12} admin={bool(user.admin)!s:<5} "
+                  f"created {key.created_at:%Y-%m-%d %H:%M}  {state}")
+    else:
+        key = keys.revoke_key(db, args.key)
+        print(f"revoked {key.key_id}")
+
