@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from sdk_venvs import sdk_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,24 +24,9 @@ NOT_IN_SDK = {
 }
 
 
-def _sdk_python(version: str) -> str:
-    if version == "0.38.0":
-        return sys.executable
-    venv = os.path.join(REPO, f".venv-sdk-{version}")
-    python = os.path.join(venv, "bin", "python")
-    probe = subprocess.run([python, "-c", "import tinker, torch; print(tinker.__version__)"], capture_output=True,
-                           text=True) if os.path.exists(python) else None
-    if probe is None or probe.stdout.strip() != version:
-        subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
-        # torch for forward_backward_custom (client-side); the CPU build, not the registry's CUDA one.
-        subprocess.run([python, "-m", "pip", "install", "-q", f"tinker=={version}", "torch==2.13.0"], check=True,
-                       timeout=900)
-    return python
-
-
 @pytest.mark.parametrize("version", list(NOT_IN_SDK))
 def test_every_endpoint(version, stack, tiny_model_dir):
-    out = subprocess.run([_sdk_python(version), os.path.join(REPO, "tests", "e2e", "sdk_probe.py"), stack.url,
+    out = subprocess.run([sdk_python(version), os.path.join(REPO, "tests", "e2e", "sdk_probe.py"), stack.url,
                           tiny_model_dir], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TINKER_API_KEY": stack.api_key, "TINKER_TELEMETRY": "0"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]

@@ -1,0 +1,29 @@
+"""Other releases of the tinker SDK, each in its own venv (made once under .venv-sdk-<version>/
+from the package registry), for tests that drive the server with them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def sdk_python(version: str, *, torch: bool = True) -> str:
+    """The python of a venv with tinker==version (and, for client-side custom losses, the CPU
+    torch rather than the registry's CUDA one); this process's python for the project's SDK."""
+    import tinker
+
+    if version == tinker.__version__:
+        return sys.executable
+    venv = os.path.join(REPO, f".venv-sdk-{version}")
+    python = os.path.join(venv, "bin", "python")
+    modules = "tinker, torch" if torch else "tinker"
+    probe = subprocess.run([python, "-c", f"import {modules}; print(tinker.__version__)"], capture_output=True,
+                           text=True) if os.path.exists(python) else None
+    if probe is None or probe.stdout.strip() != version:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+        packages = [f"tinker=={version}", *(["torch==2.13.0"] if torch else [])]
+        subprocess.run([python, "-m", "pip", "install", "-q", *packages], check=True, timeout=900)
+    return python
