@@ -8,12 +8,18 @@ the trainer's Health. Raw: the same Health call made directly over gRPC.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import statistics
 import time
 
 from bench.common import Context, Row, new_dir, percentile
 from harness.stack import running_stack
+
+
+def _auth() -> dict:
+    """The running stack's key (running_stack puts it in the environment)."""
+    return {"X-API-Key": os.environ["TINKER_API_KEY"]}
 
 
 def _trainer_port(state_dir: str) -> int:
@@ -29,7 +35,7 @@ async def _round_trip(client) -> None:
 
 async def _latencies(url: str, n: int) -> list[float]:
     import httpx
-    async with httpx.AsyncClient(base_url=url) as client:
+    async with httpx.AsyncClient(base_url=url, headers=_auth()) as client:
         for _ in range(20):
             await _round_trip(client)
         out = []
@@ -44,7 +50,7 @@ async def _throughput(url: str, seconds: float, concurrency: int) -> float:
     """`concurrency` clients, each with its own connection (one shared httpx pool serialises
     badly: measured 145/s at 32 concurrent against 566/s with a client each)."""
     import httpx
-    clients = [httpx.AsyncClient(base_url=url) for _ in range(concurrency)]
+    clients = [httpx.AsyncClient(base_url=url, headers=_auth()) for _ in range(concurrency)]
     count = 0
     deadline = time.perf_counter() + seconds
 

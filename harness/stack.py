@@ -45,7 +45,7 @@ def running_stack(model_dir: str, state, *extra_args: str):
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        m = re.match(r"TINKER_(BASE_URL|API_KEY)=(\S+)", line)
+        m = re.match(r"(?:export )?TINKER_(BASE_URL|API_KEY)=(\S+)", line)
         if m and m.group(1) == "API_KEY":
             api_key = m.group(2)
         elif m:

@@ -129,7 +129,7 @@ def up(args: argparse.Namespace) -> None:
         print(f"tinkerd ready at {url} in {time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
         if api_key:
             print("the admin's API key (shown only now; more with `tinkerd keys create --user NAME`):", flush=True)
-            print(f"TINKER_API_KEY={api_key}", flush=True)
+            print(f"export TINKER_API_KEY={api_key}", flush=True)
         elif not args.auth:
             print("auth is OFF (--no-auth): every caller acts as the admin user", flush=True)
         print(f"TINKER_BASE_URL={url}", flush=True)

@@ -101,11 +101,12 @@ def test_registry_lists_publishes_expires_and_deletes(service, tiny_model_dir, s
 
     # A checkpoint addressed through another run is not found; deleting removes it for good.
     other = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=42).result()
-    r = httpx.delete(f"{stack.url}/api/v1/training_runs/{other.model_id}/checkpoints/weights/ckpt-a")
+    r = httpx.delete(f"{stack.url}/api/v1/training_runs/{other.model_id}/checkpoints/weights/ckpt-a",
+                     headers={"X-API-Key": stack.api_key})
     assert r.status_code == 404 and r.json()["category"] == "user"
     rc.delete_checkpoint_from_tinker_path(state_path).result()
     assert "weights/ckpt-a" not in [c.checkpoint_id for c in rc.list_checkpoints(tc.model_id).result().checkpoints]
-    with pytest.raises(tinker.BadRequestError, match="unknown training checkpoint"):
+    with pytest.raises(tinker.NotFoundError, match="unknown checkpoint"):
         service.create_training_client_from_state(state_path).result()
 
 
@@ -123,7 +124,7 @@ def test_external_weights_are_served_as_plain_files(service, tiny_model_dir, sta
 def test_bad_checkpoint_paths_are_user_errors(service, tiny_model_dir):
     with pytest.raises(tinker.BadRequestError, match="not a tinker://"):
         service.create_training_client_from_state("/tmp/somewhere").result()
-    with pytest.raises(tinker.BadRequestError, match="unknown training checkpoint"):
+    with pytest.raises(tinker.NotFoundError, match="unknown checkpoint"):
         service.create_training_client_from_state("tinker://nobody:train:0/weights/x").result()
     tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=44).result()
     with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match="must match"):

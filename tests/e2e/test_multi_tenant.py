@@ -203,12 +203,13 @@ def test_a_full_sampler_queue_answers_429_and_the_sdk_backs_off(small_cache_stac
     sc = service.create_sampling_client(base_model=tiny_model_dir)
     params = types.SamplingParams(max_tokens=64, temperature=0.0, stop=[])
     prompt = types.ModelInput.from_ints([5, 6, 7, 8])
-    sid = httpx.post(f"{url}/api/v1/create_sampling_session",
-                     json={"session_id": httpx.post(f"{url}/api/v1/create_session", json={}).json()["session_id"],
-                           "sampling_session_seq_id": 0, "base_model": tiny_model_dir}).json()["sampling_session_id"]
+    auth = {"X-API-Key": small_cache_stack.api_key}
+    session = httpx.post(f"{url}/api/v1/create_session", json={}, headers=auth).json()["session_id"]
+    sid = httpx.post(f"{url}/api/v1/create_sampling_session", headers=auth, json={
+        "session_id": session, "sampling_session_seq_id": 0, "base_model": tiny_model_dir}).json()["sampling_session_id"]
 
     async def burst():
-        async with httpx.AsyncClient(base_url=url) as client:
+        async with httpx.AsyncClient(base_url=url, headers=auth) as client:
             replies = await asyncio.gather(*(client.post("/api/v1/asample", json={
                 "sampling_session_id": sid, "seq_id": i, "num_samples": 1,
                 "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},

@@ -153,9 +153,10 @@ def test_bad_input_gets_clear_user_errors_and_service_keeps_working(service, bas
         tc.forward_backward([out_of_vocab], "cross_entropy").result()
     assert e.value.category == "user" and "vocabulary" in str(e.value)
 
-    r = httpx.post(f"{stack[0]}/api/v1/optim_step", json={"model_id": "nobody:train:9", "seq_id": 1,
-                                                          "adam_params": {"learning_rate": 0.1}})
-    assert r.status_code == 400 and r.json()["category"] == "user" and "unknown model_id" in r.json()["error"]
+    r = httpx.post(f"{stack.url}/api/v1/optim_step", json={"model_id": "nobody:train:9", "seq_id": 1,
+                                                           "adam_params": {"learning_rate": 0.1}},
+                   headers={"X-API-Key": stack.api_key})
+    assert r.status_code == 404 and r.json()["category"] == "user" and "unknown model_id" in r.json()["error"]
 
     # The same client still trains fine afterwards.
     good = _data(tok)
