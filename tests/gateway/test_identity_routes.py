@@ -170,3 +170,19 @@ def test_external_weights_urls_are_signed(gateway, tamper):
     bad = {"signature": url.replace("signature=", "signature=A"), "expires": url.replace("expires=", "expires=1"),
            "path": url.replace("adapter_model", "other")}[tamper]
     assert api.client.get("/" + bad, headers={"X-API-Key": ""}).status_code == 404
+
+
+def test_no_auth_makes_every_caller_the_admin(tmp_path):
+    """`--no-auth`, for local experiments: no key needed, no JWT flow, everything is the admin's."""
+    from fastapi.testclient import TestClient
+
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(base_model="m", trainer="127.0.0.1:1", samplers=["127.0.0.1:1"],
+                               state_dir=str(tmp_path / "state"), auth=False)
+    with TestClient(create_app(settings)) as client:
+        assert client.post("/api/v1/client/config", json={}).json()["pjwt_auth_enabled"] is False
+        session = client.post("/api/v1/create_session", json={}).json()["session_id"]
+        assert client.get("/api/v1/sessions").json()["sessions"] == [session]
+        assert client.get("/api/v1/audit").status_code == 200

@@ -2,7 +2,7 @@
 
 import sqlalchemy
 
-from gateway.db import CheckpointRow, Database, ModelRow
+from gateway.db import CheckpointRow, Database, ModelRow, UserRow
 
 
 def test_an_old_database_gets_the_new_columns(tmp_path):
@@ -27,3 +27,24 @@ def test_an_old_database_gets_the_new_columns(tmp_path):
                          name="b", directory="/x", public=True))
     assert db.get(ModelRow, "r:train:1").resident is True
     assert Database(url).get(CheckpointRow, "tinker://r:train:1/weights/b").public is True   # reopened: no-op
+
+
+def test_rows_from_before_users_become_the_admins(tmp_path):
+    """An upgraded database's rows (no owner) belong to the admin user, who got the first key."""
+    from gateway.settings import GatewaySettings
+    from gateway.state import ADMIN_USER, Gateway
+
+    state = tmp_path / "state"
+    state.mkdir()
+    url = f"sqlite:///{state / 'tinkerd.db'}"
+    engine = sqlalchemy.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sqlalchemy.text(
+            "CREATE TABLE checkpoints (tinker_path VARCHAR(768) PRIMARY KEY, model_id VARCHAR(256), "
+            "checkpoint_type VARCHAR(16), name VARCHAR(256), created_at DATETIME)"))
+        conn.execute(sqlalchemy.text(
+            "INSERT INTO checkpoints VALUES ('tinker://r:train:0/weights/a', 'r:train:0', 'training', 'a', NULL)"))
+    engine.dispose()
+    gw = Gateway.create(GatewaySettings(base_model="m", trainer="t", samplers=[], state_dir=str(state)))
+    admin = gw.db.select(sqlalchemy.select(UserRow).where(UserRow.name == ADMIN_USER))[0]
+    assert admin.admin and gw.db.get(CheckpointRow, "tinker://r:train:0/weights/a").owner == admin.user_id
