@@ -18,7 +18,7 @@ from tinkerd.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 TOKEN = "s3cret-token-for-tests"
 
 
-def _pem_pair(name: str, key, cert) -> tuple[bytes, bytes]:
+def _pem_pair(key, cert) -> tuple[bytes, bytes]:
     from cryptography.hazmat.primitives import serialization
 
     return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
@@ -53,9 +53,9 @@ def _make_pki(directory) -> dict[str, str]:
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_cert = _certificate("tinkerd test CA", ca_key, ca=True)
     cert = _certificate("127.0.0.1", key, ca_key, ca_cert.subject, ca=False)
+    key_pem, cert_pem = _pem_pair(key, cert)
     files = {}
-    for label, data in (("ca", _pem_pair("ca", ca_key, ca_cert)[1]), ("key", _pem_pair("svc", key, cert)[0]),
-                        ("cert", _pem_pair("svc", key, cert)[1])):
+    for label, data in (("ca", _pem_pair(ca_key, ca_cert)[1]), ("key", key_pem), ("cert", cert_pem)):
         files[label] = str(directory / f"{label}.pem")
         with open(files[label], "wb") as f:
             f.write(data)
