@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from gateway.settings import GatewaySettings
-from tinkerd.rpc import aio_channel
+from tinkerd.rpc import ServiceAuth, aio_channel
 from tinkerd.v1 import sampler_pb2_grpc, trainer_pb2_grpc
 
 
@@ -13,8 +13,9 @@ class Backends:
     """Made inside the running event loop (grpc.aio channels bind to it)."""
 
     def __init__(self, settings: GatewaySettings):
-        self.trainer = trainer_pb2_grpc.TrainerStub(aio_channel(settings.trainer))
-        self.samplers = [sampler_pb2_grpc.SamplerStub(aio_channel(a)) for a in settings.samplers]
+        auth = ServiceAuth.of(settings)
+        self.trainer = trainer_pb2_grpc.TrainerStub(aio_channel(settings.trainer, auth))
+        self.samplers = [sampler_pb2_grpc.SamplerStub(aio_channel(a, auth)) for a in settings.samplers]
         self._next = itertools.cycle(range(len(self.samplers)))
 
     def sampler(self) -> sampler_pb2_grpc.SamplerStub:

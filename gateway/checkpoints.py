@@ -12,26 +12,22 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import re
 import shutil
 
 from sqlalchemy import select
 
 from gateway import protocol
 from gateway.db import CheckpointRow, Database, ModelRow, aware, now
+from tinkerd import paths
 from tinkerd.errors import UserError
-from tinkerd.paths import dir_name
 
 log = logging.getLogger(__name__)
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 
 
 def checkpoint_name(name: str | None) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
-    return name
+    return paths.checked_name(name)
 
 
 def tinker_path(run_id: str, kind: str, name: str) -> str:
@@ -50,7 +46,8 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
 
 
 def checkpoint_dir(state_dir: str, model_id: str, kind: str, name: str) -> str:
-    return os.path.join(state_dir, "checkpoints", dir_name(model_id), kind, name)
+    """The trainer derives the same directory from the same ids (tinkerd/paths.py)."""
+    return paths.checkpoint_dir(state_dir, model_id, kind, name)
 
 
 def expires(ttl_seconds: int | None) -> datetime.datetime | None:

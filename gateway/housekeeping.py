@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import os
 import shutil
 
 import grpc
@@ -15,15 +14,15 @@ from sqlalchemy import select
 from gateway.checkpoints import delete_expired_checkpoints
 from gateway.db import ModelRow, now
 from gateway.state import Gateway
-from tinkerd.paths import dir_name
+from tinkerd import paths
 from tinkerd.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
 
 
 def unloaded_dir(gw: Gateway, model_id: str) -> str:
-    """Where an unloaded model's state waits for its next use."""
-    return os.path.join(gw.settings.state_dir, "unloaded", dir_name(model_id))
+    """Where an unloaded model's state waits for its next use (the trainer derives it the same way)."""
+    return paths.unloaded_dir(gw.settings.state_dir, model_id)
 
 
 async def unload_lapsed_models(gw: Gateway) -> list[str]:
@@ -31,7 +30,7 @@ async def unload_lapsed_models(gw: Gateway) -> list[str]:
     cutoff = now() - datetime.timedelta(seconds=gw.settings.session_timeout_s)
     unloaded = []
     for model_id in gw.db.models_of_lapsed_sessions(cutoff):
-        request = trainer_pb2.UnloadModelRequest(model_id=model_id, directory=unloaded_dir(gw, model_id))
+        request = trainer_pb2.UnloadModelRequest(model_id=model_id)
         try:
             await gw.trainer.UnloadModel(request)
         except grpc.aio.AioRpcError as e:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from tinkerd.rpc import ServiceAuthSettings
 from tinkerd.settings import setting
 
 
 @dataclasses.dataclass
-class GatewaySettings:
+class GatewaySettings(ServiceAuthSettings):
     base_model: str = setting(help="local directory of the base model (also its tokenizer)")
     trainer: str = setting(help="trainer gRPC address host:port")
     samplers: list[str] = setting(flag="sampler", help="sampler gRPC address host:port (repeat per replica)")

@@ -59,10 +59,6 @@ class Gateway:
     def trainer(self):
         return self.backends.trainer
 
-    @property
-    def snapshots_dir(self) -> str:
-        return os.path.join(self.settings.state_dir, "snapshots")
-
     def in_background(self, coroutine) -> None:
         """Runs a coroutine to completion, holding it (the loop keeps only weak references)."""
         task = asyncio.create_task(coroutine)

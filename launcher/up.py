@@ -3,6 +3,10 @@
 Its flags are the union of the three services' settings (each written once, in the service's
 settings.py), less the addresses that `up` wires itself; each child's command line is derived
 from its settings object, so a flag given to `up` always reaches every service that has it.
+
+Unless given --service-token-file, `up` makes a random service token per state dir
+(`<state-dir>/service-token`, mode 0600) and hands its path to all three children: the gRPC
+calls between them are authenticated by default.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -110,11 +115,25 @@ def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str)
     return url
 
 
+def service_token_file(state_dir: str) -> str:
+    """The state dir's service token file, made (random, readable by its owner only) if missing."""
+    path = os.path.join(state_dir, "service-token")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        os.chmod(path, 0o600)
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return path
+
+
 def up(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     args.base_model, args.state_dir = os.path.abspath(args.base_model), os.path.abspath(args.state_dir)
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
+    args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
     procs: dict[str, subprocess.Popen] = {}
 
     def stop(*_):

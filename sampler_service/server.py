@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from sampler_service.settings import SamplerSettings
 from tinkerd.process import cpu_defaults, init_logging, serve_until_signal
 
@@ -11,13 +13,17 @@ def serve(s: SamplerSettings) -> None:
     init_logging("sampler")
     from sampler_service.engine import SamplerEngine
     from sampler_service.servicer import SamplerServicer
-    from tinkerd.rpc import create_server
+    from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import sampler_pb2_grpc
 
+    auth = ServiceAuth.of(s)
+    check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of engine start
     engine = SamplerEngine(s.base_model, dtype=s.dtype, max_model_len=s.max_model_len, max_loras=s.max_loras,
                            max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
                            max_num_seqs=s.max_num_seqs)
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
-    server, port = create_server(s.listen, max_workers=max(256, 2 * s.max_num_seqs))
-    sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine), server)
+    server, port = create_server(s.listen, max_workers=max(256, 2 * s.max_num_seqs), auth=auth,
+                                 allow_insecure=s.allow_insecure)
+    sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine, state_dir=os.path.abspath(s.state_dir)),
+                                                   server)
     serve_until_signal(server, port, "sampler", on_stop=engine.shutdown)

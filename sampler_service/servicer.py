@@ -1,5 +1,7 @@
 """Sampler gRPC servicer: per RPC, convert the message (convert.py), call the engine, convert
-back; and receive streamed weight snapshots."""
+back; and receive streamed weight snapshots. A persisted adapter path (named by the gateway for
+a sample, or by the trainer for a snapshot) is used only if it lies below this replica's state
+dir's snapshots/ or checkpoints/ (tinkerd/paths.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 import logging
 import time
 
-from tinkerd import weight_stream
+from tinkerd import paths, weight_stream
 from tinkerd.errors import UserError
 from tinkerd.rpc import rpc_boundary
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
@@ -20,8 +22,12 @@ _RESULT_TIMEOUT_S = 600.0
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
-    def __init__(self, engine: SamplerEngine):
+    def __init__(self, engine: SamplerEngine, *, state_dir: str):
         self.engine = engine
+        self.state_dir = state_dir
+
+    def _adapter_path(self, path: str) -> str:
+        return paths.adapter_path(self.state_dir, path) if path else ""
 
     @rpc_boundary
     def Health(self, request, context):
@@ -32,13 +38,14 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         if request.num_samples < 1:
             raise UserError(f"num_samples must be at least 1, got {request.num_samples}")
         params = convert.sampling_params(request)
-        outputs = self.engine.generate(list(request.prompt_tokens), params, request.num_samples,
-                                       request.snapshot_id, request.snapshot_path).result(_RESULT_TIMEOUT_S)
+        outputs = self.engine.generate(list(request.prompt_tokens), params, request.num_samples, request.snapshot_id,
+                                       self._adapter_path(request.snapshot_path)).result(_RESULT_TIMEOUT_S)
         return convert.sample_response(request, outputs)
 
     @rpc_boundary
     def ReceiveWeights(self, request, context):
         t0 = time.perf_counter()
+        persisted = self._adapter_path(request.persisted_path)
         rv = request.rendezvous
         store = weight_stream.create_store(rv.host, rv.port, rv.world_size, is_master=False,
                                            timeout_s=rv.timeout_seconds)
@@ -49,7 +56,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         t_received = time.perf_counter()
         received = weight_stream.unpack(convert.tensor_specs(request), chunks)
         self.engine.register_snapshot(request.snapshot_id, received, json.loads(request.adapter_config_json),
-                                      request.persisted_path).result(_RESULT_TIMEOUT_S)
+                                      persisted).result(_RESULT_TIMEOUT_S)
         seconds = time.perf_counter() - t0
         log.info("snapshot %s: %d tensors in %.1f ms (join %.1f, receive %.1f, register %.1f)",
                  request.snapshot_id, len(received), 1e3 * seconds, 1e3 * (t_joined - t0),

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from tinkerd.rpc import ServerAuthSettings
 from tinkerd.settings import setting
 
 
 @dataclasses.dataclass
-class SamplerSettings:
+class SamplerSettings(ServerAuthSettings):
     base_model: str = setting(help="local directory of the HF base model")
     listen: str = setting("127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
+    state_dir: str = setting("./state", help="snapshots and checkpoints are loaded only from below it "
+                                             "(the gateway's and trainer's, on a shared filesystem)")
     dtype: str = setting("float32", help="vLLM dtype, the trainer's by default (auto = the checkpoint's, "
                                          "which downcasts fp32 checkpoints to 16-bit: logprobs differ)")
     max_model_len: int = setting(1024, help="context length: prompt + max_tokens")

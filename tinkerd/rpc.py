@@ -1,14 +1,26 @@
-"""gRPC plumbing shared by the services: server construction, channels, and the boundary that
-turns exceptions into status codes."""
+"""gRPC plumbing shared by the services: server construction, channels, service authentication,
+and the boundary that turns exceptions into status codes.
+
+Service authentication (all of it is here): a server given a shared token refuses every call
+whose `authorization: Bearer <token>` metadata is missing or wrong with UNAUTHENTICATED (Health
+included: every legitimate caller holds the token); given a certificate it serves TLS, and given
+a CA as well it requires client certificates signed by it (mTLS). Clients send the token and
+speak TLS with the same settings. A server refuses to listen beyond loopback unauthenticated.
+"""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
+import hmac
+import ipaddress
 import logging
 
 import grpc
 
 from tinkerd.errors import ServiceError
+from tinkerd.settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -20,23 +32,161 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def create_server(address: str, *, max_workers: int = 32) -> tuple[grpc.Server, int]:
+@dataclasses.dataclass(kw_only=True)
+class ServiceAuthSettings:
+    """Settings of every service that calls or serves gRPC (one shared flag each under `tinkerd up`)."""
+    service_token_file: str = setting("", help="file holding the shared service token: servers refuse gRPC "
+                                               "calls without it, clients send it (tinkerd up makes one)")
+    tls_cert: str = setting("", help="PEM certificate: servers serve TLS with it, clients present it (mTLS)")
+    tls_key: str = setting("", help="PEM private key of --tls-cert")
+    tls_ca: str = setting("", help="PEM CA bundle: clients verify servers with it (else TLS only with "
+                                   "--tls-cert); servers given it require client certificates (mTLS)")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServerAuthSettings(ServiceAuthSettings):
+    allow_insecure: bool = setting(False, help="serve gRPC on a non-loopback --listen without a token or "
+                                               "mTLS: anyone who reaches the port controls the service")
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class ServiceAuth:
+    """The loaded credentials (repr=False: the token must not reach a log)."""
+    token: str = ""
+    cert: bytes = b""
+    key: bytes = b""
+    ca: bytes = b""
+
+    @classmethod
+    def of(cls, s: ServiceAuthSettings) -> "ServiceAuth":
+        token = _read(s.service_token_file).decode().strip() if s.service_token_file else ""
+        if s.service_token_file and not token:
+            raise ValueError(f"the service token file {s.service_token_file} is empty")
+        if bool(s.tls_cert) != bool(s.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        return cls(token, *(_read(p) if p else b"" for p in (s.tls_cert, s.tls_key, s.tls_ca)))
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cert or self.ca)
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether a server with these credentials refuses unknown callers (token, or mTLS)."""
+        return bool(self.token or (self.cert and self.ca))
+
+
+def is_loopback(address: str) -> bool:
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False        # a host name or "" (every interface): assume reachable from elsewhere
+
+
+def check_exposure(address: str, auth: ServiceAuth, allow_insecure: bool) -> None:
+    """A server reachable from other hosts must authenticate its callers."""
+    if is_loopback(address) or allow_insecure:
+        return
+    if not auth.authenticates:
+        raise SystemExit(f"refusing to serve gRPC on {address} without authentication: give "
+                         f"--service-token-file (with --tls-cert/--tls-key) or mTLS (--tls-cert, --tls-key, "
+                         f"--tls-ca), listen on 127.0.0.1, or pass --allow-insecure (see deploy/README.md)")
+    if not auth.tls:
+        log.warning("serving gRPC on %s without TLS: the service token crosses the network in clear", address)
+
+
+def _unauthenticated(request, context):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong service token")
+
+
+class _RequireToken(grpc.ServerInterceptor):
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+        self._refuse = grpc.unary_unary_rpc_method_handler(_unauthenticated)   # every RPC here is unary
+
+    def intercept_service(self, continuation, details):
+        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+            return continuation(details)
+        return self._refuse
+
+
+def create_server(address: str, *, max_workers: int = 32, auth: ServiceAuth = ServiceAuth(),
+                  allow_insecure: bool = False) -> tuple[grpc.Server, int]:
     """A threaded server bound to `address` (port 0 picks one); returns it with its port."""
     from concurrent import futures
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
-    port = server.add_insecure_port(address)
+    check_exposure(address, auth, allow_insecure)
+    if auth.ca and not auth.cert:
+        raise SystemExit("--tls-ca on a server needs --tls-cert and --tls-key")
+    interceptors = [_RequireToken(auth.token)] if auth.token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
+                         interceptors=interceptors)
+    if auth.cert:
+        credentials = grpc.ssl_server_credentials([(auth.key, auth.cert)], root_certificates=auth.ca or None,
+                                                  require_client_auth=bool(auth.ca))
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     return server, port
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def _channel_credentials(auth: ServiceAuth) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=auth.ca or None, private_key=auth.key or None,
+                                        certificate_chain=auth.cert or None)
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _SendToken(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str):
+        self._header = ("authorization", f"Bearer {token}")
+
+    def intercept_unary_unary(self, continuation, details, request):
+        metadata = [*(details.metadata or ()), self._header]
+        return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials,
+                                         details.wait_for_ready, details.compression), request)
+
+
+class _SendTokenAio(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str):
+        self._header = ("authorization", f"Bearer {token}")
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
+        return await continuation(details._replace(metadata=metadata), request)
+
+
+def channel(address: str, auth: ServiceAuth = ServiceAuth()) -> grpc.Channel:
+    if auth.tls:
+        ch = grpc.secure_channel(address, _channel_credentials(auth), options=CHANNEL_OPTIONS)
+    else:
+        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.intercept_channel(ch, _SendToken(auth.token)) if auth.token else ch
+
+
+def aio_channel(address: str, auth: ServiceAuth = ServiceAuth()) -> grpc.aio.Channel:
+    interceptors = [_SendTokenAio(auth.token)] if auth.token else None
+    if auth.tls:
+        return grpc.aio.secure_channel(address, _channel_credentials(auth), options=CHANNEL_OPTIONS,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
 def rpc_boundary(method):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import socket
 
 import torch
 import torch.distributed as dist
@@ -101,21 +102,46 @@ class Group:
     device: torch.device
 
 
+def _listening_socket(host: str, port: int) -> tuple[int, int]:
+    """A socket listening on `host` only: its descriptor (which the store takes over) and port."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach(), port    # the store closes the descriptor when it goes
+
+
 def create_store(host: str, port: int, world_size: int, *, is_master: bool,
                  timeout_s: float) -> dist.TCPStore:
-    """The rank-0 side binds (port 0 picks a free one; read `.port`); receivers connect."""
-    return dist.TCPStore(host, port, world_size, is_master=is_master,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    """The rank-0 side listens on `host` (port 0 picks a free one; read `.port`); receivers
+    connect. Left to itself a master TCPStore listens on every interface whatever `host` says,
+    so the master gets a socket already bound to `host`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    fd, port = _listening_socket(host, port)
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=fd)
 
 
 def join_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float,
-               group_name: str) -> Group:
-    """Blocks until all `world_size` ranks have joined under `group_name`."""
+               group_name: str, bind_host: str | None = None) -> Group:
+    """Blocks until all `world_size` ranks have joined under `group_name`. With `bind_host`,
+    gloo's own connections listen on that interface only."""
     prefixed = dist.PrefixStore(f"{GROUP_PREFIX}/{group_name}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return Group(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), store,
-                     torch.device("cpu"))
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host) if bind_host
+                            else dist.ProcessGroupGloo.create_default_device()]
+        return Group(dist.ProcessGroupGloo(prefixed, rank, world_size, options), store, torch.device("cpu"))
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -4,6 +4,10 @@ A checkpoint directory: adapter_model.safetensors + adapter_config.json (PEFT fo
 by peft and vLLM as they are), tinkerd_state.json (LoRA spec, step), and, for full state,
 optimizer/ (a DeepSpeed checkpoint: fp32 master weights + AdamW moments). Directories are
 written under a temporary name and renamed into place, so a reader never sees half of one.
+
+Nothing is unpickled beyond tensors: the adapter is safetensors, and DeepSpeed's optimizer files
+load with torch.load(weights_only=True), allowing only the three plain-data DeepSpeed types they
+hold (a full unpickler would run whatever code a planted file names).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import time
 
@@ -110,9 +115,37 @@ def read_state(directory: str, *, with_optimizer: bool,
     return LoraSpec(**meta["spec"]), tensors, int(meta["step"])
 
 
+def _deepspeed_data_types() -> list[type]:
+    """What DeepSpeed's ZeRO optimizer files pickle besides tensors and builtins (found with
+    torch.serialization.get_unsafe_globals_in_checkpoint on stage 2 and 3 files)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def _tensor_only_checkpoint_engine():
+    """DeepSpeed's torch checkpoint engine, loading with weights_only=True (its own passes False)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class TensorOnly(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            with torch.serialization.safe_globals(_deepspeed_data_types()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+    return TensorOnly()
+
+
 def restore_optimizer(model: LoraModel, directory: str, step: int) -> None:
     """The AdamW state and step count from a full checkpoint, into a model made from it."""
-    model.engine.load_checkpoint(os.path.join(directory, OPTIMIZER), tag="state",
-                                 load_optimizer_states=True, load_lr_scheduler_states=False)
-    model.engine.set_gradient_accumulation_boundary(False)
+    engine, saved = model.engine, model.engine.checkpoint_engine
+    engine.checkpoint_engine = _tensor_only_checkpoint_engine()
+    try:
+        engine.load_checkpoint(os.path.join(directory, OPTIMIZER), tag="state",
+                               load_optimizer_states=True, load_lr_scheduler_states=False)
+    except pickle.UnpicklingError as e:
+        raise UserError(f"the optimizer state at {directory} holds more than tensors: {str(e)[:200]}") from None
+    finally:
+        engine.checkpoint_engine = saved
+    engine.set_gradient_accumulation_boundary(False)
     model.step = step

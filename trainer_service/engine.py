@@ -138,7 +138,11 @@ class TrainerEngine:
                 raise UserError(f"model {model_id!r} already exists")
             model = self.create_model(model_id, spec, initial=tensors)
             if with_optimizer:
-                checkpoints.restore_optimizer(model, directory, step)
+                try:
+                    checkpoints.restore_optimizer(model, directory, step)
+                except BaseException:
+                    self.models.remove(model_id)     # no half-restored model stays behind
+                    raise
             return model
 
     def export_adapter(self, model_id: str) -> tuple[dict[str, torch.Tensor], dict]:

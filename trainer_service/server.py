@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tinkerd.process import cpu_defaults, init_logging, serve_until_signal
 from trainer_service.settings import TrainerSettings
 
@@ -9,14 +11,18 @@ from trainer_service.settings import TrainerSettings
 def serve(s: TrainerSettings) -> None:
     cpu_defaults()
     init_logging("trainer")
-    from tinkerd.rpc import create_server
+    from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import trainer_pb2_grpc
     from trainer_service.engine import TrainerEngine
     from trainer_service.servicer import TrainerServicer
 
+    auth = ServiceAuth.of(s)
+    check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of model loading
     engine = TrainerEngine(s.base_model, zero_stage=s.zero_stage, dtype=s.dtype, max_lora_rank=s.max_lora_rank,
                            base_model_names=tuple(s.aliases))
     # Handler threads wait in the fair scheduler, one per model with work in flight.
-    server, port = create_server(s.listen, max_workers=256)
-    trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(engine, advertise_host=s.advertise_host), server)
+    server, port = create_server(s.listen, max_workers=256, auth=auth, allow_insecure=s.allow_insecure)
+    servicer = TrainerServicer(engine, state_dir=os.path.abspath(s.state_dir), advertise_host=s.advertise_host,
+                               auth=auth)
+    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     serve_until_signal(server, port, "trainer")

@@ -2,14 +2,18 @@
 model's fair turn, convert back. Weight pushes go through weight_push.py.
 
 A resent (model_id, seq_id) gets the stored reply instead of running twice (replies.py).
+Every directory is derived here from ids and names below the trainer's own state dir
+(tinkerd/paths.py); none comes from the caller.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
+from tinkerd import paths
 from tinkerd.errors import UserError
-from tinkerd.rpc import rpc_boundary
+from tinkerd.rpc import ServiceAuth, rpc_boundary
 from tinkerd.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_service import convert
 from trainer_service.engine import TrainerEngine
@@ -17,14 +21,18 @@ from trainer_service.replies import ReplyCache
 from trainer_service.scheduler import FairScheduler, tenant_of
 from trainer_service.weight_push import WeightPusher
 
+# Checkpoint kinds SaveState writes (sampler_weights are PushWeights' persisted snapshots).
+SAVE_KINDS = ("weights", "external_weights")
+
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, engine: TrainerEngine, *, advertise_host: str = "127.0.0.1",
-                 transfer_timeout_s: float = 120.0):
+    def __init__(self, engine: TrainerEngine, *, state_dir: str, advertise_host: str = "127.0.0.1",
+                 transfer_timeout_s: float = 120.0, auth: ServiceAuth = ServiceAuth()):
         self.engine = engine
+        self.state_dir = os.path.abspath(state_dir)
         self.replies = ReplyCache()
         self.scheduler = FairScheduler()
-        self.pusher = WeightPusher(advertise_host, transfer_timeout_s)
+        self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth)
 
     def _fair(self, model_id: str, fn):
         """Runs engine work when the model's tenant gets its turn (see scheduler.py)."""
@@ -48,12 +56,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                             f"{sorted(self.engine.base_model_names)}")
         if not request.model_id:
             raise UserError("model_id is required")
-        if request.load_from:
+        if request.HasField("load_checkpoint"):
+            ref = request.load_checkpoint
+            directory = paths.checkpoint_dir(self.state_dir, ref.model_id, ref.kind, ref.name)
+
             def create():
                 if self.engine.is_resident(request.model_id):
                     return self.engine.get(request.model_id)   # a resent create
-                return self.engine.load_state(request.model_id, request.load_from,
-                                              with_optimizer=request.load_optimizer)
+                return self.engine.load_state(request.model_id, directory, with_optimizer=request.load_optimizer)
         else:
             def create():
                 return self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config))
@@ -68,21 +78,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     @rpc_boundary
     def SaveState(self, request, context):
-        if not request.directory:
-            raise UserError("directory is required")
+        if request.kind not in SAVE_KINDS:
+            raise UserError(f"checkpoint kind {request.kind!r} must be one of {SAVE_KINDS}")
+        directory = paths.checkpoint_dir(self.state_dir, request.model_id, request.kind, request.name)
 
         def save():
             size = self._fair(request.model_id, lambda: self.engine.save_state(
-                request.model_id, request.directory, with_optimizer=request.with_optimizer))
-            return trainer_pb2.SaveStateResponse(directory=request.directory, size_bytes=size)
+                request.model_id, directory, with_optimizer=request.with_optimizer))
+            return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size)
         return self.replies.once(request.model_id, request.seq_id, "save_state", save)
 
     @rpc_boundary
     def UnloadModel(self, request, context):
-        if not request.directory:
-            raise UserError("directory is required")
-        directory = self._fair(request.model_id, lambda: self.engine.unload_model(request.model_id,
-                                                                                   request.directory))
+        target = paths.unloaded_dir(self.state_dir, request.model_id)
+        directory = self._fair(request.model_id, lambda: self.engine.unload_model(request.model_id, target))
         return trainer_pb2.UnloadModelResponse(directory=directory)
 
     @rpc_boundary
@@ -115,6 +124,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def _push(self, request) -> trainer_pb2.PushWeightsResponse:
         if not request.snapshot_id:
             raise UserError("snapshot_id is required")
+        persisted = paths.snapshot_dir(self.state_dir, request.snapshot_id) if request.persist else ""
         t0 = time.perf_counter()
         adapter, config = self._fair(request.model_id, lambda: self.engine.export_adapter(request.model_id))
-        return self.pusher.push(request, adapter, config, gather_seconds=time.perf_counter() - t0)
+        return self.pusher.push(request, persisted, adapter, config, gather_seconds=time.perf_counter() - t0)

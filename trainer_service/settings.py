@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from tinkerd.rpc import ServerAuthSettings
 from tinkerd.settings import setting
 
 
 @dataclasses.dataclass
-class TrainerSettings:
+class TrainerSettings(ServerAuthSettings):
     base_model: str = setting(help="local directory of the HF base model")
     aliases: list[str] = setting([], flag="alias", help="another name clients may use for the base model")
     listen: str = setting("127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
-    advertise_host: str = setting("127.0.0.1", help="host samplers connect to for weight streaming")
+    advertise_host: str = setting("127.0.0.1", help="host samplers connect to for weight streaming (the "
+                                                    "stream's store listens on this interface only)")
+    state_dir: str = setting("./state", help="checkpoints, snapshots and unloaded models; every path is "
+                                             "derived below it from ids (the gateway's, on a shared filesystem)")
     zero_stage: int = setting(2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
     dtype: str = setting("float32", choices=["float32", "bfloat16", "float16"],
                          help="weights dtype of trainer and sampler alike (equal dtypes give equal logprobs; "

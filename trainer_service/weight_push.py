@@ -13,13 +13,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import os
 import threading
 import time
 
 from tinkerd import weight_stream
-from tinkerd.paths import dir_name
-from tinkerd.rpc import channel
+from tinkerd.rpc import ServiceAuth, channel
 from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2
 from trainer_service.checkpoints import save_peft_adapter
 from trainer_service.convert import tensor_specs
@@ -45,16 +43,17 @@ def _start_copy(path: str, packed: weight_stream.Packed, config: dict) -> concur
 
 
 class WeightPusher:
-    def __init__(self, advertise_host: str, transfer_timeout_s: float):
+    def __init__(self, advertise_host: str, transfer_timeout_s: float, auth: ServiceAuth = ServiceAuth()):
         self.advertise_host = advertise_host
         self.transfer_timeout_s = transfer_timeout_s
+        self.auth = auth
         self._samplers: dict[str, sampler_pb2_grpc.SamplerStub] = {}
 
-    def push(self, request: trainer_pb2.PushWeightsRequest, adapter: dict, config: dict, *,
+    def push(self, request: trainer_pb2.PushWeightsRequest, persisted: str, adapter: dict, config: dict, *,
              gather_seconds: float) -> trainer_pb2.PushWeightsResponse:
-        """Streams and persists the exported `adapter` as the request asks; see the module docstring."""
+        """Streams the exported `adapter` as the request asks and, unless `persisted` is empty,
+        writes its PEFT copy there; see the module docstring."""
         t0 = time.perf_counter()
-        persisted = os.path.join(request.persist_dir, dir_name(request.snapshot_id)) if request.persist_dir else ""
         packed = weight_stream.pack(adapter)
         t_packed = time.perf_counter()
         copy = _start_copy(persisted, packed, config) if persisted else None
@@ -94,7 +93,8 @@ class WeightPusher:
                                                   timeout_seconds=self.transfer_timeout_s))
             replies.append(self._sampler(address).ReceiveWeights.future(manifest, timeout=self.transfer_timeout_s))
         t_announced = time.perf_counter()
-        group = weight_stream.join_group(store, 0, world, backend, self.transfer_timeout_s, request.snapshot_id)
+        group = weight_stream.join_group(store, 0, world, backend, self.transfer_timeout_s, request.snapshot_id,
+                                         bind_host=self.advertise_host)
         t_joined = time.perf_counter()
         weight_stream.send(group, packed.chunks)
         t_sent = time.perf_counter()
@@ -108,5 +108,5 @@ class WeightPusher:
         """One channel per sampler replica, kept: a new one per push costs a connection setup."""
         stub = self._samplers.get(address)
         if stub is None:
-            stub = self._samplers[address] = sampler_pb2_grpc.SamplerStub(channel(address))
+            stub = self._samplers[address] = sampler_pb2_grpc.SamplerStub(channel(address, self.auth))
         return stub

@@ -49,7 +49,7 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
         target.sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     push = trainer_pb2.PushWeightsRequest(
         model_id=body.model_id, seq_id=body.seq_id, snapshot_id=f"{body.model_id}@{body.seq_id}-{uuid.uuid4().hex[:8]}",
-        sampler_addresses=gw.settings.samplers, persist_dir=gw.snapshots_dir)
+        sampler_addresses=gw.settings.samplers, persist=True)
     job = functools.partial(_push_weights, gw, push, target)
     return gw.submit_training(caller, "save_weights_for_sampler", body.model_id, body.seq_id, job,
                               fingerprint("save_weights_for_sampler", body.model_dump_json()))
@@ -96,12 +96,10 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
     path = checkpoints.tinker_path(body.model_id, kind, name)
     if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
         raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
-    directory = checkpoints.checkpoint_dir(gw.settings.state_dir, body.model_id, kind, name)
     row = CheckpointRow(tinker_path=path, model_id=body.model_id, owner=caller.user_id, name=name,
-                        directory=directory,
                         checkpoint_type=checkpoints.KINDS[kind], expires_at=checkpoints.expires(body.ttl_seconds),
                         user_metadata=body.user_metadata)
-    save = trainer_pb2.SaveStateRequest(model_id=body.model_id, seq_id=body.seq_id, directory=directory,
+    save = trainer_pb2.SaveStateRequest(model_id=body.model_id, seq_id=body.seq_id, kind=kind, name=name,
                                         with_optimizer=with_optimizer)
     job = functools.partial(_save, gw, caller, save, row, response_type)
     return gw.submit_training(caller, f"save_{kind}", body.model_id, body.seq_id, job,
@@ -111,7 +109,7 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
 async def _save(gw: Gateway, caller: Caller, save: trainer_pb2.SaveStateRequest, row: CheckpointRow,
                 response_type: str):
     saved = await gw.trainer.SaveState(save)
-    row.size_bytes, row.created_at = saved.size_bytes, now()
+    row.directory, row.size_bytes, row.created_at = saved.directory, saved.size_bytes, now()
     gw.db.put(row)
     _audit_saved(gw, caller, row.model_id, row.tinker_path)
     return json_body({"path": row.tinker_path, "type": response_type})
@@ -121,7 +119,7 @@ async def _save(gw: Gateway, caller: Caller, save: trainer_pb2.SaveStateRequest,
 async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     """Create-via-load ({session_id, model_seq_id}) or load into an existing model (legacy). The
     checkpoint is the caller's or a published one."""
-    _, kind, _ = checkpoints.parse_tinker_path(body.path)
+    source_run, kind, name = checkpoints.parse_tinker_path(body.path)
     ckpt = gw.sessions.readable_checkpoint(caller, body.path)
     if kind != "weights":
         raise UserError(f"{body.path!r} is not a training checkpoint: load_weights takes a "
@@ -139,8 +137,9 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
         lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
         new_run = ModelRow(model_id=model_id, session_id=session_id, owner=caller.user_id,
                            base_model=source.base_model, lora_rank=source.lora_rank, lora_config=lora)
-    create = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=gw.settings.base_model,
-                                            load_from=ckpt.directory, load_optimizer=body.optimizer)
+    create = trainer_pb2.CreateModelRequest(
+        model_id=model_id, base_model=gw.settings.base_model, load_optimizer=body.optimizer,
+        load_checkpoint=trainer_pb2.CheckpointRef(model_id=source_run, kind=kind, name=name))
     job = functools.partial(_load, gw, caller, create, seq_id, body.path, new_run)
     return gw.submit_training(caller, "load_weights", model_id, seq_id, job,
                               fingerprint("load_weights", body.model_dump_json()))

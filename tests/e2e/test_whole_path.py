@@ -186,3 +186,24 @@ def test_timings_for_the_record(service, base_name, stack, capsys):
               f"{1e3 * sorted(times[1:])[2]:.0f} ms; save_weights_and_get_sampling_client+compute_logprobs: "
               f"median {1e3 * sorted(syncs)[1]:.0f} ms")
     assert all(t > 0 for t in times)
+
+
+def test_services_refuse_grpc_calls_without_the_service_token(stack):
+    """`tinkerd up` authenticates the gRPC calls between its services with a token of its own."""
+    import os
+    import re
+
+    import grpc
+
+    from tinkerd.rpc import ServiceAuth, channel
+    from tinkerd.v1 import common_pb2, sampler_pb2_grpc, trainer_pb2_grpc
+
+    token = open(os.path.join(stack.state_dir, "service-token")).read()
+    for name, stub_class in (("trainer", trainer_pb2_grpc.TrainerStub), ("sampler", sampler_pb2_grpc.SamplerStub)):
+        log = open(os.path.join(stack.state_dir, "logs", f"{name}.log")).read()
+        port = re.findall(rf"READY {name} (\d+)", log)[-1]
+        address = f"127.0.0.1:{port}"
+        with pytest.raises(grpc.RpcError) as e:
+            stub_class(channel(address)).Health(common_pb2.HealthRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub_class(channel(address, ServiceAuth(token=token))).Health(common_pb2.HealthRequest(), timeout=10).ready

@@ -16,13 +16,15 @@ from fastapi.testclient import TestClient
 from gateway import keys
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from tinkerd import paths
 from tinkerd.rpc import create_server
 from tinkerd.tensors import from_numpy
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 
 class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self):
+    def __init__(self, state_dir: str):
+        self.state_dir = state_dir     # where it derives directories, as the real trainer does
         self.requests: list[tuple[str, object]] = []
 
     def _got(self, name, request):
@@ -57,19 +59,20 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
 
     def PushWeights(self, request, context):
         self._got("PushWeights", request)
-        path = os.path.join(request.persist_dir, request.snapshot_id.replace(":", "_"))
+        path = paths.snapshot_dir(self.state_dir, request.snapshot_id) if request.persist else ""
         return trainer_pb2.PushWeightsResponse(snapshot_id=request.snapshot_id, num_bytes=123, persisted_path=path)
 
     def SaveState(self, request, context):
         self._got("SaveState", request)
-        os.makedirs(request.directory, exist_ok=True)
-        with open(os.path.join(request.directory, "adapter_model.safetensors"), "wb") as f:
+        directory = paths.checkpoint_dir(self.state_dir, request.model_id, request.kind, request.name)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "adapter_model.safetensors"), "wb") as f:
             f.write(b"x" * 10)
-        return trainer_pb2.SaveStateResponse(directory=request.directory, size_bytes=10)
+        return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=10)
 
     def UnloadModel(self, request, context):
         self._got("UnloadModel", request)
-        return trainer_pb2.UnloadModelResponse(directory=request.directory)
+        return trainer_pb2.UnloadModelResponse(directory=paths.unloaded_dir(self.state_dir, request.model_id))
 
     def GetQueueState(self, request, context):
         return trainer_pb2.QueueState()
@@ -139,7 +142,7 @@ class Api:
 
 @pytest.fixture
 def gateway(tmp_path):
-    trainer, sampler = FakeTrainer(), FakeSampler()
+    trainer, sampler = FakeTrainer(str(tmp_path / "state")), FakeSampler()
     trainer_server, trainer_address = serve(trainer, trainer_pb2_grpc.add_TrainerServicer_to_server)
     sampler_server, sampler_address = serve(sampler, sampler_pb2_grpc.add_SamplerServicer_to_server)
     settings = GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=trainer_address,

@@ -14,7 +14,9 @@ def test_save_state_lists_publishes_and_deletes(gateway):
     path = saved["path"]
     assert path == f"tinker://{model_id}/weights/step-1"
     (save,) = gateway.trainer.of("SaveState")
-    assert save.with_optimizer and save.directory.startswith(gateway.settings.state_dir)
+    assert save.with_optimizer and (save.kind, save.name) == ("weights", "step-1")
+    directory = os.path.join(gateway.settings.state_dir, "checkpoints", model_id.replace(":", "_"), "weights", "step-1")
+    assert os.path.isdir(directory)
     ckpts = api.get(f"training_runs/{model_id}/checkpoints").json()["checkpoints"]
     assert [(c["checkpoint_id"], c["size_bytes"], c["user_metadata"]) for c in ckpts] == [("weights/step-1", 10, {"note": "x"})]
     run = api.get(f"training_runs/{model_id}").json()
@@ -24,7 +26,7 @@ def test_save_state_lists_publishes_and_deletes(gateway):
     assert_user_error(api.post("save_weights", {"model_id": model_id, "seq_id": 2, "path": "step-1"}), 400,
                       "already exists")
     assert api.client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/step-1").status_code == 200
-    assert not os.path.exists(save.directory)
+    assert not os.path.exists(directory)
     assert_user_error(api.client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/step-1"), 404)
 
 

@@ -123,3 +123,34 @@ def test_32_models_over_one_base(tiny_model_dir):
         after = _adapter(engine, f"t{i}")
         moved = any(not torch.equal(after[k], before[i][k]) for k in after)
         assert moved == (i % 2 == 0), i
+
+
+class _Planted:
+    """Unpickling this opens (creates) a file: what a planted optimizer file could do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_optimizer_state_loads_only_tensors(tiny_model_dir, tmp_path):
+    """A full checkpoint restores through torch.load(weights_only=True); an optimizer file that
+    pickles anything else is refused as a user error, and nothing in it runs."""
+    import glob
+
+    from tinkerd.errors import UserError
+
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2)
+    engine.create_model("src", LoraSpec(rank=4, seed=3))
+    engine.forward_backward("src", [A], "cross_entropy", {}, forward_only=False)
+    engine.optim_step("src", _adam(1e-2))
+    engine.save_state("src", str(tmp_path / "full"), with_optimizer=True)
+    assert engine.load_state("good", str(tmp_path / "full"), with_optimizer=True).step == 1
+    (optim,) = glob.glob(str(tmp_path / "full" / "optimizer" / "state" / "*optim_states.pt"))
+    marker = tmp_path / "code-ran"
+    torch.save({"optimizer_state_dict": _Planted(str(marker))}, optim)
+    with pytest.raises(UserError, match="more than tensors"):
+        engine.load_state("planted", str(tmp_path / "full"), with_optimizer=True)
+    assert not marker.exists() and not engine.is_resident("planted")

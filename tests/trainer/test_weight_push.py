@@ -28,21 +28,20 @@ def test_push_replies_after_the_persisted_copy_is_complete(tiny_model_dir, tmp_p
 
     engine = TrainerEngine(tiny_model_dir, zero_stage=2)
     engine.create_model("s:train:0", LoraSpec(rank=8, seed=0))
-    servicer = TrainerServicer(engine)
+    servicer = TrainerServicer(engine, state_dir=str(tmp_path))
     reply = servicer.PushWeights(trainer_pb2.PushWeightsRequest(
-        model_id="s:train:0", seq_id=1, snapshot_id="s:train:0@1", persist_dir=str(tmp_path / "snaps")), _Context())
-    assert reply.persisted_path == str(tmp_path / "snaps" / "s_train_0@1")
-    assert sorted(os.listdir(tmp_path / "snaps")) == ["s_train_0@1"]       # no temporary left over
+        model_id="s:train:0", seq_id=1, snapshot_id="s:train:0@1", persist=True), _Context())
+    assert reply.persisted_path == str(tmp_path / "snapshots" / "s_train_0@1")
+    assert sorted(os.listdir(tmp_path / "snapshots")) == ["s_train_0@1"]       # no temporary left over
     assert os.path.isfile(os.path.join(reply.persisted_path, "adapter_config.json"))
     loaded = safetensors.torch.load_file(os.path.join(reply.persisted_path, "adapter_model.safetensors"))
     expected, _ = engine.export_adapter("s:train:0")
     assert set(loaded) == set(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)
     assert reply.num_tensors == len(expected)
 
-    (tmp_path / "a-file").write_text("")          # persist_dir below a file: the copy cannot be written
+    (tmp_path / "snapshots" / "s_train_0@2").write_text("")   # a file in the way: the copy cannot be written
     context = _Context()
     with pytest.raises(_Aborted):
         servicer.PushWeights(trainer_pb2.PushWeightsRequest(
-            model_id="s:train:0", seq_id=2, snapshot_id="s:train:0@2", persist_dir=str(tmp_path / "a-file")),
-            context)
+            model_id="s:train:0", seq_id=2, snapshot_id="s:train:0@2", persist=True), context)
     assert context.code == grpc.StatusCode.INTERNAL

@@ -31,7 +31,8 @@ def test_every_setting_of_a_child_is_passed_and_parses_back(name):
     argv = up.child_argv(_up_args("--db-url", "sqlite:///x.db"), name, **wiring)
     for field in settings.fields(cls):
         if field.name not in ("aliases",):         # empty lists have no flag occurrence
-            assert settings.flag_name(field) in argv, f"{name} never gets {settings.flag_name(field)}"
+            flag = settings.flag_name(field)
+            assert flag in argv or "--no-" + flag[2:] in argv, f"{name} never gets {flag}"   # bools: --no-X
     parsed = cli.build_parser().parse_args(argv)
     assert settings.from_args(cls, parsed) == settings.from_args(cls, _up_args("--db-url", "sqlite:///x.db"),
                                                                  **wiring)

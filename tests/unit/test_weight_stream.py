@@ -49,3 +49,15 @@ def test_packed_tensors_write_a_valid_safetensors_file(tmp_path):
     loaded = safetensors.torch.load_file(path)
     assert set(loaded) == set(TENSORS)
     assert all(torch.equal(loaded[k], TENSORS[k]) for k in TENSORS)
+
+
+def test_the_store_listens_on_the_advertised_host_only():
+    """A master TCPStore left to itself listens on every interface; ours only on `host`."""
+    import os
+
+    import psutil
+
+    store = weight_stream.create_store("127.0.0.1", 0, 2, is_master=True, timeout_s=5)
+    listening = [c.laddr for c in psutil.Process(os.getpid()).net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
+    assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening

@@ -7,19 +7,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CheckpointRef(_message.Message):
+    __slots__ = ("model_id", "kind", "name")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    kind: str
+    name: str
+    def __init__(self, model_id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
 class CreateModelRequest(_message.Message):
-    __slots__ = ("model_id", "lora_config", "base_model", "load_from", "load_optimizer")
+    __slots__ = ("model_id", "lora_config", "base_model", "load_checkpoint", "load_optimizer")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
-    LOAD_FROM_FIELD_NUMBER: _ClassVar[int]
+    LOAD_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LOAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     lora_config: _common_pb2.LoraConfig
     base_model: str
-    load_from: str
+    load_checkpoint: CheckpointRef
     load_optimizer: bool
-    def __init__(self, model_id: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model: _Optional[str] = ..., load_from: _Optional[str] = ..., load_optimizer: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model: _Optional[str] = ..., load_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., load_optimizer: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "base_model", "lora_config", "step", "num_params", "resident")
@@ -124,18 +134,18 @@ class OptimStepResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id", "snapshot_id", "sampler_addresses", "persist_dir")
+    __slots__ = ("model_id", "seq_id", "snapshot_id", "sampler_addresses", "persist")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
-    PERSIST_DIR_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
     snapshot_id: str
     sampler_addresses: _containers.RepeatedScalarFieldContainer[str]
-    persist_dir: str
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., sampler_addresses: _Optional[_Iterable[str]] = ..., persist_dir: _Optional[str] = ...) -> None: ...
+    persist: bool
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., sampler_addresses: _Optional[_Iterable[str]] = ..., persist: _Optional[bool] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("snapshot_id", "num_bytes", "num_tensors", "gather_seconds", "stream_seconds", "persisted_path")
@@ -154,16 +164,18 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., stream_seconds: _Optional[float] = ..., persisted_path: _Optional[str] = ...) -> None: ...
 
 class SaveStateRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id", "directory", "with_optimizer")
+    __slots__ = ("model_id", "seq_id", "with_optimizer", "kind", "name")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
-    directory: str
     with_optimizer: bool
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., directory: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
+    kind: str
+    name: str
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., with_optimizer: _Optional[bool] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class SaveStateResponse(_message.Message):
     __slots__ = ("directory", "size_bytes")
@@ -174,12 +186,10 @@ class SaveStateResponse(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class UnloadModelRequest(_message.Message):
-    __slots__ = ("model_id", "directory")
+    __slots__ = ("model_id",)
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
-    directory: str
-    def __init__(self, model_id: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
 
 class UnloadModelResponse(_message.Message):
     __slots__ = ("directory",)

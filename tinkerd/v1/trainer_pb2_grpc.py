@@ -113,7 +113,8 @@ class TrainerServicer:
     def PushWeights(self, request, context):
         """Gathers the model's adapter (also under ZeRO-3) and streams it to the given samplers
         over a torch.distributed group; each sampler registers it as a new immutable snapshot.
-        With persist_dir it also writes the snapshot's PEFT copy, concurrently with the stream.
+        With persist it also writes the snapshot's PEFT copy (<state-dir>/snapshots/<snapshot>),
+        concurrently with the stream.
         Returns only when every sampler has committed the snapshot AND the copy is complete, so a
         persisted_path handed on after this reply always holds the whole adapter; fails if either fails.
         """
@@ -122,14 +123,16 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SaveState(self, request, context):
-        """Writes a checkpoint directory: the adapter in PEFT format, plus optimizer state if asked.
+        """Writes a checkpoint directory: the adapter in PEFT format, plus optimizer state if asked,
+        at <state-dir>/checkpoints/<model>/<kind>/<name>.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnloadModel(self, request, context):
-        """Frees a model's memory after saving its full state; its next use reloads it transparently.
+        """Frees a model's memory after saving its full state (<state-dir>/unloaded/<model>); its next
+        use reloads it transparently.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
