@@ -25,7 +25,7 @@ import urllib.request
 from gateway.settings import GatewaySettings
 from launcher import keys
 from sampler_service.settings import SamplerSettings
-from tinkerd import settings
+from tinkerd import process, settings
 from trainer_service.settings import TrainerSettings
 
 CHILDREN = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
@@ -130,6 +130,8 @@ def service_token_file(state_dir: str) -> str:
 
 def up(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
+    # One decision for both services, so trainer and sampler run the same dtype.
+    args.dtype = process.service_dtype(args.dtype, args.allow_slow_dtype)
     args.base_model, args.state_dir = os.path.abspath(args.base_model), os.path.abspath(args.state_dir)
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)

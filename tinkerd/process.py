@@ -33,3 +33,16 @@ def serve_until_signal(server, port: int, name: str, on_stop=None) -> None:
     server.stop(grace=2).wait()
     if on_stop:
         on_stop()
+
+
+def service_dtype(requested: str, allow_slow: bool) -> str:
+    """The dtype a service runs (tinkerd/hardware.py decides `auto`), logged with why; a refused
+    one ends the process at start-up with the reason, not minutes into a run."""
+    from tinkerd.hardware import DtypeRefused, resolve_dtype
+
+    try:
+        dtype = resolve_dtype(requested, allow_slow=allow_slow)
+    except DtypeRefused as e:
+        raise SystemExit(f"tinkerd: {e}") from None
+    logging.getLogger("tinkerd").info("weights dtype %s (requested %s)", dtype, requested)
+    return dtype

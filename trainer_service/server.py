@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tinkerd.process import cpu_defaults, init_logging, serve_until_signal
+from tinkerd.process import cpu_defaults, init_logging, serve_until_signal, service_dtype
 from trainer_service.settings import TrainerSettings
 
 
@@ -18,7 +18,7 @@ def serve(s: TrainerSettings) -> None:
 
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of model loading
-    engine = TrainerEngine(s.base_model, zero_stage=s.zero_stage, dtype=s.dtype, max_lora_rank=s.max_lora_rank,
+    engine = TrainerEngine(s.base_model, zero_stage=s.zero_stage, dtype=service_dtype(s.dtype, s.allow_slow_dtype), max_lora_rank=s.max_lora_rank,
                            base_model_names=tuple(s.aliases))
     # Handler threads wait in the fair scheduler, one per model with work in flight.
     server, port = create_server(s.listen, max_workers=256, auth=auth, allow_insecure=s.allow_insecure)

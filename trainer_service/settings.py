@@ -18,7 +18,10 @@ class TrainerSettings(ServerAuthSettings):
     state_dir: str = setting("./state", help="checkpoints, snapshots and unloaded models; every path is "
                                              "derived below it from ids (the gateway's, on a shared filesystem)")
     zero_stage: int = setting(2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
-    dtype: str = setting("float32", choices=["float32", "bfloat16", "float16"],
-                         help="weights dtype of trainer and sampler alike (equal dtypes give equal logprobs; "
-                              "bfloat16 is faster on CPUs with AMX); LoRA weights stay float32")
+    dtype: str = setting("auto", choices=["auto", "float32", "bfloat16", "float16"],
+                         help="weights dtype of trainer and sampler alike (equal dtypes give equal logprobs): auto = "
+                              "bfloat16 on GPUs and CPUs with AMX/AVX512-BF16, float32 elsewhere (tinkerd/hardware.py); "
+                              "LoRA weights stay float32")
+    allow_slow_dtype: bool = setting(False, help="run an explicit 16-bit --dtype on a CPU without native bf16 "
+                                                 "(refused otherwise: ~15x slower than float32 there)")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
