@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from gateway import errors, housekeeping
 from gateway.backends import Backends
+from gateway.body_limit import BodyLimit
 from gateway.routes import ROUTERS
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
@@ -38,6 +39,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="tinkerd gateway", lifespan=lifespan)
     app.state.gateway = gw
     errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -25,12 +25,15 @@ from tinkerd.paths import dir_name
 log = logging.getLogger(__name__)
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
+# A name becomes a directory: no leading dot, so never "." or ".." (which would name the kind's
+# or the run's directory and overwrite or delete other checkpoints) nor a hidden file.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}$")
 
 
 def checkpoint_name(name: str | None) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise UserError(f"path: the checkpoint name {name!r} must be 1-255 letters, digits, '_', '-' or '.', "
+                        f"not starting with '.'")
     return name
 
 
