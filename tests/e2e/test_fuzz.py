@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import copy
 import json
 import os
 import random
@@ -68,7 +69,7 @@ class Fuzzer:
     def value(self):
         if self.rng.random() < 0.25:
             return self.rng.choice(list(self.ids.values()))
-        return self.rng.choice(EVIL)
+        return copy.deepcopy(self.rng.choice(EVIL))     # later edits must not change EVIL itself
 
     def segment(self) -> str:
         s = str(self.value())
