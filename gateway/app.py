@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from gateway import errors, housekeeping, limits
 from gateway.auth import AuthMiddleware
 from gateway.backends import Backends
+from gateway.body_limit import BodyLimit
 from gateway.routes import ROUTERS
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
@@ -40,6 +41,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.gateway = gw
     errors.install(app)
     app.add_exception_handler(limits.OverLimit, limits.on_over_limit)
+    # The last added runs first: the caller is known before any body is read.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, authenticator=gw.authenticator)
     for router in ROUTERS:
         app.include_router(router)

@@ -9,6 +9,10 @@ audio) is refused here with a user error.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
+import os
 
 import numpy as np
 
@@ -21,14 +25,83 @@ from tinkerd.tensors import from_numpy, to_numpy
 from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
 
 DEFAULT_MAX_TOKENS = 128
+MAX_BODY_BYTES = 32 << 20          # GatewaySettings.max_body_bytes' default
+MAX_DATUMS = 1024                  # the SDK's fwdbwd_max_chunk_len: it never sends more at once
+MAX_TENSOR_ELEMENTS = 1 << 24      # a sparse tensor made dense (64 MiB as float32)
 _Stop = sampler_pb2.SamplingParams.StopMode
 
 
-def decompress(body: bytes, content_encoding: str | None) -> bytes:
-    if content_encoding and "zstd" in content_encoding.lower():
-        import zstandard
-        return zstandard.ZstdDecompressor().decompressobj().decompress(body)
-    return body
+class BodyTooLarge(UserError):
+    """More bytes than the gateway takes (HTTP 413)."""
+
+
+def decompress(body: bytes, content_encoding: str | None, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """A zstd body inflated, never to more than `max_bytes` (a 2 KB bomb can hold gigabytes)."""
+    if not (content_encoding and "zstd" in content_encoding.lower()):
+        return body
+    import zstandard
+    out, size = [], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as reader:
+            while chunk := reader.read(1 << 20):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise BodyTooLarge(f"the zstd body inflates to more than {max_bytes} bytes")
+                out.append(chunk)
+    except zstandard.ZstdError as e:
+        raise UserError(f"the body is not valid zstd: {e}") from None
+    return b"".join(out)
+
+
+# ---- limits of the base model: vocabulary and context --------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int | None           # None: unknown (no config.json), left to the engines
+    max_positions: int | None        # the trainer's context (max_position_embeddings)
+    max_model_len: int               # the sampler's context: prompt + max_tokens
+
+
+@functools.lru_cache(maxsize=8)
+def model_limits(base_model_dir: str, max_model_len: int) -> ModelLimits:
+    """From the base model's config.json (read once)."""
+    try:
+        with open(os.path.join(base_model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return ModelLimits(None, None, max_model_len)
+    config = config.get("text_config", config)
+    return ModelLimits(config.get("vocab_size"), config.get("max_position_embeddings"), max_model_len)
+
+
+def _check_tokens(tokens: list[int], where: str, vocab_size: int | None) -> None:
+    if vocab_size is not None and tokens and not 0 <= min(tokens) <= max(tokens) < vocab_size:
+        bad = next(t for t in tokens if not 0 <= t < vocab_size)
+        raise UserError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_forward_backward(fb: "ForwardBackward", limits: ModelLimits) -> None:
+    """Token ids against the vocabulary, lengths against the trainer's context."""
+    for i, d in enumerate(fb.data):
+        if limits.max_positions is not None and len(d.tokens) > limits.max_positions:
+            raise UserError(f"datum {i}: {len(d.tokens)} tokens exceed the model's context of {limits.max_positions}")
+        _check_tokens(d.tokens, f"datum {i}: model_input", limits.vocab_size)
+        targets = d.inputs.get("target_tokens")
+        if targets is not None and targets.dtype.kind in "iu":
+            _check_tokens(targets.reshape(-1).tolist(), f"datum {i}: target_tokens", limits.vocab_size)
+
+
+def check_sample(body: protocol.SampleRequest, limits: ModelLimits) -> None:
+    """Prompt and stop token ids against the vocabulary; prompt + max_tokens against the context."""
+    tokens = prompt_tokens(body.prompt)
+    _check_tokens(tokens, "prompt", limits.vocab_size)
+    stop = body.sampling_params.stop
+    if isinstance(stop, list) and stop and all(type(t) is int for t in stop):
+        _check_tokens(stop, "sampling_params.stop", limits.vocab_size)
+    max_tokens = body.sampling_params.max_tokens or DEFAULT_MAX_TOKENS
+    if len(tokens) + max_tokens > limits.max_model_len:
+        raise UserError(f"prompt ({len(tokens)} tokens) + sampling_params.max_tokens ({max_tokens}) exceeds the "
+                        f"context length {limits.max_model_len}")
 
 
 # ---- forward_backward: SDK protobuf -> arrays -> trainer request ---------------------------
@@ -53,15 +126,23 @@ class ForwardBackward:
 
 
 def forward_backward(body: bytes) -> ForwardBackward:
+    """The SDK's protobuf body, decoded and checked: anything malformed is a UserError."""
     msg = tw.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
         raise UserError(f"the forward_backward body is not a valid ForwardBackwardRequest: {e}") from None
+    if msg.seq_id < 0:
+        raise UserError(f"seq_id must be >= 0, got {msg.seq_id}")
+    if len(msg.data) > MAX_DATUMS:
+        raise UserError(f"{len(msg.data)} datums in one request; at most {MAX_DATUMS}")
     config = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "number":
             config[key] = value.number
+    bad = [k for k, v in config.items() if not math.isfinite(v)]
+    if bad:
+        raise UserError(f"loss_fn_config[{bad[0]!r}] is {config[bad[0]]}; numbers must be finite")
     return ForwardBackward(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only,
                            [_datum(d, i) for i, d in enumerate(msg.data)])
 
@@ -72,31 +153,48 @@ def _datum(datum: tw.Datum, i: int) -> DatumArrays:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise UserError(f"datum {i}: {kind} inputs are not supported by this server (text only)")
-        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
+        raw = chunk.encoded_text.tokens
+        if len(raw) % 4:
+            raise UserError(f"datum {i}: model_input tokens are {len(raw)} bytes, not a whole number of int32")
+        tokens.extend(np.frombuffer(raw, dtype="<i4").tolist())
+    if tokens and min(tokens) < 0:
+        raise UserError(f"datum {i}: token id {min(tokens)} is negative")
     inputs = {key: _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]") for key, t in datum.loss_fn_inputs.items()}
+    for key, array in inputs.items():      # one NaN makes every gradient, then every weight, NaN
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] holds NaN or infinite values")
     return DatumArrays(tokens, inputs, [_span(p) for p in datum.loss_fn_input_spans])
+
+
+def _frombuffer(raw: bytes, dtype: str, where: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    if len(raw) % size:
+        raise UserError(f"{where}: {len(raw)} bytes are not a whole number of {size}-byte values")
+    return np.frombuffer(raw, dtype=dtype)
 
 
 def _values(t: tw.Tensor, where: str) -> np.ndarray:
     raw = t.dense if t.HasField("dense") else t.sparse_csr.values
     if t.dtype == tw.DTYPE_BFLOAT16:      # numpy has no bfloat16: widen to float32
-        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        return (_frombuffer(raw, "<u2", where).astype(np.uint32) << 16).view(np.float32)
     try:
         numpy_dtype = dtypes.by_wire_name(tw.DType.Name(t.dtype)).numpy
     except ValueError:                    # unknown to the table or to the SDK's enum
         numpy_dtype = None
     if numpy_dtype is None:
         raise UserError(f"{where}: unsupported dtype {t.dtype}")
-    return np.frombuffer(raw, dtype=numpy_dtype)
+    return _frombuffer(raw, numpy_dtype, where)
 
 
 def _tensor(t: tw.Tensor, where: str) -> np.ndarray:
     values, shape = _values(t, where), tuple(t.shape)
+    if any(n < 0 for n in shape):
+        raise UserError(f"{where}: negative dimension in shape {list(shape)}")
     if t.HasField("sparse_csr"):
         return _densify(t.sparse_csr, values, shape, where)
     if not shape:
         shape = (values.size,)
-    if int(np.prod(shape)) != values.size:
+    if math.prod(shape) != values.size:     # Python ints: no overflow on huge shapes
         raise UserError(f"{where}: {values.size} values do not fill shape {list(shape)}")
     return values.reshape(shape)
 
@@ -104,9 +202,12 @@ def _tensor(t: tw.Tensor, where: str) -> np.ndarray:
 def _densify(csr: tw.SparseCsr, values: np.ndarray, shape: tuple, where: str) -> np.ndarray:
     if len(shape) != 2:
         raise UserError(f"{where}: a sparse tensor needs a 2-D shape, got {list(shape)}")
-    crow = np.frombuffer(csr.crow_indices, dtype="<i8")
-    col = np.frombuffer(csr.col_indices, dtype="<i8")
-    if len(crow) != shape[0] + 1 or len(col) != len(values) or (len(col) and col.max() >= shape[1]):
+    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        raise UserError(f"{where}: sparse shape {list(shape)} is over {MAX_TENSOR_ELEMENTS} elements when dense")
+    crow = _frombuffer(csr.crow_indices, "<i8", where + " crow_indices")
+    col = _frombuffer(csr.col_indices, "<i8", where + " col_indices")
+    if (len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0 or crow[-1] != len(col)
+            or (np.diff(crow) < 0).any() or (len(col) and (col.min() < 0 or col.max() >= shape[1]))):
         raise UserError(f"{where}: malformed sparse CSR tensor")
     dense = np.zeros(shape, dtype=values.dtype)
     dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values

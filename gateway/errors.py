@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from tinkerd.errors import NotFoundError, UserError, category_for_http
 
@@ -29,8 +30,9 @@ def error_response(message: str, status: int = 400, headers: dict | None = None)
 def _field_errors(exc: RequestValidationError | ValidationError) -> str:
     parts = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)      # a whole-body check names its field itself
     return "; ".join(parts)
 
 
@@ -42,7 +44,26 @@ async def _on_invalid_body(request: Request, exc: RequestValidationError | Valid
     return error_response(f"invalid request: {_field_errors(exc)}")
 
 
+def _http_message(exc: HTTPException) -> str:
+    """FastAPI's "error parsing the body" said plainly: its cause is the client's body."""
+    cause = exc.__cause__
+    if isinstance(cause, RecursionError):
+        return "the JSON body is nested too deeply"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not valid UTF-8: {cause}"
+    if isinstance(cause, ValueError):
+        return f"the body is not valid JSON: {cause}"
+    return str(exc.detail)
+
+
+async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown route 404, 405, 413 from gateway/body_limit.py) in the
+    Tinker error body."""
+    return error_response(_http_message(exc), exc.status_code, exc.headers)
+
+
 def install(app: FastAPI) -> None:
+    app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(UserError, _on_user_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_body)
     app.add_exception_handler(ValidationError, _on_invalid_body)      # bodies a route validates itself

@@ -5,18 +5,96 @@ an explicit null like an absent field (the SDK leaves None out, other clients se
 the defaults below are the API's. A body that does not fit is a 400 naming the field
 (gateway/errors.py). The SDK's binary bodies (forward_backward, sample results) are in
 gateway/convert.py.
+
+Every number and string is bounded here, before anything reaches the database or an engine:
+integers fit the 64-bit (or 32-bit) fields they end up in, floats are finite and in the range
+the engines accept, and no string carries NUL or a lone surrogate (neither can be stored).
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Literal
+import json
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+INT32, INT64 = 2**31 - 1, 2**63 - 1
+MAX_JSON_DEPTH = 32
+MAX_METADATA_BYTES = 64 << 10          # user_metadata / tags, as JSON
+MAX_NUM_SAMPLES = 1024
+MAX_TOPK_LOGPROBS = 20                 # vLLM's max_logprobs (its default; the sampler keeps it)
+MAX_TEMPERATURE = 2.0                  # vLLM refuses hotter
+MAX_TTL_SECONDS = 100 * 365 * 86400
+MAX_STOP = 64
+
+SeqId = Annotated[int, Field(ge=0, le=INT64)]
+Count32 = Annotated[int, Field(ge=0, le=INT32)]
+Seed = Annotated[int, Field(ge=-INT64 - 1, le=INT64)]
+Id = Annotated[str, Field(max_length=1024)]
+Ttl = Annotated[int, Field(ge=1, le=MAX_TTL_SECONDS)]
+Token = Annotated[int, Field(ge=0, le=INT32)]
+
+
+def _bad_text(s: str) -> str | None:
+    if "\x00" in s:
+        return "contains a NUL character"
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            return "is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def check_json(value: Any, where: str = "") -> None:
+    """Refuses what JSON text can carry but nothing here can store or use: NaN and infinities,
+    integers beyond 64 bits, NUL and lone surrogates in strings (keys too), deep nesting."""
+    stack = [(value, where or "body", 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, str):
+            problem = _bad_text(v)
+        elif isinstance(v, float):
+            problem = None if math.isfinite(v) else f"is {v}; numbers must be finite"
+        elif isinstance(v, int):
+            problem = None if -INT64 - 1 <= v <= INT64 else "is an integer beyond 64 bits"
+        elif isinstance(v, (dict, list)):
+            problem = f"is nested deeper than {MAX_JSON_DEPTH}" if depth >= MAX_JSON_DEPTH else None
+            for key in v if isinstance(v, dict) else ():
+                if _bad_text(key):
+                    raise ValueError(f"{path}: the key {key!r} {_bad_text(key)}")
+            for key, x in (v.items() if isinstance(v, dict) else enumerate(v)):
+                if type(x) is int and -INT64 - 1 <= x <= INT64:
+                    continue                  # the common case (token lists): no path string made
+                stack.append((x, f"{key}" if path == "body" else f"{path}.{key}", depth + 1))
+        else:
+            problem = None
+        if problem:
+            raise ValueError(f"{path} {problem}")
+
+
+def _small_json(value: Any, where: str) -> Any:
+    size = len(json.dumps(value))
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"{where} is {size} bytes as JSON; at most {MAX_METADATA_BYTES}")
+    return value
+
+
+def parse_json(raw: bytes) -> Any:
+    """A body read by hand (retrieve_future): anything that is not JSON is the client's error."""
+    from tinkerd.errors import UserError
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise UserError("the JSON body is nested too deeply") from None
+    except ValueError as e:              # JSONDecodeError, UnicodeDecodeError, over-long integers
+        raise UserError(f"the request body is not valid JSON: {e}") from None
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -26,11 +104,26 @@ class Body(BaseModel):
         return data
 
 
+class Request(Body):
+    """A whole request body: checked as JSON once (check_json), then field by field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_json(cls, data: Any) -> Any:
+        check_json(data)
+        return data
+
+
 # ---- sessions ----------------------------------------------------------------------------
 
-class CreateSessionRequest(Body):
-    tags: list[str] = []
+class CreateSessionRequest(Request):
+    tags: list[Annotated[str, Field(max_length=256)]] = Field([], max_length=64)
     user_metadata: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _small(self):
+        _small_json(self.user_metadata, "user_metadata")
+        return self
 
 
 class CreateSessionResponse(BaseModel):
@@ -38,29 +131,29 @@ class CreateSessionResponse(BaseModel):
     type: Literal["create_session"] = "create_session"
 
 
-class SessionHeartbeatRequest(Body):
-    session_id: str = ""
+class SessionHeartbeatRequest(Request):
+    session_id: Id = ""
 
 
 # ---- training ----------------------------------------------------------------------------
 
 class LoraConfig(Body):
-    rank: int = 32
-    seed: int | None = None
+    rank: int = Field(32, ge=1, le=INT32)        # the trainer holds the real limit (--max-lora-rank)
+    seed: Seed | None = None
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
 
 
-class CreateModelRequest(Body):
-    session_id: str = ""
-    model_seq_id: int = 0
-    base_model: str = ""
+class CreateModelRequest(Request):
+    session_id: Id = ""
+    model_seq_id: SeqId = 0
+    base_model: Id = ""
     lora_config: LoraConfig = LoraConfig()
 
 
-class ModelIdRequest(Body):
-    model_id: str = ""
+class ModelIdRequest(Request):
+    model_id: Id = ""
 
 
 class FutureResponse(BaseModel):
@@ -86,18 +179,20 @@ class GetInfoResponse(BaseModel):
 
 
 class AdamParams(Body):
-    type: str = "adam"
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    """Finite (allow_inf_nan=False) and in Adam's domain: a NaN or negative step would be taken
+    and leave every weight of the adapter NaN."""
+    type: Id = "adam"
+    learning_rate: float = Field(1e-4, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0)               # 0 divides 0 by 0 where a gradient is 0
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(0.0, ge=0)
 
 
-class OptimStepRequest(Body):
-    model_id: str = ""
-    seq_id: int = 0
+class OptimStepRequest(Request):
+    model_id: Id = ""
+    seq_id: SeqId = 0
     adam_params: AdamParams | None = None
     optim_params: AdamParams | None = None         # older and non-Adam spellings of the same
     optimizer_params: AdamParams | None = None
@@ -107,39 +202,44 @@ class OptimStepRequest(Body):
         return self.adam_params or self.optim_params or self.optimizer_params or AdamParams()
 
 
-class SaveWeightsForSamplerRequest(Body):
-    model_id: str = ""
-    seq_id: int = 0
-    path: str | None = None                        # a name: a named sampler checkpoint
-    sampling_session_seq_id: int = 0               # no name: an ephemeral sampling session
-    ttl_seconds: int | None = None
+class SaveWeightsForSamplerRequest(Request):
+    model_id: Id = ""
+    seq_id: SeqId = 0
+    path: Id | None = None                         # a name: a named sampler checkpoint
+    sampling_session_seq_id: SeqId = 0             # no name: an ephemeral sampling session
+    ttl_seconds: Ttl | None = None
 
 
-class SaveWeightsRequest(Body):
+class SaveWeightsRequest(Request):
     """save_weights (adapter + optimizer state) and save_weights_external (adapter files)."""
-    model_id: str = ""
-    seq_id: int = 0
-    path: str | None = None
+    model_id: Id = ""
+    seq_id: SeqId = 0
+    path: Id | None = None
     overwrite: bool = False
-    ttl_seconds: int | None = None
+    ttl_seconds: Ttl | None = None
     user_metadata: dict[str, Any] = {}
 
+    @model_validator(mode="after")
+    def _small(self):
+        _small_json(self.user_metadata, "user_metadata")
+        return self
 
-class LoadWeightsRequest(Body):
+
+class LoadWeightsRequest(Request):
     """Create-via-load (session_id + model_seq_id) or, legacy, load into model_id."""
-    path: str = ""
+    path: Id = ""
     optimizer: bool = False
-    model_id: str | None = None
-    seq_id: int = 0
-    session_id: str = ""
-    model_seq_id: int = 0
+    model_id: Id | None = None
+    seq_id: SeqId = 0
+    session_id: Id = ""
+    model_seq_id: SeqId = 0
 
 
 # ---- sampling ----------------------------------------------------------------------------
 
 class PromptChunk(Body):
-    type: str = "encoded_text"
-    tokens: list[int] = []
+    type: Id = "encoded_text"
+    tokens: list[Token] = []
 
 
 class ModelInput(Body):
@@ -147,19 +247,37 @@ class ModelInput(Body):
 
 
 class SamplingParams(Body):
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
+    """In the ranges vLLM accepts; token ids against the vocabulary and max_tokens against the
+    context are checked with the model's limits (convert.check_sample)."""
+    max_tokens: int | None = Field(None, ge=1, le=INT32)
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, le=INT32)
+    seed: Seed | None = None
     stop: str | list[str] | list[int] | None = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list) or len(items) > MAX_STOP:
+            raise ValueError(f"must be a string, or a list of at most {MAX_STOP} strings or token ids")
+        if all(isinstance(x, str) for x in items):
+            if not all(0 < len(x) <= 1024 for x in items):
+                raise ValueError("a stop string must be 1..1024 characters (vLLM refuses an empty one)")
+        elif all(type(x) is int for x in items):
+            if not all(0 <= x <= INT32 for x in items):
+                raise ValueError("a stop token id must be a token id (>= 0)")
+        else:
+            raise ValueError("must be all strings or all token ids")
+        return v
 
-class CreateSamplingSessionRequest(Body):
-    session_id: str = ""
-    sampling_session_seq_id: int = 0
-    model_path: str | None = None
-    base_model: str | None = None
+
+class CreateSamplingSessionRequest(Request):
+    session_id: Id = ""
+    sampling_session_seq_id: SeqId = 0
+    model_path: Id | None = None
+    base_model: Id | None = None
 
 
 class CreateSamplingSessionResponse(BaseModel):
@@ -173,24 +291,24 @@ class GetSamplerResponse(BaseModel):
     model_path: str | None = None
 
 
-class SampleRequest(Body):
-    sampling_session_id: str = ""
-    seq_id: int = 0
-    num_samples: int = 1
+class SampleRequest(Request):
+    sampling_session_id: Id = ""
+    seq_id: SeqId = 0
+    num_samples: int = Field(1, ge=1, le=MAX_NUM_SAMPLES)
     prompt: ModelInput = ModelInput()
     sampling_params: SamplingParams = SamplingParams()
     prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    prompt_logprobs_last_n: int = 0
-    topk_sample_logprobs: int = 0
-    prompt_alt_tokens_k: int = 0
+    topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)
+    prompt_logprobs_last_n: Count32 = 0
+    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)
+    prompt_alt_tokens_k: Count32 = 0
     record_stability_info: bool = False
 
 
 # ---- futures -----------------------------------------------------------------------------
 
-class RetrieveFutureRequest(Body):
-    request_id: str = ""
+class RetrieveFutureRequest(Request):
+    request_id: Id = ""
 
 
 class TryAgainResponse(BaseModel):
@@ -242,12 +360,12 @@ class TrainingRunsResponse(BaseModel):
     cursor: Cursor
 
 
-class SetTtlRequest(Body):
-    ttl_seconds: int | None = None
+class SetTtlRequest(Request):
+    ttl_seconds: Ttl | None = None
 
 
-class WeightsInfoRequest(Body):
-    tinker_path: str = ""
+class WeightsInfoRequest(Request):
+    tinker_path: Id = ""
 
 
 class WeightsInfoResponse(BaseModel):
@@ -264,12 +382,12 @@ class ExternalWeightsUrlsResponse(BaseModel):
     expires: str | None
 
 
-class CopyWeightsRequest(Body):
-    source_path: str = ""
-    session_id: str | None = None                  # SDK 0.30: a run in this session
-    model_seq_id: int = 0
-    destination_project_id: str | int | None = None   # SDK 0.38: a new session for the project
-    ttl_seconds: int | None = None
+class CopyWeightsRequest(Request):
+    source_path: Id = ""
+    session_id: Id | None = None                   # SDK 0.30: a run in this session
+    model_seq_id: SeqId = 0
+    destination_project_id: Id | int | None = None    # SDK 0.38: a new session for the project
+    ttl_seconds: Ttl | None = None
 
 
 class CopyWeightsResponse(BaseModel):
@@ -288,7 +406,7 @@ class SessionResponse(BaseModel):
 
 class Page(Body):
     limit: int = Field(100, ge=1, le=10_000)
-    offset: int = Field(0, ge=0)
+    offset: int = Field(0, ge=0, le=INT64)
 
 
 # --- identity ---

@@ -32,6 +32,11 @@ class GatewaySettings(ServiceAuthSettings):
     max_checkpoint_gb_per_user: float = setting(50.0, help="checkpoint bytes on disk one user may hold (GB)")
     stability_ttl_s: float = setting(3600.0, help="sampled sequences recorded for stable_reinforce are "
                                                   "dropped after this long unused")
+    max_body_bytes: int = setting(32 << 20, help="larger request bodies get HTTP 413, zstd ones also once "
+                                                 "inflated")
+    # The sampler's setting of the same name (one `tinkerd up` flag): the gateway refuses a sample
+    # that cannot fit before it reaches a replica.
+    max_model_len: int = setting(1024, help="context length: prompt + max_tokens")
 
     @property
     def model_names(self) -> list[str]:

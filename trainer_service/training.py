@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 
@@ -99,8 +100,16 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
 
 
 def check_adam(adam: AdamParams) -> None:
-    if adam.learning_rate < 0 or not (0 <= adam.beta1 < 1 and 0 <= adam.beta2 < 1):
-        raise UserError(f"invalid Adam parameters: {adam}")
+    """Before the step (the gateway checks too): a NaN, infinite or negative value would be
+    applied and leave every weight of the adapter NaN."""
+    values = dataclasses.asdict(adam)
+    bad = [k for k, v in values.items() if not math.isfinite(v) or v < 0]
+    if bad:
+        raise UserError(f"invalid Adam parameters: {bad[0]} = {values[bad[0]]} (must be finite and >= 0)")
+    if not (adam.beta1 < 1 and adam.beta2 < 1):
+        raise UserError(f"invalid Adam parameters: beta1 and beta2 must be < 1, got {adam.beta1}, {adam.beta2}")
+    if adam.eps <= 0:
+        raise UserError(f"invalid Adam parameters: eps must be > 0, got {adam.eps}")
 
 
 def optim_step(model: LoraModel, adam: AdamParams, *, zero_stage: int, device: torch.device) -> dict[str, float]:

@@ -28,6 +28,8 @@ async def get_file(run_id: str, name: str, relative: str, request: Request, gw: 
     row = gw.db.get(CheckpointRow, f"tinker://{run_id}/external_weights/{name}")
     if row is None:
         raise NotFoundError("unknown checkpoint")
+    if "\x00" in relative:                     # os.path refuses it with a ValueError
+        raise NotFoundError(f"no file {relative!r} in {row.tinker_path}")
     path = os.path.realpath(os.path.join(row.directory, relative))
     if not path.startswith(os.path.realpath(row.directory) + os.sep) or not os.path.isfile(path):
         raise NotFoundError(f"no file {relative!r} in {row.tinker_path}")

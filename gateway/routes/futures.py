@@ -4,7 +4,6 @@ where it waits."""
 from __future__ import annotations
 
 import functools
-import json
 
 import grpc
 from fastapi import APIRouter, Request
@@ -14,9 +13,8 @@ from gateway.auth import CallerDep, caller_of
 from gateway.db import FutureRow
 from gateway.errors import error_response
 from gateway.futures import json_body
-from gateway.protocol import FutureResponse, RetrieveFutureRequest, TryAgainResponse
+from gateway.protocol import FutureResponse, RetrieveFutureRequest, TryAgainResponse, parse_json
 from gateway.state import Gateway, GatewayDep, gateway_of
-from tinkerd.errors import UserError
 from tinkerd.v1 import common_pb2, trainer_pb2
 
 router = APIRouter()
@@ -41,10 +39,7 @@ async def retrieve_future(request: Request):
 
 
 async def _json(request: Request):
-    try:
-        return json.loads(await request.body())
-    except ValueError as e:
-        raise UserError(f"the request body is not valid JSON: {e}") from None
+    return parse_json(await request.body())
 
 
 async def _describe_queue(gw: Gateway, row: FutureRow) -> tuple[str, str]:

@@ -20,8 +20,6 @@ from tinkerd.v1 import sampler_pb2
 
 router = APIRouter(prefix="/api/v1")
 
-MAX_NUM_SAMPLES = 1024
-
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(body: CreateSamplingSessionRequest, caller: CallerDep,
@@ -52,8 +50,7 @@ async def get_sampler(sampler_id: str, caller: CallerDep, gw: GatewayDep) -> Get
 @router.post("/asample")
 async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
     session = gw.sessions.live_sampling_session(caller, body.sampling_session_id)
-    if not 1 <= body.num_samples <= MAX_NUM_SAMPLES:
-        raise UserError(f"num_samples must be in 1..{MAX_NUM_SAMPLES}, got {body.num_samples}")
+    convert.check_sample(body, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
     msg = convert.sample_request(body, session.snapshot_id, session.snapshot_path)
     queued = gw.futures.pending("sample")
     if queued >= gw.settings.max_pending_samples:

@@ -75,6 +75,7 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
         raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
     raw = convert.decompress(await request.body(), request.headers.get("content-encoding"))
     fb = convert.forward_backward(raw)
+    convert.check_forward_backward(fb, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
     model = gw.sessions.live_model(caller, fb.model_id)
     if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
         gw.stability.apply(fb, model.session_id)

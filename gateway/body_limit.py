@@ -1,0 +1,82 @@
+"""Request bodies bounded before any route sees them: a pure ASGI middleware (not Starlette's
+BaseHTTPMiddleware, which costs every request a task and a queue; retrieve_future is hot).
+
+A body over `max_bytes` is a 413 with the Tinker error body: at once when Content-Length says so,
+else as soon as the bytes read pass the limit. A zstd body (the SDK compresses forward_backward)
+is inflated here, never past the same limit, and handed on plain, without Content-Encoding.
+"""
+
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+
+from gateway import convert
+from gateway.errors import error_response
+from tinkerd.errors import UserError
+
+
+class BodyLimit:
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = encoding = None
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                length = value
+            elif key == b"content-encoding":
+                encoding = value.decode("latin-1")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._refuse(scope, receive, send, 413, f"the request body is {length.decode('latin-1')} "
+                                      f"bytes; this server takes at most {self.max_bytes}")
+        if encoding and "zstd" in encoding.lower():
+            return await self._inflated(scope, receive, send, encoding)
+        if length is None:          # chunked: count as it arrives (with a length, the server holds it to it)
+            receive = self._counted(receive)
+        await self.app(scope, receive, send)
+
+    def _counted(self, receive):
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:       # the routes' error handler answers it (gateway/errors.py)
+                raise HTTPException(413, f"the request body is over {self.max_bytes} bytes")
+            return message
+        return counted
+
+    async def _inflated(self, scope, receive, send, encoding: str) -> None:
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return                  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send, 413, f"the request body is over {self.max_bytes} bytes")
+        try:
+            body = convert.decompress(b"".join(chunks), encoding, self.max_bytes)
+        except UserError as e:
+            return await self._refuse(scope, receive, send, 413 if isinstance(e, convert.BodyTooLarge) else 400, str(e))
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        delivered = False
+
+        async def plain():
+            nonlocal delivered
+            if delivered:
+                return await receive()  # after the body: wait for a disconnect like the server would
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, plain, send)
+
+    @staticmethod
+    async def _refuse(scope, receive, send, status: int, message: str) -> None:
+        await error_response(message, status)(scope, receive, send)
