@@ -27,7 +27,11 @@ KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights"
 
 
 def checkpoint_name(name: str | None) -> str:
-    return paths.checked_name(name)
+    """The `path` a client named a checkpoint by (it becomes a directory: tinkerd/paths.py)."""
+    try:
+        return paths.checked_name(name)
+    except UserError as e:
+        raise UserError(f"path: {e}") from None
 
 
 def tinker_path(run_id: str, kind: str, name: str) -> str:

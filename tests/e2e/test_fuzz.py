@@ -41,6 +41,10 @@ EVIL = [None, True, False, 0, -1, 1, 3, 2**31, 2**53 + 1, 2**63, 2**64, -2**63 -
         "a\x00b", "\x00", "\ud800", "tinker://", "tinker://../weights/..", "tinker://a/weights/../../x",
         "x" * 5000, [], [1, 2], ["a", ""], [""], [-1], [10**30], [_NAN], {}, {"a": _NAN}, {"": None},
         [[[[[]]]]], {"a": {"b": {"c": [1e308, -1e308]}}}]
+# Credentials that must never work: each request carrying one gets a 401.
+BAD_KEYS = ["", "tml-", "tml-fuzz", "tml-0123456789abcdef-" + "A" * 43, "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ4In0.c2ln",
+            "Bearer tml-x", "x" * 5000]
+PUBLIC = ("/api/v1/healthz", "/files/")
 DEEP = ("[" * 100_000 + "]" * 100_000).encode()
 BIG_INT = ('{"seq_id": ' + "9" * 6000 + "}").encode()
 
@@ -245,6 +249,13 @@ class Fuzzer:
             headers["x-idempotency-key"] = str(self.rng.randrange(50))
         return method, url, data, headers
 
+    def credential(self, req: tuple) -> tuple[tuple, bool]:
+        """Now and then the request with a missing, unknown or forged credential instead."""
+        if self.rng.random() >= 0.05:
+            return req, False
+        method, url, body, headers = req
+        return (method, url, body, {**headers, "X-API-Key": self.rng.choice(BAD_KEYS)}), True
+
     def _path_value(self, name: str, method: str) -> str:
         ids = self.ids
         real = {"run_id": ids["model"].replace(":", "%3A"), "session_id": ids["other_session"],
@@ -261,12 +272,17 @@ def _params(path: str) -> list[str]:
     return [p.split(":")[0] for p in path.replace("}", "{").split("{")[1::2]]
 
 
+# What a fuzz must not call: the key revoking itself (`tinker auth logout`) ends the run.
+SKIPPED = {("DELETE", "/api/v1/auth/apikey/me")}
+
+
 def _routes() -> list[tuple[str, str]]:
     out = []
     for router in ROUTERS:
         for route in router.routes:
             for method in sorted(route.methods - {"HEAD"}):
-                out.append((method, route.path))
+                if (method, route.path) not in SKIPPED:
+                    out.append((method, route.path))
     return out
 
 
@@ -335,12 +351,14 @@ def _fuzz(http: httpx.Client, fuzzer: Fuzzer) -> tuple[collections.Counter, list
     while time.monotonic() < deadline and n < MAX_REQUESTS:
         bodies = fuzzer.json_bodies()
         for method, path in routes:
-            req = fuzzer.request(method, path, bodies)
+            req, bad_key = fuzzer.credential(fuzzer.request(method, path, bodies))
             status, r = _send(http, req, counts)
             n += 1
             counts[status] += 1
             if not isinstance(status, int) or status >= 500:
                 failures.append(f"{status}: {_describe(req)} -> {r.text[:300] if r is not None else ''}")
+            elif bad_key and status != 401 and not path.startswith(PUBLIC):
+                failures.append(f"a bad credential got {status}: {_describe(req)}")
             elif status == 200 and b'"request_id"' in r.content[:200]:
                 futures.append((r.json()["request_id"], _describe(req)))
     return counts, failures, futures
@@ -393,10 +411,32 @@ def _sdk_flow(url: str, base: str, weights_path: str) -> None:
     assert rest.list_user_checkpoints().result().checkpoints
 
 
+def _other_user(stack, base: str) -> tuple[str, dict, list[str]]:
+    """Another user with work of their own, whose ids the fuzz also sends (they must stay 404s to
+    the fuzzing user and the work untouched). Returns (their key, their ids, their checkpoints)."""
+    import subprocess
+    import sys
+
+    key = subprocess.run([sys.executable, "-m", "launcher.cli", "keys", "create", "--user", "fuzz-victim",
+                          "--state-dir", stack.state_dir], capture_output=True, text=True,
+                         check=True).stdout.split()[-1]
+    with httpx.Client(base_url=stack.url, headers={"X-API-Key": key}, timeout=TIMEOUT_S) as http:
+        ids, _ = _setup(http, base)
+        return key, ids, _checkpoints(http)
+
+
+def _checkpoints(http: httpx.Client) -> list[str]:
+    r = http.get("/api/v1/checkpoints")
+    assert r.status_code == 200, r.text
+    return sorted(c["tinker_path"] for c in r.json()["checkpoints"])
+
+
 def test_fuzz_every_route(stack, tiny_model_dir):
+    victim_key, victim_ids, victim_checkpoints = _other_user(stack, tiny_model_dir)
     headers = {"X-API-Key": os.environ["TINKER_API_KEY"]}
     with httpx.Client(base_url=stack.url, headers=headers, timeout=TIMEOUT_S) as http:
         ids, keep = _setup(http, tiny_model_dir)
+        ids.update({f"victim_{name}": value for name, value in victim_ids.items()})
         t0 = time.monotonic()
         counts, failures, futures = _fuzz(http, Fuzzer(random.Random(SEED), ids, tiny_model_dir))
         elapsed = time.monotonic() - t0
@@ -406,5 +446,7 @@ def test_fuzz_every_route(stack, tiny_model_dir):
         for line in (failures + future_failures)[:40]:
             print("FAIL", line)
         assert http.get("/api/v1/healthz").status_code == 200
+    with httpx.Client(base_url=stack.url, headers={"X-API-Key": victim_key}, timeout=TIMEOUT_S) as victim:
+        assert _checkpoints(victim) == victim_checkpoints, "another user's fuzz changed this user's checkpoints"
     _sdk_flow(stack.url, tiny_model_dir, keep)
     assert not failures and not future_failures, f"{len(failures)} 5xx/hangs, {len(future_failures)} failed futures"
