@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import shutil
 
@@ -66,11 +67,22 @@ def iso(t: datetime.datetime | None) -> str | None:
     return None if t is None else aware(t).isoformat()
 
 
+def _finite(value):
+    """Metadata stored before the edge refused NaN/inf (JSON cannot carry them): those become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
 def checkpoint_json(row: CheckpointRow) -> protocol.Checkpoint:
     return protocol.Checkpoint(
         checkpoint_id=row.checkpoint_id, checkpoint_type=row.checkpoint_type, time=iso(row.created_at),
         tinker_path=row.tinker_path, size_bytes=row.size_bytes, public=bool(row.public),
-        user_metadata=row.user_metadata or None, expires_at=iso(row.expires_at))
+        user_metadata=_finite(row.user_metadata) or None, expires_at=iso(row.expires_at))
 
 
 def last_checkpoint(db: Database, run_id: str, checkpoint_type: str) -> protocol.Checkpoint | None:

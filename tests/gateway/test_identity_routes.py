@@ -186,3 +186,16 @@ def test_no_auth_makes_every_caller_the_admin(tmp_path):
         session = client.post("/api/v1/create_session", json={}).json()["session_id"]
         assert client.get("/api/v1/sessions").json()["sessions"] == [session]
         assert client.get("/api/v1/audit").status_code == 200
+
+
+def test_metadata_stored_with_nan_before_the_edge_refused_it_lists_as_null(gateway):
+    """A database from before the edge checks may hold NaN in user_metadata: lists still answer."""
+    from gateway.db import CheckpointRow
+
+    api = gateway.api
+    model = api.model(api.session())
+    path = api.result(api.post("save_weights", {"model_id": model, "path": "m", "seq_id": 1}).json()).json()["path"]
+    gw = api.client.app.state.gateway
+    gw.db.touch(CheckpointRow, path, user_metadata={"loss": float("nan"), "ok": [1.5, float("inf")]})
+    (listed,) = api.get("checkpoints").json()["checkpoints"]
+    assert listed["user_metadata"] == {"loss": None, "ok": [1.5, None]}
