@@ -138,7 +138,7 @@ class SessionHeartbeatRequest(Request):
 # ---- training ----------------------------------------------------------------------------
 
 class LoraConfig(Body):
-    rank: int = Field(32, ge=1, le=INT32)        # the trainer holds the real limit (--max-lora-rank)
+    rank: int = Field(32, ge=1, le=INT32)        # and at most the server's --max-lora-rank (routes/training.py)
     seed: Seed | None = None
     train_attn: bool = True
     train_mlp: bool = True

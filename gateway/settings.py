@@ -37,6 +37,7 @@ class GatewaySettings(ServiceAuthSettings):
     # The sampler's setting of the same name (one `tinkerd up` flag): the gateway refuses a sample
     # that cannot fit before it reaches a replica.
     max_model_len: int = setting(1024, help="context length: prompt + max_tokens")
+    max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
 
     @property
     def model_names(self) -> list[str]:

@@ -34,6 +34,9 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
     leaves no run behind."""
     session_id = gw.sessions.open(caller, body.session_id)
     base = supported_base_model(gw, body.base_model)
+    if body.lora_config.rank > gw.settings.max_lora_rank:
+        raise UserError(f"lora_config.rank {body.lora_config.rank} is over this server's --max-lora-rank "
+                        f"{gw.settings.max_lora_rank}")
     model_id = f"{session_id}:train:{body.model_seq_id}"
     if gw.db.get(ModelRow, model_id) is None:
         gw.limits.check_models(caller)

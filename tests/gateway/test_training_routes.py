@@ -74,12 +74,16 @@ def test_not_json_and_unknown_ids_are_user_errors(gateway):
                       "not supported")
 
 
-def test_a_trainer_refusal_fails_the_future_as_a_user_error(gateway):
+def test_a_trainer_refusal_fails_the_future_as_a_user_error_and_leaves_no_run(gateway):
     api = gateway.api
-    future = api.post("create_model", {"session_id": api.session(), "base_model": "tiny/base",
-                                       "lora_config": {"rank": 999}}).json()
+    body = {"session_id": api.session(), "base_model": "tiny/base", "lora_config": {"rank": 999}}
+    assert_user_error(api.post("create_model", body), 400, "--max-lora-rank 64")      # refused at the edge
+    gateway.settings.max_lora_rank = 10_000                                           # so the trainer refuses
+    future = api.post("create_model", body).json()
     failed = api.result(future).json()
     assert failed["category"] == "user" and "rank" in failed["error"]
+    assert_user_error(api.post("get_info", {"model_id": future["model_id"]}), 404)
+    assert api.get("training_runs").json()["training_runs"] == []
 
 
 def test_a_closed_session_refuses_training_and_its_heartbeat_is_410(gateway):
