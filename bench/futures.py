@@ -77,12 +77,15 @@ NOTES = [
 
 
 def run(ctx: Context) -> list[Row]:
-    from tinkerd.rpc import channel
+    from tinkerd.rpc import ServiceAuth, channel
     from tinkerd.v1 import common_pb2, trainer_pb2_grpc
 
     n = ctx.iters(500, 30)
     with running_stack(ctx.models["tiny"], new_dir(ctx, "futures")) as stack:
-        stub = trainer_pb2_grpc.TrainerStub(channel(f"127.0.0.1:{_trainer_port(stack.state_dir)}"))
+        # The direct path authenticates like the gateway does: with the stack's service token.
+        with open(os.path.join(stack.state_dir, "service-token")) as f:
+            auth = ServiceAuth(token=f.read().strip())
+        stub = trainer_pb2_grpc.TrainerStub(channel(f"127.0.0.1:{_trainer_port(stack.state_dir)}", auth))
         direct = []
         for i in range(n + 20):
             t0 = time.perf_counter()
