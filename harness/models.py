@@ -115,3 +115,27 @@ def convert_smollm2(out_dir: str | pathlib.Path) -> pathlib.Path:
         tokenizer.save_pretrained(staging)
         staging.rename(out)
     return out
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def build_lora_adapter(model_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, rank: int,
+                       seed: int = 0, std: float = 0.02, targets: list[str] | None = None) -> pathlib.Path:
+    """A PEFT LoRA adapter on `model_dir` (every linear layer and lm_head, like tinkerd's default),
+    with B drawn at random too, so it changes the logits the way a trained adapter does (PEFT's
+    fresh adapter has B = 0)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets or LORA_TARGETS)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, std)
+    peft_model.save_pretrained(out_dir, save_embedding_layers=False)   # as tinkerd exports them
+    return pathlib.Path(out_dir)

@@ -1,0 +1,121 @@
+"""The grouped CPU LoRA ops (sampler_service/grouped_lora.py) against vLLM's own PyTorch ops on
+random inputs: mixed slots in runs (base rows, slot -1, among them), adapters of several ranks
+zero-padded to the engine's maximum, shrink and expand (plain and slice), bgmv and sgmv forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sampler_service import grouped_lora
+
+lora_ops = pytest.importorskip("vllm.lora.ops.torch_ops.lora_ops")
+compute_meta = pytest.importorskip("vllm.lora.punica_wrapper.utils").compute_meta
+
+MAX_LORAS, MAX_RANK, HIDDEN, OUT = 4, 16, 24, 40
+RANKS = [4, 16, 0, 8]          # slot 2 holds an all-zero adapter
+
+
+def _stacked(gen, ranks=RANKS):
+    a = torch.zeros(MAX_LORAS, 1, MAX_RANK, HIDDEN)
+    b = torch.zeros(MAX_LORAS, 1, OUT, MAX_RANK)
+    for slot, r in enumerate(ranks):
+        a[slot, 0, :r] = torch.randn(r, HIDDEN, generator=gen)
+        b[slot, 0, :, :r] = torch.randn(OUT, r, generator=gen)
+    return a, b
+
+
+def _tokens(pattern):
+    """Per-token slots from (slot, count) runs."""
+    return torch.tensor([s for s, n in pattern for _ in range(n)], dtype=torch.long)
+
+
+PATTERNS = [
+    [(1, 7)],                                          # one adapter, the common case
+    [(0, 3), (-1, 2), (3, 4), (0, 1), (1, 5), (-1, 1)],  # mixed, a slot in two runs, base rows
+    [(-1, 3), (2, 2), (3, 1)],
+]
+
+
+def _sgmv_meta(indices):
+    start, lengths, slots, batches, max_len, tokens, _ = compute_meta(indices)
+    return start, lengths, slots, batches, max_len, tokens
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("form", ["bgmv", "sgmv"])
+def test_shrink_matches_vllm_with_base_rows_zero(pattern, form):
+    gen = torch.Generator().manual_seed(0)
+    a, _ = _stacked(gen)
+    idx = _tokens(pattern)
+    x = torch.randn(len(idx), HIDDEN, generator=gen)
+    want, got = torch.full((len(idx), MAX_RANK), 7.0), torch.full((len(idx), MAX_RANK), 7.0)
+    lora_ops.bgmv_shrink(x, a, want, idx, 0.5)
+    want[idx < 0] = 0                                   # base rows: nothing added
+    if form == "bgmv":
+        grouped_lora.bgmv_shrink(x, a, got, idx, 0.5)
+    else:
+        grouped_lora.sgmv_shrink(x, a, got, *_sgmv_meta(idx), 0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("form", ["bgmv", "sgmv"])
+@pytest.mark.parametrize("add", [True, False])
+def test_expand_and_expand_slice_match_vllm(pattern, form, add):
+    gen = torch.Generator().manual_seed(1)
+    _, b = _stacked(gen)
+    idx = _tokens(pattern)
+    x = torch.randn(len(idx), MAX_RANK, generator=gen)
+    x[idx < 0] = 0                                      # what shrink hands expand for base rows
+    y0 = torch.randn(len(idx), OUT + 10, generator=gen)
+    for offset, size in [(None, None), (3, OUT)]:
+        want, got = y0.clone(), y0.clone()
+        if offset is None:
+            lora_ops.bgmv_expand(x, b, want, idx, add)
+            if form == "bgmv":
+                grouped_lora.bgmv_expand(x, b, got, idx, add)
+            else:
+                grouped_lora.sgmv_expand(x, b, got, *_sgmv_meta(idx), add)
+        else:
+            lora_ops.bgmv_expand_slice(x, b, want, idx, offset, size, add)
+            if form == "bgmv":
+                grouped_lora.bgmv_expand_slice(x, b, got, idx, offset, size, add)
+            else:
+                grouped_lora.sgmv_expand_slice(x, b, got, *_sgmv_meta(idx), offset, size, add)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_true_rank_is_found_and_rescanned_after_a_slot_is_rewritten():
+    gen = torch.Generator().manual_seed(2)
+    a, b = _stacked(gen)
+    assert [grouped_lora.true_rank(a, s, rank_dim=0) for s in range(MAX_LORAS)] == RANKS
+    assert [grouped_lora.true_rank(b, s, rank_dim=1) for s in range(MAX_LORAS)] == RANKS
+    # vLLM's set_lora: zero the slot, then copy the new adapter in (here rank 12 into slot 0)
+    a[0] = 0
+    a[0, 0, :12].copy_(torch.randn(12, HIDDEN, generator=gen))
+    assert grouped_lora.true_rank(a, 0, rank_dim=0) == 12
+    idx = _tokens([(0, 4), (-1, 2)])
+    x = torch.randn(len(idx), HIDDEN, generator=gen)
+    want, got = torch.zeros(len(idx), MAX_RANK), torch.zeros(len(idx), MAX_RANK)
+    lora_ops.bgmv_shrink(x, a, want, idx, 1.0)
+    want[idx < 0] = 0
+    grouped_lora.bgmv_shrink(x, a, got, idx, 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_weights_into_an_fp32_buffer_and_back():
+    gen = torch.Generator().manual_seed(3)
+    a, b = (w.to(torch.bfloat16) for w in _stacked(gen))
+    idx = _tokens([(3, 3), (-1, 1), (1, 2)])
+    x = torch.randn(len(idx), HIDDEN, generator=gen).to(torch.bfloat16)
+    want, got = torch.zeros(len(idx), MAX_RANK), torch.zeros(len(idx), MAX_RANK)
+    lora_ops.bgmv_shrink(x, a, want, idx, 1.0)
+    want[idx < 0] = 0
+    grouped_lora.bgmv_shrink(x, a, got, idx, 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    y_want = torch.zeros(len(idx), OUT, dtype=torch.bfloat16)
+    y_got = y_want.clone()
+    lora_ops.bgmv_expand(want, b, y_want, idx, True)
+    grouped_lora.bgmv_expand(got, b, y_got, idx, True)
+    torch.testing.assert_close(y_got.float(), y_want.float(), rtol=2e-2, atol=2e-2)
