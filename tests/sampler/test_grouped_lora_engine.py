@@ -33,6 +33,12 @@ def engine(tiny_model_dir, tmp_path_factory):
     llm.collective_rpc("tinkerd_install_lora_fixes")
     yield llm, requests
     _grouped(True)            # as the extension left it
+    # The in-process engine made this process's default torch.distributed group: take it down,
+    # or DeepSpeed in later tests of this process finds a group it did not set up.
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    del llm
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def _grouped(on: bool) -> None:
