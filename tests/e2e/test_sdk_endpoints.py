@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 from sdk_venvs import sdk_python
