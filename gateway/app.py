@@ -1,8 +1,8 @@
 """The Tinker REST API (as SDK 0.38 speaks it) on top of the Trainer and Sampler gRPC services.
 
 create_app only assembles: the runtime parts (gateway/state.py), authentication
-(gateway/auth.py), the error handlers (gateway/errors.py) and the routes (gateway/routes/, one module per concern). Immediate calls
-answer from the database; slow calls become futures (gateway/futures.py) whose jobs call gRPC.
+(gateway/auth.py), body limits (gateway/body_limit.py), the error handlers (gateway/errors.py)
+and the routes (gateway/routes/, one module per concern). Immediate calls answer from the database; slow calls become futures (gateway/futures.py) whose jobs call gRPC.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ def serve(s: SamplerSettings) -> None:
 
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of engine start
-    engine = SamplerEngine(s.base_model, dtype=service_dtype(s.dtype, s.allow_slow_dtype), max_model_len=s.max_model_len, max_loras=s.max_loras,
+    engine = SamplerEngine(s.base_model, dtype=service_dtype(s.dtype, s.allow_slow_dtype),
+                           max_model_len=s.max_model_len, max_loras=s.max_loras,
                            max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
                            max_num_seqs=s.max_num_seqs)
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
