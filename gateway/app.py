@@ -2,7 +2,8 @@
 
 create_app only assembles: the runtime parts (gateway/state.py), authentication
 (gateway/auth.py), body limits (gateway/body_limit.py), the error handlers (gateway/errors.py)
-and the routes (gateway/routes/, one module per concern). Immediate calls answer from the database; slow calls become futures (gateway/futures.py) whose jobs call gRPC.
+and the routes (gateway/routes/, one module per concern). Immediate calls answer from the
+database; slow calls become futures (gateway/futures.py) whose jobs call gRPC.
 """
 
 from __future__ import annotations
