@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import shutil
+import urllib.parse
 
 from sqlalchemy import select
 
@@ -48,6 +49,12 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
         raise UserError(f"{path!r} is not a checkpoint path (tinker://<run>/<weights|sampler_weights|"
                         f"external_weights>/<name>)")
     return parts[0], parts[1], parts[2]
+
+
+def download_path(run_id: str, checkpoint_id: str, relative: str) -> str:
+    """The URL path of one file of an external_weights checkpoint: what its download URL signs
+    (routes/checkpoints.py) and what the files route checks (routes/files.py)."""
+    return urllib.parse.quote(f"/files/{run_id}/{checkpoint_id}/{relative}")
 
 
 def checkpoint_dir(state_dir: str, model_id: str, kind: str, name: str) -> str:

@@ -19,11 +19,15 @@ RETRY_AFTER_S = 2
 
 
 class OverLimit(Exception):
-    """A limit that frees up by waiting: 429."""
+    """A limit that frees up by waiting: 429, with when to retry."""
+
+    def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 async def on_over_limit(request: Request, exc: OverLimit):
-    return error_response(str(exc), 429, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return error_response(str(exc), 429, headers={"Retry-After": str(exc.retry_after_s)})
 
 
 class Limits:
@@ -39,6 +43,10 @@ class Limits:
                             f"{self.settings.max_queued_per_user}); retry when some finish")
 
     def check_samples(self, caller: Caller) -> None:
+        """The server's samples in flight (--max-pending-samples), then the caller's."""
+        queued = self.futures.pending("sample")
+        if queued >= self.settings.max_pending_samples:
+            raise OverLimit(f"{queued} sample requests are queued; retry shortly", retry_after_s=1)
         pending = self.futures.pending_of(caller.user_id, "sample")
         if pending >= self.settings.max_samples_per_user:
             raise OverLimit(f"{pending} of your sample requests are in flight (limit "

@@ -26,11 +26,15 @@ class Sessions:
         # request, so kept in memory.
         self.closed = set(db.select(select(SessionRow.session_id).where(SessionRow.finished.is_(True))))
 
-    def session(self, caller: Caller, session_id: str) -> SessionRow:
-        row = self.db.get(SessionRow, session_id)
+    def _owned(self, caller: Caller, cls, key: str, unknown: str):
+        """The caller's row of `cls`; anyone else's is as unknown as a missing one."""
+        row = self.db.get(cls, key)
         if not mine(caller, row):
-            raise NotFoundError(f"unknown session_id {session_id!r}")
+            raise NotFoundError(unknown)
         return row
+
+    def session(self, caller: Caller, session_id: str) -> SessionRow:
+        return self._owned(caller, SessionRow, session_id, f"unknown session_id {session_id!r}")
 
     def open(self, caller: Caller, session_id: str) -> str:
         """A session of the caller's that is not closed."""
@@ -40,10 +44,8 @@ class Sessions:
         return session_id
 
     def model(self, caller: Caller, model_id: str) -> ModelRow:
-        row = self.db.get(ModelRow, model_id)
-        if not mine(caller, row):
-            raise NotFoundError(f"unknown model_id {model_id!r}: create it with create_model first")
-        return row
+        return self._owned(caller, ModelRow, model_id,
+                           f"unknown model_id {model_id!r}: create it with create_model first")
 
     def live_model(self, caller: Caller, model_id: str) -> ModelRow:
         """A model that can still be trained: the caller's, and its session not closed."""
@@ -54,10 +56,8 @@ class Sessions:
         return row
 
     def sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
-        row = self.db.get(SamplingSessionRow, sampling_session_id)
-        if not mine(caller, row):
-            raise NotFoundError(f"unknown sampling_session_id {sampling_session_id!r}")
-        return row
+        return self._owned(caller, SamplingSessionRow, sampling_session_id,
+                           f"unknown sampling_session_id {sampling_session_id!r}")
 
     def live_sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
         row = self.sampling_session(caller, sampling_session_id)

@@ -8,13 +8,28 @@ fp32 (issue 14), so bf16 there is refused at start-up rather than discovered mid
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
 
+from tinkerd.settings import setting
+
 AUTO = "auto"
 # CPU flags (/proc/cpuinfo) that mean native bf16 matrix math.
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@dataclasses.dataclass(kw_only=True)
+class WeightsDtypeSettings:
+    """The weights dtype, one setting for trainer and sampler (one `tinkerd up` flag): equal
+    dtypes give equal logprobs."""
+    dtype: str = setting(AUTO, choices=[AUTO, "float32", "bfloat16", "float16"],
+                         help="weights dtype of trainer and sampler alike (equal dtypes give equal logprobs): auto = "
+                              "bfloat16 on GPUs and CPUs with AMX/AVX512-BF16, float32 elsewhere (tinkerd/hardware.py; "
+                              "not vLLM's auto); LoRA weights stay float32")
+    allow_slow_dtype: bool = setting(False, help="run an explicit 16-bit --dtype on a CPU without native bf16 "
+                                                 "(refused otherwise: ~15x slower than float32 there)")
 
 
 class DtypeRefused(ValueError):

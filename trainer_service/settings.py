@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from tinkerd.hardware import WeightsDtypeSettings
 from tinkerd.rpc import ServerAuthSettings
 from tinkerd.settings import setting
 
 
 @dataclasses.dataclass
-class TrainerSettings(ServerAuthSettings):
+class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings):
     base_model: str = setting(help="local directory of the HF base model")
     aliases: list[str] = setting([], flag="alias", help="another name clients may use for the base model")
     listen: str = setting("127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
@@ -18,10 +19,4 @@ class TrainerSettings(ServerAuthSettings):
     state_dir: str = setting("./state", help="checkpoints, snapshots and unloaded models; every path is "
                                              "derived below it from ids (the gateway's, on a shared filesystem)")
     zero_stage: int = setting(2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
-    dtype: str = setting("auto", choices=["auto", "float32", "bfloat16", "float16"],
-                         help="weights dtype of trainer and sampler alike (equal dtypes give equal logprobs): auto = "
-                              "bfloat16 on GPUs and CPUs with AMX/AVX512-BF16, float32 elsewhere (tinkerd/hardware.py); "
-                              "LoRA weights stay float32")
-    allow_slow_dtype: bool = setting(False, help="run an explicit 16-bit --dtype on a CPU without native bf16 "
-                                                 "(refused otherwise: ~15x slower than float32 there)")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")

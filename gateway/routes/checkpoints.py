@@ -7,7 +7,6 @@ import datetime
 import hashlib
 import os
 import time
-import urllib.parse
 import uuid
 from typing import Annotated
 
@@ -93,28 +92,29 @@ async def list_all_checkpoints(request: Request, page: PageDep, caller: CallerDe
                                cursor=Cursor(offset=page.offset, limit=page.limit, total_count=gw.db.count(stmt)))
 
 
+def _update(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, event: str, values: dict,
+            **details) -> dict:
+    """The owner changes a checkpoint's row; the audit log records it."""
+    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
+    gw.db.touch(CheckpointRow, row.tinker_path, **values)
+    _changed(gw, caller, event, row, **details)
+    return {}
+
+
 @router.post(_CHECKPOINT + "/publish")
 async def publish(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
-    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
-    gw.db.touch(CheckpointRow, row.tinker_path, public=True)
-    _changed(gw, caller, "checkpoint_published", row)
-    return {}
+    return _update(gw, caller, run_id, checkpoint_id, "checkpoint_published", {"public": True})
 
 
 @router.delete(_CHECKPOINT + "/publish")
 async def unpublish(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
-    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
-    gw.db.touch(CheckpointRow, row.tinker_path, public=False)
-    _changed(gw, caller, "checkpoint_unpublished", row)
-    return {}
+    return _update(gw, caller, run_id, checkpoint_id, "checkpoint_unpublished", {"public": False})
 
 
 @router.put(_CHECKPOINT + "/ttl")
 async def set_ttl(run_id: str, checkpoint_id: str, body: SetTtlRequest, caller: CallerDep, gw: GatewayDep) -> dict:
-    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
-    gw.db.touch(CheckpointRow, row.tinker_path, expires_at=checkpoints.expires(body.ttl_seconds))
-    _changed(gw, caller, "checkpoint_ttl_set", row, ttl_seconds=body.ttl_seconds)
-    return {}
+    return _update(gw, caller, run_id, checkpoint_id, "checkpoint_ttl_set",
+                   {"expires_at": checkpoints.expires(body.ttl_seconds)}, ttl_seconds=body.ttl_seconds)
 
 
 # Download links for external weights last this long (or until the checkpoint expires).
@@ -136,7 +136,7 @@ async def external_urls(run_id: str, checkpoint_id: str, request: Request, calle
                    for root, _, names in os.walk(row.directory) for f in names)
     urls = {}
     for f in files:
-        path = urllib.parse.quote(f"/files/{run_id}/{checkpoint_id}/{f}")
+        path = checkpoints.download_path(run_id, checkpoint_id, f)
         urls[f] = f"{base}{path}?expires={expires}&signature={gw.signer.url_signature(path, expires)}"
     return ExternalWeightsUrlsResponse(urls=urls, expires=datetime.datetime.fromtimestamp(
         expires, datetime.timezone.utc).isoformat())

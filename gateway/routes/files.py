@@ -4,11 +4,11 @@ each URL carries its own expiry and signature (made by routes/checkpoints.py:ext
 from __future__ import annotations
 
 import os
-import urllib.parse
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
+from gateway import checkpoints
 from gateway.db import CheckpointRow
 from gateway.state import GatewayDep
 from tinkerd.errors import NotFoundError
@@ -22,7 +22,7 @@ async def get_file(run_id: str, name: str, relative: str, request: Request, gw: 
         expires = int(request.query_params.get("expires", ""))
     except ValueError:
         expires = 0
-    signed_path = urllib.parse.quote(f"/files/{run_id}/external_weights/{name}/{relative}")
+    signed_path = checkpoints.download_path(run_id, f"external_weights/{name}", relative)
     if not gw.signer.url_valid(signed_path, expires, request.query_params.get("signature", "")):
         raise NotFoundError("this download link is unknown or has expired; ask for new external_weights_urls")
     row = gw.db.get(CheckpointRow, f"tinker://{run_id}/external_weights/{name}")

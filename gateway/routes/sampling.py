@@ -10,7 +10,6 @@ from gateway import convert
 from gateway.auth import CallerDep
 from gateway.db import ModelRow, SamplingSessionRow
 from gateway.futures import fingerprint
-from gateway.errors import error_response
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
                               GetSamplerResponse, SampleRequest)
 from gateway.routes.training import supported_base_model
@@ -52,9 +51,6 @@ async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
     session = gw.sessions.live_sampling_session(caller, body.sampling_session_id)
     convert.check_sample(body, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
     msg = convert.sample_request(body, session.snapshot_id, session.snapshot_path)
-    queued = gw.futures.pending("sample")
-    if queued >= gw.settings.max_pending_samples:
-        return error_response(f"{queued} sample requests are queued; retry shortly", 429, {"Retry-After": "1"})
     gw.limits.check_samples(caller)
     record_for = session.session_id if body.record_stability_info else None
     row = gw.futures.submit("sample", functools.partial(_sample, gw, msg, record_for), owner=caller.user_id,

@@ -11,7 +11,6 @@ from gateway.auth import CallerDep
 from gateway.db import SessionRow, now
 from gateway.errors import error_response
 from gateway.protocol import CreateSessionRequest, CreateSessionResponse, SessionHeartbeatRequest
-from gateway.sessions import mine
 from gateway.state import GatewayDep
 
 router = APIRouter(prefix="/api/v1")
@@ -28,8 +27,7 @@ async def create_session(body: CreateSessionRequest, caller: CallerDep, gw: Gate
 
 @router.post("/session_heartbeat")
 async def heartbeat(body: SessionHeartbeatRequest, caller: CallerDep, gw: GatewayDep):
-    if not mine(caller, gw.db.get(SessionRow, body.session_id)):
-        return error_response("unknown session", 404)
+    gw.sessions.session(caller, body.session_id)
     if body.session_id in gw.sessions.closed:      # 410 stops the SDK's heartbeats
         return error_response(f"session {body.session_id} was closed", 410)
     gw.db.touch(SessionRow, body.session_id, last_heartbeat=now())
