@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import shutil
 
 import grpc
 from sqlalchemy import select
@@ -14,15 +13,9 @@ from sqlalchemy import select
 from gateway.checkpoints import delete_expired_checkpoints
 from gateway.db import ModelRow, now
 from gateway.state import Gateway
-from tinkerd import paths
 from tinkerd.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
-
-
-def unloaded_dir(gw: Gateway, model_id: str) -> str:
-    """Where an unloaded model's state waits for its next use (the trainer derives it the same way)."""
-    return paths.unloaded_dir(gw.settings.state_dir, model_id)
 
 
 async def unload_lapsed_models(gw: Gateway) -> list[str]:
@@ -53,8 +46,7 @@ async def release_models(gw: Gateway, session_id: str) -> None:
         except grpc.aio.AioRpcError as e:
             log.warning("could not release %s: %s", model_id, e.details())
             continue
-        gw.futures.forget_runner(model_id)
-        shutil.rmtree(unloaded_dir(gw, model_id), ignore_errors=True)
+        gw.futures.forget_runner(model_id)       # the trainer deleted its durable state
         gw.db.touch(ModelRow, model_id, resident=False)
     log.info("session %s closed; its models are released", session_id)
 

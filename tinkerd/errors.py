@@ -28,6 +28,11 @@ class UnavailableError(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class LostWorkError(ServiceError):
+    """The trainer restarted and a model resumed from an earlier state: the caller must know."""
+    code = grpc.StatusCode.ABORTED
+
+
 _USER_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,

@@ -4,7 +4,7 @@ here under its own state dir, so no request can make a service read, write or de
 
     <state_dir>/checkpoints/<dir_name(run)>/<kind>/<name>   save_state, external, copies
     <state_dir>/snapshots/<dir_name(snapshot_id)>            persisted sampler snapshots
-    <state_dir>/unloaded/<dir_name(model_id)>                models unloaded for idle sessions
+    <state_dir>/models/<dir_name(model_id)>                  a model's durable state (trainer_service/durable.py)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.@-]")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")
 
 CHECKPOINT_KINDS = ("weights", "sampler_weights", "external_weights")
-CHECKPOINTS, SNAPSHOTS, UNLOADED = "checkpoints", "snapshots", "unloaded"
+CHECKPOINTS, SNAPSHOTS, MODELS = "checkpoints", "snapshots", "models"
 
 
 def dir_name(identifier: str) -> str:
@@ -62,8 +62,8 @@ def snapshot_dir(state_dir: str, snapshot_id: str) -> str:
     return path
 
 
-def unloaded_dir(state_dir: str, model_id: str) -> str:
-    root = os.path.join(state_dir, UNLOADED)
+def model_dir(state_dir: str, model_id: str) -> str:
+    root = os.path.join(state_dir, MODELS)
     path = os.path.join(root, dir_name(model_id))
     contained(root, path)
     return path

@@ -77,7 +77,7 @@ def write_state(tmp: str, model: LoraModel, tensors: dict[str, torch.Tensor], co
                 base_model_dir: str, zero_stage: int, with_optimizer: bool) -> None:
     """The model's checkpoint into the temporary directory `tmp` (see `commit_state`)."""
     write_peft_adapter(tmp, weight_stream.pack(tensors), config)
-    meta = {"spec": dataclasses.asdict(model.spec), "step": model.step, "base_model": base_model_dir,
+    meta = {"spec": dataclasses.asdict(model.spec), "step": model.step, "seq": model.state_seq, "base_model": base_model_dir,
             "zero_stage": zero_stage, "has_optimizer": with_optimizer}
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(meta, f)
@@ -87,20 +87,40 @@ def write_state(tmp: str, model: LoraModel, tensors: dict[str, torch.Tensor], co
 
 
 def commit_state(tmp: str, directory: str) -> int:
-    """Renames the written checkpoint into place, replacing any old one; returns its size in bytes."""
+    """Swaps the written checkpoint in for any old one; returns its size in bytes. The old one is
+    renamed aside first and deleted only once the new one is in place, so a crash at any point
+    leaves the old or the new one (`recover_swap` puts an old one back), never neither."""
     size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(tmp) for f in files)
+    aside = None
     if os.path.exists(directory):
-        shutil.rmtree(directory)
+        aside = f"{directory}{_ASIDE}{time.monotonic_ns()}"
+        os.replace(directory, aside)
     _rename_into_place(tmp, directory)
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
     return size
 
 
+_ASIDE = ".old-"
+
+
+def recover_swap(directory: str) -> None:
+    """After a crash between commit_state's two renames: the old checkpoint back in its place."""
+    parent, prefix = os.path.dirname(directory), os.path.basename(directory) + _ASIDE
+    if os.path.exists(directory) or not os.path.isdir(parent):
+        return
+    aside = sorted(n for n in os.listdir(parent) if n.startswith(prefix))
+    if aside:
+        os.replace(os.path.join(parent, aside[-1]), directory)
+
+
 def read_state(directory: str, *, with_optimizer: bool,
-               zero_stage: int) -> tuple[LoraSpec, dict[str, torch.Tensor], int]:
-    """A checkpoint's LoRA spec, adapter tensors and step count, checked for loading under
+               zero_stage: int) -> tuple[LoraSpec, dict[str, torch.Tensor], int, int]:
+    """A checkpoint's LoRA spec, adapter tensors, step count and last seq_id, checked for loading under
     `zero_stage` (the optimizer state only loads under the stage that wrote it)."""
     import safetensors.torch
 
+    recover_swap(directory)
     try:
         with open(os.path.join(directory, STATE)) as f:
             meta = json.load(f)
@@ -112,7 +132,7 @@ def read_state(directory: str, *, with_optimizer: bool,
     if with_optimizer and meta.get("zero_stage") != zero_stage:
         raise UserError(f"the optimizer state at {directory} was written under ZeRO stage "
                         f"{meta.get('zero_stage')}; this trainer runs stage {zero_stage}")
-    return LoraSpec(**meta["spec"]), tensors, int(meta["step"])
+    return LoraSpec(**meta["spec"]), tensors, int(meta["step"]), int(meta.get("seq", 0))
 
 
 def _deepspeed_data_types() -> list[type]:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import torch
 
 from tinkerd import dtypes
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service import checkpoints, training
+from trainer_service.durable import DurableModels
 from trainer_service.deepspeed_setup import deepspeed_config, init_distributed_once  # noqa: F401 - public here
 from trainer_service.losses import get_loss
 from trainer_service.lora import LoraSpec
@@ -34,7 +36,8 @@ BASE_DTYPES = ("float32", "bfloat16", "float16")
 
 class TrainerEngine:
     def __init__(self, base_model_dir: str, *, zero_stage: int = 2, dtype: str = "float32",
-                 max_lora_rank: int = 64, base_model_names: tuple[str, ...] = ()):
+                 max_lora_rank: int = 64, base_model_names: tuple[str, ...] = (),
+                 durable: DurableModels | None = None, max_resident: int = 32):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if zero_stage not in (0, 1, 2, 3):
@@ -46,6 +49,8 @@ class TrainerEngine:
         self.base_model_names = {base_model_dir, os.path.abspath(base_model_dir), *base_model_names}
         self.zero_stage = zero_stage
         self.max_lora_rank = max_lora_rank
+        self.durable = durable
+        self.max_resident = max_resident
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         config = AutoConfig.from_pretrained(base_model_dir)
         self.vocab_size = config.vocab_size
@@ -63,55 +68,102 @@ class TrainerEngine:
     def accepts_base_model(self, name: str) -> bool:
         return name in self.base_model_names
 
+    def attach_durable(self, durable: DurableModels) -> None:
+        """Where models live when not resident (durable.py); without it nothing can be unloaded."""
+        self.durable = durable
+
     def get(self, model_id: str) -> LoraModel:
-        """The model, reloaded from its checkpoint first if it was unloaded."""
+        """The model; one that is not resident (unloaded, evicted, or from before a restart) is
+        reloaded from its durable state first."""
         with self._lock:
             model = self.models.resident(model_id)
-            path = self.models.unpark(model_id) if model is None else None
-            if path is not None:
-                try:
-                    model = self.load_state(model_id, path, with_optimizer=True)
-                except BaseException:
-                    self.models.park(model_id, path)
-                    raise
-                log.info("reloaded %s from %s", model_id, path)
             if model is None:
-                raise NotFoundError(f"unknown model_id {model_id!r}")
+                if not self.on_disk(model_id):
+                    raise NotFoundError(f"unknown model_id {model_id!r}")
+                model = self.load_state(model_id, self.durable.state_path(model_id), with_optimizer=True,
+                                        resume=True)
+                log.info("reloaded %s at step %d (seq_id %d)", model_id, model.step, model.state_seq)
+            model.last_used = time.monotonic()
             return model
 
     def is_resident(self, model_id: str) -> bool:
         return self.models.resident(model_id) is not None
 
-    def model_ids(self) -> tuple[list[str], list[str]]:
-        """(resident, unloaded) model ids."""
-        with self._lock:
-            return self.models.ids()
+    def on_disk(self, model_id: str) -> bool:
+        """Has durable state to come back from."""
+        return self.durable is not None and self.durable.exists(model_id)
 
     def create_model(self, model_id: str, spec: LoraSpec,
                      initial: dict[str, torch.Tensor] | None = None) -> LoraModel:
-        """A new LoRA model; `initial` (PEFT-named adapter tensors) replaces the random init."""
+        """A new LoRA model; `initial` (PEFT-named adapter tensors) replaces the random init. A
+        model that exists already (a resent create) is returned as it is."""
         self.models.check_spec(spec)
         with self._lock:
-            if self.models.known(model_id):
+            if self.is_resident(model_id) or self.on_disk(model_id):
                 return self.get(model_id)
-            return self.models.add(model_id, spec, initial)
+            model = self._add(model_id, spec, initial)
+            self.save_durable(model_id)       # the random init too: a restart must not re-draw it
+            return model
+
+    def _add(self, model_id: str, spec: LoraSpec, initial: dict[str, torch.Tensor] | None) -> LoraModel:
+        self._make_room()
+        model = self.models.add(model_id, spec, initial)
+        model.last_used = time.monotonic()
+        return model
+
+    def _make_room(self) -> None:
+        """Evicts least recently used models (to their durable state) until one more fits under
+        max_resident. Models holding gradients of an unfinished step stay: those would be lost."""
+        if self.durable is None:
+            return
+        while len(self.models.ids()) >= self.max_resident:
+            idle = [m for m in self.models.all() if not m.pending_grads]
+            if not idle:
+                log.warning("%d models resident, all mid-step: over max_resident %d for now",
+                            len(self.models.ids()), self.max_resident)
+                return
+            victim = min(idle, key=lambda m: m.last_used)
+            self.unload_model(victim.model_id)
+            log.info("evicted %s (least recently used of %d resident)", victim.model_id, self.max_resident)
 
     def delete_model(self, model_id: str) -> bool:
+        """Forgets the model, resident or on disk."""
         with self._lock:
-            return self.models.remove(model_id)
+            existed = self.on_disk(model_id)
+            if self.durable is not None:
+                self.durable.remove(model_id)
+            return self.models.remove(model_id) or existed
 
-    def unload_model(self, model_id: str, directory: str) -> str:
-        """Frees the model's memory after writing its full state (adapter, optimizer, step) to
-        `directory`; the next call that uses it reloads it from there, transparently."""
+    def unload_model(self, model_id: str) -> str:
+        """Frees the model's memory once its durable state is current; the next call that uses it
+        reloads it from there, transparently. Returns that directory."""
         with self._lock:
-            parked = self.models.parked(model_id)
-            if parked is not None:
-                return parked
-            self.save_state(model_id, directory, with_optimizer=True)
+            if self.durable is None:
+                raise UserError("this trainer keeps no durable state; nothing can be unloaded")
+            if not self.is_resident(model_id):
+                if not self.on_disk(model_id):
+                    raise NotFoundError(f"unknown model_id {model_id!r}")
+                return self.durable.state_path(model_id)
+            self.save_durable(model_id)
             self.models.remove(model_id)
-            self.models.park(model_id, directory)
-            log.info("unloaded %s to %s", model_id, directory)
-            return directory
+            log.info("unloaded %s", model_id)
+            return self.durable.state_path(model_id)
+
+    def save_durable(self, model_id: str) -> None:
+        """Writes the resident model's durable state, unless it is current already."""
+        with self._lock:
+            model = self.models.resident(model_id)
+            if self.durable is None or model is None or model.durable_seq == model.state_seq:
+                return
+            self.save_state(model_id, self.durable.state_path(model_id), with_optimizer=True)
+            model.durable_seq = model.state_seq
+            self.durable.written(model_id)
+            self.durable.trim(model_id, model.state_seq)
+
+    def behind(self) -> list[str]:
+        """Resident models whose durable state is older than their state."""
+        with self._lock:
+            return [m.model_id for m in self.models.all() if m.durable_seq != m.state_seq]
 
     def num_params(self, model: LoraModel) -> int:
         return num_params(model)
@@ -128,21 +180,27 @@ class TrainerEngine:
                                     zero_stage=self.zero_stage, with_optimizer=with_optimizer)
         return checkpoints.commit_state(tmp, directory)
 
-    def load_state(self, model_id: str, directory: str, *, with_optimizer: bool) -> LoraModel:
+    def load_state(self, model_id: str, directory: str, *, with_optimizer: bool, resume: bool = False) -> LoraModel:
         """Creates `model_id` from a checkpoint: its adapter weights, and with_optimizer its AdamW
-        state and step count too."""
-        spec, tensors, step = checkpoints.read_state(directory, with_optimizer=with_optimizer,
-                                                     zero_stage=self.zero_stage)
+        state and step count too. `resume`: the checkpoint is this model's own durable state, so
+        it also carries on its seq_id count."""
+        spec, tensors, step, seq = checkpoints.read_state(directory, with_optimizer=with_optimizer,
+                                                          zero_stage=self.zero_stage)
         with self._lock:
-            if self.is_resident(model_id):
+            if self.is_resident(model_id) or (not resume and self.on_disk(model_id)):
                 raise UserError(f"model {model_id!r} already exists")
-            model = self.create_model(model_id, spec, initial=tensors)
+            model = self._add(model_id, spec, tensors)
             if with_optimizer:
                 try:
                     checkpoints.restore_optimizer(model, directory, step)
                 except BaseException:
                     self.models.remove(model_id)     # no half-restored model stays behind
                     raise
+            if resume:
+                model.state_seq = model.durable_seq = seq
+                self.durable.written(model_id)
+            else:
+                self.save_durable(model_id)
             return model
 
     def export_adapter(self, model_id: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -159,10 +217,18 @@ class TrainerEngine:
         loss_impl = get_loss(loss_fn)
         training.validate(data, vocab_size=self.vocab_size, max_positions=self.max_positions)
         with self._lock:
-            return training.forward_backward(self.get(model_id), data, loss_impl, loss_fn_config,
-                                             forward_only=forward_only, device=self.device)
+            model = self.get(model_id)
+            result = training.forward_backward(model, data, loss_impl, loss_fn_config,
+                                               forward_only=forward_only, device=self.device)
+            model.pending_grads = model.pending_grads or not forward_only
+            return result
 
-    def optim_step(self, model_id: str, adam: training.AdamParams) -> dict[str, float]:
+    def optim_step(self, model_id: str, adam: training.AdamParams, *, seq: int | None = None) -> dict[str, float]:
+        """`seq`: the request's seq_id, recorded as the last one the model's state includes."""
         training.check_adam(adam)
         with self._lock:
-            return training.optim_step(self.get(model_id), adam, zero_stage=self.zero_stage, device=self.device)
+            model = self.get(model_id)
+            metrics = training.optim_step(model, adam, zero_stage=self.zero_stage, device=self.device)
+            model.pending_grads = False
+            model.state_seq = model.step if seq is None else seq
+            return metrics

@@ -1,5 +1,5 @@
-"""The trainer's LoRA models: adapters m0, m1, ... in the one shared PEFT model, each wrapped by
-its own DeepSpeed engine, and the models unloaded to disk ("parked") until their next use.
+"""The trainer's resident LoRA models: adapters m0, m1, ... in the one shared PEFT model, each
+wrapped by its own DeepSpeed engine. (Models not resident live on disk: durable.py.)
 
 Bookkeeping only and not thread-safe: TrainerEngine calls it under its one lock.
 """
@@ -27,6 +27,10 @@ class LoraModel:
     engine: object            # deepspeed.DeepSpeedEngine
     params: list[torch.nn.Parameter]
     step: int = 0
+    state_seq: int = 0        # seq_id of the last optim_step in the weights (0: as created)
+    durable_seq: int = -1     # state_seq when the durable state was last written; -1: never
+    pending_grads: bool = False   # gradients accumulated since the last optim_step
+    last_used: float = 0.0    # monotonic; the least recently used model is evicted first
 
 
 def num_params(model: LoraModel) -> int:
@@ -47,19 +51,16 @@ class ModelRegistry:
         self.peft = get_peft_model(base, LoraConfig(r=1, target_modules=first), adapter_name="_placeholder")
         self.peft.eval()  # no dropout; LoRA dropout is 0 anyway
         self._models: dict[str, LoraModel] = {}
-        # Unloaded models: model_id -> checkpoint directory they come back from on next use.
-        self._parked: dict[str, str] = {}
         self._next_adapter = 0
 
     def resident(self, model_id: str) -> LoraModel | None:
         return self._models.get(model_id)
 
-    def known(self, model_id: str) -> bool:
-        return model_id in self._models or model_id in self._parked
+    def ids(self) -> list[str]:
+        return list(self._models)
 
-    def ids(self) -> tuple[list[str], list[str]]:
-        """(resident, unloaded) model ids."""
-        return list(self._models), list(self._parked)
+    def all(self) -> list[LoraModel]:
+        return list(self._models.values())
 
     def check_spec(self, spec: LoraSpec) -> None:
         if not 1 <= spec.rank <= self.max_lora_rank:
@@ -102,23 +103,11 @@ class ModelRegistry:
                             f"model ({problem})")
 
     def remove(self, model_id: str) -> bool:
-        """Forgets the model, resident or parked; frees its adapter and engine."""
-        parked = self._parked.pop(model_id, None) is not None
+        """Forgets the resident model; frees its adapter and engine."""
         model = self._models.pop(model_id, None)
         if model is None:
-            return parked
+            return False
         model.engine.destroy()
         setattr(self.peft, ACTIVE_MARK, None)
         self.peft.base_model.delete_adapter(model.adapter_name)
         return True
-
-    def park(self, model_id: str, directory: str) -> None:
-        """Lists the model as unloaded to `directory`, until `unpark`."""
-        self._parked[model_id] = directory
-
-    def parked(self, model_id: str) -> str | None:
-        return self._parked.get(model_id)
-
-    def unpark(self, model_id: str) -> str | None:
-        """The directory of a parked model, no longer listed as parked."""
-        return self._parked.pop(model_id, None)

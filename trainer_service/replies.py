@@ -8,6 +8,9 @@ import threading
 from tinkerd.errors import UserError
 
 _REPLIES_KEPT_PER_MODEL = 256
+# Stands for the reply of a request that was applied but whose reply was not kept (a
+# forward_backward from before a trainer restart): a resend must not apply it again.
+APPLIED = object()
 
 
 class ReplyCache:
@@ -22,6 +25,9 @@ class ReplyCache:
             return None
         if hit[0] != kind:
             raise UserError(f"seq_id {seq_id} of {model_id} was already used by a {hit[0]} request")
+        if hit[1] is APPLIED:
+            raise UserError(f"{kind} seq_id {seq_id} of {model_id} was applied before the trainer restarted "
+                            f"and its result was not kept; it is not applied twice")
         return hit[1]
 
     def put(self, model_id: str, seq_id: int, kind: str, reply) -> None:

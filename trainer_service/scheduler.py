@@ -39,6 +39,7 @@ class FairScheduler:
         self._queues: dict[str, collections.deque] = {}
         self._used: dict[str, float] = collections.defaultdict(float)
         self._running: str | None = None
+        self._idle_since = time.monotonic()
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="fair-scheduler", daemon=True)
         self._thread.start()
@@ -63,6 +64,13 @@ class FairScheduler:
         with self._cv:
             return QueueSnapshot(self._running, {t: len(q) for t, q in self._queues.items()}, dict(self._used))
 
+    def idle_for(self) -> float:
+        """Seconds since the last work finished, if none is running or queued now; else 0."""
+        with self._cv:
+            if self._running or self._queues:
+                return 0.0
+            return time.monotonic() - self._idle_since
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -84,6 +92,7 @@ class FairScheduler:
                 with self._cv:
                     self._used[tenant] += time.perf_counter() - t0
                     self._running = None
+                    self._idle_since = time.monotonic()
                     if len(self._used) > len(self._queues) + _KEEP_IDLE:
                         self._forget_idle()
 

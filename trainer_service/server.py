@@ -13,16 +13,20 @@ def serve(s: TrainerSettings) -> None:
     init_logging("trainer")
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import trainer_pb2_grpc
+    from trainer_service.durable import DurableModels
     from trainer_service.engine import TrainerEngine
     from trainer_service.servicer import TrainerServicer
 
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of model loading
-    engine = TrainerEngine(s.base_model, zero_stage=s.zero_stage, dtype=service_dtype(s.dtype, s.allow_slow_dtype), max_lora_rank=s.max_lora_rank,
-                           base_model_names=tuple(s.aliases))
+    state_dir = os.path.abspath(s.state_dir)
+    engine = TrainerEngine(s.base_model, zero_stage=s.zero_stage, dtype=service_dtype(s.dtype, s.allow_slow_dtype),
+                           max_lora_rank=s.max_lora_rank, base_model_names=tuple(s.aliases),
+                           durable=DurableModels(state_dir, s.durable_interval_s),
+                           max_resident=s.max_resident_models)
     # Handler threads wait in the fair scheduler, one per model with work in flight.
     server, port = create_server(s.listen, max_workers=256, auth=auth, allow_insecure=s.allow_insecure)
-    servicer = TrainerServicer(engine, state_dir=os.path.abspath(s.state_dir), advertise_host=s.advertise_host,
+    servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
                                auth=auth)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     serve_until_signal(server, port, "trainer")

@@ -1,46 +1,114 @@
 """Trainer gRPC servicer: per RPC, convert the message (convert.py), call the engine in the
 model's fair turn, convert back. Weight pushes go through weight_push.py.
 
-A resent (model_id, seq_id) gets the stored reply instead of running twice (replies.py).
+A resent (model_id, seq_id) gets the stored reply instead of running twice (replies.py), also
+after a restart for what the model's durable state includes (durable.py); a model that lost
+work in a restart says so once.
 Every directory is derived here from ids and names below the trainer's own state dir
 (tinkerd/paths.py); none comes from the caller.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 
 from tinkerd import paths
-from tinkerd.errors import UserError
+from tinkerd.errors import LostWorkError, UserError
 from tinkerd.rpc import ServiceAuth, rpc_boundary
 from tinkerd.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_service import convert
 from trainer_service.engine import TrainerEngine
-from trainer_service.replies import ReplyCache
+from trainer_service.durable import IDLE_WRITE_AFTER_S, DurableModels, describe_lost
+from trainer_service.replies import APPLIED, ReplyCache
 from trainer_service.scheduler import FairScheduler, tenant_of
 from trainer_service.weight_push import WeightPusher
+
+log = logging.getLogger(__name__)
 
 # Checkpoint kinds SaveState writes (sampler_weights are PushWeights' persisted snapshots).
 SAVE_KINDS = ("weights", "external_weights")
 
 
+# The replies a restarted trainer can give again (durable.py journals them).
+_REPLY_TYPES = {"optim_step": trainer_pb2.OptimStepResponse}
+
+
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, engine: TrainerEngine, *, state_dir: str, advertise_host: str = "127.0.0.1",
-                 transfer_timeout_s: float = 120.0, auth: ServiceAuth = ServiceAuth()):
+                 transfer_timeout_s: float = 120.0, auth: ServiceAuth = ServiceAuth(),
+                 durable_interval_s: float = 10.0):
         self.engine = engine
         self.state_dir = os.path.abspath(state_dir)
+        if engine.durable is None:
+            engine.attach_durable(DurableModels(self.state_dir, durable_interval_s))
+        self.durable = engine.durable
         self.replies = ReplyCache()
         self.scheduler = FairScheduler()
         self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth)
+        threading.Thread(target=self._write_when_idle, name="durable-writer", daemon=True).start()
 
     def _fair(self, model_id: str, fn):
         """Runs engine work when the model's tenant gets its turn (see scheduler.py)."""
         return self.scheduler.run(tenant_of(model_id), fn)
 
+    def _once(self, request, kind: str, work):
+        """`work()` in the model's fair turn, at most once per (model_id, seq_id): a resend gets
+        the first reply, also after a restart for what the durable state includes."""
+        model_id, seq = request.model_id, request.seq_id
+        cached = self.replies.get(model_id, seq, kind)
+        if cached is not None:
+            return cached
+
+        def turn():
+            self._resume(model_id)
+            again = self.replies.get(model_id, seq, kind)     # a resume may know it
+            if again is not None:
+                return again
+            reply = work()
+            self.replies.put(model_id, seq, kind, reply)
+            return reply
+        return self._fair(model_id, turn)
+
+    def _resume(self, model_id: str) -> None:
+        """Brings back a model that is not resident. Its journal tells which requests its durable
+        state includes (their replies are kept for resends) and which it lost in a crash: then
+        this request is refused, once, saying so."""
+        if self.engine.is_resident(model_id) or not self.engine.on_disk(model_id):
+            return
+        model = self.engine.get(model_id)
+        entries = self.durable.journal(model_id)
+        for e in entries:
+            if e.seq <= model.state_seq:
+                reply = _REPLY_TYPES[e.kind].FromString(e.reply) if e.reply is not None else APPLIED
+                self.replies.put(model_id, e.seq, e.kind, reply)
+        lost = [e for e in entries if e.seq > model.state_seq]
+        if lost:
+            self.durable.trim(model_id, model.state_seq)
+            raise LostWorkError(
+                f"the trainer restarted and model {model_id} resumed from its state at step {model.step} "
+                f"(seq_id {model.state_seq}); these requests were done but are lost: {describe_lost(lost)}. "
+                f"Send them again to redo them; requests from now on apply to the resumed state")
+
+    def _write_when_idle(self) -> None:
+        """Writes the durable state of models that are behind once the engine has been idle a while."""
+        while True:
+            time.sleep(IDLE_WRITE_AFTER_S / 2)
+            if self.scheduler.idle_for() < IDLE_WRITE_AFTER_S:
+                continue
+            for model_id in self.engine.behind():
+                try:
+                    self._fair(model_id, lambda: self.engine.save_durable(model_id))
+                except Exception:  # noqa: BLE001 - retried on the next idle tick
+                    log.exception("could not write the durable state of %s", model_id)
+                if self.scheduler.idle_for() < IDLE_WRITE_AFTER_S:
+                    break
+
     def _info(self, model_id: str) -> trainer_pb2.ModelInfo:
         base = self.engine.base_model_dir
-        if model_id in self.engine.model_ids()[1]:
+        if not self.engine.is_resident(model_id) and self.engine.on_disk(model_id):
             return convert.model_info(model_id, base, None)
         model = self.engine.get(model_id)
         return convert.model_info(model_id, base, model, self.engine.num_params(model))
@@ -61,7 +129,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             directory = paths.checkpoint_dir(self.state_dir, ref.model_id, ref.kind, ref.name)
 
             def create():
-                if self.engine.is_resident(request.model_id):
+                if self.engine.is_resident(request.model_id) or self.engine.on_disk(request.model_id):
                     return self.engine.get(request.model_id)   # a resent create
                 return self.engine.load_state(request.model_id, directory, with_optimizer=request.load_optimizer)
         else:
@@ -83,15 +151,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         directory = paths.checkpoint_dir(self.state_dir, request.model_id, request.kind, request.name)
 
         def save():
-            size = self._fair(request.model_id, lambda: self.engine.save_state(
-                request.model_id, directory, with_optimizer=request.with_optimizer))
+            size = self.engine.save_state(request.model_id, directory, with_optimizer=request.with_optimizer)
             return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size)
-        return self.replies.once(request.model_id, request.seq_id, "save_state", save)
+        return self._once(request, "save_state", save)
 
     @rpc_boundary
     def UnloadModel(self, request, context):
-        target = paths.unloaded_dir(self.state_dir, request.model_id)
-        directory = self._fair(request.model_id, lambda: self.engine.unload_model(request.model_id, target))
+        directory = self._fair(request.model_id, lambda: self.engine.unload_model(request.model_id))
         return trainer_pb2.UnloadModelResponse(directory=directory)
 
     @rpc_boundary
@@ -102,29 +168,44 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc_boundary
     def ForwardBackward(self, request, context):
         kind = "forward" if request.forward_only else "forward_backward"
-        return self.replies.once(request.model_id, request.seq_id, kind, lambda: self._forward_backward(request))
+        return self._once(request, kind, lambda: self._forward_backward(request))
 
     def _forward_backward(self, request) -> trainer_pb2.ForwardBackwardResponse:
         data = [convert.datum(d, i) for i, d in enumerate(request.data)]
-        outputs, metrics = self._fair(request.model_id, lambda: self.engine.forward_backward(
-            request.model_id, data, request.loss_fn, dict(request.loss_fn_config),
-            forward_only=request.forward_only))
+        outputs, metrics = self.engine.forward_backward(request.model_id, data, request.loss_fn,
+                                                        dict(request.loss_fn_config),
+                                                        forward_only=request.forward_only)
+        if not request.forward_only:
+            self.durable.record(request.model_id, request.seq_id, "forward_backward")
         return convert.forward_backward_response(outputs, metrics)
 
     @rpc_boundary
     def OptimStep(self, request, context):
         adam = convert.adam_params(request.adam_params)
-        return self.replies.once(request.model_id, request.seq_id, "optim_step", lambda: trainer_pb2.OptimStepResponse(
-            metrics=self._fair(request.model_id, lambda: self.engine.optim_step(request.model_id, adam))))
+
+        def step():
+            metrics = self.engine.optim_step(request.model_id, adam, seq=request.seq_id)
+            reply = trainer_pb2.OptimStepResponse(metrics=metrics)
+            self.durable.record(request.model_id, request.seq_id, "optim_step", reply.SerializeToString())
+            if self.durable.due(request.model_id):
+                self.engine.save_durable(request.model_id)
+            return reply
+        return self._once(request, "optim_step", step)
 
     @rpc_boundary
     def PushWeights(self, request, context):
-        return self.replies.once(request.model_id, request.seq_id, "push_weights", lambda: self._push(request))
-
-    def _push(self, request) -> trainer_pb2.PushWeightsResponse:
         if not request.snapshot_id:
             raise UserError("snapshot_id is required")
-        persisted = paths.snapshot_dir(self.state_dir, request.snapshot_id) if request.persist else ""
+        cached = self.replies.get(request.model_id, request.seq_id, "push_weights")
+        if cached is not None:
+            return cached
+
+        def export():
+            self._resume(request.model_id)
+            return self.engine.export_adapter(request.model_id)
         t0 = time.perf_counter()
-        adapter, config = self._fair(request.model_id, lambda: self.engine.export_adapter(request.model_id))
-        return self.pusher.push(request, persisted, adapter, config, gather_seconds=time.perf_counter() - t0)
+        adapter, config = self._fair(request.model_id, export)     # the transfer runs outside the turn
+        persisted = paths.snapshot_dir(self.state_dir, request.snapshot_id) if request.persist else ""
+        reply = self.pusher.push(request, persisted, adapter, config, gather_seconds=time.perf_counter() - t0)
+        self.replies.put(request.model_id, request.seq_id, "push_weights", reply)
+        return reply

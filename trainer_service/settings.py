@@ -16,7 +16,12 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings):
     listen: str = setting("127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
     advertise_host: str = setting("127.0.0.1", help="host samplers connect to for weight streaming (the "
                                                     "stream's store listens on this interface only)")
-    state_dir: str = setting("./state", help="checkpoints, snapshots and unloaded models; every path is "
+    state_dir: str = setting("./state", help="checkpoints, snapshots and models' durable state; every path is "
                                              "derived below it from ids (the gateway's, on a shared filesystem)")
     zero_stage: int = setting(2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
+    durable_interval_s: float = setting(10.0, help="write a model's durable state after an optim_step once its "
+                                                   "last write is older than this (0: every step); also written "
+                                                   "when the trainer is idle, and on unload")
+    max_resident_models: int = setting(32, help="models kept in memory; the least recently used others wait "
+                                                "on disk and reload on their next use")

@@ -72,7 +72,7 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
 
     def UnloadModel(self, request, context):
         self._got("UnloadModel", request)
-        return trainer_pb2.UnloadModelResponse(directory=paths.unloaded_dir(self.state_dir, request.model_id))
+        return trainer_pb2.UnloadModelResponse(directory=paths.model_dir(self.state_dir, request.model_id))
 
     def GetQueueState(self, request, context):
         return trainer_pb2.QueueState()

@@ -4,6 +4,7 @@ semantics and tenant isolation, under ZeRO-2 and ZeRO-3."""
 import pytest
 import torch
 
+from trainer_service.durable import DurableModels
 from trainer_service.engine import AdamParams, DatumInput, TrainerEngine
 from trainer_service.lora import LoraSpec
 
@@ -72,16 +73,17 @@ def _logprobs(engine, model_id):
 def test_unloaded_model_comes_back_with_its_optimizer_state(tiny_model_dir, tmp_path, stage):
     """A model unloaded mid-training and reloaded on next use trains on exactly like its twin
     that stayed in memory: same weights, same AdamW moments, same step count."""
-    engine = TrainerEngine(tiny_model_dir, zero_stage=stage)
+    engine = TrainerEngine(tiny_model_dir, zero_stage=stage, durable=DurableModels(str(tmp_path)))
     adam = _adam(1e-2)
     for model_id in ("stays", "leaves"):
         engine.create_model(model_id, LoraSpec(rank=4, seed=1, train_unembed=False))
         engine.forward_backward(model_id, [A], "cross_entropy", {}, forward_only=False)
         engine.optim_step(model_id, adam)
 
-    engine.unload_model("leaves", str(tmp_path / "leaves"))
+    directory = engine.unload_model("leaves")
     assert not engine.is_resident("leaves")
-    assert (tmp_path / "leaves" / "adapter_model.safetensors").exists()
+    assert directory == str(tmp_path / "models" / "leaves" / "state")
+    assert (tmp_path / "models" / "leaves" / "state" / "adapter_model.safetensors").exists()
 
     for model_id in ("stays", "leaves"):   # the second one reloads transparently
         engine.forward_backward(model_id, [B], "cross_entropy", {}, forward_only=False)

@@ -156,7 +156,7 @@ def test_paths_come_from_ids_only(trainer, tmp_path):
     dots = stub.SaveState(trainer_pb2.SaveStateRequest(model_id="..", seq_id=1, kind="weights", name="w"), timeout=120)
     assert dots.directory == str(state / "checkpoints" / "_." / "weights" / "w")
     unloaded = stub.UnloadModel(trainer_pb2.UnloadModelRequest(model_id=".."), timeout=120)
-    assert unloaded.directory == str(state / "unloaded" / "_.")
+    assert unloaded.directory == str(state / "models" / "_." / "state")
     assert _files(state.parent) - _files(state) == outside
     loaded = stub.CreateModel(trainer_pb2.CreateModelRequest(
         model_id="s:train:2", load_optimizer=True,

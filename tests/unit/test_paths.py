@@ -26,7 +26,7 @@ def test_good_names_and_ids_stay_one_component(tmp_path):
     assert paths.checkpoint_dir(state, "s:train:0", "weights", "w") == os.path.join(
         state, "checkpoints", "s_train_0", "weights", "w")
     assert paths.snapshot_dir(state, "../x") == os.path.join(state, "snapshots", "_._x")
-    assert paths.unloaded_dir(state, "..") == os.path.join(state, "unloaded", "_.")
+    assert paths.model_dir(state, "..") == os.path.join(state, "models", "_.")
     with pytest.raises(UserError, match="kind"):
         paths.checkpoint_dir(state, "s:train:0", "..", "w")
 
@@ -47,6 +47,6 @@ def test_adapter_paths_must_lie_below_snapshots_or_checkpoints(tmp_path):
     checkpoint = paths.checkpoint_dir(state, "r", "sampler_weights", "n")
     assert paths.adapter_path(state, checkpoint) == os.path.realpath(checkpoint)
     for path in ("/etc", str(tmp_path), os.path.join(state, "snapshots"), os.path.join(state, "snapshots", "..", ".."),
-                 os.path.join(state, "unloaded", "m"), "relative/path"):
+                 os.path.join(state, "models", "m"), "relative/path"):
         with pytest.raises(UserError):
             paths.adapter_path(state, path)

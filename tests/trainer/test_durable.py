@@ -1,0 +1,158 @@
+"""A model's durable state (trainer_service/durable.py) at the servicer: a restarted trainer
+(a new engine and servicer on the same state dir) brings every model back exactly, says once
+what a crash lost, never applies a request twice, and evicts least recently used models."""
+
+import os
+
+import numpy as np
+import pytest
+
+from tinkerd import tensors
+from tinkerd.v1 import common_pb2, trainer_pb2
+from trainer_service import checkpoints
+from trainer_service.durable import DurableModels
+from trainer_service.engine import TrainerEngine
+from trainer_service.servicer import TrainerServicer
+
+TOKENS = [5, 9, 17, 33, 2, 71, 8, 40, 12, 3]
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+
+def _trainer(model_dir, state_dir, **kwargs) -> TrainerServicer:
+    """A trainer as `tinkerd trainer` makes one; a second on the same state dir is a restart."""
+    interval = kwargs.pop("durable_interval_s", 0.0)
+    engine = TrainerEngine(model_dir, zero_stage=2, durable=DurableModels(str(state_dir), interval), **kwargs)
+    return TrainerServicer(engine, state_dir=str(state_dir))
+
+
+def _create(trainer, model_id):
+    trainer.CreateModel(trainer_pb2.CreateModelRequest(model_id=model_id, lora_config=common_pb2.LoraConfig(
+        rank=4, seed=3, train_attn=True, train_mlp=True)), _Context())
+
+
+def _datum(shift=0):
+    tokens = [t + shift for t in TOKENS]
+    return common_pb2.Datum(tokens=tokens[:-1], loss_fn_inputs={
+        "target_tokens": tensors.from_numpy(np.array(tokens[1:], dtype=np.int64)),
+        "weights": tensors.from_numpy(np.ones(len(tokens) - 1, dtype=np.float32))})
+
+
+def _fb(trainer, model_id, seq, *, forward_only=False, shift=0):
+    return trainer.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+        model_id=model_id, seq_id=seq, loss_fn="cross_entropy", forward_only=forward_only,
+        data=[_datum(shift)]), _Context())
+
+
+def _logprobs(trainer, model_id, seq):
+    reply = _fb(trainer, model_id, seq, forward_only=True)
+    return tensors.to_numpy(reply.outputs[0].outputs["logprobs"])
+
+
+def _step(trainer, model_id, seq):
+    return trainer.OptimStep(trainer_pb2.OptimStepRequest(
+        model_id=model_id, seq_id=seq, adam_params=common_pb2.AdamParams(learning_rate=1e-2, beta1=0.9,
+                                                                          beta2=0.95, eps=1e-8)), _Context())
+
+
+def test_a_restarted_trainer_brings_the_model_back_exactly(tiny_model_dir, tmp_path):
+    """Same weights and same AdamW state after a restart: it trains on like a twin that stayed."""
+    twin, first = _trainer(tiny_model_dir, tmp_path / "twin"), _trainer(tiny_model_dir, tmp_path / "a")
+    for trainer in (twin, first):
+        _create(trainer, "s:train:0")
+        _fb(trainer, "s:train:0", 1)
+        _step(trainer, "s:train:0", 2)
+    restarted = _trainer(tiny_model_dir, tmp_path / "a")
+    assert not restarted.engine.is_resident("s:train:0")
+    np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 3), _logprobs(twin, "s:train:0", 3), atol=1e-6)
+    for trainer in (twin, restarted):
+        _fb(trainer, "s:train:0", 4, shift=1)
+        assert _step(trainer, "s:train:0", 5).metrics["step:max"] == 2.0
+    np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 6), _logprobs(twin, "s:train:0", 6), atol=1e-6)
+
+
+def test_lost_work_is_told_once_and_nothing_is_applied_twice(tiny_model_dir, tmp_path):
+    first = _trainer(tiny_model_dir, tmp_path)
+    _create(first, "s:train:0")
+    _fb(first, "s:train:0", 1)
+    stepped = _step(first, "s:train:0", 2)
+    before = _logprobs(first, "s:train:0", 3)
+    _fb(first, "s:train:0", 4)                 # accumulated gradients: not in any durable state
+
+    restarted = _trainer(tiny_model_dir, tmp_path)
+    context = _Context()
+    with pytest.raises(_Aborted):
+        restarted.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+            model_id="s:train:0", seq_id=5, loss_fn="cross_entropy", forward_only=True, data=[_datum()]), context)
+    assert "resumed from its state at step 1 (seq_id 2)" in context.details
+    assert "forward_backward seq_id 4" in context.details
+    assert context.code.name == "ABORTED"          # Tinker category "server"
+    # Said once: the next request runs, on the resumed state.
+    np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 6), before, atol=1e-6)
+
+    # A resent optim_step the state includes gets its first reply and is not applied again.
+    again = _step(restarted, "s:train:0", 2)
+    assert again == stepped and restarted.engine.get("s:train:0").step == 1
+    # A resent forward_backward the state includes is refused, not applied twice.
+    context = _Context()
+    with pytest.raises(_Aborted):
+        restarted.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+            model_id="s:train:0", seq_id=1, loss_fn="cross_entropy", data=[_datum()]), context)
+    assert "applied before the trainer restarted" in context.details
+    np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 7), before, atol=1e-6)
+
+
+def test_idle_trainer_writes_what_is_behind(tiny_model_dir, tmp_path):
+    """With a long interval nothing is written at the step, but an idle second later it is."""
+    import time
+
+    first = _trainer(tiny_model_dir, tmp_path, durable_interval_s=1e9)
+    _create(first, "s:train:0")
+    _fb(first, "s:train:0", 1)
+    _step(first, "s:train:0", 2)
+    assert first.engine.behind() == ["s:train:0"]
+    deadline = time.monotonic() + 30
+    while first.engine.behind():
+        assert time.monotonic() < deadline, "the idle writer never wrote the model"
+        time.sleep(0.2)
+    restarted = _trainer(tiny_model_dir, tmp_path)
+    np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 3), _logprobs(first, "s:train:0", 3), atol=1e-6)
+
+
+def test_least_recently_used_models_wait_on_disk(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path, max_resident=2)
+    for n in range(3):
+        _create(trainer, f"s:train:{n}")
+        _fb(trainer, f"s:train:{n}", 1, shift=n)
+        _step(trainer, f"s:train:{n}", 2)
+    before = _logprobs(trainer, "s:train:2", 3)
+    resident = [n for n in range(3) if trainer.engine.is_resident(f"s:train:{n}")]
+    assert len(resident) == 2 and 0 not in resident
+    _logprobs(trainer, "s:train:0", 3)          # comes back; the least recently used one leaves
+    assert trainer.engine.is_resident("s:train:0") and not trainer.engine.is_resident("s:train:1")
+    np.testing.assert_allclose(_logprobs(trainer, "s:train:2", 4), before, atol=1e-6)
+    assert trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id="s:train:1"), _Context()).deleted
+    assert not os.path.exists(tmp_path / "models" / "s_train_1")
+
+
+def test_a_crash_mid_swap_leaves_the_old_checkpoint(tmp_path):
+    """commit_state renames the old one aside before the new one goes in; a crash between the
+    two renames leaves only the aside copy, which the next read puts back."""
+    directory = tmp_path / "ckpt"
+    (tmp_path / "ckpt.old-123").mkdir()
+    (tmp_path / "ckpt.old-123" / "tinkerd_state.json").write_text("{}")
+    checkpoints.recover_swap(str(directory))
+    assert (directory / "tinkerd_state.json").exists() and not (tmp_path / "ckpt.old-123").exists()
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "x").write_text("new")
+    checkpoints.commit_state(str(new), str(directory))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"] and (directory / "x").read_text() == "new"

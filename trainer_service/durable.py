@@ -1,0 +1,139 @@
+"""Each model's durable state on the trainer's disk: what brings a model back after it was
+unloaded, evicted, or lost with a trainer that died.
+
+    <state_dir>/models/<dir_name(model_id)>/state          the newest full checkpoint: adapter,
+                                                           AdamW state, step, and the seq_id of the
+                                                           last request it includes; swapped in
+                                                           whole (checkpoints.commit_state)
+    <state_dir>/models/<dir_name(model_id)>/journal.jsonl  one line per forward_backward and
+                                                           optim_step executed: seq_id, kind, and
+                                                           the optim_step reply
+
+When the state is written (the documented cadence, README "Durability"): when the model is made;
+after an optim_step once the last write is older than `--durable-interval-s` (0: every step);
+whenever the trainer has been idle for a second; and when the model is unloaded or evicted.
+
+What the journal is for, after a restart:
+- work lost: entries after the state's seq_id are requests that were executed and answered but
+  are not in the state. The model's next request is refused once, naming them and the step the
+  model resumed from, so nobody trains on unaware of a gap.
+- exactly once: a resent request whose seq_id the state already includes is never applied again;
+  an optim_step gets its original reply, a forward_backward a clear error.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+from tinkerd import paths
+
+STATE, JOURNAL = "state", "journal.jsonl"
+# Kinds that change a model: the ones a restart can lose.
+STATEFUL = ("forward_backward", "optim_step")
+_JOURNAL_KEPT = 64          # entries at or before the state's seq_id kept to answer resends
+IDLE_WRITE_AFTER_S = 1.0
+
+
+@dataclasses.dataclass
+class Entry:
+    seq: int
+    kind: str
+    reply: bytes | None = None
+
+
+class DurableModels:
+    def __init__(self, state_dir: str, interval_s: float = 10.0):
+        self.state_dir = state_dir
+        self.interval_s = interval_s
+        self._written_at: dict[str, float] = {}     # model_id -> monotonic time of its last write
+
+    # ---- where ----------------------------------------------------------------------------
+
+    def model_dir(self, model_id: str) -> str:
+        return paths.model_dir(self.state_dir, model_id)
+
+    def state_path(self, model_id: str) -> str:
+        return os.path.join(self.model_dir(model_id), STATE)
+
+    def exists(self, model_id: str) -> bool:
+        from trainer_service.checkpoints import recover_swap
+
+        recover_swap(self.state_path(model_id))
+        return os.path.isdir(self.state_path(model_id))
+
+    def remove(self, model_id: str) -> None:
+        shutil.rmtree(self.model_dir(model_id), ignore_errors=True)
+        self._written_at.pop(model_id, None)
+
+    # ---- cadence --------------------------------------------------------------------------
+
+    def written(self, model_id: str) -> None:
+        self._written_at[model_id] = time.monotonic()
+
+    def due(self, model_id: str) -> bool:
+        """After an optim_step: is the model's last write older than the interval?"""
+        return time.monotonic() - self._written_at.get(model_id, 0.0) >= self.interval_s
+
+    # ---- journal --------------------------------------------------------------------------
+
+    def _journal_path(self, model_id: str) -> str:
+        return os.path.join(self.model_dir(model_id), JOURNAL)
+
+    def record(self, model_id: str, seq: int, kind: str, reply: bytes | None = None) -> None:
+        """Appends one executed request. Written before its reply leaves, unbuffered: a killed
+        process loses nothing the OS has (a machine crash may lose the last lines)."""
+        line = {"seq": seq, "kind": kind}
+        if reply is not None:
+            line["reply"] = base64.b64encode(reply).decode()
+        os.makedirs(self.model_dir(model_id), exist_ok=True)
+        with open(self._journal_path(model_id), "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def journal(self, model_id: str) -> list[Entry]:
+        try:
+            with open(self._journal_path(model_id)) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return []
+        entries = []
+        for line in lines:
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue            # a line cut short by a crash
+            reply = base64.b64decode(d["reply"]) if "reply" in d else None
+            entries.append(Entry(int(d["seq"]), d["kind"], reply))
+        return entries
+
+    def trim(self, model_id: str, upto_seq: int) -> None:
+        """Keeps only the last entries at or before `upto_seq` (the state's): what a resend may
+        still ask for. Entries after it are dropped: lost work, already reported."""
+        kept = [e for e in self.journal(model_id) if e.seq <= upto_seq][-_JOURNAL_KEPT:]
+        path = self._journal_path(model_id)
+        if not kept:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            for e in kept:
+                line = {"seq": e.seq, "kind": e.kind}
+                if e.reply is not None:
+                    line["reply"] = base64.b64encode(e.reply).decode()
+                f.write(json.dumps(line) + "\n")
+        os.replace(tmp, path)
+
+
+def describe_lost(entries: list[Entry]) -> str:
+    """`forward_backward seq_id 3, 4; optim_step seq_id 5` for an error message."""
+    by_kind: dict[str, list[str]] = {}
+    for e in entries:
+        by_kind.setdefault(e.kind, []).append(str(e.seq))
+    return "; ".join(f"{kind} seq_id {', '.join(seqs)}" for kind, seqs in by_kind.items())
