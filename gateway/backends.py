@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from gateway.settings import GatewaySettings
-from tinkerd.rpc import ServiceAuth, aio_channel
+from tinkerd.rpc import ServiceAuth, aio_channel, resilient_calls
 from tinkerd.v1 import sampler_pb2_grpc, trainer_pb2_grpc
 
 
@@ -14,8 +14,10 @@ class Backends:
 
     def __init__(self, settings: GatewaySettings):
         auth = ServiceAuth.of(settings)
-        self.trainer = trainer_pb2_grpc.TrainerStub(aio_channel(settings.trainer, auth))
-        self.samplers = [sampler_pb2_grpc.SamplerStub(aio_channel(a, auth)) for a in settings.samplers]
+        self.trainer = trainer_pb2_grpc.TrainerStub(aio_channel(
+            settings.trainer, auth, resilient_calls("tinkerd.v1.Trainer", settings.rpc_timeout_s)))
+        sampler_calls = resilient_calls("tinkerd.v1.Sampler", settings.rpc_timeout_s)
+        self.samplers = [sampler_pb2_grpc.SamplerStub(aio_channel(a, auth, sampler_calls)) for a in settings.samplers]
         self._next = itertools.cycle(range(len(self.samplers)))
 
     def sampler(self) -> sampler_pb2_grpc.SamplerStub:

@@ -38,6 +38,8 @@ class GatewaySettings(ServiceAuthSettings):
     # that cannot fit before it reaches a replica.
     max_model_len: int = setting(1024, help="context length: prompt + max_tokens")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
+    rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
+                                                "included; calls wait this long for a restarting service")
 
     @property
     def model_names(self) -> list[str]:

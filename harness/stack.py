@@ -79,7 +79,10 @@ def service_pids(root_pid: int) -> dict[str, int]:
 
     pids = {}
     for child in psutil.Process(root_pid).children(recursive=True):
-        cmd = child.cmdline()
+        try:
+            cmd = child.cmdline()
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):      # died, not reaped yet
+            continue
         for name in ("trainer", "sampler", "gateway"):
             if len(cmd) > 3 and cmd[3] == name:
                 pids[name] = child.pid

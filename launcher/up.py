@@ -36,6 +36,11 @@ WIRED = {"trainer": ("listen",), "sampler": ("listen",), "gateway": ("trainer", 
 @dataclasses.dataclass
 class UpSettings:
     start_timeout: float = settings.setting(600.0, help="seconds the services may take to become ready")
+    restart: bool = settings.setting(True, help="restart a service that dies (on its old port); --no-restart "
+                                                "stops the stack and exits non-zero instead, for a supervisor "
+                                                "such as systemd or Kubernetes to act")
+    max_restarts: int = settings.setting(5, help="restarts of one service within 10 minutes before `up` gives "
+                                                 "up and exits non-zero")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,19 +105,54 @@ def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
             p.kill()
 
 
+def _wiring(name: str, ready: dict) -> dict:
+    """The addresses a child is started with; once the stack runs, a restarted child gets the
+    port it had, so the others still find it."""
+    if name == "gateway":
+        wiring = {"trainer": f"127.0.0.1:{ready['trainer']}", "samplers": [f"127.0.0.1:{ready['sampler']}"]}
+        return {**wiring, "port": ready["gateway"]} if "gateway" in ready else wiring
+    return {"listen": f"127.0.0.1:{ready[name]}"} if name in ready else {}
+
+
 def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str) -> str:
     """Trainer and sampler start in parallel; the gateway once both answer. Returns its URL."""
     for name in ("trainer", "sampler"):
         procs[name] = _start(name, child_argv(args, name), ready, log_dir)
     _wait_ready(procs, ready, ["trainer", "sampler"], args.start_timeout, log_dir)
-    argv = child_argv(args, "gateway", trainer=f"127.0.0.1:{ready['trainer']}",
-                      samplers=[f"127.0.0.1:{ready['sampler']}"])
-    procs["gateway"] = _start("gateway", argv, ready, log_dir)
+    procs["gateway"] = _start("gateway", child_argv(args, "gateway", **_wiring("gateway", ready)), ready, log_dir)
     _wait_ready(procs, ready, ["gateway"], args.start_timeout, log_dir)
     url = f"http://{args.host}:{ready['gateway']}"
     with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=10) as r:
         assert r.status == 200
     return url
+
+
+class Supervisor:
+    """Restarts a child that died, on its old port, at most `max_restarts` times in 10 minutes."""
+
+    WINDOW_S = 600.0
+
+    def __init__(self, args: argparse.Namespace, procs: dict, ready: dict, log_dir: str):
+        self.args, self.procs, self.ready, self.log_dir = args, procs, ready, log_dir
+        self.restarts: dict[str, list[float]] = {name: [] for name in CHILDREN}
+
+    def check(self) -> None:
+        """Raises SystemExit(1) when a dead child may not be restarted."""
+        for name, p in list(self.procs.items()):
+            if p.poll() is None:
+                continue
+            print(f"tinkerd: {name} exited with code {p.returncode}", file=sys.stderr, flush=True)
+            recent = [t for t in self.restarts[name] if time.monotonic() - t < self.WINDOW_S]
+            if not self.args.restart or len(recent) >= self.args.max_restarts:
+                why = "--no-restart" if not self.args.restart else f"{len(recent)} restarts in 10 minutes"
+                print(f"tinkerd: not restarting {name} ({why}); stopping", file=sys.stderr, flush=True)
+                raise SystemExit(1)
+            self.restarts[name] = [*recent, time.monotonic()]
+            port = self.ready.pop(name)
+            self.procs[name] = _start(name, child_argv(self.args, name, **_wiring(name, {**self.ready, name: port})),
+                                      self.ready, self.log_dir)
+            _wait_ready(self.procs, self.ready, [name], self.args.start_timeout, self.log_dir)
+            print(f"tinkerd: {name} restarted on port {self.ready[name]}", file=sys.stderr, flush=True)
 
 
 def service_token_file(state_dir: str) -> str:
@@ -138,15 +178,16 @@ def up(args: argparse.Namespace) -> None:
     args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
     procs: dict[str, subprocess.Popen] = {}
 
-    def stop(*_):
+    def stop(*_, code: int = 0):
         _stop_all(procs)
-        raise SystemExit(0)
+        raise SystemExit(code)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
         api_key = keys.first_admin_key(args.state_dir, args.db_url) if args.auth else None
-        url = _start_all(args, procs, {}, log_dir)
+        ready: dict[str, int] = {}
+        url = _start_all(args, procs, ready, log_dir)
         print(f"tinkerd ready at {url} in {time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
         if api_key:
             print("the admin's API key (shown only now; more with `tinkerd keys create --user NAME`):", flush=True)
@@ -154,11 +195,13 @@ def up(args: argparse.Namespace) -> None:
         elif not args.auth:
             print("auth is OFF (--no-auth): every caller acts as the admin user", flush=True)
         print(f"TINKER_BASE_URL={url}", flush=True)
+        supervisor = Supervisor(args, procs, ready, log_dir)
         while True:
-            for name, p in procs.items():
-                if p.poll() is not None:
-                    print(f"tinkerd: {name} exited with code {p.returncode}; stopping", file=sys.stderr)
-                    stop()
+            supervisor.check()
             time.sleep(0.5)
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr, flush=True)
+        stop(code=e.code if isinstance(e.code, int) else 1)
     except BaseException:
-        stop()
+        stop(code=1)

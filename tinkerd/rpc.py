@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hmac
 import ipaddress
+import json
 import logging
 
 import grpc
@@ -181,12 +182,30 @@ def channel(address: str, auth: ServiceAuth = ServiceAuth()) -> grpc.Channel:
     return grpc.intercept_channel(ch, _SendToken(auth.token)) if auth.token else ch
 
 
-def aio_channel(address: str, auth: ServiceAuth = ServiceAuth()) -> grpc.aio.Channel:
+def resilient_calls(service: str, timeout_s: float) -> list[tuple[str, object]]:
+    """Channel options under which every call to `service` has a deadline, waits for a service
+    that is (re)starting instead of failing at once, and is resent when the connection drops
+    mid-call. Only for services whose every method is safe to resend: the trainer answers a
+    resent (model_id, seq_id) without applying it twice, and sampling changes nothing."""
+    config = {"methodConfig": [{
+        "name": [{"service": service}],
+        "waitForReady": True,
+        "timeout": f"{timeout_s:.3f}s",
+        "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.5s", "maxBackoff": "10s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }]}
+    return [("grpc.service_config", json.dumps(config)), ("grpc.enable_retries", 1),
+            # Requests are kept for a resend up to these sizes (gRPC's default is 256 KiB).
+            ("grpc.per_rpc_retry_buffer_size", MAX_MESSAGE_BYTES), ("grpc.retry_buffer_size", (1 << 31) - 1)]
+
+
+def aio_channel(address: str, auth: ServiceAuth = ServiceAuth(), options=()) -> grpc.aio.Channel:
     interceptors = [_SendTokenAio(auth.token)] if auth.token else None
+    options = [*CHANNEL_OPTIONS, *options]
     if auth.tls:
-        return grpc.aio.secure_channel(address, _channel_credentials(auth), options=CHANNEL_OPTIONS,
+        return grpc.aio.secure_channel(address, _channel_credentials(auth), options=options,
                                        interceptors=interceptors)
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 def rpc_boundary(method):

@@ -63,7 +63,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return cached
 
         def turn():
-            self._resume(model_id)
+            self._resume(model_id, seq)
             again = self.replies.get(model_id, seq, kind)     # a resume may know it
             if again is not None:
                 return again
@@ -72,10 +72,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return reply
         return self._fair(model_id, turn)
 
-    def _resume(self, model_id: str) -> None:
+    def _resume(self, model_id: str, seq: int) -> None:
         """Brings back a model that is not resident. Its journal tells which requests its durable
         state includes (their replies are kept for resends) and which it lost in a crash: then
-        this request is refused, once, saying so."""
+        this request is refused, once, saying so -- unless it is the resend of the one request
+        lost (the call in flight when the trainer died), which redoes exactly what was lost."""
         if self.engine.is_resident(model_id) or not self.engine.on_disk(model_id):
             return
         model = self.engine.get(model_id)
@@ -85,7 +86,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 reply = _REPLY_TYPES[e.kind].FromString(e.reply) if e.reply is not None else APPLIED
                 self.replies.put(model_id, e.seq, e.kind, reply)
         lost = [e for e in entries if e.seq > model.state_seq]
-        if lost:
+        if lost and [e.seq for e in lost] == [seq]:
+            self.durable.trim(model_id, model.state_seq)
+        elif lost:
             self.durable.trim(model_id, model.state_seq)
             raise LostWorkError(
                 f"the trainer restarted and model {model_id} resumed from its state at step {model.step} "
@@ -201,7 +204,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return cached
 
         def export():
-            self._resume(request.model_id)
+            self._resume(request.model_id, request.seq_id)
             return self.engine.export_adapter(request.model_id)
         t0 = time.perf_counter()
         adapter, config = self._fair(request.model_id, export)     # the transfer runs outside the turn
