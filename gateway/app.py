@@ -33,10 +33,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        gw.backends = Backends(settings)
+        gw.backends = Backends(settings, gw.db, gw.service_auth)
         reaper = asyncio.create_task(housekeeping.run_forever(gw))
         yield
         reaper.cancel()
+        await gw.backends.close()
 
     app = FastAPI(title="tinkerd gateway", lifespan=lifespan)
     app.state.gateway = gw

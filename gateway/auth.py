@@ -21,7 +21,7 @@ from gateway.tokens import Signer
 
 # Reachable without a credential: health probes, and downloads that carry their own signature.
 PUBLIC_PATHS = ("/api/v1/healthz",)
-PUBLIC_PREFIXES = ("/files/",)
+PUBLIC_PREFIXES = ("/files/", "/internal/v1/samplers/")      # the latter: service token, checked there
 
 
 class Authenticator:

@@ -1,24 +1,22 @@
-"""The gateway's gRPC clients: one trainer, and sampler replicas taken in turn."""
+"""The gateway's gRPC clients: the trainer, and the pool of sampler replicas."""
 
 from __future__ import annotations
 
-import itertools
-
+from gateway.db import Database
+from gateway.sampler_pool import SamplerPool
 from gateway.settings import GatewaySettings
 from tinkerd.rpc import ServiceAuth, aio_channel, resilient_calls
-from tinkerd.v1 import sampler_pb2_grpc, trainer_pb2_grpc
+from tinkerd.v1 import trainer_pb2_grpc
 
 
 class Backends:
     """Made inside the running event loop (grpc.aio channels bind to it)."""
 
-    def __init__(self, settings: GatewaySettings):
-        auth = ServiceAuth.of(settings)
+    def __init__(self, settings: GatewaySettings, db: Database, auth: ServiceAuth):
         self.trainer = trainer_pb2_grpc.TrainerStub(aio_channel(
             settings.trainer, auth, resilient_calls("tinkerd.v1.Trainer", settings.rpc_timeout_s)))
-        sampler_calls = resilient_calls("tinkerd.v1.Sampler", settings.rpc_timeout_s)
-        self.samplers = [sampler_pb2_grpc.SamplerStub(aio_channel(a, auth, sampler_calls)) for a in settings.samplers]
-        self._next = itertools.cycle(range(len(self.samplers)))
+        self.samplers = SamplerPool(settings.samplers, db, auth, timeout_s=settings.rpc_timeout_s,
+                                    wait_s=settings.sampler_wait_s)
 
-    def sampler(self) -> sampler_pb2_grpc.SamplerStub:
-        return self.samplers[next(self._next)]
+    async def close(self) -> None:
+        await self.samplers.close()

@@ -112,6 +112,15 @@ class FutureRow(Base):
     completed_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class SamplerReplicaRow(Base):
+    """A sampler replica that registered itself (gateway/sampler_pool.py); gone once it stops
+    heart-beating or deregisters."""
+    __tablename__ = "sampler_replicas"
+    address: Mapped[str] = mapped_column(String(256), primary_key=True)
+    registered_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    last_seen: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
+
+
 class SamplingSessionRow(Base):
     __tablename__ = "sampling_sessions"
     sampling_session_id: Mapped[str] = mapped_column(String(256), primary_key=True)

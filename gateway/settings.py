@@ -13,7 +13,8 @@ from tinkerd.settings import setting
 class GatewaySettings(ServiceAuthSettings):
     base_model: str = setting(help="local directory of the base model (also its tokenizer)")
     trainer: str = setting(help="trainer gRPC address host:port")
-    samplers: list[str] = setting(flag="sampler", help="sampler gRPC address host:port (repeat per replica)")
+    samplers: list[str] = setting([], flag="sampler", help="sampler gRPC address host:port (repeatable); replicas "
+                                                          "may also join by themselves: tinkerd sampler --register-with")
     aliases: list[str] = setting([], flag="alias", help="another accepted name for the base model (repeatable)")
     host: str = setting("127.0.0.1", help="HTTP listen address")
     port: int = setting(8000, help="HTTP port (0 picks a free one)")
@@ -38,6 +39,8 @@ class GatewaySettings(ServiceAuthSettings):
     # that cannot fit before it reaches a replica.
     max_model_len: int = setting(1024, help="context length: prompt + max_tokens")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
+    sampler_wait_s: float = setting(60.0, help="how long a sample waits for a live sampler replica (the SDK "
+                                               "keeps polling meanwhile) before it fails")
     rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
                                                 "included; calls wait this long for a restarting service")
 

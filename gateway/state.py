@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 from typing import Annotated
 
@@ -21,6 +22,7 @@ from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
 from gateway.stability import StabilityRecords
 from gateway.tokens import Signer, signing_secret
+from tinkerd.rpc import ServiceAuth
 
 # The user a fresh database starts with: `tinkerd up` gives it the first API key, rows made
 # before users existed become its, and with --no-auth every request acts as it.
@@ -64,6 +66,11 @@ class Gateway:
         task = asyncio.create_task(coroutine)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+    @functools.cached_property
+    def service_auth(self) -> ServiceAuth:
+        """The credentials services present to each other (and replicas to the gateway)."""
+        return ServiceAuth.of(self.settings)
 
     @property
     def signer(self) -> Signer:

@@ -12,6 +12,7 @@ def serve(s: SamplerSettings) -> None:
     cpu_defaults()
     init_logging("sampler")
     from sampler_service.engine import SamplerEngine
+    from sampler_service.registration import Registration
     from sampler_service.servicer import SamplerServicer
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import sampler_pb2_grpc
@@ -27,4 +28,9 @@ def serve(s: SamplerSettings) -> None:
                                  allow_insecure=s.allow_insecure)
     sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine, state_dir=os.path.abspath(s.state_dir)),
                                                    server)
-    serve_until_signal(server, port, "sampler", on_stop=engine.shutdown)
+    registration = Registration(s.register_with, s.advertise_address or f"127.0.0.1:{port}", auth.token)
+
+    def stop():
+        registration.stop()
+        engine.shutdown()
+    serve_until_signal(server, port, "sampler", on_start=registration.start, on_stop=stop)

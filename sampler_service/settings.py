@@ -20,3 +20,7 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings):
     max_cpu_loras: int = setting(64, help="LoRA snapshots resident in memory (LRU; evicted ones reload from disk)")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a snapshot may have")
     max_num_seqs: int = setting(64, help="sequences in one engine batch")
+    register_with: list[str] = setting([], help="gateway URL to join the sampler pool of (repeatable); the "
+                                                "replica heart-beats there and leaves on a clean stop")
+    advertise_address: str = setting("", help="host:port the gateways and trainer reach this replica at "
+                                              "(default: 127.0.0.1 and the port it listens on)")

@@ -22,12 +22,14 @@ def cpu_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def serve_until_signal(server, port: int, name: str, on_stop=None) -> None:
+def serve_until_signal(server, port: int, name: str, on_start=None, on_stop=None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     logging.getLogger(name).info("%s serving gRPC on port %d", name, port)
+    if on_start:
+        on_start()
     print(f"READY {name} {port}", flush=True)
     stop.wait()
     server.stop(grace=2).wait()

@@ -199,6 +199,13 @@ def resilient_calls(service: str, timeout_s: float) -> list[tuple[str, object]]:
             ("grpc.per_rpc_retry_buffer_size", MAX_MESSAGE_BYTES), ("grpc.retry_buffer_size", (1 << 31) - 1)]
 
 
+def deadline_calls(service: str, timeout_s: float) -> list[tuple[str, object]]:
+    """Channel options under which every call to `service` has a deadline and fails at once
+    when the service is down (the caller picks another replica)."""
+    config = {"methodConfig": [{"name": [{"service": service}], "timeout": f"{timeout_s:.3f}s"}]}
+    return [("grpc.service_config", json.dumps(config)), ("grpc.enable_retries", 0)]
+
+
 def aio_channel(address: str, auth: ServiceAuth = ServiceAuth(), options=()) -> grpc.aio.Channel:
     interceptors = [_SendTokenAio(auth.token)] if auth.token else None
     options = [*CHANNEL_OPTIONS, *options]

@@ -62,7 +62,7 @@ async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
 
 
 async def _sample(gw: Gateway, msg: sampler_pb2.SampleRequest, record_for: str | None):
-    reply = await gw.backends.sampler().Sample(msg)
+    reply = await gw.backends.samplers.sample(msg)
     if record_for is not None:       # for stable_reinforce, which names these sequences by id
         for i, seq in enumerate(reply.sequences):
             gw.stability.record(record_for, f"{msg.request_id}:{i}", seq.tokens, seq.logprobs)

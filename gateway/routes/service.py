@@ -37,7 +37,7 @@ async def telemetry() -> dict:
 
 @router.get("/healthz")
 async def healthz(gw: GatewayDep):
-    services = [gw.backends.trainer, *gw.backends.samplers]
+    services = [gw.backends.trainer, *(m.stub for m in gw.backends.samplers.members.values())]
     try:
         replies = await asyncio.gather(*(s.Health(common_pb2.HealthRequest(), timeout=5) for s in services))
     except grpc.aio.AioRpcError as e:

@@ -49,14 +49,17 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
         target.sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     push = trainer_pb2.PushWeightsRequest(
         model_id=body.model_id, seq_id=body.seq_id, snapshot_id=f"{body.model_id}@{body.seq_id}-{uuid.uuid4().hex[:8]}",
-        sampler_addresses=gw.settings.samplers, persist=True)
+        persist=True)
     job = functools.partial(_push_weights, gw, push, target)
     return gw.submit_training(caller, "save_weights_for_sampler", body.model_id, body.seq_id, job,
                               fingerprint("save_weights_for_sampler", body.model_dump_json()))
 
 
 async def _push_weights(gw: Gateway, push: trainer_pb2.PushWeightsRequest, target: _SnapshotTarget):
+    await gw.backends.samplers.refresh()      # a replica that died since the last check would stall the push
+    push.sampler_addresses[:] = gw.backends.samplers.live_addresses()
     pushed = await gw.trainer.PushWeights(push)
+    gw.backends.samplers.holds(push.snapshot_id, list(push.sampler_addresses))
     if target.path is not None:
         gw.db.add(CheckpointRow(tinker_path=target.path, model_id=push.model_id, owner=target.caller.user_id,
                                 checkpoint_type="sampler", name=target.path.rsplit("/", 1)[1],

@@ -1,0 +1,172 @@
+"""The sampler replicas a gateway sends samples to, as they come and go.
+
+Members: the `--sampler` addresses the gateway was started with, and the replicas that registered
+themselves (`tinkerd sampler --register-with URL`; rows in the shared database, so every gateway
+sees them) and heart-beat within REGISTRATION_TTL_S. Each member is health-checked every
+HEALTH_EVERY_S; a member whose check or call fails is out of rotation until a check passes.
+
+Routing: among live members, those that already served or received the snapshot first (its
+adapter is loaded there), then the fewest samples in flight from this gateway. A sample whose
+replica dies or refuses it mid-request is sent to another one: sampling changes nothing, so the
+resend cannot double anything, and the SDK sees one answer. With no live member a sample waits,
+up to `--sampler-wait-s`, for one to come (back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import datetime
+import logging
+import time
+
+import grpc
+from sqlalchemy import select
+
+from gateway.db import Database, SamplerReplicaRow, now
+from tinkerd.errors import UnavailableError
+from tinkerd.rpc import ServiceAuth, aio_channel, deadline_calls
+from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+REGISTRATION_TTL_S = 15.0
+HEALTH_EVERY_S = 1.0
+# Codes meaning "this replica did not do it": another one may.
+_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+_HOLDERS_KEPT = 4096
+
+
+@dataclasses.dataclass
+class Member:
+    address: str
+    stub: sampler_pb2_grpc.SamplerStub
+    channel: grpc.aio.Channel
+    static: bool
+    alive: bool = False
+    in_flight: int = 0
+
+
+class SamplerPool:
+    """Made inside the running event loop (grpc.aio channels bind to it)."""
+
+    def __init__(self, static: list[str], db: Database, auth: ServiceAuth, *, timeout_s: float, wait_s: float):
+        self.db, self.auth, self.timeout_s, self.wait_s = db, auth, timeout_s, wait_s
+        self.members: dict[str, Member] = {}
+        # snapshot_id -> addresses that hold it (most recent last), for affinity.
+        self._holders: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
+        for address in static:
+            self._add(address, static=True)
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._watch())
+
+    def _add(self, address: str, *, static: bool) -> Member:
+        channel = aio_channel(address, self.auth, deadline_calls("tinkerd.v1.Sampler", self.timeout_s))
+        member = Member(address, sampler_pb2_grpc.SamplerStub(channel), channel, static)
+        self.members[address] = member
+        log.info("sampler replica %s joined the pool", address)
+        return member
+
+    async def _drop(self, address: str) -> None:
+        member = self.members.pop(address)
+        log.info("sampler replica %s left the pool", address)
+        await member.channel.close()
+
+    # ---- membership and health --------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Members from the registry table, then one health check of each."""
+        cutoff = now() - datetime.timedelta(seconds=REGISTRATION_TTL_S)
+        registered = set(self.db.select(select(SamplerReplicaRow.address).where(
+            SamplerReplicaRow.last_seen >= cutoff)))
+        for address in registered - set(self.members):
+            self._add(address, static=False)
+        for address in [a for a, m in self.members.items() if not m.static and a not in registered]:
+            await self._drop(address)
+        members = list(self.members.values())
+        results = await asyncio.gather(*(self._check(m) for m in members))
+        for member, alive in zip(members, results):
+            if alive != member.alive:
+                log.info("sampler replica %s is %s", member.address, "up" if alive else "down")
+                member.alive = alive
+        if any(m.alive for m in members):
+            self._changed.set()
+
+    async def _check(self, member: Member) -> bool:
+        try:
+            reply = await member.stub.Health(common_pb2.HealthRequest(), timeout=max(HEALTH_EVERY_S, 2.0))
+            return reply.ready
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - a database hiccup must not end the watch
+                log.exception("sampler pool refresh failed")
+            await asyncio.sleep(HEALTH_EVERY_S)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        for member in self.members.values():
+            await member.channel.close()
+
+    def live(self) -> list[Member]:
+        return [m for m in self.members.values() if m.alive]
+
+    def live_addresses(self) -> list[str]:
+        """Where a new snapshot is pushed."""
+        return [m.address for m in self.live()]
+
+    def holds(self, snapshot_id: str, addresses: list[str]) -> None:
+        """Records that these replicas have the snapshot loaded."""
+        if not snapshot_id:
+            return
+        holders = self._holders.pop(snapshot_id, [])
+        self._holders[snapshot_id] = [a for a in holders if a not in addresses] + list(addresses)
+        while len(self._holders) > _HOLDERS_KEPT:
+            self._holders.popitem(last=False)
+
+    # ---- routing ------------------------------------------------------------------------------
+
+    def pick(self, snapshot_id: str, exclude: set[str]) -> Member | None:
+        candidates = [m for m in self.live() if m.address not in exclude]
+        if not candidates:
+            return None
+        holders = set(self._holders.get(snapshot_id, ())) if snapshot_id else set()
+        return min(candidates, key=lambda m: (m.address not in holders, m.in_flight))
+
+    async def sample(self, msg: sampler_pb2.SampleRequest) -> sampler_pb2.SampleResponse:
+        """Samples on a live replica; on a replica failure, again on another one."""
+        deadline = time.monotonic() + self.wait_s
+        tried: set[str] = set()
+        while True:
+            member = self.pick(msg.snapshot_id, tried)
+            if member is None:
+                if time.monotonic() > deadline:
+                    raise UnavailableError(f"no sampler replica answered for {self.wait_s:.0f} s; "
+                                           f"send the request again later")
+                tried.clear()          # a replica that failed may be back: the next check says
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), HEALTH_EVERY_S)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            member.in_flight += 1
+            try:
+                reply = await member.stub.Sample(msg)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _FAILOVER_CODES:
+                    raise
+                log.warning("sampler replica %s failed a sample (%s: %s); sending it to another",
+                            member.address, e.code().name, e.details())
+                member.alive = False
+                tried.add(member.address)
+                continue
+            finally:
+                member.in_flight -= 1
+            self.holds(msg.snapshot_id, [member.address])
+            return reply
