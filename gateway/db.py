@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Integer, LargeBinary, String, Text, bindparam,
-                        create_engine, event, func, inspect, literal, select, text, update)
+                        create_engine, event, func, select, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
+from gateway import schema
 from gateway.errors import error_json
 
 log = logging.getLogger(__name__)
@@ -154,37 +156,16 @@ class CheckpointRow(Base):
         return self.tinker_path.split("/", 3)[3]
 
 
-def add_missing_columns(engine) -> list[str]:
-    """Forward-only schema upgrade: a database made by an older tinkerd gets the columns added
-    since (create_all makes missing tables, never missing columns). Old rows get the column's
-    scalar default, or NULL where the default is computed (JSON dicts, timestamps)."""
-    existing = inspect(engine)
-    added = []
-    with engine.begin() as conn:
-        for table in Base.metadata.sorted_tables:
-            have = {c["name"] for c in existing.get_columns(table.name)}
-            for column in table.columns:
-                if column.name in have:
-                    continue
-                ddl = f"ALTER TABLE {table.name} ADD COLUMN {column.name} {column.type.compile(engine.dialect)}"
-                default = column.default
-                if default is not None and default.is_scalar:
-                    value = literal(default.arg, column.type).compile(
-                        dialect=engine.dialect, compile_kwargs={"literal_binds": True})
-                    ddl += f" DEFAULT {value}"
-                conn.execute(text(ddl))
-                added.append(f"{table.name}.{column.name}")
-    return added
-
-
 _INSERT_FUTURE = FutureRow.__table__.insert()
 _FINISH_FUTURE = FutureRow.__table__.update().where(FutureRow.__table__.c.request_id == bindparam("rid")).values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
     completed_at=bindparam("completed_at"))
 
-# Rows read on every request and (nearly) never changed: served from memory after first read.
-# touch() and add() keep the cache right for this process; one gateway per database.
+# Rows read on every request and rarely changed: served from memory for up to CACHE_TTL_S.
+# touch() and add() keep the cache right for this process at once; another gateway's change on
+# the same database is seen within the TTL.
 _CACHED = ("ModelRow", "SamplingSessionRow", "CheckpointRow")
+CACHE_TTL_S = 2.0
 
 
 def _cache_key(row) -> tuple[str, str]:
@@ -202,10 +183,7 @@ class Database:
                 cur.execute("PRAGMA synchronous=NORMAL")
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
-        Base.metadata.create_all(self.engine)
-        added = add_missing_columns(self.engine)
-        if added:
-            log.info("database upgraded: added columns %s", added)
+        schema.upgrade(self.engine)
         self._cache: dict[tuple[str, str], object] = {}
 
     def session(self) -> Session:
@@ -216,16 +194,20 @@ class Database:
             s.add(row)
             s.commit()
         if type(row).__name__ in _CACHED:
-            self._cache[_cache_key(row)] = row
+            self._cache[_cache_key(row)] = (row, time.monotonic() + CACHE_TTL_S)
 
     def get(self, cls, key):
         cached = self._cache.get((cls.__name__, key))
-        if cached is not None:
-            return cached
+        if cached is not None and cached[1] > time.monotonic():
+            return cached[0]
         with self.session() as s:
             row = s.get(cls, key)
         if row is not None and cls.__name__ in _CACHED:
-            self._cache[(cls.__name__, key)] = row
+            if len(self._cache) > 100_000:       # bounded: a stale entry is only a re-read
+                self._cache.clear()
+            self._cache[(cls.__name__, key)] = (row, time.monotonic() + CACHE_TTL_S)
+        elif cached is not None:
+            self._cache.pop((cls.__name__, key), None)
         return row
 
     # Futures are the hot path: plain Core statements, no ORM unit of work.

@@ -48,8 +48,9 @@ def test_layers_import_only_downwards():
 
 
 def test_no_function_is_longer_than_a_screen():
+    """(Schema migrations are DDL listings, not logic: exempt.)"""
     long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for path, tree in _modules() for node in ast.walk(tree)
+            for path, tree in _modules() if "migrations" not in path.parts for node in ast.walk(tree)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, long

@@ -1,0 +1,47 @@
+"""The database schema is migrated (gateway/schema.py): a new database comes up at the newest
+revision, one from before migrations is completed and stamped, and the models in gateway/db.py
+never drift from the migrations (a model change without a migration fails here)."""
+
+import sqlalchemy
+
+from gateway import schema
+from gateway.db import Database
+
+
+def _revision(url: str) -> str:
+    with sqlalchemy.create_engine(url).connect() as conn:
+        return conn.execute(sqlalchemy.text("SELECT version_num FROM alembic_version")).scalar_one()
+
+
+def _head() -> str:
+    from alembic.script import ScriptDirectory
+
+    from gateway.schema import _config
+    return ScriptDirectory.from_config(_config(None)).get_current_head()
+
+
+def test_a_new_database_is_made_by_the_migrations_and_matches_the_models(tmp_path):
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    db = Database(url)
+    assert _revision(url) == _head()
+    assert schema.differences(db.engine) == []
+    Database(url)            # opening it again changes nothing
+    assert _revision(url) == _head()
+
+
+def test_a_database_from_before_migrations_is_completed_and_stamped(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sqlalchemy.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sqlalchemy.text(
+            "CREATE TABLE sessions (session_id VARCHAR(128) PRIMARY KEY, created_at DATETIME, "
+            "last_heartbeat DATETIME, tags JSON, user_metadata JSON)"))
+        conn.execute(sqlalchemy.text("INSERT INTO sessions VALUES ('s1', NULL, NULL, '[]', '{}')"))
+    engine.dispose()
+    db = Database(url)
+    assert _revision(url) == _head()
+    from gateway.db import SessionRow
+    row = db.get(SessionRow, "s1")
+    assert row.finished is False and row.owner is None
+    missing = [d for d in schema.differences(db.engine) if d[0] in ("add_table", "add_column")]
+    assert missing == []
