@@ -13,6 +13,7 @@ def serve(s: SamplerSettings) -> None:
     init_logging("sampler")
     from sampler_service.engine import SamplerEngine
     from sampler_service.servicer import SamplerServicer
+    from tinkerd.health import ServiceHealth
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import sampler_pb2_grpc
 
@@ -27,4 +28,5 @@ def serve(s: SamplerSettings) -> None:
                                  allow_insecure=s.allow_insecure)
     sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine, state_dir=os.path.abspath(s.state_dir)),
                                                    server)
-    serve_until_signal(server, port, "sampler", on_stop=engine.shutdown)
+    serve_until_signal(server, port, "sampler", on_stop=engine.shutdown,
+                       health=ServiceHealth(server, "tinkerd.v1.Sampler"))
