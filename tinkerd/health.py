@@ -71,9 +71,9 @@ def check(address: str, service: str = "", auth=None, timeout_s: float = 5.0) ->
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from tinkerd import settings
-    from tinkerd.rpc import ServiceAuth, ServiceAuthSettings
+    from tinkerd.rpc import ServiceAuthSettings
 
     parser = argparse.ArgumentParser(prog="python -m tinkerd.health",
                                      description="exit 0 when a tinkerd gRPC server reports SERVING")
@@ -81,7 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service", default="", help="a service name (default: the server as a whole)")
     parser.add_argument("--timeout-s", type=float, default=5.0)
     settings.add_arguments(parser, ServiceAuthSettings)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tinkerd import settings
+    from tinkerd.rpc import ServiceAuth, ServiceAuthSettings
+
+    args = build_parser().parse_args(argv)
     try:
         status = check(args.address, args.service, ServiceAuth.of(settings.from_args(ServiceAuthSettings, args)),
                        args.timeout_s)
