@@ -14,6 +14,7 @@ def serve(s: SamplerSettings) -> None:
     from sampler_service.engine import SamplerEngine
     from sampler_service.registration import Registration
     from sampler_service.servicer import SamplerServicer
+    from tinkerd.health import ServiceHealth
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import sampler_pb2_grpc
 
@@ -33,4 +34,5 @@ def serve(s: SamplerSettings) -> None:
     def stop():
         registration.stop()
         engine.shutdown()
-    serve_until_signal(server, port, "sampler", on_start=registration.start, on_stop=stop)
+    serve_until_signal(server, port, "sampler", on_start=registration.start, on_stop=stop,
+                       health=ServiceHealth(server, "tinkerd.v1.Sampler"))

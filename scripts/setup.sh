@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-if "$PY" -c "import tinkerd, vllm, deepspeed, tinker, pgserver, psycopg" 2>/dev/null && [ -z "${TINKERD_REINSTALL:-}" ]; then
+if "$PY" -c "import tinkerd, vllm, deepspeed, tinker, pgserver, psycopg, grpc_health, grpc_reflection" 2>/dev/null && [ -z "${TINKERD_REINSTALL:-}" ]; then
   "$PY" -m pip install -q --no-deps -e . && exit 0
 fi
 "$PY" -m pip install -q --upgrade pip

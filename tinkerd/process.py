@@ -22,16 +22,21 @@ def cpu_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def serve_until_signal(server, port: int, name: str, on_start=None, on_stop=None) -> None:
+def serve_until_signal(server, port: int, name: str, on_start=None, on_stop=None, health=None) -> None:
+    """`health` (tinkerd/health.py): SERVING once started, NOT_SERVING from the signal on."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
+    if health:
+        health.serving()
     logging.getLogger(name).info("%s serving gRPC on port %d", name, port)
     if on_start:
         on_start()
     print(f"READY {name} {port}", flush=True)
     stop.wait()
+    if health:
+        health.stopping()
     server.stop(grace=2).wait()
     if on_stop:
         on_stop()

@@ -2,8 +2,10 @@
 and the boundary that turns exceptions into status codes.
 
 Service authentication (all of it is here): a server given a shared token refuses every call
-whose `authorization: Bearer <token>` metadata is missing or wrong with UNAUTHENTICATED (Health
-included: every legitimate caller holds the token); given a certificate it serves TLS, and given
+whose `authorization: Bearer <token>` metadata is missing or wrong with UNAUTHENTICATED, except
+the standard health check (`grpc.health.v1.Health/Check`: kubelet's gRPC probe cannot send a
+token, and it reveals one status word; tinkerd's own Health, Watch and reflection need the
+token, see tinkerd/health.py); given a certificate it serves TLS, and given
 a CA as well it requires client certificates signed by it (mTLS). Clients send the token and
 speak TLS with the same settings. A server refuses to listen beyond loopback unauthenticated.
 """
@@ -106,20 +108,34 @@ def check_exposure(address: str, auth: ServiceAuth, allow_insecure: bool) -> Non
         log.warning("serving gRPC on %s without TLS: the service token crosses the network in clear", address)
 
 
+# Methods any caller may use without the token (see the module docstring).
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
+
+
 def _unauthenticated(request, context):
     context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong service token")
+
+
+# The refusal must have the refused method's shape (reflection and Health/Watch stream).
+_REFUSE = {(False, False): grpc.unary_unary_rpc_method_handler(_unauthenticated),
+           (False, True): grpc.unary_stream_rpc_method_handler(_unauthenticated),
+           (True, False): grpc.stream_unary_rpc_method_handler(_unauthenticated),
+           (True, True): grpc.stream_stream_rpc_method_handler(_unauthenticated)}
 
 
 class _RequireToken(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
-        self._refuse = grpc.unary_unary_rpc_method_handler(_unauthenticated)   # every RPC here is unary
 
     def intercept_service(self, continuation, details):
+        if details.method in OPEN_METHODS:
+            return continuation(details)
         given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
         if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
             return continuation(details)
-        return self._refuse
+        handler = continuation(details)
+        shape = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
+        return _REFUSE[shape]
 
 
 def create_server(address: str, *, max_workers: int = 32, auth: ServiceAuth = ServiceAuth(),

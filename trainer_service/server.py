@@ -11,6 +11,7 @@ from trainer_service.settings import TrainerSettings
 def serve(s: TrainerSettings) -> None:
     cpu_defaults()
     init_logging("trainer")
+    from tinkerd.health import ServiceHealth
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import trainer_pb2_grpc
     from trainer_service.durable import DurableModels
@@ -29,4 +30,4 @@ def serve(s: TrainerSettings) -> None:
     servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
                                auth=auth)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
-    serve_until_signal(server, port, "trainer")
+    serve_until_signal(server, port, "trainer", health=ServiceHealth(server, "tinkerd.v1.Trainer"))

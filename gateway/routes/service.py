@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sqlalchemy import text
 
 from gateway.state import GatewayDep
-from tinkerd.v1 import common_pb2
+from tinkerd.rpc import ServiceAuth, aio_channel
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/api/v1")
 
@@ -37,14 +42,48 @@ async def telemetry() -> dict:
 
 @router.get("/healthz")
 async def healthz(gw: GatewayDep):
-    services = [gw.backends.trainer, *(m.stub for m in gw.backends.samplers.members.values())]
+    """Public and cheap (a load balancer's or Kubernetes' readiness probe): ok when the database
+    answers, the trainer reports SERVING and at least one sampler does (the others are listed as
+    down but do not take the gateway out of service). Says which part is down, never why: the
+    reason is logged, not shown to anyone who can reach the port."""
+    auth = ServiceAuth.of(gw.settings)
+    replicas = list(gw.backends.samplers.members)
+    database, trainer, *samplers = await asyncio.gather(
+        _database(gw), _serving(gw.settings.trainer, auth), *(_serving(a, auth) for a in replicas))
+    body = {"database": database, "trainer": trainer,
+            "samplers": f"{samplers.count('ok')}/{len(samplers)} ok"}
+    if database == "ok" and trainer == "ok" and "ok" in samplers:
+        return {"status": "ok", **body}
+    return JSONResponse({"status": "unavailable", **body}, status_code=503)
+
+
+# Each part answers within this, or counts as down: a probe must not hang on a dead service.
+_PROBE_TIMEOUT_S = 3.0
+
+
+async def _database(gw) -> str:
+    def ping():
+        with gw.db.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
     try:
-        replies = await asyncio.gather(*(s.Health(common_pb2.HealthRequest(), timeout=5) for s in services))
+        await asyncio.wait_for(asyncio.to_thread(ping), _PROBE_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - any failure means unreachable; the reason goes to the log
+        log.warning("healthz: database unreachable: %s: %s", type(e).__name__, e)
+        return "unreachable"
+    return "ok"
+
+
+async def _serving(address: str, auth: ServiceAuth) -> str:
+    """The service's grpc.health.v1 status, on a channel of its own: the backends' channels wait
+    for a restarting service, a probe must not. A new connection per probe is cheap at probe rates."""
+    try:
+        async with aio_channel(address, auth) as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                              timeout=_PROBE_TIMEOUT_S)
     except grpc.aio.AioRpcError as e:
-        return JSONResponse({"status": "unavailable", "detail": e.details()}, status_code=503)
-    if not all(r.ready for r in replies):
-        return JSONResponse({"status": "starting"}, status_code=503)
-    return {"status": "ok"}
+        log.warning("healthz: %s does not answer: %s: %s", address, e.code().name, e.details())
+        return "unreachable"
+    return "ok" if reply.status == health_pb2.HealthCheckResponse.SERVING else "not serving"
 
 
 @router.get("/get_server_capabilities")
