@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from tinkerd import dtypes, hardware
+from tinkerd import dtypes
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service import checkpoints, fp32_gemm, training
 from trainer_service.deepspeed_setup import deepspeed_config, init_distributed_once  # noqa: F401 - public here
@@ -52,9 +52,7 @@ class TrainerEngine:
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 20)
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=dtypes.torch_dtype(dtype)).to(self.device)
         base.requires_grad_(False)
-        if base.dtype != torch.float32 and self.device.type == "cpu" and not hardware.native_bf16(gpu=False):
-            log.info("no native 16-bit math on this CPU: %d %s Linear layers run as fp32 GEMMs (fp32_gemm.py)",
-                     fp32_gemm.install(base), dtype)
+        fp32_gemm.install_where_needed(base)
         self.models = ModelRegistry(base, base_model_dir, zero_stage=zero_stage, max_lora_rank=max_lora_rank)
         self.peft = self.models.peft
         # One lock for all of it: the PEFT model's active adapter is process-wide state, so
