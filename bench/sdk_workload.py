@@ -66,11 +66,12 @@ def _sdk_phases(url: str, model_dir: str, sequences: list[list[int]], prompt: li
 
 
 def _persisted_adapter(state_dir: str) -> str:
-    """The PEFT copy of the snapshot that save_weights_for_sampler wrote (tinkerd/paths.py layout)."""
-    found = glob.glob(os.path.join(state_dir, "checkpoints", "*", "sampler_weights", "bench-snapshot"))
+    """The PEFT copy of the one snapshot save_weights_for_sampler made in this fresh state dir
+    (<state_dir>/snapshots/<snapshot id>, tinkerd/paths.py)."""
+    found = glob.glob(os.path.join(state_dir, "snapshots", "*", "adapter_config.json"))
     if len(found) != 1:
-        raise RuntimeError(f"expected one persisted bench-snapshot under {state_dir}, found {found}")
-    return found[0]
+        raise RuntimeError(f"expected one persisted snapshot under {state_dir}, found {found}")
+    return os.path.dirname(found[0])
 
 
 def _rows(ctx: Context, name: str, model: str) -> list[Row]:
