@@ -29,6 +29,13 @@ from harness.stack import running_stack
 RANK = 8
 N_SEQS, MAX_TOKENS = 8, 64
 
+NOTES = [
+    "sdk_workload: the SFT-step ratio on the tiny model is the API's fixed per-step cost (see train_step's "
+    "note); on SmolLM2 it is the figure that counts. Sampling through the snapshot runs on the sampler as "
+    "`tinkerd up` starts it (max_lora_rank 64 / max_loras 4 unless set), against raw vLLM configured for "
+    "just this one rank-8 adapter: issue 14 measured the engine's LoRA configuration as the main cost.",
+]
+
 
 def _sdk_phases(url: str, model_dir: str, sequences: list[list[int]], prompt: list[int], n: int, max_tokens: int):
     """(create seconds, sft step fn, save+client fn -> (seconds, persisted adapter name), sample fn)."""
