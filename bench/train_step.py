@@ -103,8 +103,9 @@ NOTES = [
     "step). tinkerd's trainer there computes its frozen bf16 Linear layers as fp32 GEMMs on widened operands "
     "(trainer_service/fp32_gemm.py: the same result as a bf16 GEMM, weights and activations stay bf16), so it "
     "beats the raw bf16 step by a wide margin; the raw reference keeps PyTorch's kernels. On bf16 hardware the "
-    "widening is off and both use the native kernels. SmolLM2's raw bf16 step takes ~1-1.5 min here, so that "
-    "case runs 2 rounds after 1 warm-up.",
+    "widening is off and both use the native kernels. SmolLM2's raw bf16 step takes ~90 s here (89 s with 2 "
+    "threads, 95 s with 1: the fallback loops barely use the second core), so that case runs 2 rounds after 1 "
+    "warm-up; tinkerd's took 4.5 s with 2 threads, 7.2 s with 1 (2026-11-23, shared cores, noisy).",
     "train_step, tiny model: the raw step is ~13 ms, and the API path has a fixed cost of ~17 ms per "
     "step on these 2 shared cores (2 HTTP requests + 2 long-polls through the SDK, 2 gRPC calls, the "
     "SDK's own request handling; profiled with py-spy: SQLAlchemy ORM and a 40 ms delayed-ACK stall on "
