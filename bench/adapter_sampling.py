@@ -42,12 +42,13 @@ def _ops(grouped: bool) -> None:
     (grouped_lora.install if grouped else grouped_lora.uninstall)(lora_ops, punica_cpu)
 
 
-def _runner(llm, grouped: bool, prompts, max_tokens: int, adapter: str, seen: dict, key: str):
+def _runner(llm, grouped: bool, prompts, max_tokens: int, adapter: str, seen: dict, key: str,
+            temperature: float = 0.0):
     """A function that generates all prompts through the adapter and returns tokens/s."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     request = LoRARequest("bench-adapter", 1, adapter)
 

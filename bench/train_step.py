@@ -1,13 +1,17 @@
-"""Training step through the API vs the raw DeepSpeed engine.
+"""Training step through the API vs the raw DeepSpeed engine, in fp32 and bf16.
 
-Ours: warm forward_backward + optim_step through the SDK against `tinkerd up`.
-Raw: in this process, the same model with the same LoRA (PEFT) under a DeepSpeed ZeRO-2 engine
-with torch AdamW, on the same batch: forward, cross-entropy sum, engine.backward, engine.step.
-Measured alternately, step by step, so noise on this shared machine hits both alike.
+Ours: warm forward_backward + optim_step through the SDK against `tinkerd up --dtype D`.
+Raw: in this process, the same model in the same dtype with the same LoRA (PEFT; its weights fp32
+as PEFT keeps them, as in tinkerd) under a DeepSpeed ZeRO-2 engine with torch AdamW, on the same
+batch: forward, cross-entropy sum, engine.backward, engine.step; PyTorch's own kernels.
+Measured alternately, step by step, so noise on this shared machine hits both alike. The trainer
+is alone on the machine here (the sampler idles), so both get every core (issue 14): the stack
+through OMP_NUM_THREADS, the raw engine through torch.set_num_threads.
 """
 
 from __future__ import annotations
 
+import os
 
 import torch
 
@@ -16,6 +20,8 @@ from harness.stack import running_stack
 
 RANK = 16
 BATCH, LENGTH = 4, 64
+THREADS = os.cpu_count() or 1
+DTYPES = ("float32", "bfloat16")
 
 
 def _batch(vocab: int):
@@ -23,7 +29,7 @@ def _batch(vocab: int):
     return [torch.randint(0, min(vocab, 1000), (LENGTH + 1,), generator=gen).tolist() for _ in range(BATCH)]
 
 
-def raw_step(model_dir: str, sequences: list[list[int]]):
+def raw_step(model_dir: str, sequences: list[list[int]], dtype: str = "float32", rank: int = RANK):
     """The raw engine's step, as a function: forward, summed cross-entropy, backward, step."""
     import deepspeed
     from peft import get_peft_model
@@ -33,9 +39,9 @@ def raw_step(model_dir: str, sequences: list[list[int]]):
     from trainer_service.lora import LoraSpec, linear_groups, peft_config
 
     init_distributed_once()
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     base.requires_grad_(False)
-    model = get_peft_model(base, peft_config(linear_groups(base), LoraSpec(rank=RANK, seed=0)))
+    model = get_peft_model(base, peft_config(linear_groups(base), LoraSpec(rank=rank, seed=0)))
     params = [p for p in model.parameters() if p.requires_grad]
     config = dict(deepspeed_config(2), gradient_accumulation_steps=1)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-4), config=config)
@@ -68,15 +74,38 @@ def api_step(url: str, model_dir: str, sequences: list[list[int]]):
     return step
 
 
-def side_by_side(model_dir: str, sequences: list[list[int]], iters: int, state_dir: str) -> tuple[float, float]:
+def dtype_flags(dtype: str) -> tuple[str, ...]:
+    """`tinkerd up` flags for exactly this dtype (auto would pick per machine); a 16-bit dtype on a
+    CPU without native bf16 needs the explicit opt-in."""
+    from tinkerd.hardware import native_bf16
+    return ("--dtype", dtype) + (("--allow-slow-dtype",) if dtype != "float32" and not native_bf16() else ())
+
+
+def use_threads(n: int) -> None:
+    """n threads for the raw engine in this process and for the services of stacks started after."""
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+
+
+def side_by_side(model_dir: str, sequences: list[list[int]], iters: int, state_dir: str, dtype: str = "float32",
+                 warmup: int = 2) -> tuple[float, float]:
     """(ours, raw) median seconds, measured alternately so both see the same machine: the raw
     engine runs in this process while the idle stack waits (~3% of a core), and the other way."""
-    with running_stack(model_dir, state_dir) as stack:
-        ours_step, raw = api_step(stack.url, model_dir, sequences), raw_step(model_dir, sequences)
-        return alternately(lambda: seconds(ours_step), lambda: seconds(raw), iters, warmup=2)
+    with running_stack(model_dir, state_dir, *dtype_flags(dtype)) as stack:
+        ours_step, raw = api_step(stack.url, model_dir, sequences), raw_step(model_dir, sequences, dtype)
+        return alternately(lambda: seconds(ours_step), lambda: seconds(raw), iters, warmup=warmup)
 
 
 NOTES = [
+    "train_step bf16 on a CPU without native bf16 (no AVX512-BF16/AMX, e.g. this AVX2-only one): PyTorch's "
+    "bf16 GEMM falls back to generic loops, 6-170x slower than fp32 sgemm (one thread, SmolLM2 shapes: an MLP "
+    "projection's input gradient 260 ms vs 13 ms; the lm_head's, K = 49152, 66 s vs 0.4 s, most of the raw "
+    "step). tinkerd's trainer there computes its frozen bf16 Linear layers as fp32 GEMMs on widened operands "
+    "(trainer_service/fp32_gemm.py: the same result as a bf16 GEMM, weights and activations stay bf16), so it "
+    "beats the raw bf16 step by a wide margin; the raw reference keeps PyTorch's kernels. On bf16 hardware the "
+    "widening is off and both use the native kernels. SmolLM2's raw bf16 step takes ~90 s here (89 s with 2 "
+    "threads, 95 s with 1: the fallback loops barely use the second core), so that case runs 2 rounds after 1 "
+    "warm-up; tinkerd's took 4.5 s with 2 threads, 7.2 s with 1 (2026-11-23, shared cores, noisy).",
     "train_step, tiny model: the raw step is ~13 ms, and the API path has a fixed cost of ~17 ms per "
     "step on these 2 shared cores (2 HTTP requests + 2 long-polls through the SDK, 2 gRPC calls, the "
     "SDK's own request handling; profiled with py-spy: SQLAlchemy ORM and a 40 ms delayed-ACK stall on "
@@ -85,14 +114,18 @@ NOTES = [
 ]
 
 
-def _row(ctx: Context, name: str, model: str) -> Row:
+def _row(ctx: Context, name: str, model: str, dtype: str) -> Row:
     from transformers import AutoConfig
 
     sequences = _batch(AutoConfig.from_pretrained(model).vocab_size)
-    ours, raw = side_by_side(model, sequences, ctx.iters(15 if name == "tiny" else 8), new_dir(ctx, f"train-{name}"))
-    return Row("train_step", f"{name}: fwd_bwd+optim, {BATCH}x{LENGTH} tokens, rank {RANK}",
+    slow_raw = dtype != "float32" and name != "tiny"        # raw bf16 SmolLM2: ~1 min a step on AVX2
+    iters = ctx.iters(2 if slow_raw else 15 if name == "tiny" else 8)
+    ours, raw = side_by_side(model, sequences, iters, new_dir(ctx, f"train-{name}-{dtype}"), dtype,
+                             warmup=1 if slow_raw else 2)
+    return Row("train_step", f"{name} {dtype}: fwd_bwd+optim, {BATCH}x{LENGTH} tokens, rank {RANK}, {THREADS} threads",
                1e3 * ours, 1e3 * raw, "ms", ratio=raw / ours, target=">= 0.9")
 
 
 def run(ctx: Context) -> list[Row]:
-    return [_row(ctx, name, model) for name, model in ctx.models.items()]
+    use_threads(THREADS)
+    return [_row(ctx, name, model, dtype) for name, model in ctx.models.items() for dtype in DTYPES]

@@ -21,7 +21,7 @@ import torch
 
 from tinkerd import dtypes
 from tinkerd.errors import NotFoundError, UserError
-from trainer_service import checkpoints, training
+from trainer_service import checkpoints, fp32_gemm, training
 from trainer_service.durable import DurableModels
 from trainer_service.deepspeed_setup import deepspeed_config, init_distributed_once  # noqa: F401 - public here
 from trainer_service.losses import get_loss
@@ -57,6 +57,7 @@ class TrainerEngine:
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 20)
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=dtypes.torch_dtype(dtype)).to(self.device)
         base.requires_grad_(False)
+        fp32_gemm.install_where_needed(base)
         self.models = ModelRegistry(base, base_model_dir, zero_stage=zero_stage, max_lora_rank=max_lora_rank)
         self.peft = self.models.peft
         # One lock for all of it: the PEFT model's active adapter is process-wide state, so
