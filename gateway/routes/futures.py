@@ -82,6 +82,7 @@ async def cancel_future(body: CancelFutureRequest, caller: CallerDep, gw: Gatewa
     outcome = gw.futures.cancel(body.request_id, caller.user_id)
     if outcome is None:
         raise NotFoundError(f"unknown request_id {body.request_id!r}")
+    CALLS["cancelled"] += outcome.cancelled
     return CancelFutureResponse(request_id=body.request_id, cancelled=outcome.cancelled, status=outcome.status)
 
 
