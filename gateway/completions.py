@@ -90,12 +90,13 @@ class Completions:
             del entries[request_id]
             self._where.pop(request_id, None)
 
-    async def poll(self, target: Target, prev_cursor: int, timeout_s: float,
-                   limit: int) -> tuple[list[Completion], int]:
+    async def poll(self, target: Target, prev_cursor: int, timeout_s: float, limit: int,
+                   gather_s: float = 0.0) -> tuple[list[Completion], int]:
         """The target's completions after `prev_cursor` (which acknowledges those before), at
-        most `limit`, waiting up to `timeout_s` for one; and the cursor to send back next: the
-        last one returned, or `prev_cursor` itself when none (a larger one would make the SDK send
-        an acknowledgement for nothing)."""
+        most `limit`, waiting up to `timeout_s` for one, then `gather_s` more for others that
+        finish just after it (samples of one burst finish close together: one answer, not one
+        each); and the cursor to send back next: the last one returned, or `prev_cursor` itself
+        when none (a larger one would make the SDK send an acknowledgement for nothing)."""
         queue = self._queues.get(target)
         if queue is not None:
             self._acknowledge(queue, prev_cursor)
@@ -106,6 +107,8 @@ class Completions:
             queue.waiters += 1
             try:
                 await asyncio.wait_for(queue.arrived.wait(), timeout_s)
+                if gather_s > 0:
+                    await asyncio.sleep(gather_s)
             except asyncio.TimeoutError:
                 pass
             finally:

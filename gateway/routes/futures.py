@@ -27,6 +27,7 @@ router = APIRouter()
 
 LONG_POLL_S = 25.0          # under the SDK's 45 s read timeout
 MAX_COMPLETIONS = 4096      # per retrieve_futures answer; the SDK polls again at once for the rest
+GATHER_S = 0.005            # retrieve_futures waits this long after the first completion for more
 
 # Calls served, by route (GET /internal/futures_stats): shows which path clients take.
 CALLS: collections.Counter[str] = collections.Counter()
@@ -65,7 +66,7 @@ async def retrieve_futures(request: Request):
     for request_id in body.retrieved_request_ids:
         gw.futures.retrieved(request_id, caller.user_id, target)
     timeout = LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S)
-    found, cursor = await gw.futures.completions.poll(target, body.prev_cursor, timeout, MAX_COMPLETIONS)
+    found, cursor = await gw.futures.completions.poll(target, body.prev_cursor, timeout, MAX_COMPLETIONS, GATHER_S)
     CALLS["completions_reported"] += len(found)
     completions = [FutureCompletion(state="failed", request_id=c.request_id) if c.failed else
                    FutureCompletion(state="finished", request_id=c.request_id, response_payload_uncompressed_size=c.size)

@@ -279,3 +279,17 @@ def test_cancel_refusals(gw):
 def test_stats_are_for_admins(gw):
     r = gw.api.client.get("/internal/futures_stats", headers={"X-API-Key": gw.api.api_key})
     assert_user_error(r, 404)
+
+
+def test_completions_finishing_together_come_in_one_answer(gw, monkeypatch):
+    monkeypatch.setattr(futures_routes, "GATHER_S", 1.0)
+    api = gw.api
+    sid = _sampling_session(api)
+    gw.sampler.release.clear()
+    ids = [_sample(api, sid, seq) for seq in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_poll, api, sid, 0, 20.0)
+        time.sleep(0.3)
+        gw.sampler.release.set()
+        out = waiting.result(timeout=10)
+    assert {c["request_id"] for c in out["completions"]} == set(ids)
