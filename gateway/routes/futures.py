@@ -69,8 +69,8 @@ async def retrieve_futures(request: Request):
     found, cursor = await gw.futures.completions.poll(target, body.prev_cursor, timeout, MAX_COMPLETIONS, GATHER_S)
     CALLS["completions_reported"] += len(found)
     completions = [FutureCompletion(state="failed", request_id=c.request_id) if c.failed else
-                   FutureCompletion(state="finished", request_id=c.request_id, response_payload_uncompressed_size=c.size)
-                   for c in found]
+                   FutureCompletion(state="finished", request_id=c.request_id,
+                                    response_payload_uncompressed_size=c.size) for c in found]
     return RetrieveFuturesResponse(completions=completions, cursor=cursor)
 
 

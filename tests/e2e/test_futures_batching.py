@@ -88,7 +88,8 @@ def test_abandoned_samples_are_cancelled(stack, tiny_model_dir):
     # A cancelled future's result, asked for anyway, is a user error that says so.
     with sqlite3.connect(f"{stack.state_dir}/tinkerd.db") as db:
         cancelled = [rid for (rid,) in db.execute(
-            "SELECT request_id FROM futures WHERE request_type = 'sample' AND CAST(result AS TEXT) LIKE '%cancel_future%'")]
+            "SELECT request_id FROM futures WHERE request_type = 'sample' "
+            "AND CAST(result AS TEXT) LIKE '%cancel_future%'")]
     assert cancelled
     r = httpx.post(f"{stack.url}/api/v1/retrieve_future", json={"request_id": cancelled[-1]},
                    headers=_headers(stack), timeout=60)
