@@ -44,7 +44,7 @@ class _Queue:
 class Completions:
     def __init__(self, max_entries: int = MAX_ENTRIES):
         self.max_entries = max_entries
-        self._cursor = time.time_ns() // 1000
+        self._cursor = self.started = time.time_ns() // 1000    # cursors below `started` came from an earlier process
         self._queues: dict[Target, _Queue] = {}
         self._where: collections.OrderedDict[str, Target] = collections.OrderedDict()   # oldest first
 

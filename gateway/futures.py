@@ -21,9 +21,11 @@ import uuid
 from typing import Awaitable, Callable
 
 import grpc
+from sqlalchemy import select
 
 from gateway.completions import Completions, Target
-from gateway.db import Database, FutureRow
+from gateway.db import Database, FutureRow, now
+from gateway.protocol import SAMPLING_CLONE_SPAN
 from gateway.errors import error_json
 from tinkerd.errors import ServiceError, UserError, category_for
 
@@ -109,6 +111,7 @@ class _ModelRunner:
 class Futures:
     def __init__(self, db: Database):
         self.db = db
+        self.started_at = now()       # before the start-up sweep of an earlier process's futures (gateway/app.py)
         self._pending: dict[str, _Pending] = {}        # scheduled here, not finished yet
         self._finished: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
         self._pending_by_type: collections.Counter[str] = collections.Counter()
@@ -117,6 +120,7 @@ class Futures:
         self._jobs: dict[str, asyncio.Task] = {}       # unordered jobs (samples) still running
         self._cancelled: set[str] = set()              # finished by cancel(); their jobs still running
         self.completions = Completions()
+        self._recovered: set[Target] = set()           # targets whose restart orphans were queued
 
     def submit(self, request_type: str, job: Job, *, owner: str, fingerprint: str | None = None,
                idempotency_key: str | None = None, model_id: str | None = None, seq_id: int | None = None,
@@ -234,6 +238,23 @@ class Futures:
         row = self._finished.get(request_id)
         if row is not None and row.owner == owner:
             del self._finished[request_id]
+
+    def recover_orphans(self, target: Target, owner: str, prev_cursor: int) -> None:
+        """A client that polled an earlier gateway process (its cursor is older than this one)
+        may wait for samples that process never finished; they were failed at start-up
+        (Database.fail_orphaned_futures): queue them once, so its poll reports them failed rather
+        than never."""
+        if not 0 < prev_cursor < self.completions.started or target in self._recovered:
+            return
+        self._recovered.add(target)
+        sampling_session_id, clone = target
+        prefix = sampling_session_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "#"
+        rows = self.db.select(select(FutureRow).where(
+            FutureRow.idempotency_key.like(prefix + "%", escape="\\"), FutureRow.owner == owner,
+            FutureRow.status == "failed", FutureRow.completed_at >= self.started_at))
+        for row in rows:
+            if int(row.idempotency_key.rpartition("#")[2]) // SAMPLING_CLONE_SPAN == clone:
+                self.completions.add(target, row.request_id, True, len(row.result or b""))
 
     def pending_of(self, owner: str, request_type: str | None = None) -> int:
         """The owner's futures scheduled here and not finished yet (of one type, or all)."""

@@ -63,6 +63,7 @@ async def retrieve_futures(request: Request):
     caller = caller_of(request)
     gw.sessions.sampling_session(caller, body.target.sampling_session_id)
     target = (body.target.sampling_session_id, body.target.cloned_sampler_id)
+    gw.futures.recover_orphans(target, caller.user_id, body.prev_cursor)
     for request_id in body.retrieved_request_ids:
         gw.futures.retrieved(request_id, caller.user_id, target)
     timeout = LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S)

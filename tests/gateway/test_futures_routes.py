@@ -293,3 +293,38 @@ def test_completions_finishing_together_come_in_one_answer(gw, monkeypatch):
         gw.sampler.release.set()
         out = waiting.result(timeout=10)
     assert {c["request_id"] for c in out["completions"]} == set(ids)
+
+
+def test_a_poller_from_before_a_restart_hears_of_its_orphans(tmp_path):
+    """Samples the earlier gateway process never finished are failed at start-up; a client still
+    polling with that process's cursor gets them reported (failed), not silence."""
+    trainer, sampler = FakeTrainer(str(tmp_path / "state")), HeldSampler()
+    servers = [serve(trainer, trainer_pb2_grpc.add_TrainerServicer_to_server),
+               serve(sampler, sampler_pb2_grpc.add_SamplerServicer_to_server)]
+    settings = GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=servers[0][1],
+                               samplers=[servers[1][1]], state_dir=str(tmp_path / "state"))
+    try:
+        with TestClient(create_app(settings)) as client:
+            api = Api(client, "").as_user("tester")
+            sid = _sampling_session(api)
+            done = _sample(api, sid, 0)
+            _, cursor = _collect(api, sid, 1)
+            assert api.result({"request_id": done}).status_code == 200
+            sampler.release.clear()
+            orphan, other_clone = _sample(api, sid, 1), _sample(api, sid, 3 * 1_000_000_000)
+            assert sampler.started.acquire(timeout=10)
+        sampler.release.set()
+        with TestClient(create_app(settings)) as client:
+            api = Api(client, api.api_key)
+            out = _poll(api, sid, cursor, timeout=0)
+            assert out["completions"] == [{"state": "failed", "request_id": orphan,
+                                           "response_payload_uncompressed_size": None}]
+            failed = api.result({"request_id": orphan}).json()
+            assert failed["category"] == "server" and "restarted" in failed["error"]
+            assert [c["request_id"] for c in _poll(api, sid, cursor, timeout=0, clone=3)["completions"]] == \
+                [other_clone]
+            assert _poll(api, sid, out["cursor"], timeout=0)["completions"] == []
+    finally:
+        sampler.release.set()
+        for server, _ in servers:
+            server.stop(0)
