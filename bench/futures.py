@@ -75,10 +75,17 @@ async def _throughput(url: str, seconds: float, concurrency: int) -> float:
 
 NOTES = [
     "futures per second: the benchmark's 32 HTTP clients, the gateway and the trainer share 2 cores; "
-    "each no-op future is two HTTP requests (submit, long-poll), two SQLite writes and one gRPC call, "
-    "~1.5 ms of Python CPU in total, which caps this machine near 600-700/s. Added latency p50 "
-    "was ~2.5 ms (target met) on the 2026-11-22 VM and 6-7 ms, old code and new alike, on a 2-3x slower one. Reaching 2,000/s needs more cores or several gateway processes "
-    "(the futures table already lives in the shared database).",
+    "each no-op future is two HTTP requests (submit, long-poll), two SQLite writes and one gRPC call. "
+    "2026-11-23 (a shared, loaded VM): 280/s and p50 6.2 ms before, 336/s and 4.0 ms after the caller and "
+    "gateway dependencies became async (FastAPI ran each plain-def dependency in its thread pool: two thread "
+    "hops per request). py-spy: the gateway's event loop is ~70% busy at that rate, the rest of the 2 cores "
+    "goes to the benchmark's own HTTP clients and the trainer. Reaching 2,000/s needs more cores or several "
+    "gateway processes (the futures table already lives in the shared database).",
+    "SDK samples: with retrieve_futures the SDK still fetches each payload with one retrieve_future, so HTTP "
+    "requests per sample stay ~1 (1.05 batched vs 1.00 per-sample in a burst of 400, whose samples are mostly "
+    "done when first polled) and samples/s are the same within noise (92 vs 95/s, bound by the sampler). "
+    "What batching removes is one held long-poll connection per in-flight sample: the SDK then lifts its "
+    "2,000-samples-in-flight cap, and the gateway holds one waiter per sampling session, not per sample.",
 ]
 
 
