@@ -81,4 +81,9 @@ def caller_of(request: Request) -> Caller:
     return request.state.caller
 
 
-CallerDep = Annotated[Caller, Depends(caller_of)]
+async def _caller_dependency(request: Request) -> Caller:
+    """caller_of for Depends: async, so FastAPI calls it inline (a plain def runs in its thread pool)."""
+    return request.state.caller
+
+
+CallerDep = Annotated[Caller, Depends(_caller_dependency)]

@@ -28,6 +28,8 @@ MAX_TOPK_LOGPROBS = 20                 # vLLM's max_logprobs (its default; the s
 MAX_TEMPERATURE = 2.0                  # vLLM refuses hotter
 MAX_TTL_SECONDS = 100 * 365 * 86400
 MAX_STOP = 64
+MAX_RETRIEVED_IDS = 65536              # retrieve_futures' acknowledgements in one poll (~2.4 MB of ids)
+SAMPLING_CLONE_SPAN = 1_000_000_000    # a SamplingClient clone's seq_ids are clone_id * this + k
 
 SeqId = Annotated[int, Field(ge=0, le=INT64)]
 Count32 = Annotated[int, Field(ge=0, le=INT32)]
@@ -316,6 +318,53 @@ class TryAgainResponse(BaseModel):
     request_id: str
     queue_state: str
     queue_state_reason: str
+
+
+class SamplingSessionTarget(Body):
+    """Whose completions retrieve_futures reports: one sampling session, and one clone of its
+    SamplingClient (an unpickled copy numbers its seq_ids from clone_id * 1e9)."""
+    type: Literal["sampling_session"] = "sampling_session"
+    sampling_session_id: Id = ""
+    cloned_sampler_id: int = Field(0, ge=0, le=INT64 // SAMPLING_CLONE_SPAN)
+
+
+class RetrieveFuturesRequest(Request):
+    """SDK >= 0.28 with sample_use_retrieve_futures: one long-poll per sampling session for its
+    finished samples. 0.28-0.35 send neither `timeout` nor `retrieved_request_ids`."""
+    target: SamplingSessionTarget
+    prev_cursor: int = Field(0, ge=0, le=INT64)
+    timeout: float | None = Field(None, ge=0)       # None: the server's long-poll; 0: answer at once
+    retrieved_request_ids: list[Id] = []
+
+    @field_validator("retrieved_request_ids", mode="before")
+    @classmethod
+    def _bounded(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_RETRIEVED_IDS:
+            raise ValueError(f"has {len(v)} request ids; at most {MAX_RETRIEVED_IDS} per retrieve_futures call")
+        return v
+
+
+class FutureCompletion(BaseModel):
+    state: Literal["finished", "failed"]
+    request_id: str
+    response_payload_uncompressed_size: int | None = None     # finished only: the SDK reserves it
+
+
+class RetrieveFuturesResponse(BaseModel):
+    completions: list[FutureCompletion]
+    cursor: int
+
+
+class CancelFutureRequest(Request):
+    request_id: Id = ""
+
+
+class CancelFutureResponse(BaseModel):
+    """The SDK reads no body (any 2xx). `cancelled` says whether this call cancelled it; `status`
+    is where the future is now."""
+    request_id: str
+    cancelled: bool
+    status: Literal["cancelled", "complete", "failed"]
 
 
 # ---- registry (RestClient) ---------------------------------------------------------------

@@ -95,4 +95,9 @@ def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-GatewayDep = Annotated[Gateway, Depends(gateway_of)]
+async def _gateway_dependency(request: Request) -> Gateway:
+    """gateway_of for Depends: async, so FastAPI calls it inline (a plain def runs in its thread pool)."""
+    return request.app.state.gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(_gateway_dependency)]

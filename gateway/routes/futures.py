@@ -1,8 +1,11 @@
 """Futures: retrieve_future long-polls a future's result; a pending one answers try_again with
-where it waits."""
+where it waits. retrieve_futures long-polls a sampling session's finished samples at once (SDK
+flag sample_use_retrieve_futures); cancel_future drops a pending sample (dynamic flag
+sample_cancel_enabled)."""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import grpc
@@ -13,13 +16,21 @@ from gateway.auth import CallerDep, caller_of
 from gateway.db import FutureRow
 from gateway.errors import error_response
 from gateway.futures import json_body
-from gateway.protocol import FutureResponse, RetrieveFutureRequest, TryAgainResponse, parse_json
+from gateway.protocol import (CancelFutureRequest, CancelFutureResponse, FutureCompletion, FutureResponse,
+                              RetrieveFutureRequest, RetrieveFuturesRequest, RetrieveFuturesResponse,
+                              TryAgainResponse, parse_json)
 from gateway.state import Gateway, GatewayDep, gateway_of
+from tinkerd.errors import NotFoundError
 from tinkerd.v1 import common_pb2, trainer_pb2
 
 router = APIRouter()
 
 LONG_POLL_S = 25.0          # under the SDK's 45 s read timeout
+MAX_COMPLETIONS = 4096      # per retrieve_futures answer; the SDK polls again at once for the rest
+GATHER_S = 0.005            # retrieve_futures waits this long after the first completion for more
+
+# Calls served, by route (GET /internal/futures_stats): shows which path clients take.
+CALLS: collections.Counter[str] = collections.Counter()
 
 
 @router.post("/api/v1/retrieve_future")
@@ -27,6 +38,7 @@ async def retrieve_future(request: Request):
     """The hottest route (every future polls it): read and checked by hand, without the
     dependency and body machinery, which cost ~0.5 ms a request on a 2-core VM."""
     body = RetrieveFutureRequest.model_validate(await _json(request))
+    CALLS["retrieve_future"] += 1
     gw = gateway_of(request)
     row = await gw.futures.wait(body.request_id, LONG_POLL_S, caller_of(request).user_id)
     if row is None:
@@ -36,6 +48,53 @@ async def retrieve_future(request: Request):
         try_again = TryAgainResponse(request_id=body.request_id, queue_state=queue_state, queue_state_reason=reason)
         return JSONResponse(try_again.model_dump(), status_code=408)
     return Response(content=row.result, media_type=row.content_type)
+
+
+@router.post("/api/v1/retrieve_futures")
+async def retrieve_futures(request: Request):
+    """The caller's finished samples of one sampling session (and clone) after `prev_cursor`,
+    held up to LONG_POLL_S for the first. Another user's sampling session is as unknown as a
+    missing one (404). `retrieved_request_ids` are the payloads the client has fetched: each of the
+    caller's leaves the queue; an id that is unknown or not the caller's is skipped like one never
+    queued, so the answer does not tell them apart."""
+    body = RetrieveFuturesRequest.model_validate(await _json(request))
+    CALLS["retrieve_futures"] += 1
+    gw = gateway_of(request)
+    caller = caller_of(request)
+    gw.sessions.sampling_session(caller, body.target.sampling_session_id)
+    target = (body.target.sampling_session_id, body.target.cloned_sampler_id)
+    gw.futures.recover_orphans(target, caller.user_id, body.prev_cursor)
+    for request_id in body.retrieved_request_ids:
+        gw.futures.retrieved(request_id, caller.user_id, target)
+    timeout = LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S)
+    found, cursor = await gw.futures.completions.poll(target, body.prev_cursor, timeout, MAX_COMPLETIONS, GATHER_S)
+    CALLS["completions_reported"] += len(found)
+    completions = [FutureCompletion(state="failed", request_id=c.request_id) if c.failed else
+                   FutureCompletion(state="finished", request_id=c.request_id,
+                                    response_payload_uncompressed_size=c.size) for c in found]
+    return RetrieveFuturesResponse(completions=completions, cursor=cursor)
+
+
+@router.post("/api/v1/cancel_future")
+async def cancel_future(body: CancelFutureRequest, caller: CallerDep, gw: GatewayDep) -> CancelFutureResponse:
+    """A pending sample is cancelled: its retrieve answers a user error saying so. A finished one
+    stays as it is (200, cancelled false: the SDK cancels what it abandons, which may have just
+    finished). An unknown id, or another user's, is a 404; a training request a 400."""
+    CALLS["cancel_future"] += 1
+    outcome = gw.futures.cancel(body.request_id, caller.user_id)
+    if outcome is None:
+        raise NotFoundError(f"unknown request_id {body.request_id!r}")
+    CALLS["cancelled"] += outcome.cancelled
+    return CancelFutureResponse(request_id=body.request_id, cancelled=outcome.cancelled, status=outcome.status)
+
+
+@router.get("/internal/futures_stats")
+async def futures_stats(caller: CallerDep, gw: GatewayDep) -> dict:
+    """Not Tinker: calls served per futures route and completions queued now (admins only:
+    counts over all users)."""
+    if not caller.admin:
+        raise NotFoundError("unknown route /internal/futures_stats")
+    return {"calls": dict(CALLS), "completions_queued": gw.futures.completions.queued()}
 
 
 async def _json(request: Request):

@@ -11,7 +11,7 @@ from gateway.auth import CallerDep
 from gateway.db import ModelRow, SamplingSessionRow
 from gateway.futures import fingerprint
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
-                              GetSamplerResponse, SampleRequest)
+                              GetSamplerResponse, SAMPLING_CLONE_SPAN, SampleRequest)
 from gateway.routes.training import supported_base_model
 from gateway.state import Gateway, GatewayDep
 from tinkerd.errors import UserError
@@ -55,7 +55,8 @@ async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
     record_for = session.session_id if body.record_stability_info else None
     row = gw.futures.submit("sample", functools.partial(_sample, gw, msg, record_for), owner=caller.user_id,
                             fingerprint=fingerprint("sample", body.model_dump_json()),
-                            idempotency_key=f"{body.sampling_session_id}#{body.seq_id}")
+                            idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
+                            target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN))
     msg.request_id = row.request_id
     return FutureResponse(request_id=row.request_id,
                           sample_sequence_ids=[f"{row.request_id}:{i}" for i in range(body.num_samples)])

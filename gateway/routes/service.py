@@ -20,8 +20,10 @@ router = APIRouter(prefix="/api/v1")
 
 # What the SDK switches on or off: only transports and features this server implements.
 # With auth on, the SDK exchanges its API key for a JWT (routes/identity.py) and whoami works.
+# sample_use_retrieve_futures: SDK >= 0.28 polls one retrieve_futures per sampling session in
+# place of one retrieve_future per sample (routes/futures.py); older SDKs ignore it.
 CLIENT_CONFIG = {"use_pyqwest_transport": False, "proto_compress_fwdbwd": True,
-                 "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": False,
+                 "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": True,
                  "custom_loss_server_side": False, "sample_join_sampling_session": False}
 
 
@@ -30,9 +32,13 @@ async def client_config(gw: GatewayDep) -> dict:
     return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth}
 
 
+# sample_cancel_enabled: SDK >= 0.26 sends cancel_future for a sample it abandons (routes/futures.py).
+DYNAMIC_CONFIG = {"refresh_interval_sec": 300, "sample_cancel_enabled": True, "sample_cancel_max_batch_size": 64}
+
+
 @router.post("/client/dynamic_config")
 async def dynamic_config() -> dict:
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+    return DYNAMIC_CONFIG
 
 
 @router.post("/telemetry")

@@ -1,0 +1,330 @@
+"""retrieve_futures and cancel_future on the real app over fake backends, with a sampler that
+holds each sample until the test lets it go: the completion queue's cursor and acknowledgements,
+its long-poll, ownership (another user's session or id is as unknown as a missing one), bounds,
+and cancellation (the cancelled future answers a user error; its place in the limits is held
+until the sampler's work has ended)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import types
+
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, serve
+
+from gateway.app import create_app
+from gateway.protocol import MAX_RETRIEVED_IDS
+from gateway.routes import futures as futures_routes
+from gateway.settings import GatewaySettings
+from tinkerd.v1 import sampler_pb2_grpc, trainer_pb2_grpc
+
+FAIL_TOKEN = 99        # a prompt starting with it fails in the sampler (a user error)
+
+
+class HeldSampler(FakeSampler):
+    """FakeSampler whose replies wait for `release` (set by default: no wait)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.release.set()
+        self.started = threading.Semaphore(0)
+
+    def Sample(self, request, context):
+        self.started.release()
+        self.release.wait(30)
+        if request.prompt_tokens[0] == FAIL_TOKEN:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this prompt is refused")
+        return super().Sample(request, context)
+
+
+@pytest.fixture
+def gw(tmp_path):
+    trainer, sampler = FakeTrainer(str(tmp_path / "state")), HeldSampler()
+    trainer_server, trainer_address = serve(trainer, trainer_pb2_grpc.add_TrainerServicer_to_server)
+    sampler_server, sampler_address = serve(sampler, sampler_pb2_grpc.add_SamplerServicer_to_server)
+    settings = GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=trainer_address,
+                               samplers=[sampler_address], state_dir=str(tmp_path / "state"))
+    try:
+        with TestClient(create_app(settings)) as client:
+            api = Api(client, "").as_user("tester")
+            yield types.SimpleNamespace(api=api, sampler=sampler, futures=client.app.state.gateway.futures)
+    finally:
+        sampler.release.set()
+        trainer_server.stop(0)
+        sampler_server.stop(0)
+
+
+def _sampling_session(api) -> str:
+    body = {"session_id": api.session(), "sampling_session_seq_id": 0, "base_model": "tiny/base"}
+    return api.post("create_sampling_session", body).json()["sampling_session_id"]
+
+
+def _sample(api, sid: str, seq_id: int, first_token: int = 3) -> str:
+    body = {"sampling_session_id": sid, "seq_id": seq_id, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [first_token, 4]}]},
+            "sampling_params": {"max_tokens": 2}}
+    r = api.post("asample", body)
+    assert r.status_code == 200, r.text
+    return r.json()["request_id"]
+
+
+def _poll(api, sid: str, prev_cursor: int = 0, timeout: float | None = 5.0, clone: int = 0, **extra):
+    body = {"target": {"type": "sampling_session", "sampling_session_id": sid, "cloned_sampler_id": clone},
+            "prev_cursor": prev_cursor, "timeout": timeout, **extra}
+    r = api.post("retrieve_futures", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _collect(api, sid: str, want: int, clone: int = 0) -> tuple[dict[str, dict], int]:
+    """Polls as the SDK does (prev_cursor = the last answer's cursor) until `want` completions."""
+    seen, cursor = {}, 0
+    deadline = time.monotonic() + 10
+    while len(seen) < want and time.monotonic() < deadline:
+        out = _poll(api, sid, cursor, clone=clone)
+        seen.update({c["request_id"]: c for c in out["completions"]})
+        cursor = out["cursor"]
+    return seen, cursor
+
+
+def test_the_sdk_is_told_to_use_both(gw):
+    config = gw.api.post("client/config", {"sdk_version": "0.38.0"}).json()
+    assert config["sample_use_retrieve_futures"] is True
+    dynamic = gw.api.post("client/dynamic_config", {"sdk_version": "0.38.0"}).json()
+    assert dynamic["sample_cancel_enabled"] is True and dynamic["sample_cancel_max_batch_size"] >= 1
+
+
+def test_finished_samples_are_reported_once_acknowledged_then_fetched(gw):
+    api = gw.api
+    sid = _sampling_session(api)
+    ids = [_sample(api, sid, seq) for seq in range(3)]
+    seen, cursor = _collect(api, sid, 3)
+    assert set(seen) == set(ids)
+    payloads = {rid: api.result({"request_id": rid}) for rid in ids}
+    for rid, c in seen.items():
+        assert c["state"] == "finished"
+        assert c["response_payload_uncompressed_size"] == len(payloads[rid].content)
+        assert payloads[rid].headers["content-type"] == "application/x-protobuf"
+    # Acknowledged (prev_cursor past them) and fetched: an ack-only poll answers at once, empty,
+    # with the cursor unchanged (a larger one would make the SDK acknowledge again, for nothing).
+    t0 = time.monotonic()
+    assert _poll(api, sid, cursor, timeout=0) == {"completions": [], "cursor": cursor}
+    assert time.monotonic() - t0 < 2
+
+
+def test_a_lost_answer_is_sent_again_until_acknowledged(gw):
+    api = gw.api
+    sid = _sampling_session(api)
+    rid = _sample(api, sid, 0)
+    first, cursor = _collect(api, sid, 1)
+    again = _poll(api, sid, 0, timeout=0)        # the client never saw the first answer
+    assert [c["request_id"] for c in again["completions"]] == [rid] and again["cursor"] == cursor
+    assert _poll(api, sid, cursor, timeout=0)["completions"] == []
+
+
+def test_retrieved_ids_leave_the_queue(gw):
+    api = gw.api
+    sid = _sampling_session(api)
+    ids = [_sample(api, sid, seq) for seq in range(2)]
+    _collect(api, sid, 2)
+    out = _poll(api, sid, 0, timeout=0, retrieved_request_ids=[ids[0]])
+    assert [c["request_id"] for c in out["completions"]] == [ids[1]]
+
+
+def test_the_payload_fetch_takes_it_off_the_queue(gw):
+    """What keeps the queues empty for clients that never poll (SDK < 0.28)."""
+    api = gw.api
+    sid = _sampling_session(api)
+    rid = _sample(api, sid, 0)
+    assert api.result({"request_id": rid}).status_code == 200
+    assert _poll(api, sid, 0, timeout=0)["completions"] == []
+    assert gw.futures.completions.queued() == 0
+
+
+def test_clones_have_their_own_queue(gw):
+    api = gw.api
+    sid = _sampling_session(api)
+    original, clone = _sample(api, sid, 0), _sample(api, sid, 7 * 1_000_000_000 + 1)
+    assert set(_collect(api, sid, 1, clone=7)[0]) == {clone}
+    assert set(_collect(api, sid, 1, clone=0)[0]) == {original}
+
+
+def test_the_poll_waits_for_the_first_completion(gw):
+    api = gw.api
+    sid = _sampling_session(api)
+    gw.sampler.release.clear()
+    rid = _sample(api, sid, 0)
+    t0 = time.monotonic()
+    assert _poll(api, sid, 0, timeout=0.3) == {"completions": [], "cursor": 0}
+    assert 0.25 < time.monotonic() - t0 < 5
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_poll, api, sid, 0, 20.0)
+        time.sleep(0.3)
+        assert not waiting.done()
+        gw.sampler.release.set()
+        out = waiting.result(timeout=10)
+    assert [c["request_id"] for c in out["completions"]] == [rid]
+
+
+def test_a_failed_sample_is_reported_failed(gw):
+    api = gw.api
+    sid = _sampling_session(api)
+    rid = _sample(api, sid, 0, first_token=FAIL_TOKEN)
+    seen, _ = _collect(api, sid, 1)
+    assert seen[rid] == {"state": "failed", "request_id": rid, "response_payload_uncompressed_size": None}
+    assert_user_error(api.result({"request_id": rid}), 200, "this prompt is refused")
+
+
+def test_answers_are_paged(gw, monkeypatch):
+    monkeypatch.setattr(futures_routes, "MAX_COMPLETIONS", 2)
+    api = gw.api
+    sid = _sampling_session(api)
+    ids = [_sample(api, sid, seq) for seq in range(3)]
+    deadline = time.monotonic() + 10
+    while gw.futures.pending("sample") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first = _poll(api, sid, 0, timeout=0)
+    second = _poll(api, sid, first["cursor"], timeout=0)
+    assert [len(first["completions"]), len(second["completions"])] == [2, 1]
+    assert {c["request_id"] for c in first["completions"] + second["completions"]} == set(ids)
+
+
+def test_another_users_session_and_ids_are_unknown(gw):
+    api, other = gw.api, gw.api.as_user("mallory")
+    sid = _sampling_session(api)
+    rid = _sample(api, sid, 0)
+    _collect(api, sid, 1)
+    body = {"target": {"sampling_session_id": sid}, "timeout": 0}
+    theirs = assert_user_error(other.post("retrieve_futures", body), 404, "unknown sampling_session_id")
+    missing = assert_user_error(other.post("retrieve_futures", {"target": {"sampling_session_id": sid + "9"},
+                                                                "timeout": 0}), 404, "unknown sampling_session_id")
+    assert theirs["error"].replace(sid, "") == missing["error"].replace(sid + "9", "")
+    # Acknowledging someone else's id from one's own session touches nothing of theirs, and reads
+    # the same as acknowledging an id that does not exist.
+    own = _sampling_session(other)
+    answers = [_poll(other, own, 0, timeout=0, retrieved_request_ids=[ids]) for ids in (rid, "f" * 32)]
+    assert answers[0] == answers[1] == {"completions": [], "cursor": 0}
+    assert [c["request_id"] for c in _poll(api, sid, 0, timeout=0)["completions"]] == [rid]
+    assert_user_error(other.post("cancel_future", {"request_id": rid}), 404, "unknown request_id")
+
+
+@pytest.mark.parametrize("body, words", [
+    ({}, ["target"]),
+    ({"target": {"type": "training_run", "sampling_session_id": "x"}}, ["target.type"]),
+    ({"target": {"sampling_session_id": "x", "cloned_sampler_id": -1}}, ["cloned_sampler_id"]),
+    ({"target": {"sampling_session_id": "x"}, "prev_cursor": -5}, ["prev_cursor"]),
+    ({"target": {"sampling_session_id": "x"}, "timeout": -1}, ["timeout"]),
+    ({"target": {"sampling_session_id": "x"}, "retrieved_request_ids": "abc"}, ["retrieved_request_ids"]),
+    ({"target": {"sampling_session_id": "x"}, "retrieved_request_ids": ["a"] * (MAX_RETRIEVED_IDS + 1)},
+     ["retrieved_request_ids", f"at most {MAX_RETRIEVED_IDS}"]),
+])
+def test_bad_retrieve_futures_bodies(gw, body, words):
+    assert_user_error(gw.api.post("retrieve_futures", body), 400, *words)
+
+
+def test_retrieve_futures_not_json(gw):
+    r = gw.api.client.post("/api/v1/retrieve_futures", content=b"{x",
+                           headers={"X-API-Key": gw.api.api_key, "content-type": "application/json"})
+    assert_user_error(r, 400, "not valid JSON")
+
+
+def test_cancel_a_pending_sample(gw):
+    api, futures = gw.api, gw.futures
+    sid = _sampling_session(api)
+    gw.sampler.release.clear()
+    rid = _sample(api, sid, 0)
+    assert gw.sampler.started.acquire(timeout=10)         # at the sampler
+    r = api.post("cancel_future", {"request_id": rid})
+    assert r.status_code == 200 and r.json() == {"request_id": rid, "cancelled": True, "status": "cancelled"}
+    assert _collect(api, sid, 1)[0][rid]["state"] == "failed"
+    assert_user_error(api.result({"request_id": rid}), 200, "cancelled")
+    again = api.post("cancel_future", {"request_id": rid}).json()
+    assert again == {"request_id": rid, "cancelled": False, "status": "cancelled"}
+    # The sampler still does the work: it counts against the limits until it has.
+    assert futures.pending("sample") == 1
+    gw.sampler.release.set()
+    deadline = time.monotonic() + 10
+    while futures.pending("sample") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert futures.pending("sample") == 0
+    assert_user_error(api.result({"request_id": rid}), 200, "cancelled")     # the late result is dropped
+
+
+def test_cancel_a_finished_future_changes_nothing(gw):
+    api = gw.api
+    sid = _sampling_session(api)
+    rid = _sample(api, sid, 0)
+    payload = api.result({"request_id": rid})
+    r = api.post("cancel_future", {"request_id": rid})
+    assert r.status_code == 200 and r.json() == {"request_id": rid, "cancelled": False, "status": "complete"}
+    assert api.result({"request_id": rid}).content == payload.content
+
+
+def test_cancel_refusals(gw):
+    api = gw.api
+    assert_user_error(api.post("cancel_future", {"request_id": "nope"}), 404, "unknown request_id")
+    assert_user_error(api.post("cancel_future", {"request_id": 7}), 400, "request_id")
+    # A training request waiting for its turn (seq_id 5 while 1..4 never came) is not cancellable.
+    model_id = api.model(api.session())
+    pending = api.post("optim_step", {"model_id": model_id, "seq_id": 5,
+                                      "adam_params": {"learning_rate": 1e-4}}).json()["request_id"]
+    assert_user_error(api.post("cancel_future", {"request_id": pending}), 400, "only samples")
+
+
+def test_stats_are_for_admins(gw):
+    r = gw.api.client.get("/internal/futures_stats", headers={"X-API-Key": gw.api.api_key})
+    assert_user_error(r, 404)
+
+
+def test_completions_finishing_together_come_in_one_answer(gw, monkeypatch):
+    monkeypatch.setattr(futures_routes, "GATHER_S", 1.0)
+    api = gw.api
+    sid = _sampling_session(api)
+    gw.sampler.release.clear()
+    ids = [_sample(api, sid, seq) for seq in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_poll, api, sid, 0, 20.0)
+        time.sleep(0.3)
+        gw.sampler.release.set()
+        out = waiting.result(timeout=10)
+    assert {c["request_id"] for c in out["completions"]} == set(ids)
+
+
+def test_a_poller_from_before_a_restart_hears_of_its_orphans(tmp_path):
+    """Samples the earlier gateway process never finished are failed at start-up; a client still
+    polling with that process's cursor gets them reported (failed), not silence."""
+    trainer, sampler = FakeTrainer(str(tmp_path / "state")), HeldSampler()
+    servers = [serve(trainer, trainer_pb2_grpc.add_TrainerServicer_to_server),
+               serve(sampler, sampler_pb2_grpc.add_SamplerServicer_to_server)]
+    settings = GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=servers[0][1],
+                               samplers=[servers[1][1]], state_dir=str(tmp_path / "state"))
+    try:
+        with TestClient(create_app(settings)) as client:
+            api = Api(client, "").as_user("tester")
+            sid = _sampling_session(api)
+            done = _sample(api, sid, 0)
+            _, cursor = _collect(api, sid, 1)
+            assert api.result({"request_id": done}).status_code == 200
+            sampler.release.clear()
+            orphan, other_clone = _sample(api, sid, 1), _sample(api, sid, 3 * 1_000_000_000)
+            assert sampler.started.acquire(timeout=10)
+        sampler.release.set()
+        with TestClient(create_app(settings)) as client:
+            api = Api(client, api.api_key)
+            out = _poll(api, sid, cursor, timeout=0)
+            assert out["completions"] == [{"state": "failed", "request_id": orphan,
+                                           "response_payload_uncompressed_size": None}]
+            failed = api.result({"request_id": orphan}).json()
+            assert failed["category"] == "server" and "restarted" in failed["error"]
+            assert [c["request_id"] for c in _poll(api, sid, cursor, timeout=0, clone=3)["completions"]] == \
+                [other_clone]
+            assert _poll(api, sid, out["cursor"], timeout=0)["completions"] == []
+    finally:
+        sampler.release.set()
+        for server, _ in servers:
+            server.stop(0)
