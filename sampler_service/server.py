@@ -11,7 +11,7 @@ from tinkerd.process import cpu_defaults, init_logging, serve_until_signal, serv
 def serve(s: SamplerSettings) -> None:
     cpu_defaults()
     init_logging("sampler")
-    from sampler_service.engine import SamplerEngine
+    from sampler_service.engine import MergedSettings, SamplerEngine
     from sampler_service.servicer import SamplerServicer
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import sampler_pb2_grpc
@@ -21,7 +21,9 @@ def serve(s: SamplerSettings) -> None:
     engine = SamplerEngine(s.base_model, dtype=service_dtype(s.dtype, s.allow_slow_dtype),
                            max_model_len=s.max_model_len, max_loras=s.max_loras,
                            max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
-                           max_num_seqs=s.max_num_seqs)
+                           max_num_seqs=s.max_num_seqs,
+                           merged=MergedSettings(s.merged_slots, s.merge_window, s.merge_share,
+                                                 s.merge_min_requests))
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
     server, port = create_server(s.listen, max_workers=max(256, 2 * s.max_num_seqs), auth=auth,
                                  allow_insecure=s.allow_insecure)
