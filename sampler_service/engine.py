@@ -178,7 +178,7 @@ class SamplerEngine:
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
-            busy = any(e.has_unfinished_requests() for e in self._engines())
+            busy = any(e.has_unfinished_requests() for e in self._engines()) or self.merged.busy()
             try:
                 item = self._inbox.get(block=not busy, timeout=None if not busy else 0)
             except queue.Empty:

@@ -19,10 +19,16 @@ PROMPTS = [[5, 17, 300, 42, 9, 88, 120, 7, 64, 3], [11, 12, 13, 14, 15, 16, 17]]
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model_dir, tmp_path_factory):
+def adapter_dirs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("merged-adapters")
-    return {name: read_adapter(str(build_lora_adapter(tiny_model_dir, root / name, rank=rank, seed=seed, std=0.1)))
+    return {name: str(build_lora_adapter(tiny_model_dir, root / name, rank=rank, seed=seed, std=0.1))
             for name, rank, seed in (("a", 8, 1), ("b", 32, 2))}
+
+
+@pytest.fixture
+def adapters(adapter_dirs):
+    """Fresh tensors per test: vLLM scales the B matrices it registers in place."""
+    return {name: read_adapter(path) for name, path in adapter_dirs.items()}
 
 
 def _engine(model_dir: str, dtype: str, **merged):
@@ -58,10 +64,10 @@ def _wait_served(engine, snapshot_id: str, where: str, timeout: float = 120) -> 
 
 
 @pytest.fixture(scope="module")
-def fp32_engine(tiny_model_dir, adapters):
+def fp32_engine(tiny_model_dir, adapter_dirs):
     engine = _engine(tiny_model_dir, "float32", slots=1, window=4, share=0.5, min_requests=3)
-    for name, (tensors, config) in adapters.items():
-        engine.register_snapshot(name, tensors, config, "").result(60)
+    for name, path in adapter_dirs.items():
+        engine.register_snapshot(name, *read_adapter(path), "").result(60)
     yield engine
     _teardown(engine)
 
@@ -125,16 +131,33 @@ def test_demotion_when_traffic_goes_to_the_base_model(fp32_engine):
     _wait_served(engine, "b", "lora")
 
 
-def test_merged_agrees_with_lora_in_bf16(tiny_model_dir, adapters):
+def _peft_fp32(model_dir: str, adapter_dir: str, prompt: list[int]) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    return torch.stack([logits[i, prompt[i + 1]] for i in range(len(prompt) - 1)])
+
+
+def test_merged_agrees_with_lora_in_bf16(tiny_model_dir, adapters, adapter_dirs):
+    """bf16 rounds W + delta once where LoRA serving rounds W, x@A and the sum apart: the two
+    differ by bf16's rounding, not more. The bar: within 0.1 nats/token of each other on average
+    (issue 14's bf16 bar), and merged no further from the fp32 PEFT reference than LoRA is, give
+    or take that rounding."""
     engine = _engine(tiny_model_dir, "bfloat16", slots=1, window=1, share=0.5, min_requests=1)
     try:
         engine.register_snapshot("a", *adapters["a"], "").result(60)
-        prompt = PROMPTS[0]
         # Teacher-forced: prompt logprobs only, so a near-tie cannot send the two down different paths.
-        lora = _logprobs(engine, "a", prompt, max_tokens=1)[1][:-1]
+        lora = torch.cat([_logprobs(engine, "a", p, max_tokens=1)[1][:-1] for p in PROMPTS])
         _wait_served(engine, "a", "merged")
-        merged = _logprobs(engine, "a", prompt, max_tokens=1)[1][:-1]
-        diff = (merged - lora).abs()
-        assert diff.mean() < 0.05 and diff.max() < 0.25, diff
+        merged = torch.cat([_logprobs(engine, "a", p, max_tokens=1)[1][:-1] for p in PROMPTS])
     finally:
         _teardown(engine)
+    exact = torch.cat([_peft_fp32(tiny_model_dir, adapter_dirs["a"], p) for p in PROMPTS])
+    lora_err, merged_err = (lora - exact).abs().mean(), (merged - exact).abs().mean()
+    print(f"bf16 mean |merged - lora| {(merged - lora).abs().mean():.4f}, |lora - fp32| {lora_err:.4f}, "
+          f"|merged - fp32| {merged_err:.4f} nats/token")
+    assert (merged - lora).abs().mean() < 0.1
+    assert merged_err < 1.5 * lora_err + 0.02
