@@ -257,9 +257,10 @@ class MergedServing:
         if not self.enabled:
             return
         for decision in self.policy.observe(snapshot_id, tokens):
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._merger, name="merger", daemon=True)
-                self._thread.start()
+            with self._lock:
+                if self._thread is None:          # started by the first promotion
+                    self._thread = threading.Thread(target=self._merger, name="merger", daemon=True)
+                    self._thread.start()
             self._work.put((decision, path))
 
     def stop(self) -> None:
