@@ -18,6 +18,14 @@ re-merged only once it has drained: from the moment a re-merge is asked for, the
 new request (they go to the LoRA engine, which holds every snapshot), and the weights are swapped
 when its last in-flight request has finished. No request ever sees a half-merged model.
 
+Cost, measured on SmolLM2-135M fp32 on a shared 2-core CPU (bench/adapter_sampling.py): the
+first promotion takes ~7 s (the slot's engine is created on the engine thread, which serves
+nothing meanwhile: vLLM must not build one engine while another steps); a re-merge ~2.8 s, of
+which ~1.2 s is the weight swap on the engine thread (the rest, reading the base checkpoint and
+adding the deltas, runs on the merger thread while both engines keep serving); a slot adds
+~2.9 GiB RSS (its weights, an untied lm_head, its 1 GiB KV cache). All engines of a replica take
+turns on one thread, so a slot adds no parallelism on 2 cores: it pays by skipping the LoRA ops.
+
 Merging happens on the sampler from the adapter tensors it already received (kept for the few
 newest snapshots) or from the snapshot's persisted PEFT copy: no trainer change. The base
 weights are re-read from the checkpoint on each merge (the page cache keeps them), so the slot
