@@ -8,6 +8,11 @@ Snapshots: each arrives as in-memory tensors, gets a fresh LoRA int id, and is r
 the worker's adapter cache without touching disk. Its persisted copy (written by the trainer
 during the push) is the path vLLM reloads from if the cache ever evicts it.
 
+Hot snapshots are served from merged weights in further engines (merged.py): the same thread
+steps them in turn, since vLLM keeps its forward context in process-global state (two engines
+of one process must never run a step at the same time), and it routes each request when it
+admits it, so a slot's weight swap (done there, once the slot has drained) never races a step.
+
 No gRPC here.
 """
 
@@ -24,6 +29,7 @@ import uuid
 
 import torch
 
+from sampler_service.merged import MergedServing, PromotionPolicy, engine_overrides
 from tinkerd.errors import NotFoundError, UserError
 
 log = logging.getLogger(__name__)
@@ -41,28 +47,33 @@ class Snapshot:
 
 @dataclasses.dataclass
 class _Pending:
-    kind: str                 # "generate" | "register"
+    kind: str                 # "generate" | "register" | "merge" | "demote" | "stop"
     payload: tuple
     future: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class MergedSettings:
+    """See merged.py for the policy; slots 0 turns merged serving off."""
+    slots: int = 0
+    window: int = 32
+    share: float = 0.5
+    min_requests: int = 4
 
 
 class SamplerEngine:
     def __init__(self, model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024,
                  max_loras: int = 4, max_cpu_loras: int = 64, max_lora_rank: int = 64,
-                 max_num_seqs: int = 64, seed: int = 0):
+                 max_num_seqs: int = 64, seed: int = 0, merged: MergedSettings = MergedSettings()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
 
         self.model_dir = model_dir
-        args = EngineArgs(
-            model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
+        self._engine_args = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+                                 seed=seed, max_num_seqs=max_num_seqs)
+        self._engine = self._new_engine(
             enable_lora=True, max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-            max_num_seqs=max_num_seqs,
-            worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension",
-        )
-        self._engine = LLMEngine.from_engine_args(args)
+            worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension")
         self._engine.collective_rpc("tinkerd_install_lora_fixes")   # see worker_ext.py
         self.max_model_len = max_model_len
         self.vocab_size = self._engine.model_config.get_vocab_size()
@@ -73,9 +84,28 @@ class SamplerEngine:
         self._lora_ids = itertools.count(1)
         self._inbox: queue.Queue[_Pending] = queue.Queue()
         self._waiting: dict[str, tuple[concurrent.futures.Future, int, list]] = {}
+        self._group_engine: dict[str, object] = {}     # request group -> the engine running it
+        self.merged = MergedServing(
+            PromotionPolicy(merged.slots, merged.window, merged.share, merged.min_requests), model_dir,
+            self._engine.model_config.dtype, self._submit)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
+
+    def _new_engine(self, **kwargs):
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        return LLMEngine.from_engine_args(EngineArgs(**self._engine_args, **kwargs))
+
+    def _new_merged_engine(self):
+        """A merged slot's engine (engine thread only: it must not be built while another steps)."""
+        import time
+
+        t0 = time.perf_counter()
+        engine = self._new_engine(**engine_overrides(self.model_dir))
+        log.info("merged-slot engine created in %.1f s", time.perf_counter() - t0)
+        return engine
 
     # ---- public API (any thread) ----------------------------------------------------------
 
@@ -101,6 +131,8 @@ class SamplerEngine:
         """Future of a list of `num_samples` vLLM RequestOutputs (one sequence each)."""
         self._check_prompt(prompt_tokens, params.max_tokens)
         snap = self.snapshot(snapshot_id, snapshot_path)
+        self.merged.observe(snap.snapshot_id if snap else "", snapshot_path or (snap.path if snap else ""),
+                            len(prompt_tokens) + num_samples * params.max_tokens)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Pending("generate", (prompt_tokens, params, num_samples, snap), future))
         return future
@@ -109,14 +141,25 @@ class SamplerEngine:
                           path: str) -> concurrent.futures.Future:
         if snapshot_id in self._snapshots:
             raise UserError(f"snapshot {snapshot_id!r} already exists; snapshots are immutable")
+        self.merged.remember(snapshot_id, tensors, adapter_config)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Pending("register", (snapshot_id, tensors, adapter_config, path), future))
         return future
 
+    def served_by(self, snapshot_id: str) -> str:
+        """"merged" or "lora": where a request for the snapshot admitted now would run."""
+        return "merged" if self.merged.route(snapshot_id) is not None else "lora"
+
     def shutdown(self) -> None:
+        self.merged.stop()
         self._stopped.set()
         self._inbox.put(_Pending("stop", (), concurrent.futures.Future()))
         self._thread.join(timeout=10)
+
+    def _submit(self, kind: str, payload: tuple) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Pending(kind, payload, future))
+        return future
 
     def _check_prompt(self, tokens: list[int], max_tokens: int) -> None:
         if not tokens:
@@ -130,9 +173,12 @@ class SamplerEngine:
 
     # ---- engine thread --------------------------------------------------------------------
 
+    def _engines(self) -> list:
+        return [self._engine, *self.merged.engines()]
+
     def _loop(self) -> None:
         while not self._stopped.is_set():
-            busy = self._engine.has_unfinished_requests()
+            busy = any(e.has_unfinished_requests() for e in self._engines()) or self.merged.busy()
             try:
                 item = self._inbox.get(block=not busy, timeout=None if not busy else 0)
             except queue.Empty:
@@ -143,12 +189,14 @@ class SamplerEngine:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
-            if self._engine.has_unfinished_requests():
-                try:
-                    self._deliver(self._engine.step())
-                except Exception as e:  # noqa: BLE001 - fail the in-flight requests, keep serving
-                    log.exception("engine step failed")
-                    self._fail_all(e)
+            self.merged.finish_merges()            # slots that drained get their new weights
+            for engine in self._engines():
+                if engine.has_unfinished_requests():
+                    try:
+                        self._deliver(engine.step())
+                    except Exception as e:  # noqa: BLE001 - fail the in-flight requests, keep serving
+                        log.exception("engine step failed")
+                        self._fail_all(engine, e)
 
     def _admit(self, item: _Pending) -> None:
         if item.kind == "stop":
@@ -156,6 +204,12 @@ class SamplerEngine:
         try:
             if item.kind == "register":
                 self._register(item)
+            elif item.kind == "merge":
+                slot, snapshot_id, weights = item.payload
+                self.merged.begin_merge(slot, snapshot_id, weights, item.future, self._new_merged_engine)
+            elif item.kind == "demote":
+                self.merged.demote(*item.payload)
+                item.future.set_result(None)
             else:
                 self._add_generate(item)
         except Exception as e:  # noqa: BLE001 - the caller gets the error
@@ -175,16 +229,23 @@ class SamplerEngine:
         from vllm.lora.request import LoRARequest
 
         prompt_tokens, params, num_samples, snap = item.payload
-        lora = LoRARequest(snap.snapshot_id, snap.lora_int_id, snap.path) if snap else None
+        slot = self.merged.route(snap.snapshot_id) if snap else None
+        if slot is not None:                 # a hot snapshot: its merged weights, no LoRA
+            engine, lora = slot.engine, None
+            slot.requests += 1
+        else:
+            engine = self._engine
+            lora = LoRARequest(snap.snapshot_id, snap.lora_int_id, snap.path) if snap else None
         group = uuid.uuid4().hex
         results: list = [None] * num_samples
         self._waiting[group] = (item.future, num_samples, results)
+        self._group_engine[group] = engine
         for i in range(num_samples):
             p = params
             if params.seed is not None and i > 0:
                 p = params.clone()
                 p.seed = params.seed + i  # distinct but reproducible samples
-            self._engine.add_request(f"{group}-{i}", {"prompt_token_ids": prompt_tokens}, p, lora_request=lora)
+            engine.add_request(f"{group}-{i}", {"prompt_token_ids": prompt_tokens}, p, lora_request=lora)
 
     def _deliver(self, outputs) -> None:
         for out in outputs:
@@ -196,12 +257,15 @@ class SamplerEngine:
             remaining -= 1
             if remaining == 0:
                 del self._waiting[group]
+                del self._group_engine[group]
                 future.set_result(results)
             else:
                 self._waiting[group] = (future, remaining, results)
 
-    def _fail_all(self, error: Exception) -> None:
-        for group, (future, _, _) in list(self._waiting.items()):
-            self._engine.abort_request([f"{group}-{i}" for i in range(len(self._waiting[group][2]))])
+    def _fail_all(self, engine, error: Exception) -> None:
+        for group, (future, _, results) in list(self._waiting.items()):
+            if self._group_engine[group] is not engine:
+                continue
+            engine.abort_request([f"{group}-{i}" for i in range(len(results))])
             future.set_exception(error)
-        self._waiting.clear()
+            del self._waiting[group], self._group_engine[group]

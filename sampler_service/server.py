@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from sampler_service.settings import SamplerSettings
@@ -11,7 +12,7 @@ from tinkerd.process import cpu_defaults, init_logging, serve_until_signal, serv
 def serve(s: SamplerSettings) -> None:
     cpu_defaults()
     init_logging("sampler")
-    from sampler_service.engine import SamplerEngine
+    from sampler_service.engine import MergedSettings, SamplerEngine
     from sampler_service.registration import Registration
     from sampler_service.servicer import SamplerServicer
     from tinkerd.health import ServiceHealth
@@ -23,7 +24,9 @@ def serve(s: SamplerSettings) -> None:
     engine = SamplerEngine(s.base_model, dtype=service_dtype(s.dtype, s.allow_slow_dtype),
                            max_model_len=s.max_model_len, max_loras=s.max_loras,
                            max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
-                           max_num_seqs=s.max_num_seqs)
+                           max_num_seqs=s.max_num_seqs,
+                           merged=MergedSettings(_merged_slots(s), s.merge_window, s.merge_share,
+                                                 s.merge_min_requests))
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
     server, port = create_server(s.listen, max_workers=max(256, 2 * s.max_num_seqs), auth=auth,
                                  allow_insecure=s.allow_insecure)
@@ -36,3 +39,15 @@ def serve(s: SamplerSettings) -> None:
         engine.shutdown()
     serve_until_signal(server, port, "sampler", on_start=registration.start, on_stop=stop,
                        health=ServiceHealth(server, "tinkerd.v1.Sampler"))
+
+
+def _merged_slots(s: SamplerSettings) -> int:
+    """Merged serving runs a second vLLM engine in this process. On a GPU that engine would need
+    its own share of GPU memory next to the first one's (not budgeted yet), so it is CPU-only."""
+    import torch
+
+    if s.merged_slots and torch.cuda.is_available():
+        logging.getLogger("sampler").warning("merged serving is off on GPU for now (--merged-slots %d ignored): a "
+                                             "second engine's GPU memory is not budgeted yet", s.merged_slots)
+        return 0
+    return s.merged_slots

@@ -24,3 +24,11 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings):
                                                 "replica heart-beats there and leaves on a clean stop")
     advertise_address: str = setting("", help="host:port the gateways and trainer reach this replica at "
                                               "(default: 127.0.0.1 and the port it listens on)")
+    # Merged serving of hot snapshots (sampler_service/merged.py has the whole policy).
+    merged_slots: int = setting(1, help="snapshots served from merged weights (W + scale*B@A), each in a vLLM "
+                                        "engine of its own created on its first promotion; 0 turns it off")
+    merge_window: int = setting(32, help="merged serving looks at the last N sample requests")
+    merge_share: float = setting(0.5, help="a snapshot whose requests asked for at least this share of the "
+                                           "window's tokens is served merged; under half of it, through LoRA "
+                                           "again (0 with --merge-min-requests 1: the first snapshot sampled)")
+    merge_min_requests: int = setting(4, help="requests a snapshot needs in the window to be promoted")

@@ -1,0 +1,349 @@
+"""Merged serving of hot snapshots: W + scale * B @ A in a second vLLM engine (issue 14).
+
+Sampling through a LoRA snapshot costs the LoRA ops on every token; the base model without them
+is much faster. So a snapshot that most sample requests use (in RL: the policy's newest) is served
+from merged weights in a "merged slot": a vLLM engine without LoRA, created the first time a
+snapshot is promoted (no cost while nothing is), whose weights are the base checkpoint with the
+snapshot's deltas added to the target modules. The long tail stays on the multi-LoRA engine.
+
+Policy (PromotionPolicy, settings in settings.py): over the last `merge_window` sample requests,
+a snapshot whose requests asked for at least `merge_share` of the tokens (prompt + samples),
+with at least `merge_min_requests` requests in the window, is promoted into a free slot, or in
+place of a merged snapshot that now has a smaller share; a merged snapshot whose share falls under
+half of `merge_share` is demoted (its requests go back to the LoRA engine). `merged_slots` caps
+the slots; 0 turns merged serving off.
+
+Consistency: the engine thread (engine.py) routes each request when it admits it, and a slot is
+re-merged only once it has drained: from the moment a re-merge is asked for, the slot takes no
+new request (they go to the LoRA engine, which holds every snapshot), and the weights are swapped
+when its last in-flight request has finished. No request ever sees a half-merged model.
+
+Cost, measured on SmolLM2-135M fp32 on a shared 2-core CPU (bench/adapter_sampling.py): the
+first promotion takes ~7 s (the slot's engine is created on the engine thread, which serves
+nothing meanwhile: vLLM must not build one engine while another steps); a re-merge ~2.8 s, of
+which ~1.2 s is the weight swap on the engine thread (the rest, reading the base checkpoint and
+adding the deltas, runs on the merger thread while both engines keep serving); a slot adds
+~2.9 GiB RSS (its weights, an untied lm_head, its 1 GiB KV cache). All engines of a replica take
+turns on one thread, so a slot adds no parallelism on 2 cores: it pays by skipping the LoRA ops.
+
+Merging happens on the sampler from the adapter tensors it already received (kept for the few
+newest snapshots) or from the snapshot's persisted PEFT copy: no trainer change. The base
+weights are re-read from the checkpoint on each merge (the page cache keeps them), so the slot
+keeps no second copy and a re-merge never accumulates rounding from an unmerge.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import glob
+import json
+import logging
+import math
+import os
+import queue
+import threading
+from typing import Callable, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_PEFT_PREFIX = "base_model.model."
+
+
+class UnmergeableError(ValueError):
+    """The adapter has parts a merged dense weight cannot represent (it stays on LoRA)."""
+
+
+# ---- the merged weights ---------------------------------------------------------------------------
+
+def lora_scale(config: dict, module: str = "") -> float:
+    rank = config.get("rank_pattern", {}).get(module, config["r"])
+    alpha = config.get("alpha_pattern", {}).get(module, config.get("lora_alpha", rank))
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def lora_deltas(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """Checkpoint weight name (e.g. `model.layers.0.self_attn.q_proj.weight`) -> scale * B @ A in
+    fp32, from a PEFT adapter's tensors (`base_model.model.<module>.lora_A.weight`, ...)."""
+    if config.get("use_dora"):
+        raise UnmergeableError("DoRA adapters are served through LoRA only")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise UnmergeableError("adapters with per-module rank or alpha patterns are served through LoRA only")
+    pairs: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
+    for name, tensor in tensors.items():
+        module, _, kind = name.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight"):
+            raise UnmergeableError(f"adapter tensor {name!r} is not a LoRA A/B matrix")
+        pairs[module][kind[0]] = tensor
+    scale = lora_scale(config)
+    deltas = {}
+    for module, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise UnmergeableError(f"adapter module {module!r} lacks its lora_A or lora_B")
+        deltas[f"{module}.weight"] = (ab["B"].float() @ ab["A"].float()).mul_(scale)
+    return deltas
+
+
+def read_adapter(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """A persisted PEFT adapter's tensors and config."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    return load_file(os.path.join(path, "adapter_model.safetensors")), config
+
+
+def _tied(model_dir: str) -> bool:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    return bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")))
+
+
+def engine_overrides(model_dir: str) -> dict:
+    """How a merged slot's engine differs from the LoRA one: no LoRA, weights filled by the first
+    merge (not read at start), and an output layer of its own where the base model ties it to the
+    input embeddings (a delta on lm_head must not change the embeddings)."""
+    overrides: dict = {"load_format": "dummy"}
+    if _tied(model_dir):
+        overrides["hf_overrides"] = {"tie_word_embeddings": False}
+    return overrides
+
+
+def merged_checkpoint(model_dir: str, deltas: dict[str, torch.Tensor], dtype: torch.dtype
+                      ) -> list[tuple[str, torch.Tensor]]:
+    """Every weight of the base checkpoint in `dtype`, with the deltas added (in fp32, rounded
+    once); for a tied model also `lm_head.weight` (the embeddings plus lm_head's delta)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise UnmergeableError(f"{model_dir} has no safetensors checkpoint to merge into")
+    pending = dict(deltas)
+    out: list[tuple[str, torch.Tensor]] = []
+    embeddings = None
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                weight = f.get_tensor(name)
+                if name == "model.embed_tokens.weight":
+                    embeddings = weight
+                out.append((name, _add(weight, pending.pop(name, None), dtype)))
+    if "lm_head.weight" not in {name for name, _ in out}:
+        if embeddings is None:
+            raise UnmergeableError("the checkpoint has neither lm_head.weight nor model.embed_tokens.weight")
+        out.append(("lm_head.weight", _add(embeddings, pending.pop("lm_head.weight", None), dtype)))
+    if pending:
+        raise UnmergeableError(f"adapter modules not in the base checkpoint: {sorted(pending)[:3]}")
+    return out
+
+
+def _add(weight: torch.Tensor, delta: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if delta is None:
+        return weight.to(dtype)
+    if delta.shape != weight.shape:
+        raise UnmergeableError(f"delta shape {tuple(delta.shape)} does not fit weight {tuple(weight.shape)}")
+    return weight.float().add_(delta).to(dtype)
+
+
+# ---- the policy ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: str          # "promote" | "demote"
+    snapshot_id: str
+    slot: int
+
+
+class PromotionPolicy:
+    """Which snapshots the merged slots serve, from the recent sample traffic (see the module
+    docstring). Pure bookkeeping; thread-safe. `observe` returns what to change."""
+
+    def __init__(self, slots: int, window: int, share: float, min_requests: int):
+        if slots < 0 or window < 1 or not 0 <= share <= 1 or min_requests < 1:
+            raise ValueError("merged serving: need slots >= 0, window >= 1, 0 <= share <= 1, min_requests >= 1")
+        self.slots: list[str | None] = [None] * slots
+        self.share, self.min_requests = share, min_requests
+        self._window: collections.deque[tuple[str, int]] = collections.deque(maxlen=window)
+        self._refused: set[str] = set()
+        self._lock = threading.Lock()
+
+    def observe(self, snapshot_id: str, tokens: int) -> list[Decision]:
+        with self._lock:
+            self._window.append((snapshot_id, tokens))
+            return self._decide(snapshot_id)
+
+    def refuse(self, snapshot_id: str, slot: int) -> None:
+        """The snapshot cannot be merged: free its slot and never promote it again."""
+        with self._lock:
+            self._refused.add(snapshot_id)
+            if self.slots[slot] == snapshot_id:
+                self.slots[slot] = None
+
+    def shares(self) -> dict[str, float]:
+        total = sum(t for _, t in self._window) or 1
+        out: dict[str, float] = collections.defaultdict(float)
+        for sid, tokens in self._window:
+            out[sid] += tokens / total
+        return out
+
+    def _decide(self, snapshot_id: str) -> list[Decision]:
+        if not self.slots:
+            return []
+        shares = self.shares()
+        decisions = []
+        for slot, merged in enumerate(self.slots):     # traffic moved away
+            if merged is not None and shares.get(merged, 0.0) < self.share / 2:
+                decisions.append(Decision("demote", merged, slot))
+                self.slots[slot] = None
+        count = sum(1 for sid, _ in self._window if sid == snapshot_id)
+        if (not snapshot_id or snapshot_id in self.slots or snapshot_id in self._refused
+                or count < min(self.min_requests, self._window.maxlen) or shares[snapshot_id] < self.share):
+            return decisions
+        if None in self.slots:
+            slot = self.slots.index(None)
+        else:                                          # take the slot of the least used, if it is less used
+            slot = min(range(len(self.slots)), key=lambda i: shares.get(self.slots[i], 0.0))
+            if shares.get(self.slots[slot], 0.0) >= shares[snapshot_id]:
+                return decisions
+            decisions.append(Decision("demote", self.slots[slot], slot))
+        self.slots[slot] = snapshot_id
+        decisions.append(Decision("promote", snapshot_id, slot))
+        return decisions
+
+
+# ---- the slots ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class MergedSlot:
+    index: int
+    engine: object = None                  # vLLM LLMEngine, created on the first promotion
+    serving: str | None = None             # the snapshot it answers for (None: takes no request)
+    pending: tuple | None = None           # (snapshot_id, weights, future): re-merge once drained
+    requests: int = 0                      # served since the last merge
+
+
+class MergedServing:
+    """The slots, the policy, and the merger thread that computes merged weights off the engine
+    thread. The engine thread (engine.py) calls `route`, `begin_merge`, `finish_merges` and
+    `demote`; anything else may call `observe` and `remember`."""
+
+    def __init__(self, policy: PromotionPolicy, model_dir: str, dtype: torch.dtype,
+                 submit: Callable[[str, tuple], concurrent.futures.Future], keep_adapters: int = 2):
+        self.policy = policy
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.slots = [MergedSlot(i) for i in range(len(policy.slots))]
+        self._submit = submit               # puts an item on the engine thread's inbox
+        self._recent: collections.OrderedDict[str, tuple[dict, dict]] = collections.OrderedDict()
+        self._keep = keep_adapters
+        self._lock = threading.Lock()
+        self._work: queue.Queue[tuple[Decision, str] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.slots)
+
+    # ---- any thread ----
+
+    def remember(self, snapshot_id: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """A copy of the received tensors of the newest snapshots (the ones likely to get hot), so
+        a merge needs no disk read; older ones merge from their persisted copy. A copy, because
+        vLLM scales the B matrices it is given in place."""
+        if not self.enabled:
+            return
+        copy = {name: t.clone() for name, t in tensors.items()}
+        with self._lock:
+            self._recent[snapshot_id] = (copy, dict(config))
+            while len(self._recent) > self._keep:
+                self._recent.popitem(last=False)
+
+    def observe(self, snapshot_id: str, path: str, tokens: int) -> None:
+        if not self.enabled:
+            return
+        for decision in self.policy.observe(snapshot_id, tokens):
+            with self._lock:
+                if self._thread is None:          # started by the first promotion
+                    self._thread = threading.Thread(target=self._merger, name="merger", daemon=True)
+                    self._thread.start()
+            self._work.put((decision, path))
+
+    def stop(self) -> None:
+        self._work.put(None)
+
+    # ---- merger thread ----
+
+    def _merger(self) -> None:
+        while (work := self._work.get()) is not None:
+            decision, path = work
+            try:
+                if decision.action == "demote":
+                    self._submit("demote", (decision.slot, decision.snapshot_id)).result()
+                    continue
+                weights = self._weights(decision.snapshot_id, path)
+                self._submit("merge", (decision.slot, decision.snapshot_id, weights)).result()
+            except Exception as e:  # noqa: BLE001 - the snapshot stays on LoRA serving
+                log.warning("snapshot %s not merged into slot %d: %s", decision.snapshot_id, decision.slot, e)
+                self.policy.refuse(decision.snapshot_id, decision.slot)
+
+    def _weights(self, snapshot_id: str, path: str) -> list[tuple[str, torch.Tensor]]:
+        with self._lock:
+            kept = self._recent.get(snapshot_id)
+        if kept is None:
+            if not path or not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+                raise UnmergeableError("its tensors are no longer in memory and it has no persisted copy")
+            kept = read_adapter(path)
+        return merged_checkpoint(self.model_dir, lora_deltas(*kept), self.dtype)
+
+    # ---- engine thread ----
+
+    def route(self, snapshot_id: str) -> MergedSlot | None:
+        for slot in self.slots:
+            if slot.serving == snapshot_id and slot.pending is None:
+                return slot
+        return None
+
+    def begin_merge(self, index: int, snapshot_id: str, weights, future, create_engine: Callable[[], object]) -> None:
+        slot = self.slots[index]
+        if slot.engine is None:
+            slot.engine = create_engine()
+        slot.serving = None                  # new requests go to the LoRA engine from now on
+        slot.pending = (snapshot_id, weights, future)
+
+    def finish_merges(self) -> None:
+        """Swap the weights of every slot that waits for it and has drained."""
+        import time
+
+        for slot in self.slots:
+            if slot.pending is None or slot.engine.has_unfinished_requests():
+                continue
+            snapshot_id, weights, future = slot.pending
+            slot.pending = None
+            try:
+                t0 = time.perf_counter()
+                slot.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
+                                                                     "is_checkpoint_format": True})
+                slot.engine.reset_prefix_cache()
+            except Exception as e:  # noqa: BLE001 - the merger thread refuses the snapshot
+                future.set_exception(e)
+                continue
+            slot.serving, slot.requests = snapshot_id, 0
+            log.info("merged slot %d now serves snapshot %s (weights swapped in %.0f ms)", slot.index,
+                     snapshot_id, 1e3 * (time.perf_counter() - t0))
+            future.set_result(slot.index)
+
+    def demote(self, index: int, snapshot_id: str) -> None:
+        slot = self.slots[index]
+        if slot.serving == snapshot_id:
+            log.info("merged slot %d no longer serves snapshot %s (%d requests served merged)", index,
+                     snapshot_id, slot.requests)
+            slot.serving = None
+
+    def busy(self) -> bool:
+        return any(s.pending is not None for s in self.slots)
+
+    def engines(self) -> Iterator:
+        return (s.engine for s in self.slots if s.engine is not None)
