@@ -39,10 +39,12 @@ class TensorSpec:
 
     @property
     def num_bytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=dtypes.torch_dtype(self.dtype)).element_size()
+        return _num_bytes(dtypes.torch_dtype(self.dtype), self.shape)
+
+    def view(self, chunk: torch.Tensor) -> torch.Tensor:
+        """This tensor, as a typed view of its bytes in its (uint8) chunk."""
+        raw = chunk[self.offset:self.offset + self.num_bytes]
+        return raw.view(dtypes.torch_dtype(self.dtype)).view(self.shape)
 
 
 @dataclasses.dataclass
@@ -55,43 +57,59 @@ class Packed:
         return [c.numel() for c in self.chunks]
 
 
-def pack(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Packed:
-    """Lays tensors out in uint8 chunks; returns the layout and the chunk buffers."""
+def layout(entries, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[list[TensorSpec], list[int]]:
+    """Where each (name, dtype, shape) of `entries` goes: its chunk and byte offset, and each
+    chunk's size. Tensors in a chunk lie back to back; one of at least `chunk_bytes` gets a
+    chunk of its own. Needs no data, so a manifest can go out before anything is copied."""
     specs: list[TensorSpec] = []
-    groups: list[list[tuple[str, torch.Tensor]]] = []
-    current: list[tuple[str, torch.Tensor]] = []
-    current_bytes = 0
-    for name, t in tensors.items():
-        t = t.detach().contiguous()
-        size = t.numel() * t.element_size()
-        if size >= chunk_bytes:
-            groups.append([(name, t)])
-            continue
-        if current and current_bytes + size > chunk_bytes:
-            groups.append(current)
-            current, current_bytes = [], 0
-        current.append((name, t))
-        current_bytes += size
-    if current:
-        groups.append(current)
+    sizes: list[int] = []
+    for name, dtype, shape in entries:
+        size = _num_bytes(dtype, shape)
+        if not sizes or size >= chunk_bytes or sizes[-1] >= chunk_bytes or sizes[-1] + size > chunk_bytes:
+            sizes.append(0)
+        specs.append(TensorSpec(name, dtype_name(dtype), tuple(shape), len(sizes) - 1, sizes[-1]))
+        sizes[-1] += size
+    return specs, sizes
 
-    chunks = []
-    for index, members in enumerate(groups):
-        views = [t.reshape(-1).view(torch.uint8) for _, t in members]
-        chunks.append(views[0] if len(views) == 1 else torch.cat(views))
-        offset = 0
-        for (name, t), v in zip(members, views):
-            specs.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape), index, offset))
-            offset += v.numel()
+
+def _num_bytes(dtype: torch.dtype, shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+def allocate(chunk_num_bytes: list[int]) -> list[torch.Tensor]:
+    """Chunk buffers for a layout: views of one flat allocation."""
+    flat = torch.empty(sum(chunk_num_bytes), dtype=torch.uint8)
+    return list(flat.split(chunk_num_bytes)) if chunk_num_bytes else []
+
+
+def pack(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         dtype: torch.dtype | None = None) -> Packed:
+    """Lays tensors out in uint8 chunks (cast to `dtype` if given); returns the layout and the
+    chunk buffers. A tensor alone in its chunk and already in its dtype travels as a zero-copy
+    byte view; the others are copied into one allocation."""
+    specs, sizes = layout(((n, dtype or t.dtype, t.shape) for n, t in tensors.items()), chunk_bytes)
+    members: list[list[TensorSpec]] = [[] for _ in sizes]
+    for s in specs:
+        members[s.chunk].append(s)
+    alone = {i: tensors[m[0].name] for i, m in enumerate(members)
+             if len(m) == 1 and tensors[m[0].name].dtype == dtypes.torch_dtype(m[0].dtype)}
+    copied = allocate([0 if i in alone else n for i, n in enumerate(sizes)])
+    chunks = [_bytes_of(alone[i]) if i in alone else copied[i] for i in range(len(sizes))]
+    for s in specs:
+        if s.chunk not in alone:
+            s.view(chunks[s.chunk]).copy_(tensors[s.name].detach())
     return Packed(specs, chunks)
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def unpack(specs: list[TensorSpec], chunks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for s in specs:
-        raw = chunks[s.chunk][s.offset:s.offset + s.num_bytes]
-        out[s.name] = raw.view(dtypes.torch_dtype(s.dtype)).reshape(s.shape)
-    return out
+    return {s.name: s.view(chunks[s.chunk]) for s in specs}
 
 
 @dataclasses.dataclass
@@ -155,18 +173,64 @@ def default_backend() -> str:
 
 
 def send(group: Group, chunks: list[torch.Tensor]) -> None:
-    for chunk in chunks:
-        buf = chunk.to(group.device, non_blocking=True)
-        group.pg.broadcast(buf, 0).wait()
+    """Broadcasts the chunks from rank 0: all posted at once (gloo runs them back to back on its
+    own threads), then waited for."""
+    works = [group.pg.broadcast(chunk.to(group.device, non_blocking=True), 0) for chunk in chunks]
+    for work in works:
+        work.wait()
+
+
+def send_tensors(group: Group, tensors: dict[str, torch.Tensor], specs: list[TensorSpec],
+                 chunk_num_bytes: list[int], staging: int = 2) -> None:
+    """Streams `tensors` in the layout of `specs` (see `layout`) without packing them all first:
+    a chunk that is one tensor in its dtype goes out as it is; the others are packed into one of
+    `staging` rotating buffers while the previous chunks are on the wire, so the copy overlaps
+    the send instead of preceding it."""
+    members: list[list[TensorSpec]] = [[] for _ in chunk_num_bytes]
+    for s in specs:
+        members[s.chunk].append(s)
+    packed = [i for i, m in enumerate(members) if not _travels_alone(tensors, m)]
+    size = max((chunk_num_bytes[i] for i in packed), default=0)
+    buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(min(staging, len(packed)))]
+    last_use: list = [None] * len(buffers)       # the broadcast that last sent from each buffer
+    works = []
+    for i, chunk_members in enumerate(members):
+        if i in packed:
+            b = packed.index(i) % len(buffers)
+            if last_use[b] is not None:
+                last_use[b].wait()
+            chunk = buffers[b][:chunk_num_bytes[i]]
+            for s in chunk_members:
+                s.view(chunk).copy_(tensors[s.name].detach())
+        else:
+            chunk = _bytes_of(tensors[chunk_members[0].name])
+        works.append(group.pg.broadcast(chunk.to(group.device, non_blocking=True), 0))
+        if i in packed:
+            last_use[b] = works[-1]
+    for work in works:
+        work.wait()
+
+
+def _travels_alone(tensors: dict[str, torch.Tensor], members: list[TensorSpec]) -> bool:
+    return len(members) == 1 and tensors[members[0].name].dtype == dtypes.torch_dtype(members[0].dtype)
 
 
 def receive(group: Group, chunk_num_bytes: list[int]) -> list[torch.Tensor]:
-    chunks = []
-    for n in chunk_num_bytes:
-        buf = torch.empty(n, dtype=torch.uint8, device=group.device)
-        group.pg.broadcast(buf, 0).wait()
-        chunks.append(buf if group.device.type == "cpu" else buf.cpu())
-    return chunks
+    """The chunks rank 0 broadcasts, into one allocation; every receive is posted up front."""
+    chunks = [c.to(group.device) for c in allocate(chunk_num_bytes)] if group.device.type != "cpu" \
+        else allocate(chunk_num_bytes)
+    works = [group.pg.broadcast(chunk, 0) for chunk in chunks]
+    for work in works:
+        work.wait()
+    return chunks if group.device.type == "cpu" else [c.cpu() for c in chunks]
+
+
+def signal(group: Group, rank: int, value: int) -> int:
+    """A one-number message from `rank` to the others (every rank calls it; returns the number):
+    the sampler's "ready" or "refused" before the trainer sends anything."""
+    flag = torch.tensor([value], dtype=torch.int64, device=group.device)
+    group.pg.broadcast(flag, rank).wait()
+    return int(flag.item())
 
 
 def write_safetensors(path: str, packed: Packed) -> None:

@@ -18,9 +18,9 @@ import threading
 
 import torch
 
-from tinkerd import dtypes
+from tinkerd import dtypes, weight_stream
 from tinkerd.errors import NotFoundError, UserError
-from trainer_service import checkpoints, training
+from trainer_service import adapter_snapshot, checkpoints, training
 from trainer_service.deepspeed_setup import deepspeed_config, init_distributed_once  # noqa: F401 - public here
 from trainer_service.losses import get_loss
 from trainer_service.lora import LoraSpec
@@ -45,6 +45,7 @@ class TrainerEngine:
         self.base_model_dir = base_model_dir
         self.base_model_names = {base_model_dir, os.path.abspath(base_model_dir), *base_model_names}
         self.zero_stage = zero_stage
+        self.dtype = dtypes.torch_dtype(dtype)
         self.max_lora_rank = max_lora_rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         config = AutoConfig.from_pretrained(base_model_dir)
@@ -150,6 +151,15 @@ class TrainerEngine:
         with self._lock:
             return checkpoints.export_adapter(self.peft, self.get(model_id), zero_stage=self.zero_stage,
                                               base_model_dir=self.base_model_dir)
+
+    def snapshot_adapter(self, model_id: str) -> tuple[weight_stream.Packed, dict]:
+        """The adapter for a weight push: gathered straight into send chunks in the serving dtype
+        (the base model's: a sampler's LoRA dtype follows its model dtype), and its config."""
+        with self._lock:
+            model = self.get(model_id)
+            packed = adapter_snapshot.gather(self.peft, model, zero_stage=self.zero_stage,
+                                             dtype=self.dtype)
+            return packed, checkpoints.adapter_config(self.peft, model, self.base_model_dir)
 
     # ---- training -------------------------------------------------------------------------
 

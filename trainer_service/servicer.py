@@ -126,5 +126,5 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             raise UserError("snapshot_id is required")
         persisted = paths.snapshot_dir(self.state_dir, request.snapshot_id) if request.persist else ""
         t0 = time.perf_counter()
-        adapter, config = self._fair(request.model_id, lambda: self.engine.export_adapter(request.model_id))
-        return self.pusher.push(request, persisted, adapter, config, gather_seconds=time.perf_counter() - t0)
+        packed, config = self._fair(request.model_id, lambda: self.engine.snapshot_adapter(request.model_id))
+        return self.pusher.push(request, persisted, packed, config, gather_seconds=time.perf_counter() - t0)
