@@ -15,6 +15,8 @@ import torch
 from tinkerd import weight_stream
 from trainer_service.registry import LoraModel
 
+# Send buffers, reused: the next push of the same adapter fills memory already touched.
+_buffers = weight_stream.BufferPool()
 # id(model) -> (a weak reference to it, [(PEFT name, parameter)]); an entry goes with its model.
 _names: dict[int, tuple[weakref.ref, list[tuple[str, torch.Tensor]]]] = {}
 
@@ -22,16 +24,17 @@ _names: dict[int, tuple[weakref.ref, list[tuple[str, torch.Tensor]]]] = {}
 def gather(peft_model, model: LoraModel, *, zero_stage: int, dtype: torch.dtype,
            chunk_bytes: int = weight_stream.DEFAULT_CHUNK_BYTES) -> weight_stream.Packed:
     """The adapter's full tensors (gathered under ZeRO-3) with PEFT names, cast to `dtype`, in
-    freshly allocated chunks."""
+    send chunks; call the result's `release` once nothing reads them any more."""
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(model.params, enabled=zero_stage == 3):
         named = _named_parameters(peft_model, model)
         specs, sizes = weight_stream.layout(((name, dtype, t.shape) for name, t in named), chunk_bytes)
-        chunks = weight_stream.allocate(sizes)
+        flat = _buffers.take(sum(sizes))
+        chunks = weight_stream.allocate(sizes, flat)
         for spec, (_, t) in zip(specs, named):
             spec.view(chunks[spec.chunk]).copy_(t.detach())
-    return weight_stream.Packed(specs, chunks)
+    return weight_stream.Packed(specs, chunks, release=lambda: _buffers.give(flat))
 
 
 def _named_parameters(peft_model, model: LoraModel) -> list[tuple[str, torch.Tensor]]:

@@ -105,12 +105,12 @@ class WeightPusher:
         try:
             if request.sampler_addresses:
                 self._stream(request, packed, config, persisted)
-        except BaseException:
+            t_streamed = time.perf_counter()
+            copy_seconds = copy.result() if copy is not None else 0.0
+        finally:
             if copy is not None:
                 concurrent.futures.wait([copy])    # no write goes on after the reply, a failed one included
-            raise
-        t_streamed = time.perf_counter()
-        copy_seconds = copy.result() if copy is not None else 0.0
+            packed.release()
         reply = trainer_pb2.PushWeightsResponse(
             snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes), num_tensors=len(packed.specs),
             gather_seconds=gather_seconds, stream_seconds=t_streamed - t0, persisted_path=persisted)
