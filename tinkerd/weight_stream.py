@@ -222,14 +222,15 @@ def send_tensors(group: Group, tensors: dict[str, torch.Tensor], specs: list[Ten
     members: list[list[TensorSpec]] = [[] for _ in chunk_num_bytes]
     for s in specs:
         members[s.chunk].append(s)
-    packed = [i for i, m in enumerate(members) if not _travels_alone(tensors, m)]
+    # chunk index -> its staging buffer, for the chunks that are packed
+    packed = {i: n % staging for n, i in enumerate(i for i, m in enumerate(members) if not _travels_alone(tensors, m))}
     size = max((chunk_num_bytes[i] for i in packed), default=0)
     buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(min(staging, len(packed)))]
     last_use: list = [None] * len(buffers)       # the broadcast that last sent from each buffer
     works = []
     for i, chunk_members in enumerate(members):
         if i in packed:
-            b = packed.index(i) % len(buffers)
+            b = packed[i]
             if last_use[b] is not None:
                 last_use[b].wait()
             chunk = buffers[b][:chunk_num_bytes[i]]

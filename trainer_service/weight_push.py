@@ -229,7 +229,8 @@ class WeightPusher:
             t_ready = time.perf_counter()
             if ready:
                 weight_stream.send(group, packed.chunks)
-            timings.join, timings.handshake, timings.send = t_joined - t0, t_ready - t_joined, time.perf_counter() - t_ready
+            timings.join, timings.handshake = t_joined - t0, t_ready - t_joined
+            timings.send = time.perf_counter() - t_ready
             return ready
 
         sent = _in_thread(transfer, "weight-send")
