@@ -6,7 +6,10 @@ both ends have a GPU. The gRPC control plane carries the manifest (names, shapes
 and the rendezvous address; this module only moves bytes.
 
 Small tensors are packed into chunks (fewer collectives); a tensor at least one chunk in size
-travels alone, as a zero-copy byte view.
+travels alone, as a zero-copy byte view. `layout` needs no data, so the manifest can go out
+first; `send_tensors` then packs chunk by chunk while earlier chunks are on the wire. Every
+broadcast is posted at once (gloo runs them back to back on its own threads) and waited for
+after. Who keeps which group across pushes is the caller's business (trainer_service/weight_push.py).
 """
 
 from __future__ import annotations
