@@ -130,9 +130,10 @@ NOTES = [
     "sampler replica, gathers straight into a reused send buffer (a fresh buffer's page faults cost "
     "more than the copy in this VM) and the sampler receives into a buffer touched between pushes. "
     "What is left is mostly the persisted PEFT copy, which the reply waits for by protocol: writing "
-    "45 MB into new page-cache pages took 70-140 ms here (12 ms over cached pages), so it is written "
-    "over a spare file prepared between pushes; then the gloo send (18-40 ms) and the sampler's "
-    "commit (vLLM registration ~7 ms, the rest CPU contention on the 2 shared cores).",
+    "45 MB into new page-cache pages took 70-140 ms here (12 ms over cached pages; writing over a "
+    "spare file prepared between pushes was tried and, with pushes back to back, only moved the cost "
+    "into the next push); then the gloo send (18-45 ms) and the sampler's commit (vLLM registration "
+    "~7-12 ms, the rest CPU contention on the 2 shared cores).",
 ]
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import socket
 import threading
 from typing import Callable
@@ -288,11 +287,8 @@ def write_safetensors(path: str, packed: Packed) -> None:
               for s in packed.specs}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)          # the format pads the header to 8 bytes
-    # Over an existing file without truncating it first: its pages stay in the page cache
-    # and are overwritten, not allocated anew (see trainer_service/weight_push.py's spare file).
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), "wb") as f:
+    with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for chunk in packed.chunks:
             f.write(memoryview(chunk.cpu().numpy()))
-        f.truncate()

@@ -61,13 +61,9 @@ def write_peft_adapter(directory: str, packed: weight_stream.Packed, config: dic
         json.dump(config, f)
 
 
-def save_peft_adapter(path: str, packed: weight_stream.Packed, config: dict, *, reuse: str | None = None) -> None:
-    """write_peft_adapter, atomically: into a temporary directory, then renamed into place.
-    `reuse`: a file (same filesystem) that becomes the weights file, written over in place."""
+def save_peft_adapter(path: str, packed: weight_stream.Packed, config: dict) -> None:
+    """write_peft_adapter, atomically: into a temporary directory, then renamed into place."""
     tmp = temporary_path(path)
-    if reuse is not None:
-        os.makedirs(tmp)
-        os.replace(reuse, os.path.join(tmp, ADAPTER_WEIGHTS))
     write_peft_adapter(tmp, packed, config)
     _rename_into_place(tmp, path)
 

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -42,60 +40,19 @@ log = logging.getLogger(__name__)
 READY = 1      # the receiver's answer before the bytes move (sampler_service/weight_receiver.py)
 
 
-class _SpareFile:
-    """A file written ahead, between pushes, that the next persisted copy is written over. In
-    this 2-core VM writing 45 MB into a new file took 70-140 ms (the page cache's fresh pages
-    fault in guest and host), over pages already cached 12 ms; the copy is on the push's
-    critical path (the reply waits for it), the spare's write is not."""
-
-    NAME = ".spare-adapter-weights"
-
-    def __init__(self):
-        self._path: str | None = None
-        self._lock = threading.Lock()
-        self._count = itertools.count()
-        self._swept: set[str] = set()
-
-    def take(self, directory: str) -> str | None:
-        with self._lock:
-            path, self._path = self._path, None
-        return path if path is not None and os.path.dirname(path) == directory and os.path.isfile(path) else None
-
-    def refill(self, directory: str, num_bytes: int) -> None:
-        if directory not in self._swept:            # what an earlier trainer process left
-            self._swept.add(directory)
-            for name in os.listdir(directory):
-                if name.startswith(f"{self.NAME}-") and not name.startswith(f"{self.NAME}-{os.getpid()}-"):
-                    os.remove(os.path.join(directory, name))
-        path = os.path.join(directory, f"{self.NAME}-{os.getpid()}-{next(self._count)}")
-        try:
-            with open(path, "wb") as f:
-                f.write(memoryview(bytes(num_bytes)))       # calloc'd: reading it faults nothing
-        except OSError as e:
-            log.warning("no spare file for the next persisted copy: %s", e)
-            return
-        with self._lock:
-            stale, self._path = self._path, path
-        if stale is not None and stale != path:
-            os.remove(stale)
-
-
-def _start_copy(path: str, packed: weight_stream.Packed, config: dict, spare: _SpareFile) -> concurrent.futures.Future:
+def _start_copy(path: str, packed: weight_stream.Packed, config: dict) -> concurrent.futures.Future:
     """save_peft_adapter in its own thread (its large writes release the GIL, so it runs beside
-    the stream), over the spare file if there is one, which the thread then writes anew for the
-    next push; the future's result is the copy's duration in seconds."""
+    the stream); the future's result is its duration in seconds."""
     future: concurrent.futures.Future = concurrent.futures.Future()
-    directory = os.path.dirname(os.path.abspath(path))
 
     def write():
         t0 = time.perf_counter()
         try:
-            save_peft_adapter(path, packed, config, reuse=spare.take(directory))
+            save_peft_adapter(path, packed, config)
         except BaseException as e:  # noqa: BLE001 - handed to the push, which fails with it
             future.set_exception(e)
-            return
-        future.set_result(time.perf_counter() - t0)
-        spare.refill(directory, sum(packed.chunk_num_bytes) + (64 << 10))
+        else:
+            future.set_result(time.perf_counter() - t0)
     threading.Thread(target=write, name="persisted-copy", daemon=True).start()
     return future
 
@@ -138,14 +95,13 @@ class WeightPusher:
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
         self._store = None      # the rendezvous store every side group forms through; made on first use
-        self._spare = _SpareFile()
 
     def push(self, request: trainer_pb2.PushWeightsRequest, persisted: str, packed: weight_stream.Packed,
              config: dict, *, gather_seconds: float) -> trainer_pb2.PushWeightsResponse:
         """Streams the `packed` adapter as the request asks and, unless `persisted` is empty,
         writes its PEFT copy there; see the module docstring."""
         t0 = time.perf_counter()
-        copy = _start_copy(persisted, packed, config, self._spare) if persisted else None
+        copy = _start_copy(persisted, packed, config) if persisted else None
         try:
             if request.sampler_addresses:
                 self._stream(request, packed, config, persisted)
