@@ -9,12 +9,13 @@ import json
 import logging
 import time
 
-from tinkerd import paths, weight_stream
-from tinkerd.errors import UserError
+from tinkerd import paths
+from tinkerd.errors import NotFoundError, UserError
 from tinkerd.rpc import rpc_boundary
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from sampler_service import convert
 from sampler_service.engine import SamplerEngine
+from sampler_service.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def __init__(self, engine: SamplerEngine, *, state_dir: str):
         self.engine = engine
         self.state_dir = state_dir
+        self.weights = WeightReceiver()
 
     def _adapter_path(self, path: str) -> str:
         return paths.adapter_path(self.state_dir, path) if path else ""
@@ -46,20 +48,22 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def ReceiveWeights(self, request, context):
         t0 = time.perf_counter()
         persisted = self._adapter_path(request.persisted_path)
-        rv = request.rendezvous
-        store = weight_stream.create_store(rv.host, rv.port, rv.world_size, is_master=False,
-                                           timeout_s=rv.timeout_seconds)
-        group = weight_stream.join_group(store, rv.rank, rv.world_size, rv.backend, rv.timeout_seconds,
-                                         request.snapshot_id)
-        t_joined = time.perf_counter()
-        chunks = weight_stream.receive(group, list(request.chunk_num_bytes))
+        received = self.weights.receive(request, lambda: self._layout_of_new(request))
         t_received = time.perf_counter()
-        received = weight_stream.unpack(convert.tensor_specs(request), chunks)
         self.engine.register_snapshot(request.snapshot_id, received, json.loads(request.adapter_config_json),
                                       persisted).result(_RESULT_TIMEOUT_S)
         seconds = time.perf_counter() - t0
-        log.info("snapshot %s: %d tensors in %.1f ms (join %.1f, receive %.1f, register %.1f)",
-                 request.snapshot_id, len(received), 1e3 * seconds, 1e3 * (t_joined - t0),
-                 1e3 * (t_received - t_joined), 1e3 * (time.perf_counter() - t_received))
+        log.info("snapshot %s: %d tensors in %.1f ms (%sreceive %.1f, register %.1f)", request.snapshot_id,
+                 len(received), 1e3 * seconds, "join + " if request.rendezvous.join else "",
+                 1e3 * (t_received - t0), 1e3 * (time.perf_counter() - t_received))
         return sampler_pb2.SnapshotInfo(snapshot_id=request.snapshot_id,
                                         num_bytes=sum(request.chunk_num_bytes), receive_seconds=seconds)
+
+    def _layout_of_new(self, request) -> list:
+        """The manifest's layout, checked before the bytes move: a snapshot id this replica
+        already serves is refused."""
+        try:
+            self.engine.snapshot(request.snapshot_id)
+        except NotFoundError:
+            return convert.tensor_specs(request)
+        raise UserError(f"snapshot {request.snapshot_id!r} already exists; snapshots are immutable")

@@ -41,10 +41,15 @@ def export_adapter(peft_model, model: LoraModel, *, zero_stage: int,
     with deepspeed.zero.GatheredParameters(model.params, enabled=zero_stage == 3):
         state = get_peft_model_state_dict(peft_model, adapter_name=model.adapter_name, save_embedding_layers=False)
         tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    return tensors, adapter_config(peft_model, model, base_model_dir)
+
+
+def adapter_config(peft_model, model: LoraModel, base_model_dir: str) -> dict:
+    """The adapter's adapter_config.json contents."""
     config = peft_model.peft_config[model.adapter_name].to_dict()
     config = json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
     config["base_model_name_or_path"] = base_model_dir
-    return tensors, config
+    return config
 
 
 def write_peft_adapter(directory: str, packed: weight_stream.Packed, config: dict) -> None:

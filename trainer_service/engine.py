@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from tinkerd import dtypes
+from tinkerd import dtypes, weight_stream
 from tinkerd.errors import NotFoundError, UserError
-from trainer_service import checkpoints, fp32_gemm, training
+from trainer_service import adapter_snapshot, checkpoints, fp32_gemm, training
 from trainer_service.durable import DurableModels
 from trainer_service.deepspeed_setup import deepspeed_config, init_distributed_once  # noqa: F401 - public here
 from trainer_service.losses import get_loss
@@ -48,6 +48,7 @@ class TrainerEngine:
         self.base_model_dir = base_model_dir
         self.base_model_names = {base_model_dir, os.path.abspath(base_model_dir), *base_model_names}
         self.zero_stage = zero_stage
+        self.dtype = dtypes.torch_dtype(dtype)
         self.max_lora_rank = max_lora_rank
         self.durable = durable
         self.max_resident = max_resident
@@ -209,6 +210,15 @@ class TrainerEngine:
         with self._lock:
             return checkpoints.export_adapter(self.peft, self.get(model_id), zero_stage=self.zero_stage,
                                               base_model_dir=self.base_model_dir)
+
+    def snapshot_adapter(self, model_id: str) -> tuple[weight_stream.Packed, dict]:
+        """The adapter for a weight push: gathered straight into send chunks in the serving dtype
+        (the base model's: a sampler's LoRA dtype follows its model dtype), and its config."""
+        with self._lock:
+            model = self.get(model_id)
+            packed = adapter_snapshot.gather(self.peft, model, zero_stage=self.zero_stage,
+                                             dtype=self.dtype)
+            return packed, checkpoints.adapter_config(self.peft, model, self.base_model_dir)
 
     # ---- training -------------------------------------------------------------------------
 

@@ -205,10 +205,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
         def export():
             self._resume(request.model_id, request.seq_id)
-            return self.engine.export_adapter(request.model_id)
+            return self.engine.snapshot_adapter(request.model_id)
         t0 = time.perf_counter()
-        adapter, config = self._fair(request.model_id, export)     # the transfer runs outside the turn
+        packed, config = self._fair(request.model_id, export)     # the transfer runs outside the turn
         persisted = paths.snapshot_dir(self.state_dir, request.snapshot_id) if request.persist else ""
-        reply = self.pusher.push(request, persisted, adapter, config, gather_seconds=time.perf_counter() - t0)
+        reply = self.pusher.push(request, persisted, packed, config, gather_seconds=time.perf_counter() - t0)
         self.replies.put(request.model_id, request.seq_id, "push_weights", reply)
         return reply

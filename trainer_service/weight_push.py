@@ -1,20 +1,33 @@
 """PushWeights: an adapter snapshot to every sampler replica and to its persisted PEFT copy.
 
-The protocol: pack the adapter; start writing the persisted copy (temporary directory, then
-rename) in a thread; stream to the samplers (announce over gRPC, broadcast over a side
-torch.distributed group, wait for each sampler's commit); join the copy. The reply goes out only
-when every sampler has committed AND the copy is complete, so whoever the caller hands
-persisted_path to finds the whole adapter there and never has to wait for it. Either failing
-fails the push.
+The protocol: the adapter arrives gathered into its send chunks (adapter_snapshot.py); start
+writing the persisted copy (temporary directory, then rename) in a thread; stream to the
+samplers (announce over gRPC, broadcast over a side torch.distributed group, wait for each
+sampler's commit); join the copy. The reply goes out only when every sampler has committed AND
+the copy is complete, so whoever the caller hands persisted_path to finds the whole adapter
+there and never has to wait for it. Either failing fails the push.
+
+Each sampler replica gets its own two-rank side group, formed on the first push to it and kept
+(forming one costs a rendezvous and new connections on every push otherwise). Pushes to one
+replica take turns on it, pushes to several run side by side. The receiver's end and its rules
+are in sampler_service/weight_receiver.py: it answers "ready" before the bytes move, a replica
+that restarted answers ABORTED and gets a new group, and any failure drops the group on both
+ends. Nothing waits without a limit: the gRPC call and the group's operations carry
+transfer_timeout_s, and a sampler's error reply ends the push even while its transfer is
+still blocked (that thread is left to time out on a group nobody uses again).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import threading
 import time
+import uuid
+
+import grpc
 
 from tinkerd import weight_stream
 from tinkerd.rpc import ServiceAuth, channel
@@ -23,6 +36,8 @@ from trainer_service.checkpoints import save_peft_adapter
 from trainer_service.convert import tensor_specs
 
 log = logging.getLogger(__name__)
+
+READY = 1      # the receiver's answer before the bytes move (sampler_service/weight_receiver.py)
 
 
 def _start_copy(path: str, packed: weight_stream.Packed, config: dict) -> concurrent.futures.Future:
@@ -42,67 +57,173 @@ def _start_copy(path: str, packed: weight_stream.Packed, config: dict) -> concur
     return future
 
 
+def _in_thread(fn, name: str) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+@dataclasses.dataclass
+class _Link:
+    """The side group to one sampler replica, kept across pushes; None until formed, and again
+    after a failure."""
+    group: weight_stream.Group | None = None
+    name: str = ""
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+@dataclasses.dataclass
+class _Timings:
+    join: float = 0.0
+    handshake: float = 0.0
+    send: float = 0.0
+
+
 class WeightPusher:
     def __init__(self, advertise_host: str, transfer_timeout_s: float, auth: ServiceAuth = ServiceAuth()):
         self.advertise_host = advertise_host
         self.transfer_timeout_s = transfer_timeout_s
         self.auth = auth
+        self.backend = weight_stream.default_backend()
         self._samplers: dict[str, sampler_pb2_grpc.SamplerStub] = {}
+        self._links: dict[str, _Link] = {}
+        self._lock = threading.Lock()
+        self._store = None      # the rendezvous store every side group forms through; made on first use
 
-    def push(self, request: trainer_pb2.PushWeightsRequest, persisted: str, adapter: dict, config: dict, *,
-             gather_seconds: float) -> trainer_pb2.PushWeightsResponse:
-        """Streams the exported `adapter` as the request asks and, unless `persisted` is empty,
+    def push(self, request: trainer_pb2.PushWeightsRequest, persisted: str, packed: weight_stream.Packed,
+             config: dict, *, gather_seconds: float) -> trainer_pb2.PushWeightsResponse:
+        """Streams the `packed` adapter as the request asks and, unless `persisted` is empty,
         writes its PEFT copy there; see the module docstring."""
         t0 = time.perf_counter()
-        packed = weight_stream.pack(adapter)
-        t_packed = time.perf_counter()
         copy = _start_copy(persisted, packed, config) if persisted else None
         try:
             if request.sampler_addresses:
                 self._stream(request, packed, config, persisted)
-        except BaseException:
+            t_streamed = time.perf_counter()
+            copy_seconds = copy.result() if copy is not None else 0.0
+        finally:
             if copy is not None:
                 concurrent.futures.wait([copy])    # no write goes on after the reply, a failed one included
-            raise
-        t_streamed = time.perf_counter()
-        copy_seconds = copy.result() if copy is not None else 0.0
+            packed.release()
         reply = trainer_pb2.PushWeightsResponse(
             snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes), num_tensors=len(packed.specs),
             gather_seconds=gather_seconds, stream_seconds=t_streamed - t0, persisted_path=persisted)
-        log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, pack %.1f ms, stream %.1f ms, "
-                 "copy %.1f ms (%.1f ms of it after the stream)", request.snapshot_id, reply.num_tensors,
-                 reply.num_bytes, 1e3 * gather_seconds, 1e3 * (t_packed - t0), 1e3 * (t_streamed - t_packed),
-                 1e3 * copy_seconds, 1e3 * (time.perf_counter() - t_streamed))
+        log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, stream %.1f ms, copy %.1f ms (%.1f ms of it "
+                 "after the stream)", request.snapshot_id, reply.num_tensors, reply.num_bytes, 1e3 * gather_seconds,
+                 1e3 * (t_streamed - t0), 1e3 * copy_seconds, 1e3 * (time.perf_counter() - t_streamed))
         return reply
 
     def _stream(self, request, packed: weight_stream.Packed, config: dict, persisted: str) -> None:
-        """Announce over gRPC, broadcast over the side group, then wait for each commit."""
-        t0 = time.perf_counter()
-        world = 1 + len(request.sampler_addresses)
-        backend = weight_stream.default_backend()
-        store = weight_stream.create_store(self.advertise_host, 0, world, is_master=True,
-                                           timeout_s=self.transfer_timeout_s)
-        specs = tensor_specs(packed)
-        replies = []
-        for rank, address in enumerate(request.sampler_addresses, start=1):
-            manifest = sampler_pb2.WeightManifest(
-                snapshot_id=request.snapshot_id, adapter_config_json=json.dumps(config), tensors=specs,
-                chunk_num_bytes=packed.chunk_num_bytes, persisted_path=persisted,
-                rendezvous=sampler_pb2.Rendezvous(host=self.advertise_host, port=store.port, rank=rank,
-                                                  world_size=world, backend=backend,
-                                                  timeout_seconds=self.transfer_timeout_s))
-            replies.append(self._sampler(address).ReceiveWeights.future(manifest, timeout=self.transfer_timeout_s))
-        t_announced = time.perf_counter()
-        group = weight_stream.join_group(store, 0, world, backend, self.transfer_timeout_s, request.snapshot_id,
-                                         bind_host=self.advertise_host)
-        t_joined = time.perf_counter()
-        weight_stream.send(group, packed.chunks)
-        t_sent = time.perf_counter()
-        for reply in replies:
-            reply.result()
-        log.info("stream %s: announce %.1f ms, join %.1f ms, send %.1f ms, commit %.1f ms", request.snapshot_id,
-                 1e3 * (t_announced - t0), 1e3 * (t_joined - t_announced), 1e3 * (t_sent - t_joined),
-                 1e3 * (time.perf_counter() - t_sent))
+        manifest = sampler_pb2.WeightManifest(
+            snapshot_id=request.snapshot_id, adapter_config_json=json.dumps(config), tensors=tensor_specs(packed),
+            chunk_num_bytes=packed.chunk_num_bytes, persisted_path=persisted)
+        addresses = list(dict.fromkeys(request.sampler_addresses))
+        with concurrent.futures.ThreadPoolExecutor(len(addresses), thread_name_prefix="push") as pool:
+            pushes = [pool.submit(self._push_to, address, manifest, packed) for address in addresses]
+        for address, push in zip(addresses, pushes):
+            try:
+                push.result()
+            except Exception as e:  # noqa: BLE001 - with a persisted copy, one replica's failure is not the push's
+                if not persisted:
+                    raise
+                # A replica that died or restarted mid-push loads the persisted copy on first use.
+                log.warning("replica %s did not take %s (%s: %s); it will load the persisted copy when asked",
+                            address, request.snapshot_id, type(e).__name__, e)
+
+    def _push_to(self, address: str, manifest: sampler_pb2.WeightManifest, packed: weight_stream.Packed) -> None:
+        """One replica's share: announce, (form the group,) handshake, send, wait for its commit.
+        A replica that answers ABORTED lost the group (it restarted): once, form a new one."""
+        link = self._link(address)
+        with link.lock:
+            for attempt in (1, 2):
+                t0 = time.perf_counter()
+                join = link.group is None
+                if join:
+                    link.name = f"{uuid.uuid4().hex[:16]}"
+                announced = sampler_pb2.WeightManifest()
+                announced.CopyFrom(manifest)
+                announced.rendezvous.CopyFrom(sampler_pb2.Rendezvous(
+                    host=self.advertise_host, port=self.store().port, rank=1, world_size=2, backend=self.backend,
+                    timeout_seconds=self.transfer_timeout_s, group=link.name, join=join))
+                reply = self._sampler(address).ReceiveWeights.future(announced, timeout=self.transfer_timeout_s)
+                timings = _Timings()
+                try:
+                    self._transfer(link, join, packed, reply, timings)
+                    t_sent = time.perf_counter()
+                    reply.result()
+                except grpc.RpcError as e:
+                    self._drop(link, address, e)
+                    if attempt == 1 and not join and e.code() == grpc.StatusCode.ABORTED:
+                        continue            # the replica restarted since the group formed
+                    raise
+                except BaseException as e:
+                    self._drop(link, address, e)
+                    raise
+                log.info("stream %s to %s: %s %.1f ms, handshake %.1f ms, send %.1f ms, commit %.1f ms (total %.1f)",
+                         manifest.snapshot_id, address, "join" if join else "announce", 1e3 * timings.join,
+                         1e3 * timings.handshake, 1e3 * timings.send, 1e3 * (time.perf_counter() - t_sent),
+                         1e3 * (time.perf_counter() - t0))
+                return
+
+    def _transfer(self, link: _Link, join: bool, packed: weight_stream.Packed, reply, timings: _Timings) -> None:
+        """Forms the group if `join`, waits for the receiver's "ready", sends. Runs in its own
+        thread so that the sampler's error reply ends the wait even when the group blocks (a
+        receiver that failed before joining, or went away). A receiver that refused sends its
+        reason as its reply, which the caller waits for next."""
+        group = link.group
+
+        def transfer() -> bool:
+            nonlocal group
+            t0 = time.perf_counter()
+            if join:
+                group = weight_stream.join_group(self.store(), 0, 2, self.backend, self.transfer_timeout_s,
+                                                 link.name, bind_host=self.advertise_host)
+            t_joined = time.perf_counter()
+            ready = weight_stream.signal(group, 1, 0) == READY
+            t_ready = time.perf_counter()
+            if ready:
+                weight_stream.send(group, packed.chunks)
+            timings.join, timings.handshake = t_joined - t0, t_ready - t_joined
+            timings.send = time.perf_counter() - t_ready
+            return ready
+
+        sent = _in_thread(transfer, "weight-send")
+        wake = threading.Event()
+        sent.add_done_callback(lambda _: wake.set())
+        reply.add_done_callback(lambda _: wake.set())
+        deadline = time.monotonic() + self.transfer_timeout_s + 10
+        while True:
+            wake.clear()
+            if sent.done():
+                break
+            if reply.done() and reply.exception() is not None:
+                raise reply.exception()
+            if not wake.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"weight transfer to a sampler did not finish in {self.transfer_timeout_s} s")
+        sent.result()
+        link.group = group
+
+    def _drop(self, link: _Link, address: str, error: BaseException) -> None:
+        if link.group is not None:
+            log.warning("weight group %s to %s dropped: %s", link.name, address, error)
+        link.group = None
+
+    def _link(self, address: str) -> _Link:
+        with self._lock:
+            return self._links.setdefault(address, _Link())
+
+    def store(self):
+        with self._lock:
+            if self._store is None:
+                self._store = weight_stream.create_store(self.advertise_host, 0, 2, is_master=True,
+                                                         timeout_s=self.transfer_timeout_s)
+            return self._store
 
     def _sampler(self, address: str):
         """One channel per sampler replica, kept: a new one per push costs a connection setup."""

@@ -2,6 +2,7 @@
 complete, and a copy that cannot be written fails the push."""
 
 import os
+import time
 
 import grpc
 import pytest
@@ -39,9 +40,151 @@ def test_push_replies_after_the_persisted_copy_is_complete(tiny_model_dir, tmp_p
     assert set(loaded) == set(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)
     assert reply.num_tensors == len(expected)
 
+    with torch.no_grad():
+        engine.get("s:train:0").params[0].add_(1.0)
+    again = servicer.PushWeights(trainer_pb2.PushWeightsRequest(                # a changed adapter, persisted exactly
+        model_id="s:train:0", seq_id=3, snapshot_id="s:train:0@3", persist=True), _Context())
+    loaded = safetensors.torch.load_file(os.path.join(again.persisted_path, "adapter_model.safetensors"))
+    expected, _ = engine.export_adapter("s:train:0")
+    assert set(loaded) == set(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)
+
     (tmp_path / "snapshots" / "s_train_0@2").write_text("")   # a file in the way: the copy cannot be written
     context = _Context()
     with pytest.raises(_Aborted):
         servicer.PushWeights(trainer_pb2.PushWeightsRequest(
             model_id="s:train:0", seq_id=2, snapshot_id="s:train:0@2", persist=True), context)
     assert context.code == grpc.StatusCode.INTERNAL
+
+
+# ---- the stream to samplers: a kept group per replica, exact bytes, failures that end at once ----
+
+from tinkerd import weight_stream  # noqa: E402
+from tinkerd.errors import UserError  # noqa: E402
+from tinkerd.rpc import create_server, rpc_boundary  # noqa: E402
+from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc  # noqa: E402
+from sampler_service import convert as sampler_convert  # noqa: E402
+from sampler_service.weight_receiver import WeightReceiver  # noqa: E402
+from trainer_service.weight_push import WeightPusher  # noqa: E402
+
+
+class _Receiving(sampler_pb2_grpc.SamplerServicer):
+    """A sampler replica's receive path (sampler_service/weight_receiver.py, the one the real
+    servicer uses) over real gRPC, keeping what arrives instead of handing it to vLLM."""
+
+    def __init__(self):
+        self.weights = WeightReceiver()
+        self.received: dict[str, dict[str, torch.Tensor]] = {}
+        self.joins: list[bool] = []
+
+    @rpc_boundary
+    def ReceiveWeights(self, request, context):
+        self.joins.append(request.rendezvous.join)
+
+        def layout():
+            if request.snapshot_id in self.received:
+                raise UserError(f"snapshot {request.snapshot_id!r} already exists")
+            return sampler_convert.tensor_specs(request)
+        got = self.weights.receive(request, layout)
+        self.received[request.snapshot_id] = {k: v.clone() for k, v in got.items()}
+        return sampler_pb2.SnapshotInfo(snapshot_id=request.snapshot_id)
+
+
+def _serve(servicer, port: int = 0):
+    server, port = create_server(f"127.0.0.1:{port}")
+    sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, server)
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _push(pusher, addresses, snapshot_id, packed):
+    request = trainer_pb2.PushWeightsRequest(model_id="m", snapshot_id=snapshot_id, sampler_addresses=addresses)
+    return pusher.push(request, "", packed, {"r": 8}, gather_seconds=0.0)
+
+
+def _adapter(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.lora_{ab}.weight": torch.randn(8, 16, generator=g) for i in range(3) for ab in "AB"}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_sampler_gets_exactly_the_trainers_adapter_over_one_kept_group(tiny_model_dir):
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2)
+    model = engine.create_model("s:train:0", LoraSpec(rank=8, seed=0))
+    sampler = _Receiving()
+    server, address = _serve(sampler)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    try:
+        for step in range(3):
+            with torch.no_grad():
+                model.params[step].add_(1.0)      # each snapshot differs from the last
+            packed, config = engine.snapshot_adapter("s:train:0")
+            expected, _ = engine.export_adapter("s:train:0")
+            _push(pusher, [address], f"s@{step}", packed)
+            assert _equal(sampler.received[f"s@{step}"], expected)
+        assert sampler.joins == [True, False, False]        # formed once, then kept
+    finally:
+        server.stop(0)
+
+
+def test_a_restarted_sampler_gets_a_new_group_and_the_push_succeeds():
+    first = _Receiving()
+    server, address = _serve(first)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    _push(pusher, [address], "a", weight_stream.pack(_adapter(0)))
+    server.stop(0)
+    restarted = _Receiving()                      # same address, none of the old state
+    server, _ = _serve(restarted, int(address.rsplit(":", 1)[1]))
+    try:
+        t0 = time.monotonic()
+        _push(pusher, [address], "b", weight_stream.pack(_adapter(1)))
+        assert time.monotonic() - t0 < 10         # not the 20 s transfer timeout
+        assert restarted.joins == [False, True]   # refused the unknown group, then formed a new one
+        assert _equal(restarted.received["b"], _adapter(1))
+    finally:
+        server.stop(0)
+
+
+def test_a_refused_push_fails_at_once_and_the_next_one_works():
+    sampler = _Receiving()
+    server, address = _serve(sampler)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    try:
+        _push(pusher, [address], "a", weight_stream.pack(_adapter(0)))
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            _push(pusher, [address], "a", weight_stream.pack(_adapter(1)))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already exists" in refused.value.details()
+        assert time.monotonic() - t0 < 5
+        _push(pusher, [address], "b", weight_stream.pack(_adapter(2)))
+        assert _equal(sampler.received["a"], _adapter(0)) and _equal(sampler.received["b"], _adapter(2))
+    finally:
+        server.stop(0)
+
+
+def test_an_unreachable_sampler_fails_the_push_without_waiting_out_the_timeout():
+    server, address = _serve(_Receiving())
+    server.stop(0)                                # nothing listens there any more
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=30)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failed:
+        _push(pusher, [address], "a", weight_stream.pack(_adapter(0)))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - t0 < 10
+
+
+def test_every_sampler_replica_gets_the_adapter():
+    samplers = [_Receiving(), _Receiving()]
+    served = [_serve(s) for s in samplers]
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    try:
+        for i in range(2):
+            _push(pusher, [address for _, address in served], f"s@{i}", weight_stream.pack(_adapter(i)))
+        for s in samplers:
+            assert _equal(s.received["s@0"], _adapter(0)) and _equal(s.received["s@1"], _adapter(1))
+            assert s.joins == [True, False]
+    finally:
+        for server, _ in served:
+            server.stop(0)

@@ -132,20 +132,24 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., chunk: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
-    __slots__ = ("host", "port", "rank", "world_size", "backend", "timeout_seconds")
+    __slots__ = ("host", "port", "rank", "world_size", "backend", "timeout_seconds", "group", "join")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     rank: int
     world_size: int
     backend: str
     timeout_seconds: float
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    group: str
+    join: bool
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., group: _Optional[str] = ..., join: _Optional[bool] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
     __slots__ = ("snapshot_id", "num_bytes", "receive_seconds")
