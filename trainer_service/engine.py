@@ -208,6 +208,8 @@ class TrainerEngine:
         it also carries on its seq_id count."""
         spec, tensors, step, seq = checkpoints.read_state(directory, with_optimizer=with_optimizer,
                                                           zero_stage=self.zero_stage)
+        if with_optimizer:
+            self.ranks.check_partitions(os.path.join(directory, checkpoints.OPTIMIZER, "state"))
         with self._lock:
             if self.is_resident(model_id) or (not resume and self.on_disk(model_id)):
                 raise UserError(f"model {model_id!r} already exists")

@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 import time
 
@@ -266,6 +267,16 @@ class Ranks:
             buf = torch.empty(int(size[0]), dtype=torch.uint8)
         dist.broadcast(buf, 0, group=self._group)
         return value if self.leader else bytes(buf.numpy()).decode()
+
+    def check_partitions(self, directory: str) -> None:
+        """ZeRO's optimizer state is saved one partition per rank, and DeepSpeed loads it only
+        into a job of as many ranks: refused here, alike on every rank, with what to do."""
+        saved = {m.group(1) for name in (os.listdir(directory) if os.path.isdir(directory) else [])
+                 if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt", name))}
+        if saved and len(saved) != self.world:
+            raise UserError(f"the optimizer state at {os.path.dirname(os.path.dirname(directory))} was written by "
+                            f"a trainer of {len(saved)} ranks and this one runs {self.world}: load it without "
+                            f"optimizer state, or run the trainer with {len(saved)} ranks")
 
     def share(self, data: list[DatumInput]) -> list[list[int]]:
         """Every rank's datums (indices into `data`), balanced by tokens: longest first, each to

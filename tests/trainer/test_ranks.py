@@ -100,10 +100,11 @@ def two_rank_trainer(tiny_model_dir, tmp_path):
             proc.wait(timeout=60)
 
 
-def test_a_two_rank_trainer_serves_and_fails_clearly_when_a_rank_dies(two_rank_trainer):
+def test_a_two_rank_trainer_serves_and_fails_clearly_when_a_rank_dies(two_rank_trainer, tiny_model_dir):
     """`torchrun --nproc-per-node 2 -m launcher.cli trainer` (ZeRO-3): rank 0 serves gRPC. Train,
     save a full checkpoint, load it into a copy, unload the copy (it comes back on its next
-    use, equal to the original), push a persisted snapshot. Then rank 1 dies during a call: the
+    use, equal to the original), push a persisted snapshot; optimizer state from a 1-rank trainer
+    is refused as the user's error, its weights load. Then rank 1 dies during a call: the
     call fails with a `server` error that says so, Health says not ready, the job exits non-zero."""
     import signal
     import time
@@ -142,6 +143,22 @@ def test_a_two_rank_trainer_serves_and_fails_clearly_when_a_rank_dies(two_rank_t
     pushed = stub.PushWeights(trainer_pb2.PushWeightsRequest(model_id="s:train:0", seq_id=5, snapshot_id="snap",
                                                              persist=True), timeout=120)
     assert os.path.exists(os.path.join(pushed.persisted_path, "adapter_model.safetensors"))
+
+    # Optimizer state that a 1-rank trainer wrote is partitioned for 1 rank: refused as the
+    # user's error (on every rank alike: the job stays healthy); its weights alone load.
+    from tinkerd import paths
+    from trainer_service.engine import TrainerEngine
+    from trainer_service.lora import LoraSpec
+    single = TrainerEngine(tiny_model_dir, zero_stage=3)
+    single.create_model("w1", LoraSpec(rank=4, seed=3))
+    single.save_state("w1", paths.checkpoint_dir(str(state), "w1:train:0", "weights", "c"), with_optimizer=True)
+    ref = trainer_pb2.CheckpointRef(model_id="w1:train:0", kind="weights", name="c")
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.CreateModel(trainer_pb2.CreateModelRequest(model_id="s:train:2", load_optimizer=True,
+                                                        load_checkpoint=ref), timeout=120)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1 ranks" in refused.value.details()
+    stub.CreateModel(trainer_pb2.CreateModelRequest(model_id="s:train:2", load_checkpoint=ref), timeout=120)
+    assert stub.Health(common_pb2.HealthRequest(), timeout=30).ready
 
     ranks = _ranks_by_number(proc.pid)
     assert sorted(ranks) == [0, 1]
