@@ -41,6 +41,8 @@ class UpSettings:
                                                 "such as systemd or Kubernetes to act")
     max_restarts: int = settings.setting(5, help="restarts of one service within 10 minutes before `up` gives "
                                                  "up and exits non-zero")
+    trainer_ranks: int = settings.setting(1, help="run the trainer as one job of this many ranks on this host "
+                                                  "(torchrun; rank 0 serves, the batch is split across ranks)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,11 +67,19 @@ def child_argv(args: argparse.Namespace, name: str, **wiring) -> list[str]:
     return [name, *settings.to_argv(settings.from_args(CHILDREN[name], args, **wiring))]
 
 
-def _start(name: str, argv: list[str], ready: dict, log_dir: str) -> subprocess.Popen:
-    """Starts `tinkerd <argv>`; a reader thread records the port it prints as READY."""
+def child_command(args: argparse.Namespace, name: str, **wiring) -> list[str]:
+    """`tinkerd <name> ...`; the trainer of several ranks under torchrun (one job on this host)."""
+    launcher = [sys.executable, "-m", "launcher.cli"]
+    if name == "trainer" and args.trainer_ranks > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={args.trainer_ranks}", "-m", "launcher.cli"]
+    return [*launcher, *child_argv(args, name, **wiring)]
+
+
+def _start(name: str, command: list[str], ready: dict, log_dir: str) -> subprocess.Popen:
+    """Starts `command`; a reader thread records the port it prints as READY."""
     log = open(os.path.join(log_dir, f"{name}.log"), "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=log, start_new_session=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
 
     def read():
         for line in proc.stdout:
@@ -117,9 +127,9 @@ def _wiring(name: str, ready: dict) -> dict:
 def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str) -> str:
     """Trainer and sampler start in parallel; the gateway once both answer. Returns its URL."""
     for name in ("trainer", "sampler"):
-        procs[name] = _start(name, child_argv(args, name), ready, log_dir)
+        procs[name] = _start(name, child_command(args, name), ready, log_dir)
     _wait_ready(procs, ready, ["trainer", "sampler"], args.start_timeout, log_dir)
-    procs["gateway"] = _start("gateway", child_argv(args, "gateway", **_wiring("gateway", ready)), ready, log_dir)
+    procs["gateway"] = _start("gateway", child_command(args, "gateway", **_wiring("gateway", ready)), ready, log_dir)
     _wait_ready(procs, ready, ["gateway"], args.start_timeout, log_dir)
     url = f"http://{args.host}:{ready['gateway']}"
     with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=10) as r:
@@ -149,7 +159,7 @@ class Supervisor:
                 raise SystemExit(1)
             self.restarts[name] = [*recent, time.monotonic()]
             port = self.ready.pop(name)
-            self.procs[name] = _start(name, child_argv(self.args, name, **_wiring(name, {**self.ready, name: port})),
+            self.procs[name] = _start(name, child_command(self.args, name, **_wiring(name, {**self.ready, name: port})),
                                       self.ready, self.log_dir)
             _wait_ready(self.procs, self.ready, [name], self.args.start_timeout, self.log_dir)
             print(f"tinkerd: {name} restarted on port {self.ready[name]}", file=sys.stderr, flush=True)

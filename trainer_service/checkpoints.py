@@ -87,8 +87,13 @@ def write_state(tmp: str, model: LoraModel, tensors: dict[str, torch.Tensor], co
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(meta, f)
     if with_optimizer:
-        model.engine.save_checkpoint(os.path.join(tmp, OPTIMIZER), tag="state",
-                                     client_state={"step": model.step}, save_latest=False)
+        write_optimizer(tmp, model)
+
+
+def write_optimizer(tmp: str, model: LoraModel) -> None:
+    """The DeepSpeed optimizer state into `tmp`: collective, each rank writes its partition."""
+    model.engine.save_checkpoint(os.path.join(tmp, OPTIMIZER), tag="state",
+                                 client_state={"step": model.step}, save_latest=False)
 
 
 def commit_state(tmp: str, directory: str) -> int:

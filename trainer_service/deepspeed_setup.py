@@ -11,7 +11,8 @@ from trainer_service.lora import AdapterModule
 
 
 def init_distributed_once() -> None:
-    """DeepSpeed's default group; a single process unless launched by a DeepSpeed launcher."""
+    """DeepSpeed's default group; a single process unless started by a launcher (torchrun, the
+    deepspeed launcher), whose environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) it then joins."""
     import deepspeed
     import torch.distributed as dist
 
@@ -26,7 +27,9 @@ def init_distributed_once() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():         # one GPU per rank on its host
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
         # On CPU DeepSpeed JIT-compiles a shared-memory allreduce op at init (35-85 s on a
         # fresh machine). gloo does every collective just as well for our sizes.
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None

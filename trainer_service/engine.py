@@ -8,10 +8,14 @@ This class is the facade over the rooms that do the work: registry.py (which mod
 checkpoints.py (the adapter in PEFT form and the checkpoint directory format), training.py
 (forward_backward / optim_step on DeepSpeed), deepspeed_setup.py. No gRPC here: the servicer
 converts messages to the plain types of training.py.
+
+Under a launcher with W ranks every rank holds a TrainerEngine; the methods marked @collective
+run on all of them in the same order (ranks.py: rank 0 sends each call to the others).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -26,6 +30,7 @@ from trainer_service.durable import DurableModels
 from trainer_service.deepspeed_setup import deepspeed_config, init_distributed_once  # noqa: F401 - public here
 from trainer_service.losses import get_loss
 from trainer_service.lora import LoraSpec
+from trainer_service.ranks import Ranks, collective
 from trainer_service.registry import LoraModel, ModelRegistry, num_params
 from trainer_service.training import AdamParams, DatumInput  # noqa: F401 - public here
 
@@ -64,6 +69,7 @@ class TrainerEngine:
         # One lock for all of it: the PEFT model's active adapter is process-wide state, so
         # no two models may run (or be added, removed, exported) at the same time.
         self._lock = threading.RLock()
+        self.ranks = Ranks(self._lock)
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -74,6 +80,7 @@ class TrainerEngine:
         """Where models live when not resident (durable.py); without it nothing can be unloaded."""
         self.durable = durable
 
+    @collective
     def get(self, model_id: str) -> LoraModel:
         """The model; one that is not resident (unloaded, evicted, or from before a restart) is
         reloaded from its durable state first."""
@@ -100,6 +107,12 @@ class TrainerEngine:
         """A new LoRA model; `initial` (PEFT-named adapter tensors) replaces the random init. A
         model that exists already (a resent create) is returned as it is."""
         self.models.check_spec(spec)
+        if spec.seed is None:       # drawn once, here: every rank starts from the same weights
+            spec = dataclasses.replace(spec, seed=int.from_bytes(os.urandom(4), "little"))
+        return self._create_model(model_id, spec, initial)
+
+    @collective
+    def _create_model(self, model_id: str, spec: LoraSpec, initial: dict[str, torch.Tensor] | None) -> LoraModel:
         with self._lock:
             if self.is_resident(model_id) or self.on_disk(model_id):
                 return self.get(model_id)
@@ -128,6 +141,7 @@ class TrainerEngine:
             self.unload_model(victim.model_id)
             log.info("evicted %s (least recently used of %d resident)", victim.model_id, self.max_resident)
 
+    @collective
     def delete_model(self, model_id: str) -> bool:
         """Forgets the model, resident or on disk."""
         with self._lock:
@@ -136,6 +150,7 @@ class TrainerEngine:
                 self.durable.remove(model_id)
             return self.models.remove(model_id) or existed
 
+    @collective
     def unload_model(self, model_id: str) -> str:
         """Frees the model's memory once its durable state is current; the next call that uses it
         reloads it from there, transparently. Returns that directory."""
@@ -151,6 +166,7 @@ class TrainerEngine:
             log.info("unloaded %s", model_id)
             return self.durable.state_path(model_id)
 
+    @collective
     def save_durable(self, model_id: str) -> None:
         """Writes the resident model's durable state, unless it is current already."""
         with self._lock:
@@ -172,22 +188,30 @@ class TrainerEngine:
 
     # ---- checkpoints ----------------------------------------------------------------------
 
+    @collective
     def save_state(self, model_id: str, directory: str, *, with_optimizer: bool) -> int:
         """Writes the checkpoint atomically; returns its size in bytes."""
         with self._lock:
             model = self.get(model_id)
             tensors, config = self.export_adapter(model_id)
-            tmp = checkpoints.temporary_path(directory)
+            tmp = self.ranks.agree(checkpoints.temporary_path(directory))
+            if not self.ranks.leader:      # its optimizer partition (collective), nothing else
+                if with_optimizer:
+                    checkpoints.write_optimizer(tmp, model)
+                return 0
             checkpoints.write_state(tmp, model, tensors, config, base_model_dir=self.base_model_dir,
                                     zero_stage=self.zero_stage, with_optimizer=with_optimizer)
         return checkpoints.commit_state(tmp, directory)
 
+    @collective
     def load_state(self, model_id: str, directory: str, *, with_optimizer: bool, resume: bool = False) -> LoraModel:
         """Creates `model_id` from a checkpoint: its adapter weights, and with_optimizer its AdamW
         state and step count too. `resume`: the checkpoint is this model's own durable state, so
         it also carries on its seq_id count."""
         spec, tensors, step, seq = checkpoints.read_state(directory, with_optimizer=with_optimizer,
                                                           zero_stage=self.zero_stage)
+        if with_optimizer:
+            self.ranks.check_partitions(os.path.join(directory, checkpoints.OPTIMIZER, "state"))
         with self._lock:
             if self.is_resident(model_id) or (not resume and self.on_disk(model_id)):
                 raise UserError(f"model {model_id!r} already exists")
@@ -205,6 +229,7 @@ class TrainerEngine:
                 self.save_durable(model_id)
             return model
 
+    @collective
     def export_adapter(self, model_id: str) -> tuple[dict[str, torch.Tensor], dict]:
         """The adapter's full tensors (gathered under ZeRO-3) with PEFT names, and its config."""
         with self._lock:
@@ -215,6 +240,9 @@ class TrainerEngine:
         """The adapter for a weight push: gathered straight into send chunks in the serving dtype
         (the base model's: a sampler's LoRA dtype follows its model dtype), and its config."""
         with self._lock:
+            if self.ranks.world > 1:      # every rank joins the gather (ZeRO-3); rank 0 packs what it got
+                tensors, config = self.export_adapter(model_id)
+                return weight_stream.pack(tensors, dtype=self.dtype), config
             model = self.get(model_id)
             packed = adapter_snapshot.gather(self.peft, model, zero_stage=self.zero_stage,
                                              dtype=self.dtype)
@@ -222,6 +250,7 @@ class TrainerEngine:
 
     # ---- training -------------------------------------------------------------------------
 
+    @collective
     def forward_backward(self, model_id: str, data: list[training.DatumInput], loss_fn: str,
                          loss_fn_config: dict[str, float], *, forward_only: bool):
         """Returns (per-datum outputs, metrics). Gradients accumulate until optim_step."""
@@ -229,11 +258,15 @@ class TrainerEngine:
         training.validate(data, vocab_size=self.vocab_size, max_positions=self.max_positions)
         with self._lock:
             model = self.get(model_id)
-            result = training.forward_backward(model, data, loss_impl, loss_fn_config,
-                                               forward_only=forward_only, device=self.device)
+            shares = self.ranks.share(data)       # data parallel: this rank's part of the batch
+            mine = [data[i] for i in shares[self.ranks.rank]]
+            outputs, metrics = training.forward_backward(model, mine, loss_impl, loss_fn_config,
+                                                         forward_only=forward_only, device=self.device,
+                                                         ranks=self.ranks.world)
             model.pending_grads = model.pending_grads or not forward_only
-            return result
+            return self.ranks.gather_outputs(data, shares, outputs, metrics)
 
+    @collective
     def optim_step(self, model_id: str, adam: training.AdamParams, *, seq: int | None = None) -> dict[str, float]:
         """`seq`: the request's seq_id, recorded as the last one the model's state includes."""
         training.check_adam(adam)

@@ -1,4 +1,6 @@
-"""`tinkerd trainer`: the Trainer gRPC service in its own process."""
+"""`tinkerd trainer`: the Trainer gRPC service in its own process, or as W ranks of one job under
+a launcher (`torchrun --nproc-per-node W -m launcher.cli trainer ...`, several hosts through
+torchrun's usual flags): rank 0 serves gRPC and the others follow its engine calls (ranks.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from trainer_service.settings import TrainerSettings
 
 def serve(s: TrainerSettings) -> None:
     cpu_defaults()
-    init_logging("trainer")
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    init_logging("trainer" if world == 1 else f"trainer[rank {rank}/{world}]")
     from tinkerd.health import ServiceHealth
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import trainer_pb2_grpc
@@ -25,9 +28,13 @@ def serve(s: TrainerSettings) -> None:
                            max_lora_rank=s.max_lora_rank, base_model_names=tuple(s.aliases),
                            durable=DurableModels(state_dir, s.durable_interval_s),
                            max_resident=s.max_resident_models)
+    if not engine.ranks.leader:
+        engine.ranks.follow(engine)        # until rank 0 stops; losing it exits non-zero
+        return
     # Handler threads wait in the fair scheduler, one per model with work in flight.
     server, port = create_server(s.listen, max_workers=256, auth=auth, allow_insecure=s.allow_insecure)
     servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
                                auth=auth)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
-    serve_until_signal(server, port, "trainer", health=ServiceHealth(server, "tinkerd.v1.Trainer"))
+    serve_until_signal(server, port, "trainer", on_stop=engine.ranks.stop,
+                       health=ServiceHealth(server, "tinkerd.v1.Trainer"))

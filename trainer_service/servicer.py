@@ -118,7 +118,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     @rpc_boundary
     def Health(self, request, context):
-        return common_pb2.HealthResponse(ready=True, base_model=self.engine.base_model_dir)
+        broken = self.engine.ranks.broken       # a rank of the job died or diverged
+        return common_pb2.HealthResponse(ready=broken is None, base_model=self.engine.base_model_dir,
+                                         detail=f"trainer job broken: {broken}" if broken else "")
 
     @rpc_boundary
     def CreateModel(self, request, context):

@@ -74,10 +74,18 @@ def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, 
 
 
 def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_config: dict[str, float], *,
-                     forward_only: bool, device: torch.device):
-    """Returns (per-datum outputs, metrics). Gradients accumulate until optim_step."""
-    ids, mask = _batch(data, device)
+                     forward_only: bool, device: torch.device, ranks: int = 1):
+    """Returns (per-datum outputs, metrics). Gradients accumulate until optim_step.
+    With `ranks` > 1, `data` is this rank's share of the batch (ranks.py): DeepSpeed averages
+    gradients over ranks and the loss is a sum, so this rank's part is scaled by `ranks`."""
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+    if not data:     # a share left empty: the same forward (and backward) collectives as the others
+        with grad_ctx:
+            empty = _closing_loss(model, 3, device)
+        if not forward_only:
+            model.engine.backward(empty, scale_wrt_gas=False)
+        return [], {"loss:sum": 0.0}
+    ids, mask = _batch(data, device)
     with grad_ctx:
         logits = model.engine(ids, mask)
         if logits.dtype != torch.float32:
@@ -95,7 +103,7 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
             outputs.append({"logprobs": lp.detach().float().cpu(),
                             "elementwise_loss": per_token.detach().float().cpu()})
     if not forward_only:
-        model.engine.backward(total, scale_wrt_gas=False)
+        model.engine.backward(total * ranks if ranks > 1 else total, scale_wrt_gas=False)
     return outputs, {"loss:sum": float(total.detach())}
 
 
