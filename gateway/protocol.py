@@ -84,6 +84,12 @@ def _small_json(value: Any, where: str) -> Any:
     return value
 
 
+def string_values(metadata: dict[str, Any]) -> dict[str, str]:
+    """user_metadata as the SDK reads it back (dict[str, str]): a non-string value is kept as its
+    JSON text, so listing runs and checkpoints never fails in the SDK's response validation."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+
+
 def parse_json(raw: bytes) -> Any:
     """A body read by hand (retrieve_future): anything that is not JSON is the client's error."""
     from tinkerd.errors import UserError
@@ -125,6 +131,7 @@ class CreateSessionRequest(Request):
     @model_validator(mode="after")
     def _small(self):
         _small_json(self.user_metadata, "user_metadata")
+        self.user_metadata = string_values(self.user_metadata)
         return self
 
 
@@ -224,6 +231,7 @@ class SaveWeightsRequest(Request):
     @model_validator(mode="after")
     def _small(self):
         _small_json(self.user_metadata, "user_metadata")
+        self.user_metadata = string_values(self.user_metadata)
         return self
 
 

@@ -23,8 +23,10 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def stack(tiny_model_dir, tmp_path_factory):
     """The shared `tinkerd up` on the tiny model, with default settings."""
+    # Dozens of test modules share it under one admin key: the per-user run limit is raised for them.
     with running_stack(tiny_model_dir, tmp_path_factory.mktemp("state"), "--alias", "tiny/alias-model",
-                       "--alias", "Qwen/Qwen3.5-9B-Base", "--alias", "Qwen/Qwen3.5-4B") as s:
+                       "--alias", "Qwen/Qwen3.5-9B-Base", "--alias", "Qwen/Qwen3.5-4B",
+                       "--max-models-per-user", "1000") as s:
         yield s
 
 

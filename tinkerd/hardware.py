@@ -29,7 +29,7 @@ class WeightsDtypeSettings:
                               "bfloat16 on GPUs and CPUs with AMX/AVX512-BF16, float32 elsewhere (tinkerd/hardware.py; "
                               "not vLLM's auto); LoRA weights stay float32")
     allow_slow_dtype: bool = setting(False, help="run an explicit 16-bit --dtype on a CPU without native bf16 "
-                                                 "(refused otherwise: ~15x slower than float32 there)")
+                                                 "(refused otherwise: PyTorch emulates bf16 matmuls there)")
 
 
 class DtypeRefused(ValueError):
@@ -72,6 +72,8 @@ def resolve_dtype(requested: str, *, flags: frozenset[str] | None = None, gpu: b
     if requested in ("bfloat16", "float16") and not native and not allow_slow:
         raise DtypeRefused(
             f"--dtype {requested}: this CPU has no native bf16/fp16 math (no {' or '.join(BF16_CPU_FLAGS)} flag, no "
-            f"GPU); PyTorch emulates it, measured 15x slower than float32 per training step on such a CPU. Use "
+            f"GPU); PyTorch emulates its matmuls: a raw DeepSpeed step on SmolLM2 measured ~28x slower than float32 "
+            f"on such a CPU (tinkerd's trainer widens them to fp32 kernels and runs ~1.3x float32; the sampler's "
+            f"speed there is not measured). Use "
             f"--dtype auto or float32, or pass --allow-slow-dtype to run it anyway.")
     return requested

@@ -8,10 +8,12 @@ import hmac
 import ipaddress
 
 from fastapi import APIRouter, HTTPException, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from gateway.db import SamplerReplicaRow, now
+from gateway.protocol import parse_json
 from gateway.state import GatewayDep
+from tinkerd.errors import UserError
 from tinkerd.rpc import ServiceAuth
 
 router = APIRouter(prefix="/internal/v1/samplers")
@@ -21,26 +23,33 @@ class Replica(BaseModel):
     address: str = Field(min_length=3, max_length=256, pattern=r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$")
 
 
-def _check_service(request: Request, auth: ServiceAuth) -> None:
+async def _replica(request: Request, gw) -> Replica:
+    """The calling replica: its service token checked first (a bad credential is a 401 whatever
+    the body), then its body."""
+    auth: ServiceAuth = gw.service_auth
     if auth.token:
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {auth.token}".encode()):
             raise HTTPException(401, "missing or wrong service token")
     elif not (request.client and ipaddress.ip_address(request.client.host).is_loopback):
         raise HTTPException(403, "without a service token, replicas may register from this machine only")
+    try:
+        return Replica.model_validate(parse_json(await request.body()))
+    except ValidationError as e:
+        raise UserError(f"a replica is {{\"address\": \"host:port\"}}: {e.errors()[0]['msg']}") from None
 
 
 @router.post("/register")
-async def register(body: Replica, request: Request, gw: GatewayDep) -> dict:
+async def register(request: Request, gw: GatewayDep) -> dict:
     """Joins the pool, or heart-beats: a replica re-registers every few seconds."""
-    _check_service(request, gw.service_auth)
-    if not gw.db.touch(SamplerReplicaRow, body.address, last_seen=now()):
-        gw.db.put(SamplerReplicaRow(address=body.address))
+    replica = await _replica(request, gw)
+    if not gw.db.touch(SamplerReplicaRow, replica.address, last_seen=now()):
+        gw.db.put(SamplerReplicaRow(address=replica.address))
     return {"status": "registered"}
 
 
 @router.post("/deregister")
-async def deregister(body: Replica, request: Request, gw: GatewayDep) -> dict:
-    _check_service(request, gw.service_auth)
-    gw.db.delete(SamplerReplicaRow, body.address)
+async def deregister(request: Request, gw: GatewayDep) -> dict:
+    replica = await _replica(request, gw)
+    gw.db.delete(SamplerReplicaRow, replica.address)
     return {"status": "deregistered"}

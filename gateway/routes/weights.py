@@ -56,6 +56,10 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
 
 
 async def _push_weights(gw: Gateway, push: trainer_pb2.PushWeightsRequest, target: _SnapshotTarget):
+    # (In the job, not the route: a resend of this very request must still find its future.)
+    if target.sampling_session_id and gw.db.get(SamplingSessionRow, target.sampling_session_id) is not None:
+        raise UserError(f"sampling session {target.sampling_session_id} exists already: every "
+                        f"save_weights_for_sampler needs its own sampling_session_seq_id")
     await gw.backends.samplers.refresh()      # a replica that died since the last check would stall the push
     push.sampler_addresses[:] = gw.backends.samplers.live_addresses()
     pushed = await gw.trainer.PushWeights(push)

@@ -71,8 +71,19 @@ def _sample_many(sc, prompt, n: int, max_tokens: int) -> list:
         return [f.result(timeout=300) for f in futures]
 
 
-def test_replicas_join_fail_over_and_serve_the_newest_snapshot(stack, tiny_model_dir):
+@pytest.fixture
+def replicas():
+    """Replicas started by a test; killed after it whatever happened."""
+    started: list[Replica] = []
+    yield started
+    for replica in started:
+        if replica.proc.poll() is None:
+            replica.kill()
+
+
+def test_replicas_join_fail_over_and_serve_the_newest_snapshot(stack, tiny_model_dir, replicas):
     second = Replica(stack, tiny_model_dir)
+    replicas.append(second)
     _wait_for(lambda: f"sampler replica {second.address} is up" in _pool_log(stack), "the replica never joined")
 
     service = tinker.ServiceClient(base_url=stack.url)
@@ -93,6 +104,7 @@ def test_replicas_join_fail_over_and_serve_the_newest_snapshot(stack, tiny_model
 
     # A third replica joins; the second one dies for good. The newest snapshot is served.
     third = Replica(stack, tiny_model_dir)
+    replicas.append(third)
     _wait_for(lambda: f"sampler replica {third.address} is up" in _pool_log(stack), "the third never joined")
     second.kill()
     tc.forward_backward(data, "cross_entropy").result()

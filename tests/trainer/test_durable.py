@@ -14,17 +14,9 @@ from trainer_service.durable import DurableModels
 from trainer_service.engine import TrainerEngine
 from trainer_service.servicer import TrainerServicer
 
+from servicer_context import Aborted, Context
+
 TOKENS = [5, 9, 17, 33, 2, 71, 8, 40, 12, 3]
-
-
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    def abort(self, code, details):
-        self.code, self.details = code, details
-        raise _Aborted(details)
 
 
 def _trainer(model_dir, state_dir, **kwargs) -> TrainerServicer:
@@ -36,7 +28,7 @@ def _trainer(model_dir, state_dir, **kwargs) -> TrainerServicer:
 
 def _create(trainer, model_id):
     trainer.CreateModel(trainer_pb2.CreateModelRequest(model_id=model_id, lora_config=common_pb2.LoraConfig(
-        rank=4, seed=3, train_attn=True, train_mlp=True)), _Context())
+        rank=4, seed=3, train_attn=True, train_mlp=True)), Context())
 
 
 def _datum(shift=0):
@@ -49,7 +41,7 @@ def _datum(shift=0):
 def _fb(trainer, model_id, seq, *, forward_only=False, shift=0):
     return trainer.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
         model_id=model_id, seq_id=seq, loss_fn="cross_entropy", forward_only=forward_only,
-        data=[_datum(shift)]), _Context())
+        data=[_datum(shift)]), Context())
 
 
 def _logprobs(trainer, model_id, seq):
@@ -60,7 +52,7 @@ def _logprobs(trainer, model_id, seq):
 def _step(trainer, model_id, seq):
     return trainer.OptimStep(trainer_pb2.OptimStepRequest(
         model_id=model_id, seq_id=seq, adam_params=common_pb2.AdamParams(learning_rate=1e-2, beta1=0.9,
-                                                                          beta2=0.95, eps=1e-8)), _Context())
+                                                                          beta2=0.95, eps=1e-8)), Context())
 
 
 def test_a_restarted_trainer_brings_the_model_back_exactly(tiny_model_dir, tmp_path):
@@ -88,8 +80,8 @@ def test_lost_work_is_told_once_and_nothing_is_applied_twice(tiny_model_dir, tmp
     _fb(first, "s:train:0", 4)                 # accumulated gradients: not in any durable state
 
     restarted = _trainer(tiny_model_dir, tmp_path)
-    context = _Context()
-    with pytest.raises(_Aborted):
+    context = Context()
+    with pytest.raises(Aborted):
         restarted.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
             model_id="s:train:0", seq_id=5, loss_fn="cross_entropy", forward_only=True, data=[_datum()]), context)
     assert "resumed from its state at step 1 (seq_id 2)" in context.details
@@ -102,8 +94,8 @@ def test_lost_work_is_told_once_and_nothing_is_applied_twice(tiny_model_dir, tmp
     again = _step(restarted, "s:train:0", 2)
     assert again == stepped and restarted.engine.get("s:train:0").step == 1
     # A resent forward_backward the state includes is refused, not applied twice.
-    context = _Context()
-    with pytest.raises(_Aborted):
+    context = Context()
+    with pytest.raises(Aborted):
         restarted.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
             model_id="s:train:0", seq_id=1, loss_fn="cross_entropy", data=[_datum()]), context)
     assert "applied before the trainer restarted" in context.details
@@ -139,7 +131,7 @@ def test_least_recently_used_models_wait_on_disk(tiny_model_dir, tmp_path):
     _logprobs(trainer, "s:train:0", 3)          # comes back; the least recently used one leaves
     assert trainer.engine.is_resident("s:train:0") and not trainer.engine.is_resident("s:train:1")
     np.testing.assert_allclose(_logprobs(trainer, "s:train:2", 4), before, atol=1e-6)
-    assert trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id="s:train:1"), _Context()).deleted
+    assert trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id="s:train:1"), Context()).deleted
     assert not os.path.exists(tmp_path / "models" / "s_train_1")
 
 
