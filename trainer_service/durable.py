@@ -87,12 +87,9 @@ class DurableModels:
     def record(self, model_id: str, seq: int, kind: str, reply: bytes | None = None) -> None:
         """Appends one executed request. Written before its reply leaves, unbuffered: a killed
         process loses nothing the OS has (a machine crash may lose the last lines)."""
-        line = {"seq": seq, "kind": kind}
-        if reply is not None:
-            line["reply"] = base64.b64encode(reply).decode()
         os.makedirs(self.model_dir(model_id), exist_ok=True)
         with open(self._journal_path(model_id), "a") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(_line(Entry(seq, kind, reply)))
 
     def journal(self, model_id: str) -> list[Entry]:
         try:
@@ -123,12 +120,16 @@ class DurableModels:
             return
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            for e in kept:
-                line = {"seq": e.seq, "kind": e.kind}
-                if e.reply is not None:
-                    line["reply"] = base64.b64encode(e.reply).decode()
-                f.write(json.dumps(line) + "\n")
+            f.writelines(_line(e) for e in kept)
         os.replace(tmp, path)
+
+
+def _line(entry: Entry) -> str:
+    """One journal line: JSON, the reply base64-encoded."""
+    line = {"seq": entry.seq, "kind": entry.kind}
+    if entry.reply is not None:
+        line["reply"] = base64.b64encode(entry.reply).decode()
+    return json.dumps(line) + "\n"
 
 
 def describe_lost(entries: list[Entry]) -> str:
