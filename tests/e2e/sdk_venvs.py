@@ -4,6 +4,7 @@ from the package registry), for tests that drive the server with them."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -23,7 +24,8 @@ def sdk_python(version: str, *, torch: bool = True) -> str:
     probe = subprocess.run([python, "-c", f"import {modules}; print(tinker.__version__)"], capture_output=True,
                            text=True) if os.path.exists(python) else None
     if probe is None or probe.stdout.strip() != version:
-        subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+        shutil.rmtree(venv, ignore_errors=True)
         packages = [f"tinker=={version}", *(["torch==2.13.0"] if torch else [])]
-        subprocess.run([python, "-m", "pip", "install", "-q", *packages], check=True, timeout=900)
+        subprocess.run(["bash", os.path.join(REPO, "scripts", "venv-install.sh"), venv, *packages], check=True,
+                       timeout=900)
     return python
