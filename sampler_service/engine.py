@@ -70,15 +70,19 @@ def engine_args(model_dir: str, *, dtype: str = "auto", max_model_len: int = 102
 
 
 def check_parallelism(tensor_parallel_size: int, gpu_count: int) -> None:
-    """Refuses, at start-up, a tensor-parallel size this machine cannot run: vLLM's CPU backend
-    would start one worker process per rank on the same cores (no gain over one replica per
-    core group; tinkerd's in-process LoRA registration is not built for worker processes on CPU),
-    and on a GPU the replica needs that many GPUs visible."""
+    """Refuses, at start-up, a tensor-parallel size this machine should not run. On CPU, vLLM
+    0.32 runs each rank as a worker process bound to a NUMA node of its own, and stops deep in its
+    start-up on a machine with fewer nodes than ranks unless VLLM_CPU_OMP_THREADS_BIND binds cores
+    by hand; bound by hand on this 2-core machine, 2 ranks of the tiny model took 10 s for 8
+    tokens, and tinkerd's LoRA registration (in-process tensors, worker_ext.py) is not verified
+    across worker processes. A CPU pool scales with replicas instead. On a GPU the replica needs
+    that many GPUs visible."""
     if tensor_parallel_size < 1:
         raise UserError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
     if tensor_parallel_size > 1 and gpu_count == 0:
         raise UserError(f"--tensor-parallel-size {tensor_parallel_size} needs GPUs; on CPU a replica runs with "
-                        f"1 (scale a CPU pool with more replicas: tinkerd up --sampler-replicas N, or more "
+                        f"1 (vLLM's CPU backend wants a NUMA node per rank, and gains nothing over replicas: "
+                        f"scale a CPU pool with more of them, tinkerd up --sampler-replicas N or more "
                         f"`tinkerd sampler --register-with` processes)")
     if tensor_parallel_size > gpu_count > 0:
         raise UserError(f"--tensor-parallel-size {tensor_parallel_size} needs that many GPUs; this replica sees "
