@@ -3,7 +3,9 @@
 Members: the `--sampler` addresses the gateway was started with, and the replicas that registered
 themselves (`tinkerd sampler --register-with URL`; rows in the shared database, so every gateway
 sees them) and heart-beat within REGISTRATION_TTL_S. Each member is health-checked every
-HEALTH_EVERY_S; a member whose check or call fails is out of rotation until a check passes.
+HEALTH_EVERY_S over the standard grpc.health.v1 service (what kubelet and grpc_health_probe ask
+too); a member whose check or call fails is out of rotation until a check passes. This is the one
+place replicas are health-checked: the gateway's /healthz reads the live set from here.
 
 Routing: among live members, those that already served or received the snapshot first (its
 adapter is loaded there), then the fewest samples in flight from this gateway. A sample whose
@@ -22,12 +24,13 @@ import logging
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import select
 
 from gateway.db import Database, SamplerReplicaRow, now
 from tinkerd.errors import UnavailableError
 from tinkerd.rpc import ServiceAuth, aio_channel, deadline_calls
-from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
+from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class Member:
     static: bool
     alive: bool = False
     in_flight: int = 0
+    served: int = 0          # samples this replica answered for this gateway (the listing shows it)
 
 
 class SamplerPool:
@@ -95,10 +99,11 @@ class SamplerPool:
 
     async def _check(self, member: Member) -> bool:
         try:
-            reply = await member.stub.Health(common_pb2.HealthRequest(), timeout=max(HEALTH_EVERY_S, 2.0))
-            return reply.ready
+            reply = await health_pb2_grpc.HealthStub(member.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=max(HEALTH_EVERY_S, 2.0))
         except grpc.aio.AioRpcError:
             return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def _watch(self) -> None:
         while True:
@@ -115,6 +120,11 @@ class SamplerPool:
 
     def live(self) -> list[Member]:
         return [m for m in self.members.values() if m.alive]
+
+    def listing(self) -> list[dict]:
+        """Every member as this gateway sees it (GET /internal/v1/samplers/list)."""
+        return [{"address": m.address, "alive": m.alive, "registered": not m.static, "in_flight": m.in_flight,
+                 "served": m.served} for m in self.members.values()]
 
     def live_addresses(self) -> list[str]:
         """Where a new snapshot is pushed."""
@@ -168,5 +178,6 @@ class SamplerPool:
                 continue
             finally:
                 member.in_flight -= 1
+            member.served += 1
             self.holds(msg.snapshot_id, [member.address])
             return reply

@@ -1,4 +1,4 @@
-"""`tinkerd up`: trainer, sampler and gateway as separate processes on this machine.
+"""`tinkerd up`: trainer, sampler replicas and gateway as separate processes on this machine.
 
 Its flags are the union of the three services' settings (each written once, in the service's
 settings.py), less the addresses that `up` wires itself; each child's command line is derived
@@ -7,30 +7,41 @@ from its settings object, so a flag given to `up` always reaches every service t
 Unless given --service-token-file, `up` makes a random service token per state dir
 (`<state-dir>/service-token`, mode 0600) and hands its path to all three children: the gRPC
 calls between them are authenticated by default.
+
+Sampler replicas (`--sampler-replicas N`) join the gateway's pool the way a replica on another
+host does: each is `tinkerd sampler --register-with <the gateway's URL>` and heart-beats there
+(sampler_service/registration.py); the gateway gets no --sampler list. Since a replica's engine
+takes longest to start, the gateway's port is fixed before anything starts (a free one when
+--port is 0), and the replicas start with the trainer.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 from gateway.settings import GatewaySettings
 from launcher import keys
+from sampler_service import server as sampler_server
 from sampler_service.settings import SamplerSettings
 from tinkerd import process, settings
 from trainer_service.settings import TrainerSettings
 
 CHILDREN = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
 # Settings `up` fills in itself: where the children find each other.
-WIRED = {"trainer": ("listen",), "sampler": ("listen",), "gateway": ("trainer", "samplers")}
+WIRED = {"trainer": ("listen",), "sampler": ("listen", "register_with", "advertise_address"),
+         "gateway": ("trainer", "samplers")}
 
 
 @dataclasses.dataclass
@@ -43,6 +54,8 @@ class UpSettings:
                                                  "up and exits non-zero")
     trainer_ranks: int = settings.setting(1, help="run the trainer as one job of this many ranks on this host "
                                                   "(torchrun; rank 0 serves, the batch is split across ranks)")
+    sampler_replicas: int = settings.setting(1, help="sampler processes (one vLLM engine each) on this host; each "
+                                                     "registers with the gateway like a replica on another host")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,12 +76,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, UpSettings)
 
 
+def kind_of(name: str) -> str:
+    """A child's service: "sampler-2" is a sampler."""
+    return name.split("-")[0]
+
+
 def child_argv(args: argparse.Namespace, name: str, **wiring) -> list[str]:
-    return [name, *settings.to_argv(settings.from_args(CHILDREN[name], args, **wiring))]
+    kind = kind_of(name)
+    return [kind, *settings.to_argv(settings.from_args(CHILDREN[kind], args, **wiring))]
 
 
 def child_command(args: argparse.Namespace, name: str, **wiring) -> list[str]:
-    """`tinkerd <name> ...`; the trainer of several ranks under torchrun (one job on this host)."""
+    """`tinkerd <service> ...`; the trainer of several ranks under torchrun (one job on this host)."""
     launcher = [sys.executable, "-m", "launcher.cli"]
     if name == "trainer" and args.trainer_ranks > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -115,25 +134,68 @@ def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
             p.kill()
 
 
-def _wiring(name: str, ready: dict) -> dict:
+def sampler_names(args: argparse.Namespace) -> list[str]:
+    """The replicas' names (and log files): sampler, sampler-2, ..., sampler-N."""
+    return ["sampler", *(f"sampler-{i}" for i in range(2, args.sampler_replicas + 1))]
+
+
+def gateway_url(args: argparse.Namespace) -> str:
+    """Where this host's replicas register (the gateway's port is fixed by then)."""
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    return f"http://{host}:{args.port}"
+
+
+def _wiring(args: argparse.Namespace, name: str, ready: dict) -> dict:
     """The addresses a child is started with; once the stack runs, a restarted child gets the
     port it had, so the others still find it."""
     if name == "gateway":
-        wiring = {"trainer": f"127.0.0.1:{ready['trainer']}", "samplers": [f"127.0.0.1:{ready['sampler']}"]}
-        return {**wiring, "port": ready["gateway"]} if "gateway" in ready else wiring
-    return {"listen": f"127.0.0.1:{ready[name]}"} if name in ready else {}
+        return {"trainer": f"127.0.0.1:{ready['trainer']}", "samplers": []}
+    wiring = {"listen": f"127.0.0.1:{ready[name]}"} if name in ready else {}
+    if kind_of(name) == "sampler":
+        wiring["register_with"] = [gateway_url(args)]
+    return wiring
+
+
+def _free_port() -> int:
+    """A port nothing listens on now, for the gateway: its replicas need its URL before it runs
+    (another process could take it meanwhile; the gateway would then fail to start, visibly)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_pool(args: argparse.Namespace, url: str, procs: dict, log_dir: str) -> None:
+    """Until healthz says every replica joined the pool and is live (and the rest is up)."""
+    want = f"{args.sampler_replicas}/{args.sampler_replicas} ok"
+    deadline = time.monotonic() + args.start_timeout
+    body: dict = {}
+    while body.get("status") != "ok" or body.get("samplers") != want:
+        for name, p in procs.items():
+            if p.poll() is not None:
+                raise SystemExit(f"tinkerd: {name} exited with code {p.returncode}; see {log_dir}/{name}.log")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"tinkerd: the stack is not healthy after {args.start_timeout:.0f} s ({body}); "
+                             f"see {log_dir}/")
+        try:
+            with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=10) as r:
+                body = json.load(r)
+        except urllib.error.HTTPError as e:        # 503 until the pool has seen a live replica
+            body = json.load(e)
+        time.sleep(0.2)
 
 
 def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str) -> str:
-    """Trainer and sampler start in parallel; the gateway once both answer. Returns its URL."""
-    for name in ("trainer", "sampler"):
-        procs[name] = _start(name, child_command(args, name), ready, log_dir)
-    _wait_ready(procs, ready, ["trainer", "sampler"], args.start_timeout, log_dir)
-    procs["gateway"] = _start("gateway", child_command(args, "gateway", **_wiring("gateway", ready)), ready, log_dir)
-    _wait_ready(procs, ready, ["gateway"], args.start_timeout, log_dir)
+    """Trainer and sampler replicas start in parallel; the gateway once the trainer answers; the
+    replicas register with it once their engines run. Returns its URL."""
+    names = ["trainer", *sampler_names(args)]
+    for name in names:
+        procs[name] = _start(name, child_command(args, name, **_wiring(args, name, ready)), ready, log_dir)
+    _wait_ready(procs, ready, ["trainer"], args.start_timeout, log_dir)
+    procs["gateway"] = _start("gateway", child_command(args, "gateway", **_wiring(args, "gateway", ready)),
+                              ready, log_dir)
+    _wait_ready(procs, ready, names + ["gateway"], args.start_timeout, log_dir)
     url = f"http://{args.host}:{ready['gateway']}"
-    with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=10) as r:
-        assert r.status == 200
+    _wait_pool(args, url, procs, log_dir)
     return url
 
 
@@ -144,7 +206,7 @@ class Supervisor:
 
     def __init__(self, args: argparse.Namespace, procs: dict, ready: dict, log_dir: str):
         self.args, self.procs, self.ready, self.log_dir = args, procs, ready, log_dir
-        self.restarts: dict[str, list[float]] = {name: [] for name in CHILDREN}
+        self.restarts: dict[str, list[float]] = {name: [] for name in procs}
 
     def check(self) -> None:
         """Raises SystemExit(1) when a dead child may not be restarted."""
@@ -159,8 +221,8 @@ class Supervisor:
                 raise SystemExit(1)
             self.restarts[name] = [*recent, time.monotonic()]
             port = self.ready.pop(name)
-            self.procs[name] = _start(name, child_command(self.args, name, **_wiring(name, {**self.ready, name: port})),
-                                      self.ready, self.log_dir)
+            wiring = _wiring(self.args, name, {**self.ready, name: port})
+            self.procs[name] = _start(name, child_command(self.args, name, **wiring), self.ready, self.log_dir)
             _wait_ready(self.procs, self.ready, [name], self.args.start_timeout, self.log_dir)
             print(f"tinkerd: {name} restarted on port {self.ready[name]}", file=sys.stderr, flush=True)
 
@@ -180,12 +242,16 @@ def service_token_file(state_dir: str) -> str:
 
 def up(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
+    if args.sampler_replicas < 1:
+        raise SystemExit("tinkerd: --sampler-replicas must be at least 1")
+    sampler_server.check_parallelism_or_exit(args.tensor_parallel_size)   # not minutes later, in a log
     # One decision for both services, so trainer and sampler run the same dtype.
     args.dtype = process.service_dtype(args.dtype, args.allow_slow_dtype)
     args.base_model, args.state_dir = os.path.abspath(args.base_model), os.path.abspath(args.state_dir)
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
     args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
+    args.port = args.port or _free_port()
     procs: dict[str, subprocess.Popen] = {}
 
     def stop(*_, code: int = 0):

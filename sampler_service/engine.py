@@ -61,16 +61,46 @@ class MergedSettings:
     min_requests: int = 4
 
 
+def engine_args(model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024, max_num_seqs: int = 64,
+                tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, seed: int = 0) -> dict:
+    """vLLM EngineArgs of every engine of a replica (LoRA and merged ones); LoRA options aside."""
+    return dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
+                max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization)
+
+
+def check_parallelism(tensor_parallel_size: int, gpu_count: int) -> None:
+    """Refuses, at start-up, a tensor-parallel size this machine should not run. On CPU, vLLM
+    0.32 runs each rank as a worker process bound to a NUMA node of its own, and stops deep in its
+    start-up on a machine with fewer nodes than ranks unless VLLM_CPU_OMP_THREADS_BIND binds cores
+    by hand; bound by hand on this 2-core machine, 2 ranks of the tiny model took 10 s for 8
+    tokens, and tinkerd's LoRA registration (in-process tensors, worker_ext.py) is not verified
+    across worker processes. A CPU pool scales with replicas instead. On a GPU the replica needs
+    that many GPUs visible."""
+    if tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+    if tensor_parallel_size > 1 and gpu_count == 0:
+        raise UserError(f"--tensor-parallel-size {tensor_parallel_size} needs GPUs; on CPU a replica runs with "
+                        f"1 (vLLM's CPU backend wants a NUMA node per rank, and gains nothing over replicas: "
+                        f"scale a CPU pool with more of them, tinkerd up --sampler-replicas N or more "
+                        f"`tinkerd sampler --register-with` processes)")
+    if tensor_parallel_size > gpu_count > 0:
+        raise UserError(f"--tensor-parallel-size {tensor_parallel_size} needs that many GPUs; this replica sees "
+                        f"{gpu_count} (CUDA_VISIBLE_DEVICES, or the pod's nvidia.com/gpu limit)")
+
+
 class SamplerEngine:
     def __init__(self, model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024,
                  max_loras: int = 4, max_cpu_loras: int = 64, max_lora_rank: int = 64,
-                 max_num_seqs: int = 64, seed: int = 0, merged: MergedSettings = MergedSettings()):
+                 max_num_seqs: int = 64, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
+                 seed: int = 0, merged: MergedSettings = MergedSettings()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
         self.model_dir = model_dir
-        self._engine_args = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-                                 seed=seed, max_num_seqs=max_num_seqs)
+        self._engine_args = engine_args(model_dir, dtype=dtype, max_model_len=max_model_len,
+                                        max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
+                                        gpu_memory_utilization=gpu_memory_utilization, seed=seed)
         self._engine = self._new_engine(
             enable_lora=True, max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
             worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension")

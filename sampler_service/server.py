@@ -12,8 +12,7 @@ from tinkerd.process import cpu_defaults, init_logging, serve_until_signal, serv
 def serve(s: SamplerSettings) -> None:
     cpu_defaults()
     init_logging("sampler")
-    from sampler_service.engine import MergedSettings, SamplerEngine
-    from sampler_service.registration import Registration
+    from sampler_service.registration import Registration, advertised_address
     from sampler_service.servicer import SamplerServicer
     from tinkerd.health import ServiceHealth
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
@@ -21,24 +20,47 @@ def serve(s: SamplerSettings) -> None:
 
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of engine start
-    engine = SamplerEngine(s.base_model, dtype=service_dtype(s.dtype, s.allow_slow_dtype),
-                           max_model_len=s.max_model_len, max_loras=s.max_loras,
-                           max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
-                           max_num_seqs=s.max_num_seqs,
-                           merged=MergedSettings(_merged_slots(s), s.merge_window, s.merge_share,
-                                                 s.merge_min_requests))
+    check_parallelism_or_exit(s.tensor_parallel_size)
+    engine = engine_from(s)
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
     server, port = create_server(s.listen, max_workers=max(256, 2 * s.max_num_seqs), auth=auth,
                                  allow_insecure=s.allow_insecure)
     sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine, state_dir=os.path.abspath(s.state_dir)),
                                                    server)
-    registration = Registration(s.register_with, s.advertise_address or f"127.0.0.1:{port}", auth.token)
+    registration = Registration(s.register_with, advertised_address(s.listen, port, s.advertise_address),
+                                auth.token)
 
     def stop():
         registration.stop()
         engine.shutdown()
     serve_until_signal(server, port, "sampler", on_start=registration.start, on_stop=stop,
                        health=ServiceHealth(server, "tinkerd.v1.Sampler"))
+
+
+def engine_from(s: SamplerSettings):
+    """The replica's engine, every engine setting taken from `s`."""
+    from sampler_service.engine import MergedSettings, SamplerEngine
+
+    return SamplerEngine(s.base_model, dtype=service_dtype(s.dtype, s.allow_slow_dtype),
+                         max_model_len=s.max_model_len, max_loras=s.max_loras,
+                         max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
+                         max_num_seqs=s.max_num_seqs, tensor_parallel_size=s.tensor_parallel_size,
+                         gpu_memory_utilization=s.gpu_memory_utilization,
+                         merged=MergedSettings(_merged_slots(s), s.merge_window, s.merge_share,
+                                               s.merge_min_requests))
+
+
+def check_parallelism_or_exit(tensor_parallel_size: int) -> None:
+    """A tensor-parallel size this machine cannot run ends the process at once, with the reason."""
+    import torch
+
+    from sampler_service.engine import check_parallelism
+    from tinkerd.errors import UserError
+
+    try:
+        check_parallelism(tensor_parallel_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    except UserError as e:
+        raise SystemExit(f"tinkerd sampler: {e}") from None
 
 
 def _merged_slots(s: SamplerSettings) -> int:

@@ -19,11 +19,18 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings):
     max_loras: int = setting(4, help="LoRA snapshots active in one batch")
     max_cpu_loras: int = setting(64, help="LoRA snapshots resident in memory (LRU; evicted ones reload from disk)")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a snapshot may have")
-    max_num_seqs: int = setting(64, help="sequences in one engine batch")
+    max_num_seqs: int = setting(64, help="sequences in one engine batch (vLLM's --max-num-seqs)")
+    # vLLM's scale knobs for a GPU pool, passed through to its engine arguments.
+    tensor_parallel_size: int = setting(1, help="GPUs one replica's engine spans (vLLM's --tensor-parallel-size); "
+                                                "on CPU only 1 (refused at start-up otherwise)")
+    gpu_memory_utilization: float = setting(0.9, help="share of each GPU's memory the engine may take for weights "
+                                                      "and KV cache (vLLM's --gpu-memory-utilization); on CPU the "
+                                                      "KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead")
     register_with: list[str] = setting([], help="gateway URL to join the sampler pool of (repeatable); the "
                                                 "replica heart-beats there and leaves on a clean stop")
     advertise_address: str = setting("", help="host:port the gateways and trainer reach this replica at "
-                                              "(default: 127.0.0.1 and the port it listens on)")
+                                              "(default: the port it listens on at 127.0.0.1 for a loopback "
+                                              "--listen, else at this host's IP as its hostname resolves)")
     # Merged serving of hot snapshots (sampler_service/merged.py has the whole policy).
     merged_slots: int = setting(1, help="snapshots served from merged weights (W + scale*B@A), each in a vLLM "
                                         "engine of its own created on its first promotion; 0 turns it off")

@@ -4,8 +4,9 @@ reflection (so grpcurl needs no .proto files).
 
 Health tells the truth about the process: NOT_SERVING until the service's engine is loaded and
 the server started (`serving()`), NOT_SERVING again from the moment it starts shutting down
-(`stopping()`, permanent), or whenever something marks it broken (`not_serving(reason)`). The
-overall status (service "") and each named service move together.
+(`stopping()`, permanent), while something marks it unable to serve (`not_serving(reason)`),
+and for good once it is broken beyond repair (`broken(reason)`: a trainer rank died, the process
+is on its way out). The overall status (service "") and each named service move together.
 
 Who may ask (tinkerd/rpc.py): `grpc.health.v1.Health/Check` needs no service token, because
 kubelet's gRPC probe cannot send one; it reveals one status word. Watch, reflection and every
@@ -50,6 +51,11 @@ class ServiceHealth:
     def not_serving(self, reason: str) -> None:
         log.warning("health: NOT_SERVING (%s)", reason)
         self._set(NOT_SERVING)
+
+    def broken(self, reason: str) -> None:
+        """Broken for good (the process exits soon): NOT_SERVING from now on, whatever is set later."""
+        log.error("health: NOT_SERVING for good (%s)", reason)
+        self._servicer.enter_graceful_shutdown()
 
     def stopping(self) -> None:
         """Shutting down: NOT_SERVING from now on, whatever is set later."""

@@ -18,8 +18,8 @@ Who does what inside a call:
   partition, so with several hosts the state dir must be on a shared filesystem.
 
 A broken job (a rank died, a collective failed, the ranks diverged): the call in flight fails
-with UnavailableError (a `server` error), Health says not ready, and rank 0 exits non-zero a
-moment later; the launcher then ends the job and `tinkerd up`'s supervisor restarts it.
+with UnavailableError (a `server` error), Health says not ready (and grpc.health.v1
+NOT_SERVING, through `on_broken`), and rank 0 exits non-zero a moment later; the launcher then ends the job and `tinkerd up`'s supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ class Ranks:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.leader = self.rank == 0
         self.broken: str | None = None
+        self.on_broken: list = []            # called with the reason when the job breaks (health)
         self.in_call = False                 # running a command's method (nested calls are not sent)
         self._on_disk: dict[str, bool] = {}  # a follower: rank 0's answers for the current command
         self._lock = lock                    # the engine's: one command at a time
@@ -177,6 +178,8 @@ class Ranks:
         if not self.broken:
             self.broken = reason
             log.error("trainer job broken: %s; exiting in %.0f s", reason, EXIT_AFTER_S)
+            for tell in self.on_broken:
+                tell(reason)
             threading.Timer(EXIT_AFTER_S, _exit_now).start()
         return UnavailableError(f"the trainer job lost a rank or diverged ({reason}); it is being restarted")
 

@@ -36,5 +36,6 @@ def serve(s: TrainerSettings) -> None:
     servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
                                auth=auth)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
-    serve_until_signal(server, port, "trainer", on_stop=engine.ranks.stop,
-                       health=ServiceHealth(server, "tinkerd.v1.Trainer"))
+    health = ServiceHealth(server, "tinkerd.v1.Trainer")
+    engine.ranks.on_broken.append(health.broken)       # a lost rank: NOT_SERVING at once
+    serve_until_signal(server, port, "trainer", on_stop=engine.ranks.stop, health=health)

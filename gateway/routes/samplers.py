@@ -23,9 +23,7 @@ class Replica(BaseModel):
     address: str = Field(min_length=3, max_length=256, pattern=r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$")
 
 
-async def _replica(request: Request, gw) -> Replica:
-    """The calling replica: its service token checked first (a bad credential is a 401 whatever
-    the body), then its body."""
+def _check_service_caller(request: Request, gw) -> None:
     auth: ServiceAuth = gw.service_auth
     if auth.token:
         given = request.headers.get("authorization", "")
@@ -33,6 +31,12 @@ async def _replica(request: Request, gw) -> Replica:
             raise HTTPException(401, "missing or wrong service token")
     elif not (request.client and ipaddress.ip_address(request.client.host).is_loopback):
         raise HTTPException(403, "without a service token, replicas may register from this machine only")
+
+
+async def _replica(request: Request, gw) -> Replica:
+    """The calling replica: its service token checked first (a bad credential is a 401 whatever
+    the body), then its body."""
+    _check_service_caller(request, gw)
     try:
         return Replica.model_validate(parse_json(await request.body()))
     except ValidationError as e:
@@ -53,3 +57,11 @@ async def deregister(request: Request, gw: GatewayDep) -> dict:
     replica = await _replica(request, gw)
     gw.db.delete(SamplerReplicaRow, replica.address)
     return {"status": "deregistered"}
+
+
+@router.get("/list")
+async def listing(request: Request, gw: GatewayDep) -> dict:
+    """The pool as this gateway sees it: each replica, live or not, and how many samples it
+    answered (for operators and tests; the service token, like registering)."""
+    _check_service_caller(request, gw)
+    return {"samplers": gw.backends.samplers.listing()}

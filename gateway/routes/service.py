@@ -50,15 +50,16 @@ async def telemetry() -> dict:
 async def healthz(gw: GatewayDep):
     """Public and cheap (a load balancer's or Kubernetes' readiness probe): ok when the database
     answers, the trainer reports SERVING and at least one sampler does (the others are listed as
-    down but do not take the gateway out of service). Says which part is down, never why: the
-    reason is logged, not shown to anyone who can reach the port."""
+    down but do not take the gateway out of service). The samplers' state is the pool's live set
+    (gateway/sampler_pool.py checks each replica's grpc.health.v1 every second), not a second
+    check. Says which part is down, never why: the reason is logged, not shown to anyone who can
+    reach the port."""
     auth = ServiceAuth.of(gw.settings)
-    replicas = list(gw.backends.samplers.members)
-    database, trainer, *samplers = await asyncio.gather(
-        _database(gw), _serving(gw.settings.trainer, auth), *(_serving(a, auth) for a in replicas))
-    body = {"database": database, "trainer": trainer,
-            "samplers": f"{samplers.count('ok')}/{len(samplers)} ok"}
-    if database == "ok" and trainer == "ok" and "ok" in samplers:
+    database, trainer = await asyncio.gather(_database(gw), _serving(gw.settings.trainer, auth))
+    pool = gw.backends.samplers
+    live = len(pool.live())
+    body = {"database": database, "trainer": trainer, "samplers": f"{live}/{len(pool.members)} ok"}
+    if database == "ok" and trainer == "ok" and live:
         return {"status": "ok", **body}
     return JSONResponse({"status": "unavailable", **body}, status_code=503)
 

@@ -1,22 +1,25 @@
-"""Sampler replicas come and go under a running SDK client: replicas join by registering with
-the gateway, a replica killed mid-sample has its samples re-sent to another one (the SDK sees
-no error), and a replica that joins late serves the newest snapshot."""
+"""Sampler replicas come and go under a running SDK client: `tinkerd up --sampler-replicas 2` runs
+two replicas that join by registering with the gateway and both serve; a replica killed
+mid-sample has its samples re-sent to another one (the SDK sees no error); a replica started on
+its own (`tinkerd sampler --register-with`) joins late and serves the newest snapshot."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
+import psutil
 import pytest
 import tinker
 from tinker import types
 
 from conftest import sft_data
-from harness.stack import service_pids
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +28,7 @@ TEXTS = ["the cat sat on a mat", "a cat and a hat", "the mat was red"]
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory, start_stack):
-    with start_stack(tiny_model_dir, tmp_path_factory.mktemp("state")) as s:
+    with start_stack(tiny_model_dir, tmp_path_factory.mktemp("state"), "--sampler-replicas", "2") as s:
         yield s
 
 
@@ -50,6 +53,27 @@ class Replica:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+
+
+def _pool(stack) -> dict[str, dict]:
+    """The gateway's sampler pool (GET /internal/v1/samplers/list, with the service token)."""
+    with open(os.path.join(stack.state_dir, "service-token")) as f:
+        token = f.read().strip()
+    request = urllib.request.Request(f"{stack.url}/internal/v1/samplers/list",
+                                     headers={"authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return {m["address"]: m for m in json.load(r)["samplers"]}
+
+
+def _up_replicas(stack, pool: dict) -> dict[str, int]:
+    """{address in the pool: pid} of the replicas `tinkerd up` runs (its `tinkerd sampler` children)."""
+    found = {}
+    for child in psutil.Process(stack.pid).children():
+        cmd = child.cmdline()
+        if len(cmd) > 3 and cmd[3] == "sampler":
+            listen = [c.laddr.port for c in child.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+            found.update({f"127.0.0.1:{port}": child.pid for port in listen if f"127.0.0.1:{port}" in pool})
+    return found
 
 
 def _pool_log(stack) -> str:
@@ -82,9 +106,12 @@ def replicas():
 
 
 def test_replicas_join_fail_over_and_serve_the_newest_snapshot(stack, tiny_model_dir, replicas):
-    second = Replica(stack, tiny_model_dir)
-    replicas.append(second)
-    _wait_for(lambda: f"sampler replica {second.address} is up" in _pool_log(stack), "the replica never joined")
+    # `tinkerd up --sampler-replicas 2`: both replicas registered themselves (no --sampler list)
+    # and are live by the time the stack is ready.
+    pool = _pool(stack)
+    assert len(pool) == 2 and all(m["alive"] and m["registered"] for m in pool.values()), pool
+    up_replicas = _up_replicas(stack, pool)
+    assert len(up_replicas) == len(set(up_replicas.values())) == 2, (up_replicas, pool)
 
     service = tinker.ServiceClient(base_url=stack.url)
     tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=1).result()
@@ -94,24 +121,29 @@ def test_replicas_join_fail_over_and_serve_the_newest_snapshot(stack, tiny_model
     sc = tc.save_weights_and_get_sampling_client()
     prompt = data[0].model_input
 
-    # Both replicas serve; then the first is killed while 8 samples are in flight.
+    # Both replicas hold the snapshot (it was pushed to each) and serve its samples.
+    _sample_many(sc, prompt, 8, 32)
+    served = {address: m["served"] for address, m in _pool(stack).items()}
+    assert all(n > 0 for n in served.values()), served
+
+    # One is killed while 8 samples are in flight: they all finish (`up` restarts it meanwhile).
     with concurrent.futures.ThreadPoolExecutor(1) as background:
         running = background.submit(_sample_many, sc, prompt, 8, 200)
         time.sleep(1.0)
-        os.kill(service_pids(stack.pid)["sampler"], signal.SIGKILL)
+        os.kill(next(iter(up_replicas.values())), signal.SIGKILL)
         results = running.result(timeout=300)
     assert all(len(r.sequences) == 1 and len(r.sequences[0].tokens) == 200 for r in results)
 
-    # A third replica joins; the second one dies for good. The newest snapshot is served.
+    # A replica started on its own joins and serves the newest snapshot.
     third = Replica(stack, tiny_model_dir)
     replicas.append(third)
-    _wait_for(lambda: f"sampler replica {third.address} is up" in _pool_log(stack), "the third never joined")
-    second.kill()
+    _wait_for(lambda: _pool(stack).get(third.address, {}).get("alive"), "the third never joined")
     tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     newest = tc.save_weights_and_get_sampling_client()
-    results = _sample_many(newest, prompt, 4, 16)
+    results = _sample_many(newest, prompt, 6, 16)
     assert all(len(r.sequences[0].tokens) == 16 for r in results)
+    assert _pool(stack)[third.address]["served"] > 0
     third.proc.send_signal(signal.SIGTERM)          # a clean stop leaves the pool at once
     third.proc.wait(timeout=60)
     _wait_for(lambda: f"sampler replica {third.address} left the pool" in _pool_log(stack), "it never left")

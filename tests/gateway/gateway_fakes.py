@@ -17,6 +17,7 @@ from gateway import keys
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tinkerd import paths
+from tinkerd.health import ServiceHealth
 from tinkerd.rpc import create_server
 from tinkerd.tensors import from_numpy
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -98,7 +99,9 @@ class FakeSampler(sampler_pb2_grpc.SamplerServicer):
 def serve(servicer, add_to_server) -> tuple[grpc.Server, str]:
     server, port = create_server("127.0.0.1:0", max_workers=8)
     add_to_server(servicer, server)
+    service_health = ServiceHealth(server)       # the gateway's sampler pool asks grpc.health.v1
     server.start()
+    service_health.serving()
     return server, f"127.0.0.1:{port}"
 
 

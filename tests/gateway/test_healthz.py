@@ -1,8 +1,12 @@
 """`GET /api/v1/healthz`: public, and ok only when the database answers, the trainer reports
 SERVING over grpc.health.v1 and at least one sampler does (real in-process gRPC servers with the
-fakes' servicers and the real health service; a real unreachable database)."""
+fakes' servicers and the real health service; a real unreachable database). The samplers' part
+is the sampler pool's live set, which its own grpc.health.v1 checks (every second) keep: it
+follows a replica's health within a check or two."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import sqlalchemy
@@ -49,6 +53,15 @@ def _healthz(client) -> tuple[int, dict]:
     return r.status_code, r.json()
 
 
+def _samplers_become(client, expected: str, timeout_s: float = 10.0) -> tuple[int, dict]:
+    """healthz once the pool's next checks have seen the replicas' new health."""
+    deadline = time.monotonic() + timeout_s
+    while (answer := _healthz(client))[1]["samplers"] != expected:
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.1)
+    return answer
+
+
 def test_ok_only_when_database_trainer_and_a_sampler_serve(parts):
     client, trainer, samplers = parts
     assert _healthz(client) == (503, {"status": "unavailable", "database": "ok", "trainer": "not serving",
@@ -56,11 +69,15 @@ def test_ok_only_when_database_trainer_and_a_sampler_serve(parts):
     trainer[2].serving()
     assert _healthz(client)[0] == 503                                  # no sampler serving yet
     samplers[0][2].serving()
-    assert _healthz(client) == (200, {"status": "ok", "database": "ok", "trainer": "ok", "samplers": "1/2 ok"})
+    assert _samplers_become(client, "1/2 ok") == (200, {"status": "ok", "database": "ok", "trainer": "ok",
+                                                        "samplers": "1/2 ok"})
     samplers[1][2].serving()
-    assert _healthz(client)[1]["samplers"] == "2/2 ok"
+    _samplers_become(client, "2/2 ok")
     samplers[0][0].stop(0)                                             # one replica dies: still in service
-    assert _healthz(client) == (200, {"status": "ok", "database": "ok", "trainer": "ok", "samplers": "1/2 ok"})
+    assert _samplers_become(client, "1/2 ok") == (200, {"status": "ok", "database": "ok", "trainer": "ok",
+                                                        "samplers": "1/2 ok"})
+    samplers[1][2].not_serving("its engine broke")                     # none left: out of service
+    assert _samplers_become(client, "0/2 ok")[0] == 503
     trainer[2].stopping()                                              # the trainer shuts down
     assert _healthz(client)[1]["trainer"] == "not serving"
     trainer[0].stop(0)                                                 # and is gone
@@ -73,7 +90,7 @@ def test_an_unreachable_database_makes_it_unavailable(parts):
     client, trainer, samplers = parts
     trainer[2].serving()
     samplers[0][2].serving()
-    assert _healthz(client)[0] == 200
+    assert _samplers_become(client, "1/2 ok")[0] == 200
     gw = client.app.state.gateway
     healthy_engine = gw.db.engine
     # A real database URL nobody listens at (port 9: discard, closed on loopback).
@@ -84,3 +101,28 @@ def test_an_unreachable_database_makes_it_unavailable(parts):
     finally:
         gw.db.engine = healthy_engine
     assert _healthz(client)[0] == 200
+
+
+def test_a_registered_replica_joins_the_pool_listing_and_healthz(parts):
+    """A replica that registers (the path `tinkerd sampler --register-with` takes) is listed by
+    GET /internal/v1/samplers/list once the pool's grpc.health.v1 check passes, counts in
+    healthz, and leaves both when it deregisters; the listing wants the service token."""
+    client, trainer, samplers = parts
+    trainer[2].serving()
+    server, address, replica_health = _serve(FakeSampler(), sampler_pb2_grpc.add_SamplerServicer_to_server,
+                                             "tinkerd.v1.Sampler")
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    try:
+        assert client.get("/internal/v1/samplers/list").status_code == 401
+        assert client.get("/internal/v1/samplers/list", headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert client.post("/internal/v1/samplers/register", json={"address": address}, headers=auth).status_code == 200
+        replica_health.serving()
+        assert _samplers_become(client, "1/3 ok")[0] == 200
+        listed = {m["address"]: m for m in client.get("/internal/v1/samplers/list", headers=auth).json()["samplers"]}
+        assert listed[address] == {"address": address, "alive": True, "registered": True, "in_flight": 0, "served": 0}
+        assert [m["alive"] for a, m in listed.items() if a != address] == [False, False]
+        assert client.post("/internal/v1/samplers/deregister", json={"address": address},
+                           headers=auth).status_code == 200
+        assert _samplers_become(client, "0/2 ok")[0] == 503
+    finally:
+        server.stop(0)

@@ -51,9 +51,13 @@ def test_not_serving_until_started_then_serving_until_stopping(served):
     assert _check(address) == _check(address, SAMPLER) == "NOT_SERVING"
     service_health.serving()
     assert _check(address) == _check(address, SAMPLER) == "SERVING"
-    service_health.not_serving("a rank died")
+    service_health.not_serving("the engine is reloading")
     assert _check(address) == "NOT_SERVING"
     service_health.serving()
+    assert _check(address) == "SERVING"
+    service_health.broken("a rank died")
+    service_health.serving()                 # broken is for good (the process is exiting)
+    assert _check(address) == _check(address, SAMPLER) == "NOT_SERVING"
     service_health.stopping()
     service_health.serving()                 # too late: shutting down is for good
     assert _check(address) == _check(address, SAMPLER) == "NOT_SERVING"

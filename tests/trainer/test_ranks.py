@@ -105,7 +105,8 @@ def test_a_two_rank_trainer_serves_and_fails_clearly_when_a_rank_dies(two_rank_t
     save a full checkpoint, load it into a copy, unload the copy (it comes back on its next
     use, equal to the original), push a persisted snapshot; optimizer state from a 1-rank trainer
     is refused as the user's error, its weights load. Then rank 1 dies during a call: the
-    call fails with a `server` error that says so, Health says not ready, the job exits non-zero."""
+    call fails with a `server` error that says so, Health says not ready and grpc.health.v1
+    NOT_SERVING (what the gateway, kubelet and `python -m tinkerd.health` ask), the job exits non-zero."""
     import signal
     import time
 
@@ -115,6 +116,8 @@ def test_a_two_rank_trainer_serves_and_fails_clearly_when_a_rank_dies(two_rank_t
     from tinkerd import tensors
     from tinkerd.errors import category_for
     from tinkerd.rpc import ServiceAuth, channel
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from tinkerd.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
     proc, address, state = two_rank_trainer
@@ -162,6 +165,9 @@ def test_a_two_rank_trainer_serves_and_fails_clearly_when_a_rank_dies(two_rank_t
 
     ranks = _ranks_by_number(proc.pid)
     assert sorted(ranks) == [0, 1]
+    health = health_pb2_grpc.HealthStub(channel(address, ServiceAuth())).Watch(health_pb2.HealthCheckRequest(),
+                                                                              timeout=120)
+    assert next(health).status == health_pb2.HealthCheckResponse.SERVING
     os.kill(ranks[1], signal.SIGSTOP)          # rank 1 hangs; a call goes in; then rank 1 dies
     call = stub.ForwardBackward.future(trainer_pb2.ForwardBackwardRequest(
         model_id="s:train:0", seq_id=6, loss_fn="cross_entropy", data=[_datum(0), _datum(1)]), timeout=120)
@@ -171,6 +177,7 @@ def test_a_two_rank_trainer_serves_and_fails_clearly_when_a_rank_dies(two_rank_t
         call.result()
     assert category_for(failed.value.code()) == "server", failed.value
     assert "trainer job" in failed.value.details(), failed.value.details()
+    assert next(health).status == health_pb2.HealthCheckResponse.NOT_SERVING     # sent as the job broke
     try:
         assert not stub.Health(common_pb2.HealthRequest(), timeout=5).ready
     except grpc.RpcError as e:                 # rank 0 is exiting or gone: not ready either

@@ -1,7 +1,8 @@
 """deploy/ checked offline: every YAML parses; every command line in the compose file and the
 Kubernetes manifests parses with the service's own flags (derived from its settings dataclass,
 as `tinkerd <service>` derives them), with the values the environment gives it; ports, probes,
-Services and the gateway's addresses agree; the Kustomize overlays build (kubectl's kustomize
+Services and the gateway's addresses agree; sampler replicas are one scalable workload whose
+replicas register themselves with the gateway; the Kustomize overlays build (kubectl's kustomize
 when installed, else the kustomization files' references are checked); the Dockerfile copies
 what exists and installs what pyproject.toml pins."""
 
@@ -26,7 +27,7 @@ DEPLOY = os.path.join(ROOT, "deploy")
 K8S = os.path.join(DEPLOY, "k8s")
 SERVICES = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
 OVERLAYS = ("cpu", "gpu")
-COMPONENTS = ("tls", "external-database")
+COMPONENTS = ("tls", "external-database", "trainer-ranks")
 HEALTHZ = "/api/v1/healthz"
 
 
@@ -80,14 +81,19 @@ def test_compose_command_lines_are_the_services_flags_and_agree():
     commands = {name: [_interpolate(str(a)) for a in s["command"]] for name, s in services.items() if "command" in s}
     parsed = {name: (argv[0], _parse(argv[0], argv[1:])) for name, argv in commands.items()}
     kinds = [kind for kind, _ in parsed.values()]
-    assert kinds.count("trainer") == 1 and kinds.count("gateway") == 1 and kinds.count("sampler") >= 2, kinds
+    assert kinds.count("trainer") == 1 and kinds.count("gateway") == 1 and kinds.count("sampler") == 1, kinds
     listen = {name: _port(args.listen) for name, (kind, args) in parsed.items() if kind != "gateway"}
-    gateway = next(args for kind, args in parsed.values() if kind == "gateway")
-    # The gateway dials the trainer and every sampler container by its service name and port.
+    gateway_name, gateway = next((name, args) for name, (kind, args) in parsed.items() if kind == "gateway")
+    # The gateway dials the trainer by its service name and port; sampler replicas (one service,
+    # scaled) register themselves with the gateway, which takes no --sampler list.
     trainer = next(name for name, (kind, _) in parsed.items() if kind == "trainer")
     assert gateway.trainer == f"{trainer}:{listen[trainer]}"
-    samplers = [name for name, (kind, _) in parsed.items() if kind == "sampler"]
-    assert sorted(gateway.samplers) == sorted(f"{name}:{listen[name]}" for name in samplers)
+    assert not gateway.samplers
+    sampler, sampler_args = next((name, args) for name, (kind, args) in parsed.items() if kind == "sampler")
+    assert sampler_args.register_with == [f"http://{gateway_name}:{gateway.port}"]
+    assert sampler_args.listen.startswith("0.0.0.0:") and sampler_args.advertise_address == ""
+    assert int(_interpolate(str(services[sampler]["deploy"]["replicas"]))) >= 2
+    assert "container_name" not in services[sampler] and "ports" not in services[sampler]   # scalable
     assert parsed[trainer][1].advertise_host == trainer
     assert gateway.db_url.startswith("postgresql+psycopg://") and "@postgres/" in gateway.db_url
     assert "postgres" in services
@@ -224,12 +230,13 @@ def _grpc_probe_ports(container: dict) -> set[int]:
 def test_kubernetes_manifests_render_and_agree_with_the_cli(tmp_path, overlay, components):
     docs, rendered = _rendered(tmp_path, overlay, components)
     workloads = {}
-    for kind, name in (("Deployment", "tinkerd-trainer"), ("StatefulSet", "tinkerd-sampler"),
+    for kind, name in (("Deployment", "tinkerd-trainer"), ("Deployment", "tinkerd-sampler"),
                        ("Deployment", "tinkerd-gateway")):
         workload = _of(docs, kind, name)
         container = workload["spec"]["template"]["spec"]["containers"][0]
         argv = _argv(container, docs)
         workloads[argv[0]] = (workload, container, _parse(argv[0], argv[1:]))
+    assert not [d for d in docs if d["kind"] == "StatefulSet" and "sampler" in d["metadata"]["name"]]
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
 
     for kind in ("trainer", "sampler"):
@@ -237,34 +244,56 @@ def test_kubernetes_manifests_render_and_agree_with_the_cli(tmp_path, overlay, c
         port = _port(args.listen)
         assert [p["containerPort"] for p in container["ports"]] == [port]
         assert _grpc_probe_ports(container) == {port}, "probes ask another port than --listen"
-        service = services[f"tinkerd-{kind}"]
-        assert service["spec"]["ports"][0]["port"] == port
-        assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
         assert workload["spec"]["template"]["spec"]["nodeSelector"] == {"tinkerd.io/pool": kind}
         if not rendered:
             pass
         elif overlay == "gpu":
-            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+            assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
             assert container["image"].endswith(":cuda")
         else:
             assert "nvidia.com/gpu" not in str(container.get("resources"))
             assert container["image"].endswith(":cpu")
         if "tls" in components:
             assert args.tls_cert and args.tls_key and args.tls_ca
-    sampler_set, _, sampler_args = workloads["sampler"]
-    assert services["tinkerd-sampler"]["spec"]["clusterIP"] == "None"     # per-replica DNS names
+    trainer, trainer_container, trainer_args = workloads["trainer"]
+    service = services["tinkerd-trainer"]
+    assert service["spec"]["ports"][0]["port"] == _port(trainer_args.listen)
+    assert service["spec"]["ports"][0]["targetPort"] == trainer_container["ports"][0]["name"]
+    assert trainer_args.advertise_host == "10.0.0.7"          # the pod IP (downward API)
+    # W trainer ranks (components/trainer-ranks): torchrun around the same `tinkerd trainer`
+    # args, one rank per GPU of the pod.
+    command = trainer_container.get("command")
+    if "trainer-ranks" in components:
+        assert command[:4] == ["python", "-m", "torch.distributed.run", "--standalone"]
+        assert command[-2:] == ["-m", "launcher.cli"]
+        ranks = int(command[command.index("--nproc-per-node") + 1])
+        assert ranks >= 2
+        if rendered and overlay == "gpu":
+            assert trainer_container["resources"]["limits"]["nvidia.com/gpu"] == ranks
+    else:
+        assert command is None                                 # the image's entrypoint: tinkerd
+
+    # Samplers: a Deployment of any size; each replica registers with the gateway Service under
+    # its pod IP and the port it listens on; one GPU per tensor-parallel rank.
+    sampler, sampler_container, sampler_args = workloads["sampler"]
+    assert sampler["spec"]["replicas"] >= 2
+    assert "tinkerd-sampler" not in services                  # nobody dials replicas by name
+    gateway_service = services["tinkerd-gateway"]["spec"]["ports"][0]
+    assert sampler_args.register_with == [f"http://tinkerd-gateway:{gateway_service['port']}"]
+    assert sampler_args.advertise_address == f"10.0.0.7:{_port(sampler_args.listen)}"
+    pod_ip = next(e for e in sampler_container["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    if rendered and overlay == "gpu":
+        assert sampler_container["resources"]["limits"]["nvidia.com/gpu"] == sampler_args.tensor_parallel_size
+    elif overlay == "cpu":
+        assert sampler_args.tensor_parallel_size == 1          # vLLM on CPU: replicas, not TP
 
     _, gateway, gateway_args = workloads["gateway"]
-    trainer_args = workloads["trainer"][2]
     assert gateway_args.trainer == f"tinkerd-trainer:{_port(trainer_args.listen)}"
-    # One --sampler per StatefulSet replica, by its stable DNS name.
-    replicas = sampler_set["spec"]["replicas"]
-    assert gateway_args.samplers == [f"tinkerd-sampler-{i}.tinkerd-sampler:{_port(sampler_args.listen)}"
-                                     for i in range(replicas)]
-    assert trainer_args.advertise_host == "10.0.0.7"          # the pod IP (downward API)
+    assert not gateway_args.samplers                          # replicas register themselves
+    assert gateway_service["targetPort"] == gateway["ports"][0]["name"]
     assert gateway["readinessProbe"]["httpGet"] == {"path": HEALTHZ, "port": gateway_args.port}
     assert gateway["livenessProbe"]["tcpSocket"]["port"] == gateway_args.port
-    assert services["tinkerd-gateway"]["spec"]["ports"][0]["targetPort"] == gateway["ports"][0]["name"]
     assert gateway["ports"][0]["containerPort"] == gateway_args.port
     assert ("tinkerd-postgres" in services) == ("external-database" not in components)
 

@@ -1,0 +1,121 @@
+"""Sampling tokens/s through the API with 2 sampler replicas vs 1 (the gateway's sampler pool).
+
+One `tinkerd up` (one replica); a second replica joins the way one on another host would
+(`tinkerd sampler --register-with <gateway>`), and later leaves (SIGTERM: it deregisters). The
+same batch of concurrent SDK sample requests on the base model runs with 1 replica, with 2, and
+with 1 again; "ours" is 2 replicas, "raw" the median of the 1-replica rounds before and after, the
+ratio 2 over 1. The note says how the gateway split the requests (the pool's served counts).
+
+No target: every process here shares this machine's cores. Each replica's vLLM runs one OpenMP
+thread (OMP_NUM_THREADS=1), so on 2 cores two replicas can at best use both cores for the engine,
+but the gateway, the SDK's threads and the idle trainer compete for the same two; on the tiny
+model the per-request HTTP/gRPC work outweighs the engine's. The gain a sampler pool is for
+comes from replicas on machines (GPUs) of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+import torch
+
+from bench.common import REPO, Context, Row, new_dir
+from harness.stack import running_stack
+
+PROMPT_LEN, MAX_TOKENS = 16, 48
+
+
+def _prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(5, 1000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(n)]
+
+
+def _pool(stack) -> dict[str, dict]:
+    """The gateway's sampler pool: {address: {"alive", "served", ...}}."""
+    with open(os.path.join(stack.state_dir, "service-token")) as f:
+        token = f.read().strip()
+    request = urllib.request.Request(f"{stack.url}/internal/v1/samplers/list",
+                                     headers={"authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return {m["address"]: m for m in json.load(r)["samplers"]}
+
+
+def _until(predicate, what: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"bench: {what} after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _join(stack, model_dir: str) -> tuple[subprocess.Popen, str]:
+    """A second replica, `tinkerd sampler --register-with` the stack's gateway; (process, address)
+    once the pool has it live."""
+    state = stack.state_dir
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "sampler", "--base-model", model_dir, "--state-dir", state,
+         "--service-token-file", os.path.join(state, "service-token"), "--register-with", stack.url],
+        stdout=subprocess.PIPE, stderr=open(os.path.join(state, "logs", "bench-replica.log"), "ab"), text=True,
+        cwd=REPO, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("READY sampler"):
+            address = f"127.0.0.1:{line.split()[2]}"
+            _until(lambda: _pool(stack).get(address, {}).get("alive"), "the second replica never joined")
+            return proc, address
+    raise RuntimeError(f"bench: the second replica did not start (code {proc.wait()})")
+
+
+def _sampler(url: str, model_dir: str, prompts: list[list[int]]):
+    """All prompts through the SDK at once; returns tokens/s."""
+    import tinker
+    from tinker import types
+
+    sc = tinker.ServiceClient(base_url=url).create_sampling_client(base_model=model_dir)
+    params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[])
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        futures = [sc.sample(types.ModelInput.from_ints(p), 1, params) for p in prompts]
+        tokens = sum(len(f.result().sequences[0].tokens) for f in futures)
+        return tokens / (time.perf_counter() - t0)
+    return run
+
+
+def measure(model_dir: str, prompts: list[list[int]], rounds: int, state_dir: str) -> tuple[float, float, str]:
+    """(2-replica tokens/s, 1-replica tokens/s, how the 2-replica rounds were split)."""
+    with running_stack(model_dir, state_dir) as stack:
+        run = _sampler(stack.url, model_dir, prompts)
+        run()                                                         # warm-up
+        one = [run() for _ in range(rounds)]
+        proc, address = _join(stack, model_dir)
+        try:
+            run()                                                     # the new replica's warm-up
+            before = {a: m["served"] for a, m in _pool(stack).items()}
+            two = [run() for _ in range(rounds)]
+            split = {a: m["served"] - before.get(a, 0) for a, m in _pool(stack).items()}
+        finally:
+            proc.send_signal(signal.SIGTERM)                          # leaves the pool at once
+            proc.wait(timeout=60)
+        _until(lambda: address not in _pool(stack), "the second replica never left")
+        one += [run() for _ in range(rounds)]
+    shares = "/".join(str(n) for n in sorted(split.values(), reverse=True))
+    return statistics.median(two), statistics.median(one), f"requests split {shares} between the 2 replicas"
+
+
+def run(ctx: Context) -> list[Row]:
+    rows = []
+    for name, model in ctx.models.items():
+        prompts = _prompts(8 if ctx.quick else 32)
+        two, one, split = measure(model, prompts, ctx.iters(3, 1), new_dir(ctx, f"replicas-{name}"))
+        rows.append(Row("sampler_replicas", f"{name}: 2 vs 1 sampler replicas, {len(prompts)} concurrent requests, "
+                                            f"{PROMPT_LEN}+{MAX_TOKENS} tokens",
+                        two, one, "tok/s", ratio=two / one,
+                        note=f"{split}; {os.cpu_count()} CPUs shared by every process"))
+    return rows

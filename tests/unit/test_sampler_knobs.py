@@ -1,0 +1,75 @@
+"""vLLM's scale knobs (--tensor-parallel-size, --gpu-memory-utilization, --max-num-seqs) reach the
+engine: from `tinkerd sampler`'s flags (and `tinkerd up`'s, through each replica's command line)
+to the real vllm.EngineArgs the replica's engine is built from. The engine itself is not started
+(that is what every e2e test does): its constructor is stopped once it has the EngineArgs. A
+tensor-parallel size this machine cannot run ends `tinkerd sampler` and `tinkerd up` at once,
+with the reason."""
+
+from __future__ import annotations
+
+import os
+import pytest
+
+from launcher import cli, up
+from tinkerd import settings
+
+KNOBS = ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.55", "--max-num-seqs", "12"]
+
+
+class _Built(Exception):
+    """Raised in place of building the engine, carrying the EngineArgs it was given."""
+
+
+def test_the_sampler_flags_reach_vllms_engine_args(monkeypatch, tmp_path):
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from sampler_service import server
+
+    def capture(engine_args, *a, **kw):
+        raise _Built(engine_args)
+    monkeypatch.setattr(LLMEngine, "from_engine_args", capture)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    # `tinkerd up`'s flags become each replica's `tinkerd sampler` command line ...
+    up_args = cli.build_parser().parse_args(["up", "--base-model", str(tmp_path), "--sampler-replicas", "2",
+                                             *KNOBS])
+    argv = up.child_argv(up_args, "sampler-2", register_with=["http://127.0.0.1:8000"])
+    # ... which `tinkerd sampler` parses into its settings ...
+    args = cli.build_parser().parse_args(argv)
+    assert args.command == "sampler"
+    sampler_settings = settings.from_args(up.CHILDREN["sampler"], args)
+    # ... from which the replica builds its engine.
+    with pytest.raises(_Built) as built:
+        server.engine_from(sampler_settings)
+    engine_args = built.value.args[0]
+    assert isinstance(engine_args, EngineArgs)
+    assert (engine_args.tensor_parallel_size, engine_args.gpu_memory_utilization, engine_args.max_num_seqs) == \
+        (2, 0.55, 12)
+    assert engine_args.model == str(tmp_path) and engine_args.enable_lora
+
+
+def test_a_tensor_parallel_size_this_machine_cannot_run_is_refused_with_the_reason():
+    from sampler_service.engine import check_parallelism
+    from tinkerd.errors import UserError
+
+    check_parallelism(1, 0)
+    check_parallelism(4, 4)
+    with pytest.raises(UserError, match="needs GPUs; on CPU a replica runs with 1"):
+        check_parallelism(2, 0)
+    with pytest.raises(UserError, match="this replica sees 2"):
+        check_parallelism(4, 2)
+    with pytest.raises(UserError, match="at least 1"):
+        check_parallelism(0, 1)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_tinkerd_up_exits_at_start_up_on_cpu_with_tensor_parallel(tmp_path):
+    """Before any engine or child process starts (and before anything is written): the reason,
+    as the exit message. `tinkerd sampler` calls the same check first thing (server.serve)."""
+    args = cli.build_parser().parse_args(["up", "--base-model", str(tmp_path), "--state-dir",
+                                          str(tmp_path / "state"), "--tensor-parallel-size", "2"])
+    with pytest.raises(SystemExit, match="--tensor-parallel-size 2 needs GPUs"):
+        up.up(args)
+    assert not os.path.exists(tmp_path / "state")
