@@ -80,7 +80,8 @@ _PHASES = {
     "gather": re.compile(r"pushed (\S+): .* gather ([\d.]+) ms"),
     "send": re.compile(r"stream (\S+) to \S+: .* send ([\d.]+) ms"),
     "commit": re.compile(r"stream (\S+) to \S+: .* commit ([\d.]+) ms"),
-    "copy": re.compile(r"pushed (\S+): .* copy ([\d.]+) ms"),
+    "copy": re.compile(r"pushed (\S+): .* copy ([\d.]+) ms"),                   # waited for (a named checkpoint)
+    "copy after reply": re.compile(r"persisted copy of (\S+) written in ([\d.]+) ms"),   # in the background
     "register": re.compile(r"snapshot (\S+): .* register ([\d.]+)\)"),
 }
 

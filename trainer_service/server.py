@@ -36,5 +36,8 @@ def serve(s: TrainerSettings) -> None:
     servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
                                auth=auth)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
-    serve_until_signal(server, port, "trainer", on_stop=engine.ranks.stop,
+    def stop() -> None:
+        servicer.pusher.finish_copies(timeout_s=30)     # persisted copies still being written
+        engine.ranks.stop()
+    serve_until_signal(server, port, "trainer", on_stop=stop,
                        health=ServiceHealth(server, "tinkerd.v1.Trainer"))
