@@ -45,12 +45,16 @@ log = logging.getLogger(__name__)
 READY = 1      # the receiver's answer before the bytes move (sampler_service/weight_receiver.py)
 
 
-def _start_copy(path: str, packed: weight_stream.Packed, config: dict) -> concurrent.futures.Future:
+def _start_copy(path: str, packed: weight_stream.Packed, config: dict, *,
+                background: bool = False) -> concurrent.futures.Future:
     """save_peft_adapter in its own thread (its large writes release the GIL, so it runs beside
-    the stream); the future's result is its duration in seconds."""
+    the stream; `background`: at a lower CPU priority); the future's result is its duration in
+    seconds."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def write():
+        if background:
+            weight_stream.in_background()
         t0 = time.perf_counter()
         try:
             save_peft_adapter(path, packed, config)
@@ -135,7 +139,7 @@ class WeightPusher:
     def _copy_later(self, snapshot_id: str, persisted: str, packed: weight_stream.Packed, config: dict) -> None:
         """The persisted copy, written after the reply; a failure is logged and left as the
         copy's failure marker for whoever waits for it."""
-        copy = _start_copy(persisted, packed, config)
+        copy = _start_copy(persisted, packed, config, background=True)
         with self._lock:
             self._copies.add(copy)
 
