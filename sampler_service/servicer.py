@@ -57,7 +57,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         future = self.engine.generate(list(request.prompt_tokens), params, request.num_samples, request.snapshot_id,
                                       path)
         # The caller cancelled (cancel_future) or went away: stop generating for nobody.
-        context.add_callback(lambda: self.engine.abort(future))
+        if not context.add_callback(lambda: self.engine.abort(future)):
+            self.engine.abort(future)          # it ended before the callback could be added
         try:
             outputs = future.result(_RESULT_TIMEOUT_S)
         except concurrent.futures.CancelledError:
