@@ -123,13 +123,13 @@ class WeightPusher:
                 concurrent.futures.wait([copy])    # no write goes on after the reply, a failed one included
             packed.release()
             raise
+        reply = trainer_pb2.PushWeightsResponse(
+            snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes), num_tensors=len(packed.specs),
+            gather_seconds=gather_seconds, stream_seconds=t_streamed - t0, persisted_path=persisted)
         if later:
             self._copy_later(request.snapshot_id, persisted, packed, config)    # releases `packed` when done
         else:
             packed.release()
-        reply = trainer_pb2.PushWeightsResponse(
-            snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes), num_tensors=len(packed.specs),
-            gather_seconds=gather_seconds, stream_seconds=t_streamed - t0, persisted_path=persisted)
         log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, stream %.1f ms, copy %s", request.snapshot_id,
                  reply.num_tensors, reply.num_bytes, 1e3 * gather_seconds, 1e3 * (t_streamed - t0),
                  "in the background" if later else
