@@ -39,7 +39,13 @@ CACHED = 64                # snapshots the sampler keeps in memory (--max-cpu-lo
 
 
 def run(ctx: Context) -> list[Row]:
-    rows = _resident_rows(ctx)
+    if ctx.quick:               # both parts on one stack: the smoke test runs in CI's time
+        counts = _scale_counts(ctx)["tiny"]
+        with _scale_stack(ctx, "tiny", counts) as stack:
+            return _resident_rows(ctx, stack) + _at_scale_rows(ctx, "tiny", counts, stack=stack)
+    with running_stack(ctx.models["tiny"], new_dir(ctx, "tenants"), "--max-loras", "8", "--max-cpu-loras",
+                       "64") as stack:
+        rows = _resident_rows(ctx, stack)
     for name, counts in _scale_counts(ctx).items():
         if name in ctx.models:
             rows += _at_scale_rows(ctx, name, counts)
@@ -56,7 +62,7 @@ def _data(model: str):
     return ids, data
 
 
-def _resident_rows(ctx: Context) -> list[Row]:
+def _resident_rows(ctx: Context, stack) -> list[Row]:
     import tinker
     from tinker import types
 
@@ -67,38 +73,37 @@ def _resident_rows(ctx: Context) -> list[Row]:
     params = types.SamplingParams(max_tokens=16, temperature=0.0, stop=[])
     adam = types.AdamParams(learning_rate=1e-3)
     rows: list[Row] = []
-    with running_stack(model, new_dir(ctx, "tenants"), "--max-loras", "8", "--max-cpu-loras", "64") as stack:
-        pids = service_pids(stack.pid)
-        service = tinker.ServiceClient(base_url=stack.url)
-        trainers, samplers = [], []
-        base_step = None
-        for n in counts:
-            while len(trainers) < n:
-                tc = service.create_lora_training_client(base_model=model, rank=8, seed=len(trainers)).result()
-                tc.forward_backward(data, "cross_entropy").result()
-                tc.optim_step(adam).result()
-                trainers.append(tc)
-                samplers.append(tc.save_weights_and_get_sampling_client().result())
-            turn = iter(range(1 << 30))
+    pids = service_pids(stack.pid)
+    service = tinker.ServiceClient(base_url=stack.url)
+    trainers, samplers = [], []
+    base_step = None
+    for n in counts:
+        while len(trainers) < n:
+            tc = service.create_lora_training_client(base_model=model, rank=8, seed=len(trainers)).result()
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(adam).result()
+            trainers.append(tc)
+            samplers.append(tc.save_weights_and_get_sampling_client().result())
+        turn = iter(range(1 << 30))
 
-            def step():
-                tc = trainers[next(turn) % n]
-                fb = tc.forward_backward(data, "cross_entropy")
-                tc.optim_step(adam).result()
-                fb.result()
+        def step():
+            tc = trainers[next(turn) % n]
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(adam).result()
+            fb.result()
 
-            def sample():
-                samplers[next(turn) % n].sample(prompt, 1, params).result()
+        def sample():
+            samplers[next(turn) % n].sample(prompt, 1, params).result()
 
-            t_step = median_time(step, ctx.iters(3 * n if n < 16 else n, 2), warmup=1)
-            t_sample = median_time(sample, ctx.iters(2 * n if n < 16 else n, 2), warmup=1)
-            base_step = base_step or t_step
-            trainer_mib, sampler_mib = rss_mib(pids["trainer"]), rss_mib(pids["sampler"])
-            rows.append(Row("tenants", f"{n} resident adapters: train step (4x{len(ids) - 1} tokens)",
-                            1e3 * t_step, 1e3 * base_step, "ms", ratio=base_step / t_step,
-                            note=f"trainer RSS {trainer_mib:.0f} MiB"))
-            rows.append(Row("tenants", f"{n} resident snapshots: sample 16 tokens", 1e3 * t_sample, None, "ms",
-                            note=f"sampler RSS {sampler_mib:.0f} MiB"))
+        t_step = median_time(step, ctx.iters(3 * n if n < 16 else n, 2), warmup=1)
+        t_sample = median_time(sample, ctx.iters(2 * n if n < 16 else n, 2), warmup=1)
+        base_step = base_step or t_step
+        trainer_mib, sampler_mib = rss_mib(pids["trainer"]), rss_mib(pids["sampler"])
+        rows.append(Row("tenants", f"{n} resident adapters: train step (4x{len(ids) - 1} tokens)",
+                        1e3 * t_step, 1e3 * base_step, "ms", ratio=base_step / t_step,
+                        note=f"trainer RSS {trainer_mib:.0f} MiB"))
+        rows.append(Row("tenants", f"{n} resident snapshots: sample 16 tokens", 1e3 * t_sample, None, "ms",
+                        note=f"sampler RSS {sampler_mib:.0f} MiB"))
     return rows
 
 
@@ -119,64 +124,78 @@ def _disk_mib(path: str) -> float:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files) / 2**20
 
 
-def _at_scale_rows(ctx: Context, name: str, counts: tuple[int, ...], report=lambda row: None) -> list[Row]:
-    """The at-scale rows of `name` (see the module docstring); `report` sees each row as it is made."""
+def _limits(ctx: Context) -> tuple[int, int]:
+    """(models resident on the trainer, snapshots in the sampler's memory)."""
+    return (4, 4) if ctx.quick else (RESIDENT, CACHED)
+
+
+def _scale_stack(ctx: Context, name: str, counts: tuple[int, ...]):
+    # Merged serving off: its first promotion (a hot snapshot) builds an engine for seconds, which
+    # is not what these rows measure.
+    resident, cached = _limits(ctx)
+    return running_stack(ctx.models[name], new_dir(ctx, f"tenants-scale-{name}"), "--max-resident-models",
+                         str(resident), "--max-cpu-loras", str(cached), "--max-loras", str(min(8, cached)),
+                         "--merged-slots", "0", "--max-models-per-user", str(10 * max(counts)))
+
+
+def _at_scale_rows(ctx: Context, name: str, counts: tuple[int, ...], report=lambda row: None,
+                   stack=None) -> list[Row]:
+    """The at-scale rows of `name` (see the module docstring), on `stack` or a stack of their own;
+    `report` sees each row as it is made."""
+    if stack is None:
+        with _scale_stack(ctx, name, counts) as stack:
+            return _at_scale_rows(ctx, name, counts, report, stack)
     import tinker
     from tinker import types
 
     model = ctx.models[name]
-    resident, cached = (4, 4) if ctx.quick else (RESIDENT, CACHED)
+    resident, cached = _limits(ctx)
     probes = 3 if ctx.quick else PROBES
     ids, data = _data(model)
     prompt = types.ModelInput.from_ints(ids[:8])
     params = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
-    state = new_dir(ctx, f"tenants-scale-{name}")
+    state = stack.state_dir
     rows: list[Row] = []
-    # Merged serving off: its first promotion (a hot snapshot) builds an engine for seconds, which
-    # is not what these rows measure.
-    with running_stack(model, state, "--max-resident-models", str(resident), "--max-cpu-loras", str(cached),
-                       "--max-loras", str(min(8, cached)), "--merged-slots", "0",
-                       "--max-models-per-user", str(10 * max(counts))) as stack:
-        pids = service_pids(stack.pid)
-        service = tinker.ServiceClient(base_url=stack.url)
-        trainers: list = []
-        samplers: list = []
+    pids = service_pids(stack.pid)
+    service = tinker.ServiceClient(base_url=stack.url)
+    trainers: list = []
+    samplers: list = []
 
-        def make(seed: int):
-            tc = service.create_lora_training_client(base_model=model, rank=8, seed=seed).result()
-            return tc, tc.save_weights_and_get_sampling_client().result()
+    def make(seed: int):
+        tc = service.create_lora_training_client(base_model=model, rank=8, seed=seed).result()
+        return tc, tc.save_weights_and_get_sampling_client().result()
 
-        rng = random.Random(0)
-        with concurrent.futures.ThreadPoolExecutor(CREATORS) as pool:
-            for n in counts:
-                previous, t0 = len(trainers), time.perf_counter()
-                for tc, sc in pool.map(make, range(previous, n)):
-                    trainers.append(tc)
-                    samplers.append(sc)
-                made_s = time.perf_counter() - t0
-                # Evicted: any model but the `resident` most recently used (the newest made).
-                old = rng.sample(range(n - resident), min(probes, n - resident))
-                hot = median_time(lambda: trainers[-1].forward(data, "cross_entropy").result(), 5, warmup=1)
-                reload = [seconds(lambda i=i: trainers[i].forward(data, "cross_entropy").result()) for i in old]
-                # Snapshots: vLLM keeps the newest `cached` in memory, older ones load from disk.
-                warm = median_time(lambda: samplers[-1].sample(prompt, 1, params).result(), 5, warmup=1)
-                cold_snaps = rng.sample(range(n - cached), min(probes, n - cached))
-                cold = [seconds(lambda i=i: samplers[i].sample(prompt, 1, params).result()) for i in cold_snaps]
-                mem = (f"trainer RSS {rss_mib(pids['trainer']):.0f} MiB, {_open_files(pids['trainer'])} open files; "
-                       f"sampler RSS {rss_mib(pids['sampler']):.0f} MiB, {_open_files(pids['sampler'])} open files; "
-                       f"gateway RSS {rss_mib(pids['gateway']):.0f} MiB; state dir {_disk_mib(state):.0f} MiB")
-                rows.append(Row("tenants", f"{name}: {n} models ({resident} resident), first forward on an evicted "
-                                f"rank-8 model, p50 (p99 {1e3 * percentile(reload, 0.99):.0f} ms)",
-                                1e3 * statistics.median(reload), 1e3 * hot, "ms",
-                                target="< 1000" if name == "smollm2" else "",
-                                note=f"raw = the same forward on a resident model; {mem}"))
-                rows.append(Row("tenants", f"{name}: {n} snapshots on one replica, first sample through an evicted "
-                                f"one, p50 (p99 {1e3 * percentile(cold, 0.99):.0f} ms)",
-                                1e3 * statistics.median(cold), 1e3 * warm, "ms",
-                                note="raw = the same 4-token sample through a snapshot in memory"))
-                rows.append(Row("tenants", f"{name}: models {previous + 1}..{n} made (create + "
-                                f"save_weights_and_get_sampling_client, {CREATORS} SDK threads)",
-                                (n - previous) / made_s, None, "models/s", note=f"{made_s:.0f} s"))
-                for row in rows[-3:]:
-                    report(row)
+    rng = random.Random(0)
+    with concurrent.futures.ThreadPoolExecutor(CREATORS) as pool:
+        for n in counts:
+            previous, t0 = len(trainers), time.perf_counter()
+            for tc, sc in pool.map(make, range(previous, n)):
+                trainers.append(tc)
+                samplers.append(sc)
+            made_s = time.perf_counter() - t0
+            # Evicted: any model but the `resident` most recently used (the newest made).
+            old = rng.sample(range(n - resident), min(probes, n - resident))
+            hot = median_time(lambda: trainers[-1].forward(data, "cross_entropy").result(), 5, warmup=1)
+            reload = [seconds(lambda i=i: trainers[i].forward(data, "cross_entropy").result()) for i in old]
+            # Snapshots: vLLM keeps the newest `cached` in memory, older ones load from disk.
+            warm = median_time(lambda: samplers[-1].sample(prompt, 1, params).result(), 5, warmup=1)
+            cold_snaps = rng.sample(range(n - cached), min(probes, n - cached))
+            cold = [seconds(lambda i=i: samplers[i].sample(prompt, 1, params).result()) for i in cold_snaps]
+            mem = (f"trainer RSS {rss_mib(pids['trainer']):.0f} MiB, {_open_files(pids['trainer'])} open files; "
+                   f"sampler RSS {rss_mib(pids['sampler']):.0f} MiB, {_open_files(pids['sampler'])} open files; "
+                   f"gateway RSS {rss_mib(pids['gateway']):.0f} MiB; state dir {_disk_mib(state):.0f} MiB")
+            rows.append(Row("tenants", f"{name}: {n} models ({resident} resident), first forward on an evicted "
+                            f"rank-8 model, p50 (p99 {1e3 * percentile(reload, 0.99):.0f} ms)",
+                            1e3 * statistics.median(reload), 1e3 * hot, "ms",
+                            target="< 1000" if name == "smollm2" else "",
+                            note=f"raw = the same forward on a resident model; {mem}"))
+            rows.append(Row("tenants", f"{name}: {n} snapshots on one replica, first sample through an evicted "
+                            f"one, p50 (p99 {1e3 * percentile(cold, 0.99):.0f} ms)",
+                            1e3 * statistics.median(cold), 1e3 * warm, "ms",
+                            note="raw = the same 4-token sample through a snapshot in memory"))
+            rows.append(Row("tenants", f"{name}: models {previous + 1}..{n} made (create + "
+                            f"save_weights_and_get_sampling_client, {CREATORS} SDK threads)",
+                            (n - previous) / made_s, None, "models/s", note=f"{made_s:.0f} s"))
+            for row in rows[-3:]:
+                report(row)
     return rows
