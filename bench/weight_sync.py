@@ -80,7 +80,8 @@ _PHASES = {
     "gather": re.compile(r"pushed (\S+): .* gather ([\d.]+) ms"),
     "send": re.compile(r"stream (\S+) to \S+: .* send ([\d.]+) ms"),
     "commit": re.compile(r"stream (\S+) to \S+: .* commit ([\d.]+) ms"),
-    "copy": re.compile(r"pushed (\S+): .* copy ([\d.]+) ms"),
+    "copy": re.compile(r"pushed (\S+): .* copy ([\d.]+) ms"),                   # waited for (a named checkpoint)
+    "copy after reply": re.compile(r"persisted copy of (\S+) written in ([\d.]+) ms"),   # in the background
     "register": re.compile(r"snapshot (\S+): .* register ([\d.]+)\)"),
 }
 
@@ -127,13 +128,12 @@ NOTES = [
     "measured 0.81-0.91x the raw broadcast across runs (was 0.61x packing everything first).",
     "weight_sync, adapter latency (SmolLM2 rank 32 = 45 MB, 422 tensors incl. lm_head): the row's "
     "note gives each push phase's median from the service logs. The trainer keeps one side group per "
-    "sampler replica, gathers straight into a reused send buffer (a fresh buffer's page faults cost "
-    "more than the copy in this VM) and the sampler receives into a buffer touched between pushes. "
-    "What is left is mostly the persisted PEFT copy, which the reply waits for by protocol: writing "
-    "45 MB into new page-cache pages took 70-140 ms here (12 ms over cached pages; writing over a "
-    "spare file prepared between pushes was tried and, with pushes back to back, only moved the cost "
-    "into the next push); then the gloo send (18-45 ms) and the sampler's commit (vLLM registration "
-    "~7-12 ms, the rest CPU contention on the 2 shared cores).",
+    "sampler replica, gathers straight into a reused send buffer, and replies once every live replica "
+    "holds the snapshot: an ephemeral session's persisted copy is written after the reply, at nice 10 "
+    "('copy after reply'; a replica that needs it first waits for its rename). Merged serving no longer "
+    "clones an adapter vLLM will not scale in place. Measured 2026-11-23 on busy shared cores, rank 32: "
+    "90 ms median with syncs 0.5 s apart (SDK call 1-10 ms + retrieve_future), 120 ms back to back "
+    "(this row: the previous sync's copy competes for the 2 cores); was 120-357 ms.",
 ]
 
 

@@ -208,6 +208,8 @@ class Futures:
             raise UserError(f"request {request_id} is a {pending.request_type} request; only samples can be "
                             f"cancelled (a training run's requests all run, in seq_id order)")
         self._cancelled.add(request_id)
+        if request_id in self._jobs:     # cancels its gRPC call: the sampler aborts the generation
+            self._jobs[request_id].cancel()
         self._finish(request_id, "failed", "application/json",
                      error_json(f"sample request {request_id} was cancelled (cancel_future) before it finished",
                                 "user"))

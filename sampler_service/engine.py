@@ -47,7 +47,7 @@ class Snapshot:
 
 @dataclasses.dataclass
 class _Pending:
-    kind: str                 # "generate" | "register" | "merge" | "demote" | "stop"
+    kind: str                 # "generate" | "abort" | "register" | "merge" | "demote" | "stop"
     payload: tuple
     future: concurrent.futures.Future
 
@@ -142,8 +142,8 @@ class SamplerEngine:
     def snapshot(self, snapshot_id: str, path: str = "") -> Snapshot | None:
         """The snapshot; one this replica never received is registered from its persisted copy
         at `path` (vLLM loads it on first use), so a restarted or new replica still serves it.
-        The copy is complete by protocol (the trainer's PushWeights returns only after writing
-        it, and only then is its path handed out), so a path without an adapter is an error."""
+        The caller waits for a copy still being written (servicer.py), so a path without an
+        adapter here is an error."""
         if not snapshot_id:
             return None
         with self._registry_lock:
@@ -166,6 +166,12 @@ class SamplerEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Pending("generate", (prompt_tokens, params, num_samples, snap), future))
         return future
+
+    def abort(self, future: concurrent.futures.Future) -> None:
+        """Stops the generation behind `future` (from generate) at the next step, freeing its
+        batch slots: its caller went away. The future ends cancelled; a finished one is left."""
+        if not future.done():
+            self._inbox.put(_Pending("abort", (future,), concurrent.futures.Future()))
 
     def register_snapshot(self, snapshot_id: str, tensors: dict[str, torch.Tensor], adapter_config: dict,
                           path: str) -> concurrent.futures.Future:
@@ -240,6 +246,8 @@ class SamplerEngine:
             elif item.kind == "demote":
                 self.merged.demote(*item.payload)
                 item.future.set_result(None)
+            elif item.kind == "abort":
+                self._abort(*item.payload)
             else:
                 self._add_generate(item)
         except Exception as e:  # noqa: BLE001 - the caller gets the error
@@ -277,11 +285,25 @@ class SamplerEngine:
                 p.seed = params.seed + i  # distinct but reproducible samples
             engine.add_request(f"{group}-{i}", {"prompt_token_ids": prompt_tokens}, p, lora_request=lora)
 
+    def _abort(self, future: concurrent.futures.Future) -> None:
+        """The group behind `future` out of its engine (generate's item came through the inbox
+        first, so it is admitted by now, or already finished)."""
+        group = next((g for g, (f, _, _) in self._waiting.items() if f is future), None)
+        if group is None:
+            return
+        _, _, results = self._waiting.pop(group)
+        engine = self._group_engine.pop(group)
+        engine.abort_request([f"{group}-{i}" for i in range(len(results))])
+        future.cancel()
+        log.info("aborted request group %s (%d sequences): its caller went away", group, len(results))
+
     def _deliver(self, outputs) -> None:
         for out in outputs:
             if not out.finished:
                 continue
             group, index = out.request_id.rsplit("-", 1)
+            if group not in self._waiting:        # aborted (see _abort)
+                continue
             future, remaining, results = self._waiting[group]
             results[int(index)] = out
             remaining -= 1

@@ -251,11 +251,13 @@ class MergedServing:
 
     def remember(self, snapshot_id: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
         """A copy of the received tensors of the newest snapshots (the ones likely to get hot), so
-        a merge needs no disk read; older ones merge from their persisted copy. A copy, because
-        vLLM scales the B matrices it is given in place."""
+        a merge needs no disk read; older ones merge from their persisted copy. vLLM scales the B
+        matrices it is given in place (by alpha/r), so those are copied unless the scale is 1; the
+        rest is shared (a copy of a 45 MB adapter costs 25-65 ms of the weight sync here)."""
         if not self.enabled:
             return
-        copy = {name: t.clone() for name, t in tensors.items()}
+        scaled = lora_scale(config) != 1
+        copy = {name: t.clone() if scaled and ".lora_B." in name else t for name, t in tensors.items()}
         with self._lock:
             self._recent[snapshot_id] = (copy, dict(config))
             while len(self._recent) > self._keep:

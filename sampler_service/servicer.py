@@ -1,16 +1,20 @@
 """Sampler gRPC servicer: per RPC, convert the message (convert.py), call the engine, convert
 back; and receive streamed weight snapshots. A persisted adapter path (named by the gateway for
 a sample, or by the trainer for a snapshot) is used only if it lies below this replica's state
-dir's snapshots/ or checkpoints/ (tinkerd/paths.py)."""
+dir's snapshots/ or checkpoints/ (tinkerd/paths.py). A replica that does not hold the snapshot
+waits for its persisted copy if the trainer is still writing it (tinkerd/persisted_copy.py)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
 
-from tinkerd import paths
-from tinkerd.errors import NotFoundError, UserError
+import grpc
+
+from tinkerd import paths, persisted_copy
+from tinkerd.errors import NotFoundError, ServiceError, UserError
 from tinkerd.rpc import rpc_boundary
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from sampler_service import convert
@@ -20,6 +24,13 @@ from sampler_service.weight_receiver import WeightReceiver
 log = logging.getLogger(__name__)
 
 _RESULT_TIMEOUT_S = 600.0
+# How long a sample waits for a snapshot's persisted copy the trainer is still writing (it takes
+# well under a second; then the caller gets a retryable error).
+COPY_WAIT_S = 30.0
+
+
+class SampleCancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
@@ -40,9 +51,25 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         if request.num_samples < 1:
             raise UserError(f"num_samples must be at least 1, got {request.num_samples}")
         params = convert.sampling_params(request)
-        outputs = self.engine.generate(list(request.prompt_tokens), params, request.num_samples, request.snapshot_id,
-                                       self._adapter_path(request.snapshot_path)).result(_RESULT_TIMEOUT_S)
+        path = self._adapter_path(request.snapshot_path)
+        if path and not self._holds(request.snapshot_id):
+            persisted_copy.wait_for(path, COPY_WAIT_S)
+        future = self.engine.generate(list(request.prompt_tokens), params, request.num_samples, request.snapshot_id,
+                                      path)
+        # The caller cancelled (cancel_future) or went away: stop generating for nobody.
+        if not context.add_callback(lambda: self.engine.abort(future)):
+            self.engine.abort(future)          # it ended before the callback could be added
+        try:
+            outputs = future.result(_RESULT_TIMEOUT_S)
+        except concurrent.futures.CancelledError:
+            raise SampleCancelled("the caller cancelled this sample; it was aborted") from None
         return convert.sample_response(request, outputs)
+
+    def _holds(self, snapshot_id: str) -> bool:
+        try:
+            return self.engine.snapshot(snapshot_id) is not None
+        except NotFoundError:
+            return False
 
     @rpc_boundary
     def ReceiveWeights(self, request, context):

@@ -79,6 +79,7 @@ class WeightReceiver:
         """Touches the next snapshot's buffer in the background, between pushes. The received
         snapshot keeps its buffer (vLLM holds views of it), so each receive needs a new one."""
         def touch():
+            weight_stream.in_background()
             spare = weight_stream.touched(num_bytes)
             with self._lock:
                 self._spare = spare

@@ -64,8 +64,12 @@ def write_peft_adapter(directory: str, packed: weight_stream.Packed, config: dic
 def save_peft_adapter(path: str, packed: weight_stream.Packed, config: dict) -> None:
     """write_peft_adapter, atomically: into a temporary directory, then renamed into place."""
     tmp = temporary_path(path)
-    write_peft_adapter(tmp, packed, config)
-    _rename_into_place(tmp, path)
+    try:
+        write_peft_adapter(tmp, packed, config)
+        _rename_into_place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)       # a failed copy leaves nothing half-written behind
+        raise
 
 
 def temporary_path(path: str) -> str:

@@ -38,4 +38,8 @@ def serve(s: TrainerSettings) -> None:
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     health = ServiceHealth(server, "tinkerd.v1.Trainer")
     engine.ranks.on_broken.append(health.broken)       # a lost rank: NOT_SERVING at once
-    serve_until_signal(server, port, "trainer", on_stop=engine.ranks.stop, health=health)
+
+    def stop() -> None:
+        servicer.pusher.finish_copies(timeout_s=30)     # persisted copies still being written
+        engine.ranks.stop()
+    serve_until_signal(server, port, "trainer", on_stop=stop, health=health)

@@ -1,11 +1,16 @@
 """PushWeights: an adapter snapshot to every sampler replica and to its persisted PEFT copy.
 
-The protocol: the adapter arrives gathered into its send chunks (adapter_snapshot.py); start
-writing the persisted copy (temporary directory, then rename) in a thread; stream to the
-samplers (announce over gRPC, broadcast over a side torch.distributed group, wait for each
-sampler's commit); join the copy. The reply goes out only when every sampler has committed AND
-the copy is complete, so whoever the caller hands persisted_path to finds the whole adapter
-there and never has to wait for it. Either failing fails the push.
+The protocol: the adapter arrives gathered into its send chunks (adapter_snapshot.py); stream
+to the samplers (announce over gRPC, broadcast over a side torch.distributed group, wait for
+each sampler's commit); write the persisted copy (temporary directory, then rename). When the
+copy is written depends on who waits for it:
+- `copy_in_background` (an ephemeral sampling session): the reply goes out once every sampler
+  has committed, and the copy is written after, in a thread, off the critical path. A reader
+  that needs it before then (a replica that missed the push or joins later) waits for the
+  rename or for its failure marker (tinkerd/persisted_copy.py), never reads half of it.
+- otherwise (a named checkpoint, which the gateway records and lists as files on disk): the copy
+  is written beside the stream and the reply waits for both, so its persisted_path always
+  holds the whole adapter. Either failing fails the push.
 
 Each sampler replica gets its own two-rank side group, formed on the first push to it and kept
 (forming one costs a rendezvous and new connections on every push otherwise). Pushes to one
@@ -29,7 +34,7 @@ import uuid
 
 import grpc
 
-from tinkerd import weight_stream
+from tinkerd import persisted_copy, weight_stream
 from tinkerd.rpc import ServiceAuth, channel
 from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2
 from trainer_service.checkpoints import save_peft_adapter
@@ -40,12 +45,16 @@ log = logging.getLogger(__name__)
 READY = 1      # the receiver's answer before the bytes move (sampler_service/weight_receiver.py)
 
 
-def _start_copy(path: str, packed: weight_stream.Packed, config: dict) -> concurrent.futures.Future:
+def _start_copy(path: str, packed: weight_stream.Packed, config: dict, *,
+                background: bool = False) -> concurrent.futures.Future:
     """save_peft_adapter in its own thread (its large writes release the GIL, so it runs beside
-    the stream); the future's result is its duration in seconds."""
+    the stream; `background`: at a lower CPU priority); the future's result is its duration in
+    seconds."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def write():
+        if background:
+            weight_stream.in_background()
         t0 = time.perf_counter()
         try:
             save_peft_adapter(path, packed, config)
@@ -95,29 +104,61 @@ class WeightPusher:
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
         self._store = None      # the rendezvous store every side group forms through; made on first use
+        self._copies: set[concurrent.futures.Future] = set()    # background copies not yet written
 
     def push(self, request: trainer_pb2.PushWeightsRequest, persisted: str, packed: weight_stream.Packed,
              config: dict, *, gather_seconds: float) -> trainer_pb2.PushWeightsResponse:
         """Streams the `packed` adapter as the request asks and, unless `persisted` is empty,
         writes its PEFT copy there; see the module docstring."""
         t0 = time.perf_counter()
-        copy = _start_copy(persisted, packed, config) if persisted else None
+        later = bool(persisted) and request.copy_in_background
+        copy = _start_copy(persisted, packed, config) if persisted and not later else None
         try:
             if request.sampler_addresses:
                 self._stream(request, packed, config, persisted)
             t_streamed = time.perf_counter()
             copy_seconds = copy.result() if copy is not None else 0.0
-        finally:
+        except BaseException:
             if copy is not None:
                 concurrent.futures.wait([copy])    # no write goes on after the reply, a failed one included
             packed.release()
+            raise
         reply = trainer_pb2.PushWeightsResponse(
             snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes), num_tensors=len(packed.specs),
             gather_seconds=gather_seconds, stream_seconds=t_streamed - t0, persisted_path=persisted)
-        log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, stream %.1f ms, copy %.1f ms (%.1f ms of it "
-                 "after the stream)", request.snapshot_id, reply.num_tensors, reply.num_bytes, 1e3 * gather_seconds,
-                 1e3 * (t_streamed - t0), 1e3 * copy_seconds, 1e3 * (time.perf_counter() - t_streamed))
+        if later:
+            self._copy_later(request.snapshot_id, persisted, packed, config)    # releases `packed` when done
+        else:
+            packed.release()
+        log.info("pushed %s: %d tensors, %d bytes, gather %.1f ms, stream %.1f ms, copy %s", request.snapshot_id,
+                 reply.num_tensors, reply.num_bytes, 1e3 * gather_seconds, 1e3 * (t_streamed - t0),
+                 "in the background" if later else
+                 f"{1e3 * copy_seconds:.1f} ms ({1e3 * (time.perf_counter() - t_streamed):.1f} ms of it after the stream)")
         return reply
+
+    def _copy_later(self, snapshot_id: str, persisted: str, packed: weight_stream.Packed, config: dict) -> None:
+        """The persisted copy, written after the reply; a failure is logged and left as the
+        copy's failure marker for whoever waits for it."""
+        copy = _start_copy(persisted, packed, config, background=True)
+        with self._lock:
+            self._copies.add(copy)
+
+        def done(future: concurrent.futures.Future) -> None:
+            packed.release()
+            with self._lock:
+                self._copies.discard(future)
+            if future.exception() is not None:
+                log.error("persisted copy of %s failed: %s", snapshot_id, future.exception())
+                persisted_copy.record_failure(persisted, future.exception())
+            else:
+                log.info("persisted copy of %s written in %.1f ms", snapshot_id, 1e3 * future.result())
+        copy.add_done_callback(done)
+
+    def finish_copies(self, timeout_s: float) -> bool:
+        """Waits for the background copies still being written (at shutdown); True if none is left."""
+        with self._lock:
+            copies = list(self._copies)
+        return not concurrent.futures.wait(copies, timeout=timeout_s).not_done
 
     def _stream(self, request, packed: weight_stream.Packed, config: dict, persisted: str) -> None:
         manifest = sampler_pb2.WeightManifest(

@@ -49,7 +49,7 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
         target.sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     push = trainer_pb2.PushWeightsRequest(
         model_id=body.model_id, seq_id=body.seq_id, snapshot_id=f"{body.model_id}@{body.seq_id}-{uuid.uuid4().hex[:8]}",
-        persist=True)
+        persist=True, copy_in_background=target.path is None)   # a named checkpoint's files exist when it is listed
     job = functools.partial(_push_weights, gw, push, target)
     return gw.submit_training(caller, "save_weights_for_sampler", body.model_id, body.seq_id, job,
                               fingerprint("save_weights_for_sampler", body.model_dump_json()))

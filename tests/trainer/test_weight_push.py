@@ -1,5 +1,7 @@
-"""PushWeights' protocol at the servicer: the reply comes only once the persisted copy is
-complete, and a copy that cannot be written fails the push."""
+"""PushWeights' protocol at the servicer: for a named checkpoint the reply comes only once the
+persisted copy is complete, and a copy that cannot be written fails the push; with
+copy_in_background (an ephemeral sampling session) the copy follows the reply, whole, and a
+copy that cannot be written leaves its failure marker for readers."""
 
 import os
 import time
@@ -8,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from tinkerd import persisted_copy
 from tinkerd.v1 import trainer_pb2
 from trainer_service.engine import TrainerEngine
 from trainer_service.lora import LoraSpec
@@ -46,6 +49,28 @@ def test_push_replies_after_the_persisted_copy_is_complete(tiny_model_dir, tmp_p
         servicer.PushWeights(trainer_pb2.PushWeightsRequest(
             model_id="s:train:0", seq_id=2, snapshot_id="s:train:0@2", persist=True), context)
     assert context.code == grpc.StatusCode.INTERNAL
+
+    # In the background: the push replies with the path, the copy lands there whole.
+    with torch.no_grad():
+        engine.get("s:train:0").params[0].add_(1.0)
+    expected, _ = engine.export_adapter("s:train:0")
+    later = servicer.PushWeights(trainer_pb2.PushWeightsRequest(
+        model_id="s:train:0", seq_id=4, snapshot_id="s:train:0@4", persist=True, copy_in_background=True), Context())
+    assert later.persisted_path == str(tmp_path / "snapshots" / "s_train_0@4")
+    persisted_copy.wait_for(later.persisted_path, timeout_s=30)
+    loaded = safetensors.torch.load_file(os.path.join(later.persisted_path, "adapter_model.safetensors"))
+    assert set(loaded) == set(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)
+    assert servicer.pusher.finish_copies(timeout_s=30)
+
+    # A background copy that cannot be written: the push still succeeded (the samplers hold the
+    # snapshot); a reader of the copy learns why at once instead of waiting.
+    (tmp_path / "snapshots" / "s_train_0@5").write_text("")
+    failed = servicer.PushWeights(trainer_pb2.PushWeightsRequest(
+        model_id="s:train:0", seq_id=5, snapshot_id="s:train:0@5", persist=True, copy_in_background=True), Context())
+    assert servicer.pusher.finish_copies(timeout_s=30)
+    with pytest.raises(persisted_copy.CopyFailedError, match="could not be written"):
+        persisted_copy.wait_for(failed.persisted_path, timeout_s=30)
+    assert not [n for n in os.listdir(tmp_path / "snapshots") if ".partial-" in n]    # no temporary left over
 
 
 # ---- the stream to samplers: a kept group per replica, exact bytes, failures that end at once ----

@@ -134,18 +134,20 @@ class OptimStepResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id", "snapshot_id", "sampler_addresses", "persist")
+    __slots__ = ("model_id", "seq_id", "snapshot_id", "sampler_addresses", "persist", "copy_in_background")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     PERSIST_FIELD_NUMBER: _ClassVar[int]
+    COPY_IN_BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
     snapshot_id: str
     sampler_addresses: _containers.RepeatedScalarFieldContainer[str]
     persist: bool
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., sampler_addresses: _Optional[_Iterable[str]] = ..., persist: _Optional[bool] = ...) -> None: ...
+    copy_in_background: bool
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., sampler_addresses: _Optional[_Iterable[str]] = ..., persist: _Optional[bool] = ..., copy_in_background: _Optional[bool] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("snapshot_id", "num_bytes", "num_tensors", "gather_seconds", "stream_seconds", "persisted_path")

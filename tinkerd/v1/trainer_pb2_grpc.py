@@ -113,10 +113,10 @@ class TrainerServicer:
     def PushWeights(self, request, context):
         """Gathers the model's adapter (also under ZeRO-3) and streams it to the given samplers
         over a torch.distributed group; each sampler registers it as a new immutable snapshot.
-        With persist it also writes the snapshot's PEFT copy (<state-dir>/snapshots/<snapshot>),
-        concurrently with the stream.
-        Returns only when every sampler has committed the snapshot AND the copy is complete, so a
-        persisted_path handed on after this reply always holds the whole adapter; fails if either fails.
+        With persist it also writes the snapshot's PEFT copy (<state-dir>/snapshots/<snapshot>).
+        Returns when every sampler has committed the snapshot and, unless copy_in_background, the
+        copy is complete (fails if either fails). With copy_in_background the copy is written after
+        the reply: a reader of persisted_path waits for it (tinkerd/persisted_copy.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
