@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import secrets
 import signal
@@ -30,7 +31,8 @@ from trainer_service.settings import TrainerSettings
 
 CHILDREN = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
 # Settings `up` fills in itself: where the children find each other.
-WIRED = {"trainer": ("listen",), "sampler": ("listen",), "gateway": ("trainer", "samplers")}
+WIRED = {"trainer": ("listen", "metrics_port"), "sampler": ("listen", "metrics_port"),
+         "gateway": ("trainer", "samplers")}
 
 
 @dataclasses.dataclass
@@ -43,6 +45,10 @@ class UpSettings:
                                                  "up and exits non-zero")
     trainer_ranks: int = settings.setting(1, help="run the trainer as one job of this many ranks on this host "
                                                   "(torchrun; rank 0 serves, the batch is split across ranks)")
+    metrics_port: int = settings.setting(0, help="Prometheus /metrics of the trainer (this port) and the sampler "
+                                                 "(the next): 0 picks free ones, -1 turns them off; all targets, "
+                                                 "the gateway's /metrics too, are listed in <state-dir>/"
+                                                 "prometheus-targets.json (Prometheus file_sd_configs)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def child_argv(args: argparse.Namespace, name: str, **wiring) -> list[str]:
+    if "metrics_port" in WIRED[name]:
+        wiring.setdefault("metrics_port", args.metrics_port + (name != "trainer") if args.metrics_port > 0
+                          else args.metrics_port)
     return [name, *settings.to_argv(settings.from_args(CHILDREN[name], args, **wiring))]
 
 
@@ -86,10 +95,26 @@ def _start(name: str, command: list[str], ready: dict, log_dir: str) -> subproce
             log.write(line)
             log.flush()
             parts = line.decode(errors="replace").split()
-            if len(parts) == 3 and parts[0] == "READY":
-                ready[name] = int(parts[2])
+            if len(parts) == 3 and parts[0] in ("READY", "METRICS"):
+                ready[name if parts[0] == "READY" else f"{name}.metrics"] = int(parts[2])
+                _write_targets(log_dir, ready)
     threading.Thread(target=read, daemon=True).start()
     return proc
+
+
+_TARGETS_LOCK = threading.Lock()
+
+
+def _write_targets(log_dir: str, ready: dict) -> None:
+    """<state-dir>/prometheus-targets.json, for Prometheus' file_sd_configs: the gateway and every
+    child that printed `METRICS <name> <port>`, rewritten as they (re)start."""
+    targets = [{"targets": [f"127.0.0.1:{port}"], "labels": {"service": name.removesuffix(".metrics")}}
+               for name, port in sorted(ready.items()) if name == "gateway" or name.endswith(".metrics")]
+    path = os.path.join(os.path.dirname(log_dir), "prometheus-targets.json")
+    with _TARGETS_LOCK:                    # one reader thread per child
+        with open(path + ".tmp", "w") as f:
+            json.dump(targets, f, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def _wait_ready(procs: dict[str, subprocess.Popen], ready: dict, names: list[str], timeout_s: float,
@@ -199,6 +224,7 @@ def up(args: argparse.Namespace) -> None:
         ready: dict[str, int] = {}
         url = _start_all(args, procs, ready, log_dir)
         print(f"tinkerd ready at {url} in {time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
+        print(f"metrics: {url}/metrics; every service's in {args.state_dir}/prometheus-targets.json", flush=True)
         if api_key:
             print("the admin's API key (shown only now; more with `tinkerd keys create --user NAME`):", flush=True)
             print(f"export TINKER_API_KEY={api_key}", flush=True)
