@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         seq_id += 1
         trainer.OptimStep(trainer_pb2.OptimStepRequest(
             model_id=model_id, seq_id=seq_id,
-            adam_params=common_pb2.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12)),
+            adam_params=common_pb2.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-12)),
             metadata=metadata)
         print(f"step {step}: loss {losses[-1]:.4f}")
 
