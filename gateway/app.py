@@ -14,7 +14,7 @@ import logging
 
 from fastapi import FastAPI
 
-from gateway import errors, housekeeping, limits
+from gateway import errors, housekeeping, limits, metrics
 from gateway.auth import AuthMiddleware
 from gateway.backends import Backends
 from gateway.body_limit import BodyLimit
@@ -48,4 +48,5 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(AuthMiddleware, authenticator=gw.authenticator)
     for router in ROUTERS:
         app.include_router(router)
+    metrics.install(app, gw)        # GET /metrics, and request counts (outermost middleware)
     return app

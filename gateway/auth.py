@@ -19,8 +19,8 @@ from gateway.errors import error_body
 from gateway.keys import Caller, KeyStore
 from gateway.tokens import Signer
 
-# Reachable without a credential: health probes, and downloads that carry their own signature.
-PUBLIC_PATHS = ("/api/v1/healthz",)
+# Reachable without a credential: health probes, metrics scrapes, and downloads that carry their own signature.
+PUBLIC_PATHS = ("/api/v1/healthz", "/metrics")       # /metrics: gateway/metrics.py
 PUBLIC_PREFIXES = ("/files/", "/internal/v1/samplers/")      # the latter: service token, checked there
 
 

@@ -264,6 +264,10 @@ class Futures:
             return sum(n for (o, _), n in self._pending_by_owner.items() if o == owner)
         return self._pending_by_owner[owner, request_type]
 
+    def owners_pending(self) -> list[str]:
+        """Users with futures scheduled here and not finished yet (gateway/metrics.py)."""
+        return sorted({owner for (owner, _), n in self._pending_by_owner.items() if n > 0})
+
     def pending(self, request_type: str) -> int:
         """Futures of this type scheduled here and not finished yet."""
         return self._pending_by_type[request_type]

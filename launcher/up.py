@@ -40,7 +40,8 @@ from trainer_service.settings import TrainerSettings
 
 CHILDREN = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
 # Settings `up` fills in itself: where the children find each other.
-WIRED = {"trainer": ("listen",), "sampler": ("listen", "register_with", "advertise_address"),
+WIRED = {"trainer": ("listen", "metrics_port"),
+         "sampler": ("listen", "register_with", "advertise_address", "metrics_port"),
          "gateway": ("trainer", "samplers")}
 
 
@@ -56,6 +57,10 @@ class UpSettings:
                                                   "(torchrun; rank 0 serves, the batch is split across ranks)")
     sampler_replicas: int = settings.setting(1, help="sampler processes (one vLLM engine each) on this host; each "
                                                      "registers with the gateway like a replica on another host")
+    metrics_port: int = settings.setting(0, help="Prometheus /metrics of the trainer (this port) and the sampler "
+                                                 "(the next): 0 picks free ones, -1 turns them off; all targets, "
+                                                 "the gateway's /metrics too, are listed in <state-dir>/"
+                                                 "prometheus-targets.json (Prometheus file_sd_configs)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +88,16 @@ def kind_of(name: str) -> str:
 
 def child_argv(args: argparse.Namespace, name: str, **wiring) -> list[str]:
     kind = kind_of(name)
+    if "metrics_port" in WIRED[kind]:
+        wiring.setdefault("metrics_port", metrics_port_of(args.metrics_port, name))
     return [kind, *settings.to_argv(settings.from_args(CHILDREN[kind], args, **wiring))]
+
+
+def metrics_port_of(base: int, name: str) -> int:
+    """0 (free ports) and -1 (off) pass on; a fixed N gives the trainer N, "sampler" N+1, "sampler-k" N+k."""
+    if base <= 0 or name == "trainer":
+        return base
+    return base + (int(name.split("-")[1]) if "-" in name else 1)
 
 
 def child_command(args: argparse.Namespace, name: str, **wiring) -> list[str]:
@@ -105,10 +119,27 @@ def _start(name: str, command: list[str], ready: dict, log_dir: str) -> subproce
             log.write(line)
             log.flush()
             parts = line.decode(errors="replace").split()
-            if len(parts) == 3 and parts[0] == "READY":
-                ready[name] = int(parts[2])
+            if len(parts) == 3 and parts[0] in ("READY", "METRICS"):
+                ready[name if parts[0] == "READY" else f"{name}.metrics"] = int(parts[2])
+                _write_targets(log_dir, ready)
     threading.Thread(target=read, daemon=True).start()
     return proc
+
+
+_TARGETS_LOCK = threading.Lock()
+
+
+def _write_targets(log_dir: str, ready: dict) -> None:
+    """<state-dir>/prometheus-targets.json, for Prometheus' file_sd_configs: the gateway and every
+    child that printed `METRICS <name> <port>`, rewritten as they (re)start."""
+    targets = [{"targets": [f"127.0.0.1:{port}"],
+                "labels": {"service": kind_of(name.removesuffix(".metrics")), "process": name.removesuffix(".metrics")}}
+               for name, port in sorted(ready.items()) if name == "gateway" or name.endswith(".metrics")]
+    path = os.path.join(os.path.dirname(log_dir), "prometheus-targets.json")
+    with _TARGETS_LOCK:                    # one reader thread per child
+        with open(path + ".tmp", "w") as f:
+            json.dump(targets, f, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def _wait_ready(procs: dict[str, subprocess.Popen], ready: dict, names: list[str], timeout_s: float,
@@ -265,6 +296,7 @@ def up(args: argparse.Namespace) -> None:
         ready: dict[str, int] = {}
         url = _start_all(args, procs, ready, log_dir)
         print(f"tinkerd ready at {url} in {time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
+        print(f"metrics: {url}/metrics; every service's in {args.state_dir}/prometheus-targets.json", flush=True)
         if api_key:
             print("the admin's API key (shown only now; more with `tinkerd keys create --user NAME`):", flush=True)
             print(f"export TINKER_API_KEY={api_key}", flush=True)

@@ -29,6 +29,7 @@ import uuid
 
 import torch
 
+from sampler_service import metrics
 from sampler_service.merged import MergedServing, PromotionPolicy, engine_overrides
 from tinkerd.errors import NotFoundError, UserError
 
@@ -151,6 +152,7 @@ class SamplerEngine:
             if snap is None and path and os.path.isfile(os.path.join(path, "adapter_config.json")):
                 snap = self._snapshots[snapshot_id] = Snapshot(snapshot_id, next(self._lora_ids), path)
                 log.info("snapshot %s registered from its persisted copy %s", snapshot_id, path)
+                metrics.SNAPSHOT_LOADS.labels("disk").inc()
         if snap is None:
             raise NotFoundError(f"unknown snapshot {snapshot_id!r}: it was never pushed to this sampler"
                                 + (f" and {path} holds no adapter" if path else ""))
@@ -164,6 +166,7 @@ class SamplerEngine:
         self.merged.observe(snap.snapshot_id if snap else "", snapshot_path or (snap.path if snap else ""),
                             len(prompt_tokens) + num_samples * params.max_tokens)
         future: concurrent.futures.Future = concurrent.futures.Future()
+        metrics.track_sample(future, len(prompt_tokens))
         self._inbox.put(_Pending("generate", (prompt_tokens, params, num_samples, snap), future))
         return future
 
@@ -181,6 +184,9 @@ class SamplerEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Pending("register", (snapshot_id, tensors, adapter_config, path), future))
         return future
+
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
 
     def served_by(self, snapshot_id: str) -> str:
         """"merged" or "lora": where a request for the snapshot admitted now would run."""
@@ -229,7 +235,9 @@ class SamplerEngine:
             for engine in self._engines():
                 if engine.has_unfinished_requests():
                     try:
-                        self._deliver(engine.step())
+                        with metrics.ENGINE_STEP_SECONDS.time():
+                            outputs = engine.step()
+                        self._deliver(outputs)
                     except Exception as e:  # noqa: BLE001 - fail the in-flight requests, keep serving
                         log.exception("engine step failed")
                         self._fail_all(engine, e)
@@ -261,6 +269,7 @@ class SamplerEngine:
         snap = Snapshot(snapshot_id, lora_id, path or _NO_PATH)
         with self._registry_lock:
             self._snapshots[snapshot_id] = snap
+        metrics.SNAPSHOT_LOADS.labels("stream").inc()
         item.future.set_result(snap)
 
     def _add_generate(self, item: _Pending) -> None:

@@ -12,9 +12,11 @@ from tinkerd.process import cpu_defaults, init_logging, serve_until_signal, serv
 def serve(s: SamplerSettings) -> None:
     cpu_defaults()
     init_logging("sampler")
+    from sampler_service import metrics
     from sampler_service.registration import Registration, advertised_address
     from sampler_service.servicer import SamplerServicer
     from tinkerd.health import ServiceHealth
+    from tinkerd.metrics import serve as serve_metrics
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import sampler_pb2_grpc
 
@@ -25,6 +27,8 @@ def serve(s: SamplerSettings) -> None:
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
     server, port = create_server(s.listen, max_workers=max(256, 2 * s.max_num_seqs), auth=auth,
                                  allow_insecure=s.allow_insecure)
+    metrics.SNAPSHOTS.set_function(engine.num_snapshots)
+    serve_metrics(s, s.listen, "sampler")
     sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine, state_dir=os.path.abspath(s.state_dir)),
                                                    server)
     registration = Registration(s.register_with, advertised_address(s.listen, port, s.advertise_address),

@@ -17,7 +17,7 @@ from tinkerd import paths, persisted_copy
 from tinkerd.errors import NotFoundError, ServiceError, UserError
 from tinkerd.rpc import rpc_boundary
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
-from sampler_service import convert
+from sampler_service import convert, metrics
 from sampler_service.engine import SamplerEngine
 from sampler_service.weight_receiver import WeightReceiver
 
@@ -80,6 +80,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         self.engine.register_snapshot(request.snapshot_id, received, json.loads(request.adapter_config_json),
                                       persisted).result(_RESULT_TIMEOUT_S)
         seconds = time.perf_counter() - t0
+        metrics.RECEIVE_SECONDS.observe(seconds)
         log.info("snapshot %s: %d tensors in %.1f ms (%sreceive %.1f, register %.1f)", request.snapshot_id,
                  len(received), 1e3 * seconds, "join + " if request.rendezvous.join else "",
                  1e3 * (t_received - t0), 1e3 * (time.perf_counter() - t_received))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from tinkerd.hardware import WeightsDtypeSettings
+from tinkerd.metrics import MetricsSettings
 from tinkerd.rpc import ServerAuthSettings
 from tinkerd.settings import setting
 
 
 @dataclasses.dataclass
-class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings):
+class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings):
     base_model: str = setting(help="local directory of the HF base model")
     listen: str = setting("127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
     state_dir: str = setting("./state", help="snapshots and checkpoints are loaded only from below it "

@@ -23,6 +23,7 @@ import logging
 import grpc
 
 from tinkerd.errors import ServiceError
+from tinkerd.metrics import RpcMetrics
 from tinkerd.settings import setting
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ def create_server(address: str, *, max_workers: int = 32, auth: ServiceAuth = Se
     if auth.ca and not auth.cert:
         raise SystemExit("--tls-ca on a server needs --tls-cert and --tls-key")
     interceptors = [_RequireToken(auth.token)] if auth.token else []
+    interceptors.append(RpcMetrics())           # tinkerd_rpc_duration_seconds, by method and code
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
     if auth.cert:

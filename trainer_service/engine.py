@@ -30,6 +30,7 @@ from trainer_service.durable import DurableModels
 from trainer_service.deepspeed_setup import deepspeed_config, init_distributed_once  # noqa: F401 - public here
 from trainer_service.losses import get_loss
 from trainer_service.lora import LoraSpec
+from trainer_service.metrics import EVICTIONS, RELOADS
 from trainer_service.ranks import Ranks, collective
 from trainer_service.registry import LoraModel, ModelRegistry, num_params
 from trainer_service.training import AdamParams, DatumInput  # noqa: F401 - public here
@@ -92,6 +93,7 @@ class TrainerEngine:
                 model = self.load_state(model_id, self.durable.state_path(model_id), with_optimizer=True,
                                         resume=True)
                 log.info("reloaded %s at step %d (seq_id %d)", model_id, model.step, model.state_seq)
+                RELOADS.inc()
             model.last_used = time.monotonic()
             return model
 
@@ -139,6 +141,7 @@ class TrainerEngine:
                 return
             victim = min(idle, key=lambda m: m.last_used)
             self.unload_model(victim.model_id)
+            EVICTIONS.inc()
             log.info("evicted %s (least recently used of %d resident)", victim.model_id, self.max_resident)
 
     @collective

@@ -18,6 +18,8 @@ def serve(s: TrainerSettings) -> None:
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import trainer_pb2_grpc
     from trainer_service.durable import DurableModels
+    from tinkerd.metrics import serve as serve_metrics
+    from trainer_service import metrics
     from trainer_service.engine import TrainerEngine
     from trainer_service.servicer import TrainerServicer
 
@@ -33,6 +35,8 @@ def serve(s: TrainerSettings) -> None:
         return
     # Handler threads wait in the fair scheduler, one per model with work in flight.
     server, port = create_server(s.listen, max_workers=256, auth=auth, allow_insecure=s.allow_insecure)
+    metrics.RESIDENT_MODELS.set_function(lambda: len(engine.models.ids()))
+    serve_metrics(s, s.listen, "trainer")
     servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
                                auth=auth)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)

@@ -19,7 +19,7 @@ from tinkerd import paths
 from tinkerd.errors import LostWorkError, UserError
 from tinkerd.rpc import ServiceAuth, rpc_boundary
 from tinkerd.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from trainer_service import convert
+from trainer_service import convert, metrics
 from trainer_service.engine import TrainerEngine
 from trainer_service.durable import IDLE_WRITE_AFTER_S, DurableModels, describe_lost
 from trainer_service.replies import APPLIED, ReplyCache
@@ -177,20 +177,24 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def _forward_backward(self, request) -> trainer_pb2.ForwardBackwardResponse:
         data = [convert.datum(d, i) for i, d in enumerate(request.data)]
-        outputs, metrics = self.engine.forward_backward(request.model_id, data, request.loss_fn,
-                                                        dict(request.loss_fn_config),
-                                                        forward_only=request.forward_only)
+        kind = "forward" if request.forward_only else "forward_backward"
+        with metrics.STEP_SECONDS.labels(kind).time():
+            outputs, loss_metrics = self.engine.forward_backward(request.model_id, data, request.loss_fn,
+                                                                 dict(request.loss_fn_config),
+                                                                 forward_only=request.forward_only)
+        metrics.TOKENS.labels(kind).inc(metrics.tokens_of(data))
         if not request.forward_only:
             self.durable.record(request.model_id, request.seq_id, "forward_backward")
-        return convert.forward_backward_response(outputs, metrics)
+        return convert.forward_backward_response(outputs, loss_metrics)
 
     @rpc_boundary
     def OptimStep(self, request, context):
         adam = convert.adam_params(request.adam_params)
 
         def step():
-            metrics = self.engine.optim_step(request.model_id, adam, seq=request.seq_id)
-            reply = trainer_pb2.OptimStepResponse(metrics=metrics)
+            with metrics.STEP_SECONDS.labels("optim_step").time():
+                step_metrics = self.engine.optim_step(request.model_id, adam, seq=request.seq_id)
+            reply = trainer_pb2.OptimStepResponse(metrics=step_metrics)
             self.durable.record(request.model_id, request.seq_id, "optim_step", reply.SerializeToString())
             if self.durable.due(request.model_id):
                 self.engine.save_durable(request.model_id)
@@ -212,5 +216,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         packed, config = self._fair(request.model_id, export)     # the transfer runs outside the turn
         persisted = paths.snapshot_dir(self.state_dir, request.snapshot_id) if request.persist else ""
         reply = self.pusher.push(request, persisted, packed, config, gather_seconds=time.perf_counter() - t0)
+        metrics.pushed(reply, time.perf_counter() - t0)
         self.replies.put(request.model_id, request.seq_id, "push_weights", reply)
         return reply

@@ -6,7 +6,7 @@ import functools
 
 from fastapi import APIRouter
 
-from gateway import convert
+from gateway import convert, metrics
 from gateway.auth import CallerDep
 from gateway.db import ModelRow, SamplingSessionRow
 from gateway.futures import fingerprint
@@ -64,6 +64,7 @@ async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
 
 async def _sample(gw: Gateway, msg: sampler_pb2.SampleRequest, record_for: str | None):
     reply = await gw.backends.samplers.sample(msg)
+    metrics.sampled(reply)
     if record_for is not None:       # for stable_reinforce, which names these sequences by id
         for i, seq in enumerate(reply.sequences):
             gw.stability.record(record_for, f"{msg.request_id}:{i}", seq.tokens, seq.logprobs)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import uuid
 
 from fastapi import APIRouter
 
-from gateway import audit, checkpoints
+from gateway import audit, checkpoints, metrics
 from gateway.auth import CallerDep
 from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, now
 from gateway.futures import fingerprint, json_body
@@ -62,7 +63,9 @@ async def _push_weights(gw: Gateway, push: trainer_pb2.PushWeightsRequest, targe
                         f"save_weights_for_sampler needs its own sampling_session_seq_id")
     await gw.backends.samplers.refresh()      # a replica that died since the last check would stall the push
     push.sampler_addresses[:] = gw.backends.samplers.live_addresses()
+    t0 = time.perf_counter()
     pushed = await gw.trainer.PushWeights(push)
+    metrics.pushed(pushed, time.perf_counter() - t0)
     gw.backends.samplers.holds(push.snapshot_id, list(push.sampler_addresses))
     if target.path is not None:
         gw.db.add(CheckpointRow(tinker_path=target.path, model_id=push.model_id, owner=target.caller.user_id,

@@ -1,0 +1,91 @@
+"""Prometheus metrics plumbing the trainer and the sampler share: the `--metrics-port` setting,
+the HTTP endpoint serving `/metrics`, and a gRPC server interceptor timing every call.
+
+Each service defines its own metrics in its own module (trainer_service/metrics.py,
+sampler_service/metrics.py, gateway/metrics.py) in prometheus_client's default registry, which
+also holds the process collector (resident memory, CPU seconds, open files) and, in a sampler,
+vLLM's own `vllm:` metrics. The gateway serves the same registry at `/metrics` on its HTTP port.
+
+Names: `tinkerd_<service>_<what>_<unit>`; counters end in `_total` (rates give per-second
+values, e.g. rate(tinkerd_trainer_tokens_total[1m]) is trained tokens/s). Label values are
+bounded: methods, kinds and status codes, never ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import grpc
+from prometheus_client import Histogram
+
+from tinkerd.settings import setting
+
+log = logging.getLogger(__name__)
+
+# Seconds, from a fast RPC (a cached reply) to a long training step on CPU.
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)
+
+RPC_SECONDS = Histogram("tinkerd_rpc_duration_seconds", "gRPC calls served, by method and status code, "
+                        "from the request's arrival to the reply (queueing in the trainer's fair scheduler "
+                        "included)", ["method", "code"], buckets=DURATION_BUCKETS)
+
+
+@dataclasses.dataclass(kw_only=True)
+class MetricsSettings:
+    metrics_port: int = setting(-1, help="serve Prometheus /metrics over HTTP on this port, on the host of "
+                                         "--listen (0 picks a free one and prints `METRICS <service> <port>`; "
+                                         "-1: off)")
+
+
+def serve(settings: MetricsSettings, listen: str, name: str) -> int | None:
+    """Starts the /metrics endpoint (a daemon thread) if asked; returns its port. Printed as
+    `METRICS <name> <port>` for `tinkerd up`, which lists it in <state-dir>/prometheus-targets.json."""
+    if settings.metrics_port < 0:
+        return None
+    from prometheus_client import start_http_server
+
+    host = listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+    server, _ = start_http_server(settings.metrics_port, addr=host)
+    port = server.server_port
+    log.info("%s serving Prometheus metrics at http://%s:%d/metrics", name, host, port)
+    print(f"METRICS {name} {port}", flush=True)
+    return port
+
+
+class RpcMetrics(grpc.ServerInterceptor):
+    """Times every unary call into RPC_SECONDS (the streaming health Watch and reflection pass
+    through untimed)."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_streaming or handler.response_streaming:
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        behavior = handler.unary_unary
+
+        def timed(request, context):
+            t0 = time.perf_counter()
+            code = "UNKNOWN"
+            try:
+                reply = behavior(request, context)
+                code = _code_name(context.code()) or "OK"
+                return reply
+            except BaseException:
+                code = _code_name(context.code()) or "UNKNOWN"
+                raise
+            finally:
+                RPC_SECONDS.labels(method, code).observe(time.perf_counter() - t0)
+        return grpc.unary_unary_rpc_method_handler(timed, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+def _code_name(code) -> str | None:
+    """context.code() is a StatusCode, an int, or None depending on how it was set."""
+    if code is None:
+        return None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
