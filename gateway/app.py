@@ -18,7 +18,7 @@ from gateway import errors, housekeeping, limits
 from gateway.auth import AuthMiddleware
 from gateway.backends import Backends
 from gateway.body_limit import BodyLimit
-from gateway.routes import ROUTERS, legacy, oai
+from gateway.routes import ROUTERS
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
 
@@ -48,6 +48,4 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(AuthMiddleware, authenticator=gw.authenticator)
     for router in ROUTERS:
         app.include_router(router)
-    app.include_router(legacy.router)   # calls only older SDKs make
-    app.include_router(oai.router)      # OpenAI-compatible inference (its own error shape)
     return app
