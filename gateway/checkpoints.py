@@ -14,7 +14,9 @@ import logging
 import math
 import os
 import shutil
+import tarfile
 import urllib.parse
+from typing import Iterator
 
 from sqlalchemy import select
 
@@ -55,6 +57,48 @@ def download_path(run_id: str, checkpoint_id: str, relative: str) -> str:
     """The URL path of one file of an external_weights checkpoint: what its download URL signs
     (routes/checkpoints.py) and what the files route checks (routes/files.py)."""
     return urllib.parse.quote(f"/files/{run_id}/{checkpoint_id}/{relative}")
+
+
+def archive_path(run_id: str, checkpoint_id: str) -> str:
+    """The URL path of a checkpoint's tar archive (SDKs up to 0.35: get_checkpoint_archive_url):
+    what its download URL signs and what the files route checks."""
+    return urllib.parse.quote(f"/files/{run_id}/{checkpoint_id}/archive.tar")
+
+
+# The file the SDK's `tinker checkpoint` CLI (<= 0.35) insists on finding in an archive. Our
+# checkpoint rows exist only once their files are complete, so every archive carries it.
+COMPLETE_MARKER = "checkpoint_complete"
+_BLOCK = 512
+
+
+def archive(directory: str) -> tuple[int, Iterator[bytes]]:
+    """(size in bytes, chunks) of an uncompressed tar of the checkpoint's files at its root, plus
+    the completion marker, made as it is sent (no copy on disk, no whole file in memory)."""
+    entries = []
+    for rel in sorted(os.path.relpath(os.path.join(root, f), directory)
+                      for root, _, names in os.walk(directory) for f in names):
+        if rel == COMPLETE_MARKER:
+            continue
+        info = tarfile.TarInfo(rel)
+        stat = os.stat(os.path.join(directory, rel))
+        info.size, info.mtime, info.mode = stat.st_size, int(stat.st_mtime), 0o644
+        entries.append((rel, info.tobuf(tarfile.PAX_FORMAT), info.size))
+    marker = tarfile.TarInfo(COMPLETE_MARKER)
+    entries.append(("", marker.tobuf(tarfile.PAX_FORMAT), 0))
+    size = sum(len(header) + n + (-n % _BLOCK) for _, header, n in entries) + 2 * _BLOCK
+
+    def chunks() -> Iterator[bytes]:
+        for rel, header, n in entries:
+            yield header
+            if rel:
+                with open(os.path.join(directory, rel), "rb") as f:   # checkpoint files never change
+                    left = n
+                    while left > 0 and (chunk := f.read(min(left, 1 << 20))):
+                        left -= len(chunk)
+                        yield chunk
+            yield b"\0" * (-n % _BLOCK)
+        yield b"\0" * (2 * _BLOCK)
+    return size, chunks()
 
 
 def checkpoint_dir(state_dir: str, model_id: str, kind: str, name: str) -> str:

@@ -23,18 +23,25 @@ async def unload_lapsed_models(gw: Gateway) -> list[str]:
     cutoff = now() - datetime.timedelta(seconds=gw.settings.session_timeout_s)
     unloaded = []
     for model_id in gw.db.models_of_lapsed_sessions(cutoff):
-        request = trainer_pb2.UnloadModelRequest(model_id=model_id)
         try:
-            await gw.trainer.UnloadModel(request)
+            await unload_model(gw, model_id)
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:
-                log.warning("could not unload %s: %s", model_id, e.details())
-                continue
-        gw.db.touch(ModelRow, model_id, resident=False)
+            log.warning("could not unload %s: %s", model_id, e.details())
+            continue
         unloaded.append(model_id)
     if unloaded:
         log.info("unloaded %d models of lapsed sessions: %s", len(unloaded), unloaded)
     return unloaded
+
+
+async def unload_model(gw: Gateway, model_id: str) -> None:
+    """Frees the model's memory on the trainer; its next request loads it again."""
+    try:
+        await gw.trainer.UnloadModel(trainer_pb2.UnloadModelRequest(model_id=model_id))
+    except grpc.aio.AioRpcError as e:
+        if e.code() != grpc.StatusCode.NOT_FOUND:       # not loaded: nothing to free
+            raise
+    gw.db.touch(ModelRow, model_id, resident=False)
 
 
 async def release_models(gw: Gateway, session_id: str) -> None:

@@ -1,9 +1,11 @@
 """The REST registry the SDK's RestClient reads: training runs, their checkpoints (list,
-publish, ttl, delete, external file URLs), weights_info, copy_weights, sessions."""
+publish, ttl, delete, external file URLs, the archive older SDKs download), weights_info,
+copy_weights, sessions."""
 
 from __future__ import annotations
 
 import datetime
+import email.utils
 import hashlib
 import os
 import time
@@ -11,6 +13,7 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import RedirectResponse
 from sqlalchemy import select
 
 from gateway import audit, checkpoints
@@ -128,18 +131,40 @@ async def external_urls(run_id: str, checkpoint_id: str, request: Request, calle
     row = _checkpoint(gw, caller, run_id, checkpoint_id, change=False)
     if row.checkpoint_type != "external":
         raise UserError(f"{row.tinker_path} is not an external_weights checkpoint")
+    expires = _url_expiry(row)
+    files = sorted(os.path.relpath(os.path.join(root, f), row.directory)
+                   for root, _, names in os.walk(row.directory) for f in names)
+    urls = {f: _signed_url(gw, request, checkpoints.download_path(run_id, checkpoint_id, f), expires) for f in files}
+    return ExternalWeightsUrlsResponse(urls=urls, expires=datetime.datetime.fromtimestamp(
+        expires, datetime.timezone.utc).isoformat())
+
+
+@router.get(_CHECKPOINT + "/archive")
+async def archive_url(run_id: str, checkpoint_id: str, request: Request, caller: CallerDep,
+                      gw: GatewayDep) -> RedirectResponse:
+    """SDKs up to 0.35 (RestClient.get_checkpoint_archive_url*, `tinker checkpoint download`): a
+    302 to a signed URL of the checkpoint's files as one tar, with the link's expiry in `Expires`
+    (the SDK reads the redirect without following it)."""
+    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=False)
+    if row.checkpoint_type not in ("training", "sampler"):
+        raise UserError(f"{row.tinker_path} is an external_weights checkpoint: download its files with "
+                        f"get_external_weights_urls")
+    expires = _url_expiry(row)
+    url = _signed_url(gw, request, checkpoints.archive_path(run_id, checkpoint_id), expires)
+    return RedirectResponse(url, status_code=302, headers={"Expires": email.utils.formatdate(expires, usegmt=True)})
+
+
+def _url_expiry(row: CheckpointRow) -> int:
     expires = int(time.time()) + URL_LIFETIME_S
     if row.expires_at is not None:
         expires = min(expires, int(aware(row.expires_at).timestamp()))
+    return expires
+
+
+def _signed_url(gw: Gateway, request: Request, path: str, expires: int) -> str:
+    """Whoever holds it may GET `path` until `expires` (routes/files.py checks), no key needed."""
     base = str(request.base_url).rstrip("/")
-    files = sorted(os.path.relpath(os.path.join(root, f), row.directory)
-                   for root, _, names in os.walk(row.directory) for f in names)
-    urls = {}
-    for f in files:
-        path = checkpoints.download_path(run_id, checkpoint_id, f)
-        urls[f] = f"{base}{path}?expires={expires}&signature={gw.signer.url_signature(path, expires)}"
-    return ExternalWeightsUrlsResponse(urls=urls, expires=datetime.datetime.fromtimestamp(
-        expires, datetime.timezone.utc).isoformat())
+    return f"{base}{path}?expires={expires}&signature={gw.signer.url_signature(path, expires)}"
 
 
 @router.delete(_CHECKPOINT)

@@ -8,6 +8,7 @@ import inspect
 import math
 import os
 import sys
+import urllib.error
 import urllib.request
 
 os.environ.setdefault("TINKER_API_KEY", "tml-probe")
@@ -187,6 +188,30 @@ for make in ("create_training_client_from_state", "create_training_client_from_s
     ok(make, c.model_id if hasattr(c, "model_id") else "")
 res(c.load_state(state))
 ok("load_state (legacy, into an existing model)")
+
+models_resource = __import__("tinker.resources.models", fromlist=["AsyncModelsResource"]).AsyncModelsResource
+if hasattr(models_resource, "unload"):
+    # unload_model, as SDKs up to 0.25 send it (their low-level client; nothing in them calls it):
+    # the model's memory is freed and it loads again, unchanged, on its next request.
+    import time
+
+    from tinker.lib.api_future_impl import _APIFuture
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+
+    async def unload(model_id):
+        with tc.holder.aclient(ClientConnectionPoolType.TRAIN) as client:
+            future = await client.models.unload(request=types.UnloadModelRequest(model_id=model_id))
+        return await _APIFuture(types.UnloadModelResponse, tc.holder, future, request_start_time=time.time(),
+                                request_type="UnloadModel").result_async()
+
+    assert tc.holder.run_coroutine_threadsafe(unload(tc.model_id)).result().model_id == tc.model_id
+    reloaded = res(tc.forward([sft], "cross_entropy")).loss_fn_outputs[0]["logprobs"].tolist()
+    assert max(abs(a - b) for a, b in zip(reloaded, trainer_lp)) < 1e-4, (reloaded, trainer_lp)
+    fails("unload_model of an unknown model", lambda: tc.holder.run_coroutine_threadsafe(
+        unload(tc.model_id + "-missing")).result(), "unknown model_id")
+    ok("unload_model, then the model reloads unchanged")
+else:
+    skip("unload_model", "not in this SDK")
 fails("load an unknown checkpoint", lambda: sc.create_training_client_from_state(state + "-missing"), "unknown")
 fails("load a sampler path as state", lambda: sc.create_training_client_from_state(named),
       "not a training checkpoint")
@@ -248,6 +273,34 @@ if hasattr(sc, "copy_weights"):
 else:
     skip("copy_weights", "not in this SDK")
 
+if hasattr(rest, "get_checkpoint_archive_url_from_tinker_path"):
+    # SDKs up to 0.35: a signed URL of the checkpoint as a tar, which their CLI downloads and checks.
+    import io
+    import subprocess
+    import tarfile
+    import tempfile
+
+    for path in (state, named):
+        archive = res(rest.get_checkpoint_archive_url_from_tinker_path(path))
+        with urllib.request.urlopen(archive.url) as f:
+            names = tarfile.open(fileobj=io.BytesIO(f.read())).getnames()
+        assert {"adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"} <= set(names), names
+    with tempfile.TemporaryDirectory() as out:
+        cli = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", state, "-o", out],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "TINKER_BASE_URL": url})
+        assert cli.returncode == 0, cli.stdout + cli.stderr
+        got = {f for _, _, files in os.walk(out) for f in files}
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= got, (got, cli.stdout)
+    bad = urllib.request.Request(archive.url.replace("signature=", "signature=0"))
+    try:
+        urllib.request.urlopen(bad)
+        raise AssertionError("a forged archive link was served")
+    except urllib.error.HTTPError as e:
+        assert e.code == 404, e
+    ok("checkpoint archive URL + download (and `tinker checkpoint download`)")
+else:
+    skip("checkpoint archive", "no get_checkpoint_archive_url in this SDK")
+
 res(rest.delete_checkpoint_from_tinker_path(named))
 assert named not in {c.tinker_path for c in res(rest.list_checkpoints(run_id)).checkpoints}
 fails("open a deleted checkpoint", lambda: res(sc.create_sampling_client(model_path=named)).sample(
@@ -259,7 +312,6 @@ if hasattr(sc, "close"):
     fails("train after ServiceClient.close", lambda: tc.forward([sft], "cross_entropy"), "closed")
     # What the server says to a client that keeps using a closed session (the SDK may stop first).
     import json
-    import urllib.error
 
     def post(path, body):
         req = urllib.request.Request(f"{url}/api/v1/{path}", json.dumps(body).encode(),
