@@ -8,7 +8,7 @@ import os
 
 from fastapi import APIRouter, Request
 
-from gateway import audit, convert
+from gateway import audit, convert, step_metrics
 from gateway.auth import CallerDep
 from gateway.db import ModelRow
 from gateway.futures import fingerprint, json_body
@@ -88,7 +88,9 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
 
 
 async def _forward_backward(gw: Gateway, msg: trainer_pb2.ForwardBackwardRequest):
-    return "application/x-protobuf", convert.forward_backward_output(await gw.trainer.ForwardBackward(msg))
+    reply = await gw.trainer.ForwardBackward(msg)
+    step_metrics.record(gw.db, msg, reply)
+    return "application/x-protobuf", convert.forward_backward_output(reply)
 
 
 @router.post("/optim_step")
@@ -103,4 +105,5 @@ async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) 
 
 async def _optim_step(gw: Gateway, msg: trainer_pb2.OptimStepRequest):
     reply = await gw.trainer.OptimStep(msg)
+    step_metrics.record(gw.db, msg, reply)
     return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})
