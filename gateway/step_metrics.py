@@ -5,8 +5,8 @@ Every forward_backward, forward and optim_step of a run leaves one small row (St
 metrics the trainer returned ("loss:sum", "step:max", "grad_norm:mean", ...) plus what the
 request itself says (tokens, the weighted-token count, the learning rate). `step` is the
 optimizer step a request belongs to: the forward_backwards before an optim_step share its step.
-A run's jobs run one at a time in seq_id order (gateway/futures.py), so counting the run's
-recorded optim_steps gives it.
+A run's jobs run one at a time in seq_id order (gateway/futures.py), so the run's latest row
+before a request gives it.
 """
 
 from __future__ import annotations
@@ -37,15 +37,22 @@ def record(db: Database, request, reply) -> None:
             metrics = {**dict(reply.metrics), "learning_rate": request.adam_params.learning_rate}
         else:
             raise TypeError(f"not a training request: {type(request).__name__}")
-        done = db.count(select(StepMetricRow.seq_id).where(StepMetricRow.model_id == request.model_id,
-                                                           StepMetricRow.kind == "optim_step",
-                                                           StepMetricRow.seq_id < request.seq_id))
-        db.add(StepMetricRow(model_id=request.model_id, seq_id=request.seq_id, step=done + 1, kind=kind,
-                             metrics=metrics))
+        db.add(StepMetricRow(model_id=request.model_id, seq_id=request.seq_id, kind=kind, metrics=metrics,
+                             step=_step(db, request.model_id, request.seq_id)))
     except IntegrityError:
         pass           # already recorded (a job run again after a restart): the first one stands
     except Exception:  # noqa: BLE001 - metrics are for display; the training result must still go out
         log.exception("could not record step metrics of %s seq %s", request.model_id, request.seq_id)
+
+
+def _step(db: Database, model_id: str, seq_id: int) -> int:
+    """The step a request at `seq_id` belongs to: its predecessor's, or the next one after an
+    optim_step (one indexed read of the run's latest row, however long the run)."""
+    last = db.select(select(StepMetricRow).where(StepMetricRow.model_id == model_id, StepMetricRow.seq_id < seq_id)
+                     .order_by(StepMetricRow.seq_id.desc()).limit(1))
+    if not last:
+        return 1
+    return last[0].step + (last[0].kind == "optim_step")
 
 
 def _request_counts(request: trainer_pb2.ForwardBackwardRequest) -> dict[str, float]:
@@ -61,10 +68,4 @@ def of_run(db: Database, model_id: str) -> list[StepMetricRow]:
     """A run's rows in seq_id order."""
     return db.select(select(StepMetricRow).where(StepMetricRow.model_id == model_id)
                      .order_by(StepMetricRow.seq_id))
-
-
-def steps_of(db: Database, model_id: str) -> int:
-    """Optimizer steps recorded for a run."""
-    return db.count(select(StepMetricRow.seq_id).where(StepMetricRow.model_id == model_id,
-                                                       StepMetricRow.kind == "optim_step"))
 
