@@ -7,8 +7,6 @@ playground. A screenshot of the run's page is saved in the test's tmp_path."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import tinker
@@ -19,6 +17,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from tinker import types
 
 from conftest import sft_data
+from launcher import keys
 
 pytestmark = pytest.mark.e2e
 
@@ -26,10 +25,10 @@ STEPS = 3
 WAIT_S = 60
 
 
-def _new_key(stack, user: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "launcher.cli", "keys", "create", "--user", user, "--state-dir",
-                          stack.state_dir], capture_output=True, text=True, check=True, timeout=60)
-    return out.stdout.strip().splitlines()[-1]
+def _new_keys(stack, *users: str) -> list[str]:
+    """What `tinkerd keys create --user U` does, in this process (a CLI start costs seconds)."""
+    db = keys.open_database(stack.state_dir, None)
+    return [keys.new_key(db, user) for user in users]
 
 
 @pytest.fixture
@@ -50,7 +49,7 @@ def browser():
 
 
 def test_a_user_sees_their_run_and_its_loss_curve_in_the_console(stack, tiny_model_dir, browser, tmp_path):
-    key, other_key = _new_key(stack, "console-carol"), _new_key(stack, "console-dave")
+    key, other_key = _new_keys(stack, "console-carol", "console-dave")
     service = tinker.ServiceClient(base_url=stack.url, api_key=key)
     tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0)
     data = sft_data(tc.get_tokenizer(), ["the console draws the loss", "one point per step"])

@@ -14,8 +14,8 @@ from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
 PROTOBUF = {"content-type": "application/x-protobuf"}
 
 
-def _fwdbwd_body(model_id: str, seq_id: int, tokens: list[int], weights: list[float]) -> bytes:
-    req = tw.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+def _fwdbwd_body(model_id: str, seq_id: int, tokens: list[int], weights: list[float], forward_only=False) -> bytes:
+    req = tw.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy", forward_only=forward_only)
     datum = req.data.add()
     datum.model_input.add().encoded_text.tokens = np.asarray(tokens, "<i4").tobytes()
     targets = datum.loss_fn_inputs["target_tokens"]
@@ -41,12 +41,16 @@ def test_steps_are_recorded_and_shown_to_their_owner_only(gateway):
     bob = alice.as_user("bob")
     run = alice.model(alice.session())
     _train(alice, run, steps=2)
+    evaluation = alice.client.post("/api/v1/forward_backward", headers={**PROTOBUF, "X-API-Key": alice.api_key},
+                                   content=_fwdbwd_body(run, 5, [5, 6], [1.0, 1.0], forward_only=True))
+    assert alice.result(evaluation.json()).status_code == 200
 
     got = alice.get(f"console/training_runs/{run}/metrics")
     assert got.status_code == 200, got.json()
     steps = got.json()["steps"]
     assert [(s["seq_id"], s["step"], s["kind"]) for s in steps] == [
-        (1, 1, "forward_backward"), (2, 1, "optim_step"), (3, 2, "forward_backward"), (4, 2, "optim_step")]
+        (1, 1, "forward_backward"), (2, 1, "optim_step"), (3, 2, "forward_backward"), (4, 2, "optim_step"),
+        (5, 3, "forward")]
     fb, opt = steps[0]["metrics"], steps[3]["metrics"]
     assert fb == {"loss:sum": 1.5, "tokens:sum": 3.0, "datums:sum": 1.0, "weights:sum": 2.0, "loss:mean": 0.75}
     assert opt["learning_rate"] == pytest.approx(0.02) and opt["step:max"] == 2.0
