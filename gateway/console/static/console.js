@@ -163,7 +163,7 @@ function svg(tag, attrs, text) {
 
 function fmt(v) { return Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-3) ? v.toExponential(2) : +v.toFixed(4); }
 
-// A line chart of [step, value] points: an inline SVG, one circle.point per step.
+// A line chart of [step, value] points: an inline SVG, a polyline and a circle.point per step.
 function chart(name, points) {
   const W = 420, H = 220, L = 58, R = 12, T = 24, B = 30;
   const xs = points.map(p => p[0]), ys = points.map(p => p[1]);
@@ -179,7 +179,8 @@ function chart(name, points) {
   g.append(svg("text", { x: L, y: H - 10 }, `step ${x0}`));
   g.append(svg("text", { x: W - R, y: H - 10, "text-anchor": "end" }, `step ${x1}`));
   g.append(svg("polyline", { class: "line", points: points.map(p => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ") }));
-  for (const [x, y] of points) {
+  // A dot per step while they can be told apart; a long run gets the line alone.
+  for (const [x, y] of points.length <= 400 ? points : []) {
     const dot = svg("circle", { class: "point", cx: sx(x).toFixed(1), cy: sy(y).toFixed(1), r: 3, "data-step": x, "data-value": y });
     dot.append(svg("title", {}, `step ${x}: ${y}`));
     g.append(dot);
