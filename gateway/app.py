@@ -14,7 +14,7 @@ import logging
 
 from fastapi import FastAPI
 
-from gateway import errors, housekeeping, limits, metrics
+from gateway import console, errors, housekeeping, limits, metrics
 from gateway.auth import AuthMiddleware
 from gateway.backends import Backends
 from gateway.body_limit import BodyLimit
@@ -48,5 +48,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(AuthMiddleware, authenticator=gw.authenticator)
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(console.api_router)          # the web console (gateway/console/)
+    app.include_router(console.page_router)
     metrics.install(app, gw)        # GET /metrics, and request counts (outermost middleware)
     return app

@@ -19,9 +19,11 @@ from gateway.errors import error_body
 from gateway.keys import Caller, KeyStore
 from gateway.tokens import Signer
 
-# Reachable without a credential: health probes, metrics scrapes, and downloads that carry their own signature.
-PUBLIC_PATHS = ("/api/v1/healthz", "/metrics")       # /metrics: gateway/metrics.py
-PUBLIC_PREFIXES = ("/files/", "/internal/v1/samplers/")      # the latter: service token, checked there
+# Reachable without a credential: health probes, metrics scrapes, downloads that carry their own
+# signature, and the console's page and files (no data: its script calls the API with the key the
+# user enters).
+PUBLIC_PATHS = ("/api/v1/healthz", "/metrics", "/console", "/console/")       # /metrics: gateway/metrics.py
+PUBLIC_PREFIXES = ("/files/", "/internal/v1/samplers/", "/console/static/")   # samplers: service token, checked there
 
 
 class Authenticator:

@@ -156,6 +156,24 @@ class CheckpointRow(Base):
         return self.tinker_path.split("/", 3)[3]
 
 
+class StepMetricRow(Base):
+    """One training request's metrics (gateway/step_metrics.py): what the console draws as curves
+    over steps. A few numbers a row, one row per forward_backward/forward/optim_step of a run."""
+    __tablename__ = "step_metrics"
+    model_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    seq_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer)          # the optimizer step the request belongs to, from 1
+    kind: Mapped[str] = mapped_column(String(32))       # forward_backward | forward | optim_step
+    metrics: Mapped[dict] = mapped_column(JSON, default=dict)
+    at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+@event.listens_for(ModelRow, "after_delete")
+def _delete_step_metrics(_mapper, connection, row: ModelRow) -> None:
+    """A run's metrics go with it (no foreign key: SQLite would enforce it only with a pragma)."""
+    connection.execute(StepMetricRow.__table__.delete().where(StepMetricRow.__table__.c.model_id == row.model_id))
+
+
 _INSERT_FUTURE = FutureRow.__table__.insert()
 _FINISH_FUTURE = FutureRow.__table__.update().where(FutureRow.__table__.c.request_id == bindparam("rid")).values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),

@@ -3,9 +3,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
+# The console's browser test (tests/e2e/test_console.py) drives Chromium from the system packages.
+if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "warning: no apt-get: install chromium and chromedriver for tests/e2e/test_console.py" >&2
+  fi
+fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-if "$PY" -c "import tinkerd, vllm, deepspeed, tinker, pgserver, psycopg, grpc_health, grpc_reflection, uv" 2>/dev/null && [ -z "${TINKERD_REINSTALL:-}" ]; then
+if "$PY" -c "import tinkerd, vllm, deepspeed, tinker, pgserver, psycopg, grpc_health, grpc_reflection, uv, openai, selenium, prometheus_client" 2>/dev/null && [ -z "${TINKERD_REINSTALL:-}" ]; then
   "$PY" -m pip install -q --no-deps -e . && exit 0
 fi
 # uv installs the rest (scripts/venv-install.sh: seconds where pip took minutes; pip if uv fails).

@@ -8,7 +8,7 @@ import os
 
 from fastapi import APIRouter, Request
 
-from gateway import audit, convert, metrics
+from gateway import audit, convert, metrics, step_metrics
 from gateway.auth import CallerDep
 from gateway.db import ModelRow
 from gateway.futures import fingerprint, json_body
@@ -90,6 +90,7 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
 async def _forward_backward(gw: Gateway, msg: trainer_pb2.ForwardBackwardRequest):
     reply = await gw.trainer.ForwardBackward(msg)
     metrics.trained(msg)
+    step_metrics.record(gw.db, msg, reply)
     return "application/x-protobuf", convert.forward_backward_output(reply)
 
 
@@ -105,4 +106,5 @@ async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) 
 
 async def _optim_step(gw: Gateway, msg: trainer_pb2.OptimStepRequest):
     reply = await gw.trainer.OptimStep(msg)
+    step_metrics.record(gw.db, msg, reply)
     return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})

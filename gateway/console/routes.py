@@ -1,0 +1,137 @@
+"""The console's page and files (public: they hold no data) and its JSON routes (authenticated
+like every API route, each answering only about the caller's own rows)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import FileResponse, RedirectResponse
+from pydantic import Field
+from sqlalchemy import select
+
+from gateway import step_metrics
+from gateway.auth import CallerDep
+from gateway.checkpoints import iso
+from gateway.db import ModelRow, SamplingSessionRow, SessionRow
+from gateway.protocol import Page, Request, Token
+from gateway.sessions import mine
+from gateway.state import GatewayDep
+from tinkerd.errors import NotFoundError, UserError
+
+_STATIC = os.path.join(os.path.dirname(__file__), "static")
+# Served by name from this list only: no path from the URL reaches the filesystem.
+_FILES = {"index.html": "text/html", "console.js": "text/javascript", "console.css": "text/css"}
+
+# What the queue page counts (gateway/futures.py request types); anything else is "other".
+QUEUE_TYPES = ("create_model", "forward_backward", "forward", "optim_step", "save_weights",
+               "save_sampler_weights", "save_weights_for_sampler", "load_weights", "sample")
+
+page_router = APIRouter()
+api_router = APIRouter(prefix="/api/v1/console")
+PageDep = Annotated[Page, Query()]
+
+
+@page_router.get("/console", include_in_schema=False)
+async def console_page() -> FileResponse:
+    return FileResponse(os.path.join(_STATIC, "index.html"), media_type=_FILES["index.html"])
+
+
+@page_router.get("/console/", include_in_schema=False)
+async def console_slash() -> RedirectResponse:
+    return RedirectResponse("/console")
+
+
+@page_router.get("/console/static/{name}", include_in_schema=False)
+async def console_file(name: str) -> FileResponse:
+    if name not in _FILES:
+        raise NotFoundError(f"the console has no file {name!r}")
+    return FileResponse(os.path.join(_STATIC, name), media_type=_FILES[name])
+
+
+@api_router.get("/training_runs/{run_id}/metrics")
+async def run_metrics(run_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
+    """Every recorded step of the caller's run (gateway/step_metrics.py), in seq_id order."""
+    if not mine(caller, gw.db.get(ModelRow, run_id)):
+        raise NotFoundError(f"unknown training run {run_id!r}")
+    rows = step_metrics.of_run(gw.db, run_id)
+    return {"training_run_id": run_id,
+            "steps": [{"seq_id": r.seq_id, "step": r.step, "kind": r.kind, "metrics": r.metrics, "at": iso(r.at)}
+                      for r in rows]}
+
+
+@api_router.get("/sessions")
+async def sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> dict:
+    """The caller's sessions, newest first, with what /api/v1/sessions leaves out (its ids only)."""
+    rows = gw.db.select(select(SessionRow).where(SessionRow.owner == caller.user_id)
+                        .order_by(SessionRow.created_at.desc()).offset(page.offset).limit(page.limit))
+    ids = [r.session_id for r in rows]
+    runs = gw.db.select(select(ModelRow).where(ModelRow.session_id.in_(ids))) if ids else []
+    samplers = gw.db.select(select(SamplingSessionRow).where(SamplingSessionRow.session_id.in_(ids))) if ids else []
+    return {"sessions": [
+        {"session_id": r.session_id, "created_at": iso(r.created_at), "last_heartbeat": iso(r.last_heartbeat),
+         "closed": r.session_id in gw.sessions.closed, "tags": r.tags or [], "user_metadata": r.user_metadata or {},
+         "training_run_ids": [m.model_id for m in runs if m.session_id == r.session_id],
+         "sampler_ids": [s.sampling_session_id for s in samplers if s.session_id == r.session_id]}
+        for r in rows]}
+
+
+@api_router.get("/sampling_sessions")
+async def sampling_sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> dict:
+    """The caller's sampling sessions, newest first: which snapshot (or base model) each samples."""
+    rows = gw.db.select(select(SamplingSessionRow).where(SamplingSessionRow.owner == caller.user_id)
+                        .order_by(SamplingSessionRow.created_at.desc()).offset(page.offset).limit(page.limit))
+    return {"sampling_sessions": [
+        {"sampling_session_id": r.sampling_session_id, "session_id": r.session_id, "base_model": r.base_model,
+         "model_path": r.model_path, "created_at": iso(r.created_at)} for r in rows]}
+
+
+@api_router.get("/queue")
+async def queue(caller: CallerDep, gw: GatewayDep) -> dict:
+    """The caller's futures scheduled on this gateway and not finished yet, by request type."""
+    pending = {kind: gw.futures.pending_of(caller.user_id, kind) for kind in QUEUE_TYPES}
+    total = gw.futures.pending_of(caller.user_id)
+    pending["other"] = total - sum(pending.values())
+    return {"pending": pending, "total": total}
+
+
+class TokenizeRequest(Request):
+    text: str = Field(max_length=100_000)
+
+
+class DetokenizeRequest(Request):
+    tokens: list[Token] = Field(max_length=1_000_000)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(base_model_dir: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(base_model_dir)
+
+
+async def tokenizer(gw) -> object:
+    """The base model's tokenizer (the playground's text <-> the token ids asample takes)."""
+    if not os.path.isfile(os.path.join(gw.settings.base_model, "tokenizer_config.json")):
+        raise UserError(f"this server's base model has no tokenizer the console can use "
+                        f"(no tokenizer_config.json in {gw.settings.base_model})")
+    try:
+        return await asyncio.to_thread(_tokenizer, gw.settings.base_model)
+    except (OSError, ValueError) as e:
+        raise UserError(f"this server's base model has no tokenizer the console can use: {e}") from None
+
+
+@api_router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, gw: GatewayDep) -> dict:
+    tok = await tokenizer(gw)
+    return {"tokens": tok.encode(body.text, add_special_tokens=False)}
+
+
+@api_router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, gw: GatewayDep) -> dict:
+    tok = await tokenizer(gw)
+    if body.tokens and max(body.tokens) >= len(tok):
+        raise UserError(f"token id {max(body.tokens)} is outside the vocabulary [0, {len(tok)})")
+    return {"text": tok.decode(body.tokens)}

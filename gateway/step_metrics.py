@@ -1,0 +1,71 @@
+"""Per-step training metrics, recorded when a training job's result is known and read by the
+console (gateway/console/) to draw a run's curves.
+
+Every forward_backward, forward and optim_step of a run leaves one small row (StepMetricRow): the
+metrics the trainer returned ("loss:sum", "step:max", "grad_norm:mean", ...) plus what the
+request itself says (tokens, the weighted-token count, the learning rate). `step` is the
+optimizer step a request belongs to: the forward_backwards before an optim_step share its step.
+A run's jobs run one at a time in seq_id order (gateway/futures.py), so the run's latest row
+before a request gives it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from gateway.db import Database, StepMetricRow
+from tinkerd.tensors import to_numpy
+from tinkerd.v1 import trainer_pb2
+
+log = logging.getLogger(__name__)
+
+
+def record(db: Database, request, reply) -> None:
+    """Records a finished forward_backward/forward (ForwardBackwardRequest/Response) or
+    optim_step (OptimStepRequest/Response). A failure to record is logged, never the job's."""
+    try:
+        if isinstance(request, trainer_pb2.ForwardBackwardRequest):
+            kind = "forward" if request.forward_only else "forward_backward"
+            metrics = {**dict(reply.metrics), **_request_counts(request)}
+            if metrics.get("weights:sum", 0) > 0 and "loss:sum" in metrics:
+                metrics["loss:mean"] = metrics["loss:sum"] / metrics["weights:sum"]   # comparable across batch sizes
+        elif isinstance(request, trainer_pb2.OptimStepRequest):
+            kind = "optim_step"
+            metrics = {**dict(reply.metrics), "learning_rate": request.adam_params.learning_rate}
+        else:
+            raise TypeError(f"not a training request: {type(request).__name__}")
+        db.add(StepMetricRow(model_id=request.model_id, seq_id=request.seq_id, kind=kind, metrics=metrics,
+                             step=_step(db, request.model_id, request.seq_id)))
+    except IntegrityError:
+        pass           # already recorded (a job run again after a restart): the first one stands
+    except Exception:  # noqa: BLE001 - metrics are for display; the training result must still go out
+        log.exception("could not record step metrics of %s seq %s", request.model_id, request.seq_id)
+
+
+def _step(db: Database, model_id: str, seq_id: int) -> int:
+    """The step a request at `seq_id` belongs to: its predecessor's, or the next one after an
+    optim_step (one indexed read of the run's latest row, however long the run)."""
+    last = db.select(select(StepMetricRow).where(StepMetricRow.model_id == model_id, StepMetricRow.seq_id < seq_id)
+                     .order_by(StepMetricRow.seq_id.desc()).limit(1))
+    if not last:
+        return 1
+    return last[0].step + (last[0].kind == "optim_step")
+
+
+def _request_counts(request: trainer_pb2.ForwardBackwardRequest) -> dict[str, float]:
+    """Tokens in the batch and, where the loss has per-token weights, their sum."""
+    counts = {"tokens:sum": float(sum(len(d.tokens) for d in request.data)), "datums:sum": float(len(request.data))}
+    weights = [d.loss_fn_inputs["weights"] for d in request.data if "weights" in d.loss_fn_inputs]
+    if weights:
+        counts["weights:sum"] = float(sum(to_numpy(w).sum() for w in weights))
+    return counts
+
+
+def of_run(db: Database, model_id: str) -> list[StepMetricRow]:
+    """A run's rows in seq_id order."""
+    return db.select(select(StepMetricRow).where(StepMetricRow.model_id == model_id)
+                     .order_by(StepMetricRow.seq_id))
+
