@@ -27,16 +27,16 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     gw = Gateway.create(settings)
-    orphaned = gw.db.fail_orphaned_futures()
-    if orphaned:
-        log.warning("failed %d futures left pending by a previous run", orphaned)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         gw.backends = Backends(settings, gw.db, gw.service_auth)
         reaper = asyncio.create_task(housekeeping.run_forever(gw))
+        leases = asyncio.create_task(gw.futures.keep_leases_forever())   # re-drives a stopped gateway's futures
         yield
+        leases.cancel()
         reaper.cancel()
+        gw.futures.stop()
         await gw.backends.close()
 
     app = FastAPI(title="tinkerd gateway", lifespan=lifespan)

@@ -14,7 +14,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from gateway import schema
-from gateway.errors import error_json
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +110,17 @@ class FutureRow(Base):
     result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     extra: Mapped[dict] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
-    completed_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    completed_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True,
+                                                                   index=True)
+    # What re-drives it on any gateway (gateway/futures.py StoredRequest): its arguments and the
+    # serialized gRPC message.
+    request_args: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    request_body: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    # The gateway running it, until when: the owner renews the lease; once it lapses (the owner
+    # died) another gateway claims the future and runs it again. NULL once finished.
+    claimed_by: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    lease_until: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True,
+                                                                  index=True)
 
 
 class SamplerReplicaRow(Base):
@@ -175,9 +184,13 @@ def _delete_step_metrics(_mapper, connection, row: ModelRow) -> None:
 
 
 _INSERT_FUTURE = FutureRow.__table__.insert()
-_FINISH_FUTURE = FutureRow.__table__.update().where(FutureRow.__table__.c.request_id == bindparam("rid")).values(
+_FUTURES = FutureRow.__table__.c
+# Only a pending future finishes: the first of two runs (a re-drive racing a slow owner, a
+# cancel) wins, the other's result is dropped.
+_FINISH_FUTURE = FutureRow.__table__.update().where(
+    _FUTURES.request_id == bindparam("rid"), _FUTURES.status == "pending").values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
-    completed_at=bindparam("completed_at"))
+    completed_at=bindparam("completed_at"), lease_until=None)
 
 # Rows read on every request and rarely changed: served from memory for up to CACHE_TTL_S.
 # touch() and add() keep the cache right for this process at once; another gateway's change on
@@ -243,19 +256,54 @@ class Database:
             with self.session() as s:
                 return s.scalars(select(FutureRow).where(FutureRow.idempotency_key == row.idempotency_key)).one()
 
-    def finish_future(self, request_id: str, status: str, content_type: str, result: bytes) -> None:
+    def finish_future(self, request_id: str, status: str, content_type: str, result: bytes) -> bool:
+        """Records the result of a pending future; False if it had finished already (elsewhere)."""
         with self.engine.begin() as conn:
-            conn.execute(_FINISH_FUTURE, {"rid": request_id, "status": status, "content_type": content_type,
-                                          "result": result, "completed_at": now()})
+            return conn.execute(_FINISH_FUTURE, {"rid": request_id, "status": status, "content_type": content_type,
+                                                 "result": result, "completed_at": now()}).rowcount > 0
 
-    def fail_orphaned_futures(self) -> int:
-        """Futures left pending by a previous gateway process can never finish: fail them."""
-        body = error_json("the server restarted before this request finished; send it again", "server")
+    def future_status(self, request_id: str) -> str | None:
+        with self.engine.connect() as conn:
+            return conn.execute(select(_FUTURES.status).where(_FUTURES.request_id == request_id)).scalar()
+
+    def future_status_by_key(self, idempotency_key: str) -> str | None:
+        with self.engine.connect() as conn:
+            return conn.execute(select(_FUTURES.status).where(_FUTURES.idempotency_key == idempotency_key)).scalar()
+
+    def renew_leases(self, request_ids: list[str], owner: str, until: datetime.datetime) -> None:
+        """Extends the lease of the pending futures this gateway runs."""
+        with self.engine.begin() as conn:
+            for i in range(0, len(request_ids), 500):
+                conn.execute(update(FutureRow.__table__).where(
+                    _FUTURES.request_id.in_(request_ids[i:i + 500]), _FUTURES.claimed_by == owner,
+                    _FUTURES.status == "pending").values(lease_until=until))
+
+    def claim_lapsed_futures(self, owner: str, until: datetime.datetime, limit: int = 1000) -> list[FutureRow]:
+        """Takes over pending futures whose lease lapsed (their gateway died), oldest first. Each
+        claim is one conditional UPDATE, so of several gateways claiming at once exactly one gets
+        each row (SQLite and Postgres alike)."""
+        stamp = now()
         with self.session() as s:
-            n = s.execute(update(FutureRow).where(FutureRow.status == "pending").values(
-                status="failed", content_type="application/json", result=body, completed_at=now())).rowcount
-            s.commit()
-            return n
+            candidates = list(s.scalars(select(FutureRow.request_id).where(
+                FutureRow.lease_until < stamp, FutureRow.status == "pending").order_by(
+                FutureRow.created_at).limit(limit)))
+        claimed = []
+        for request_id in candidates:
+            with self.engine.begin() as conn:
+                n = conn.execute(update(FutureRow.__table__).where(
+                    _FUTURES.request_id == request_id, _FUTURES.status == "pending",
+                    _FUTURES.lease_until < stamp).values(claimed_by=owner, lease_until=until)).rowcount
+            if n:
+                claimed.append(request_id)
+        if not claimed:
+            return []
+        with self.session() as s:
+            return list(s.scalars(select(FutureRow).where(FutureRow.request_id.in_(claimed))))
+
+    def delete_finished_futures(self, before: datetime.datetime) -> int:
+        """Drops futures that finished before `before` (their retention ended)."""
+        with self.engine.begin() as conn:
+            return conn.execute(FutureRow.__table__.delete().where(_FUTURES.completed_at < before)).rowcount
 
     def models_of_lapsed_sessions(self, before: datetime.datetime) -> list[str]:
         """Resident models whose session's last heartbeat is older than `before`."""

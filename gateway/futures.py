@@ -2,9 +2,22 @@
 background; `retrieve_future` long-polls on it. A finished sample is also queued for its sampling session's
 retrieve_futures poll (gateway/completions.py), and a pending one can be cancelled.
 
-Training jobs of one model run strictly in seq_id order (the SDK posts chunks of one call
-concurrently, first chunk last): a per-model runner holds back a request until every lower
-seq_id has run, waiting a bounded time for a gap to fill. Samples run concurrently.
+Any gateway on the database answers any future, and a killed gateway loses none:
+- the row stores the request (StoredRequest: arguments plus the serialized gRPC message); a job
+  is always made from it by `job_of`, at submission and when re-driven, so there is one way to run
+  a request;
+- the gateway running a future holds a lease on its row (claimed_by, lease_until) and renews it
+  every lease/3; a gateway claims pending rows whose lease lapsed (at start-up and every few
+  seconds) and runs them again. The trainer answers a resent (model_id, seq_id) with its first
+  result, so re-running a training request applies nothing twice; a sample is simply sampled
+  again (its first result was never delivered);
+- a future running elsewhere is waited for by polling its row (POLL_S).
+
+Training jobs of one model run in seq_id order (the SDK posts chunks of one call concurrently,
+first chunk last): a per-model runner holds back a request until every lower seq_id has run or
+is known to another gateway, waiting a bounded time for a gap to fill. The trainer enforces the
+same order itself (trainer_service/seq_order.py), since requests of one model may reach different
+gateways. Samples run concurrently.
 """
 
 from __future__ import annotations
@@ -16,9 +29,13 @@ import functools
 import hashlib
 import heapq
 import json
+import datetime
 import logging
+import os
+import socket
+import time
 import uuid
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 from sqlalchemy import select
@@ -33,7 +50,36 @@ log = logging.getLogger(__name__)
 
 Job = Callable[[], Awaitable[tuple[str, bytes]]]   # -> (content_type, body)
 GAP_TIMEOUT_S = 10.0
+_GAP_POLL_S = 0.1          # how often a gap is checked against the other gateways' futures
 _FINISHED_KEPT = 4096      # recent results answered from memory; older ones from the database
+POLL_S = 0.075             # a future running on another gateway: its row is read this often
+_RUNNER_IDLE_S = 600.0     # an idle model's runner is dropped after this long (housekeeping)
+_RECOVER_WINDOW_S = 600.0  # a restarted gateway re-reports samples finished this recently
+
+
+@dataclasses.dataclass
+class StoredRequest:
+    """What a future runs, kept in its row so that any gateway can run it again: JSON arguments
+    and the serialized gRPC message (b"" if none)."""
+    args: dict
+    body: bytes = b""
+
+
+# request_type -> async fn(gateway, args, body) -> (content_type, body). Routes register theirs.
+_RUNNERS: dict[str, Callable[[Any, dict, bytes], Awaitable[tuple[str, bytes]]]] = {}
+
+
+def runs(*request_types: str):
+    """Registers the function that runs requests of these types from their StoredRequest."""
+    def register(fn):
+        for request_type in request_types:
+            _RUNNERS[request_type] = fn
+        return fn
+    return register
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
 
 
 def fingerprint(kind: str, request: bytes | str) -> str:
@@ -65,31 +111,44 @@ class Cancelled:
 class _ModelRunner:
     """Runs one model's jobs in seq_id order."""
 
-    def __init__(self, futures: "Futures", next_seq: int):
+    def __init__(self, futures: "Futures", model_id: str, next_seq: int):
         self.futures = futures
+        self.model_id = model_id
         self.next_seq = next_seq
         self.heap: list[tuple[int, str, Job]] = []
         self.running: str | None = None
         self.arrived = asyncio.Event()
+        self.idle_since = time.monotonic()
         self.task = asyncio.create_task(self._loop())
 
     def put(self, seq: int, request_id: str, job: Job) -> None:
         heapq.heappush(self.heap, (seq, request_id, job))
         self.arrived.set()
 
+    def _elsewhere(self, seq: int) -> bool:
+        """Did seq reach another gateway? Then the trainer orders it with ours (no wait here)."""
+        return self.futures.db.future_status_by_key(f"{self.model_id}#{seq}") is not None
+
     async def _loop(self) -> None:
+        gap_since = None
         while True:
             if not self.heap:
+                self.idle_since = time.monotonic()
                 self.arrived.clear()
                 await self.arrived.wait()
                 continue
-            if self.heap[0][0] > self.next_seq:
-                self.arrived.clear()
-                try:
-                    await asyncio.wait_for(self.arrived.wait(), GAP_TIMEOUT_S)
-                    continue          # something arrived: re-check the head
-                except asyncio.TimeoutError:
-                    log.warning("seq %d never arrived; running seq %d", self.next_seq, self.heap[0][0])
+            if self.heap[0][0] > self.next_seq and not self._elsewhere(self.next_seq):
+                gap_since = gap_since or time.monotonic()
+                if time.monotonic() - gap_since < GAP_TIMEOUT_S:
+                    self.arrived.clear()
+                    try:
+                        await asyncio.wait_for(self.arrived.wait(), _GAP_POLL_S)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue          # re-check the head
+                log.warning("seq %d of %s never arrived; running seq %d", self.next_seq, self.model_id,
+                            self.heap[0][0])
+            gap_since = None
             seq, request_id, job = heapq.heappop(self.heap)
             self.next_seq = max(self.next_seq, seq + 1)
             self.running = request_id
@@ -109,9 +168,13 @@ class _ModelRunner:
 
 
 class Futures:
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, lease_s: float = 10.0):
         self.db = db
-        self.started_at = now()       # before the start-up sweep of an earlier process's futures (gateway/app.py)
+        self.lease_s = lease_s
+        # This process, as the owner of the futures it runs (unique across restarts and hosts).
+        self.instance = f"{socket.gethostname()[:32]}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.gateway = None           # what runners get (gateway/state.py Gateway), set by bind()
+        self.started_at = now()
         self._pending: dict[str, _Pending] = {}        # scheduled here, not finished yet
         self._finished: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
         self._pending_by_type: collections.Counter[str] = collections.Counter()
@@ -120,38 +183,107 @@ class Futures:
         self._jobs: dict[str, asyncio.Task] = {}       # unordered jobs (samples) still running
         self._cancelled: set[str] = set()              # finished by cancel(); their jobs still running
         self.completions = Completions()
-        self._recovered: set[Target] = set()           # targets whose restart orphans were queued
+        self._recovered: collections.OrderedDict[Target, None] = collections.OrderedDict()   # bounded
+        self._watched: set[str] = set()                # other gateways' samples a poller here waits for
+        self._stopping = False
 
-    def submit(self, request_type: str, job: Job, *, owner: str, fingerprint: str | None = None,
+    def bind(self, gateway) -> None:
+        """What every runner gets as its first argument (the runtime parts, gateway/state.py)."""
+        self.gateway = gateway
+
+    def lease(self) -> datetime.datetime:
+        return now() + datetime.timedelta(seconds=self.lease_s)
+
+    def job_of(self, request_type: str, request: StoredRequest) -> Job:
+        """The one way a request becomes a job: at submission and when re-driven from its row."""
+        return functools.partial(_RUNNERS[request_type], self.gateway, request.args, request.body)
+
+    def submit(self, request_type: str, request: StoredRequest, *, owner: str, fingerprint: str | None = None,
                idempotency_key: str | None = None, model_id: str | None = None, seq_id: int | None = None,
-               extra: dict | None = None, target: Target | None = None) -> FutureRow:
-        """Records the future and schedules its job. A resend (same idempotency key and the same
-        request) gets the first one back; the same key with a different request is a user error.
-        A sample names its `target`, the sampling session (and clone) whose retrieve_futures poll
-        reports it."""
-        request_id = uuid.uuid4().hex
+               target: Target | None = None, request_id: str | None = None) -> FutureRow:
+        """Records the future, with its request, and schedules its job. A resend (same
+        idempotency key and the same request) gets the first one back; the same key with a
+        different request is a user error. A sample names its `target`, the sampling session
+        (and clone) whose retrieve_futures poll reports it."""
+        request_id = request_id or new_request_id()
+        extra = {"seq_id": seq_id} if seq_id is not None else {}
+        if target is not None:
+            extra["target"] = list(target)
         row = self.db.insert_future(FutureRow(request_id=request_id, idempotency_key=idempotency_key,
                                               fingerprint=fingerprint, owner=owner, request_type=request_type,
-                                              model_id=model_id, extra=extra or {}))
+                                              model_id=model_id, extra=extra, request_args=request.args,
+                                              request_body=request.body, claimed_by=self.instance,
+                                              lease_until=self.lease()))
         if row.request_id != request_id and (row.fingerprint != fingerprint or row.owner != owner):
             raise UserError(f"{idempotency_key.replace('#', ' seq_id ')} was already used for a different "
                             f"request ({row.request_type}); every request needs its own seq_id")
-        if row.request_id in self._pending or row.status != "pending":
+        if row.request_id != request_id or row.request_id in self._pending:
             if target is not None and row.status != "pending":    # reported again: the client may have missed it
                 self.completions.add(target, row.request_id, row.status == "failed", len(row.result or b""))
-            return row    # a resend: already scheduled or finished
-        self._pending[row.request_id] = _Pending(asyncio.Event(), model_id, request_type, owner, target)
+            return row    # a resend: scheduled (here or on another gateway) or finished
+        self._schedule(row.request_id, request_type, self.job_of(request_type, request), owner, model_id,
+                       seq_id, target)
+        return row
+
+    def redrive(self, row: FutureRow) -> None:
+        """Runs a claimed future of a gateway that died, from its stored request."""
+        if row.request_id in self._pending:
+            return
+        if row.request_args is None or row.request_type not in _RUNNERS:
+            # Accepted by a gateway from before requests were stored: nothing to run again.
+            self.db.finish_future(row.request_id, "failed", "application/json", error_json(
+                f"the gateway running this {row.request_type} request stopped before it finished and the "
+                f"request cannot be run again here (it was accepted by an older gateway); send it again",
+                "server"))
+            return
+        extra = row.extra or {}
+        target = tuple(extra["target"]) if "target" in extra else None
+        log.info("re-driving %s %s of a stopped gateway", row.request_type, row.request_id)
+        job = self.job_of(row.request_type, StoredRequest(row.request_args, row.request_body or b""))
+        self._schedule(row.request_id, row.request_type, job, row.owner, row.model_id, extra.get("seq_id"), target)
+
+    def _schedule(self, request_id: str, request_type: str, job: Job, owner: str, model_id: str | None,
+                  seq_id: int | None, target: Target | None) -> None:
+        self._pending[request_id] = _Pending(asyncio.Event(), model_id, request_type, owner, target)
         self._pending_by_type[request_type] += 1
         self._pending_by_owner[owner, request_type] += 1
         if seq_id is not None and model_id is not None:
             runner = self._runners.get(model_id)
             if runner is None:
-                runner = self._runners[model_id] = _ModelRunner(self, next_seq=seq_id)
-            runner.put(seq_id, row.request_id, job)
+                runner = self._runners[model_id] = _ModelRunner(self, model_id, next_seq=seq_id)
+            runner.put(seq_id, request_id, job)
         else:
-            task = self._jobs[row.request_id] = asyncio.create_task(self.run(row.request_id, job))
-            task.add_done_callback(functools.partial(self._job_ended, row.request_id, request_type, owner))
-        return row
+            task = self._jobs[request_id] = asyncio.create_task(self.run(request_id, job))
+            task.add_done_callback(functools.partial(self._job_ended, request_id, request_type, owner))
+
+    def keep_leases(self) -> None:
+        """Renews the lease of every future running here, then claims and re-drives those whose
+        gateway stopped renewing. Called every lease/3 (gateway/app.py), and at start-up."""
+        self.db.renew_leases(list(self._pending), self.instance, self.lease())
+        for row in sorted(self.db.claim_lapsed_futures(self.instance, self.lease()),
+                          key=lambda r: (r.extra or {}).get("seq_id", 0)):
+            self.redrive(row)
+
+    def stop(self) -> None:
+        """A clean shutdown: the jobs running here stop unfinished and their leases are given up
+        at once, so another gateway (or this one restarted) re-drives them without waiting."""
+        self._stopping = True
+        for runner in self._runners.values():
+            runner.task.cancel()
+        for task in self._jobs.values():
+            task.cancel()
+        try:
+            self.db.renew_leases(list(self._pending), self.instance, now())
+        except Exception:  # noqa: BLE001 - then they are re-driven once the lease lapses
+            log.exception("could not give up the leases of %d futures", len(self._pending))
+
+    async def keep_leases_forever(self) -> None:
+        while True:
+            try:
+                self.keep_leases()
+            except Exception:  # noqa: BLE001 - a database hiccup must not stop the renewals
+                log.exception("could not renew or claim futures")
+            await asyncio.sleep(self.lease_s / 3)
 
     async def run(self, request_id: str, job: Job) -> None:
         try:
@@ -165,14 +297,20 @@ class Futures:
         except Exception as e:  # noqa: BLE001 - a failed job must still finish its future
             log.exception("job %s failed", request_id)
             status, content_type, body = "failed", "application/json", error_json(f"{type(e).__name__}: {e}", "server")
+        if self._stopping:      # shutting down (the call was cut short): it is re-driven, not failed
+            return
         if request_id in self._pending:       # else cancel() finished it already: the result is dropped
             self._finish(request_id, status, content_type, body)
 
     def _finish(self, request_id: str, status: str, content_type: str, body: bytes) -> None:
         pending = self._pending.pop(request_id)
-        self.db.finish_future(request_id, status, content_type, body)
-        self._finished[request_id] = FutureRow(request_id=request_id, status=status, content_type=content_type,
-                                               result=body, owner=pending.owner)
+        if self.db.finish_future(request_id, status, content_type, body):
+            row = FutureRow(request_id=request_id, status=status, content_type=content_type, result=body,
+                            owner=pending.owner)
+        else:      # finished elsewhere first (cancelled there, or re-driven by a gateway that thought us dead)
+            row = self.db.get(FutureRow, request_id)
+            status, body = row.status, row.result or b""
+        self._finished[request_id] = row
         while len(self._finished) > _FINISHED_KEPT:
             self._finished.popitem(last=False)
         if request_id not in self._jobs:      # an unordered job releases its place when its task ends
@@ -186,33 +324,38 @@ class Futures:
         self._pending_by_owner[owner, request_type] -= 1
 
     def _job_ended(self, request_id: str, request_type: str, owner: str, _task: asyncio.Task) -> None:
-        """A cancelled sample keeps its place in the limits (gateway/limits.py) until its job has
-        really ended: the sampler does the work either way."""
+        """A sample's place in the limits (gateway/limits.py) is freed when its job's task ends; a
+        cancelled one's task is cancelled with it (cancel())."""
         del self._jobs[request_id]
         self._cancelled.discard(request_id)
         self._release(request_type, owner)
 
     def cancel(self, request_id: str, owner: str) -> Cancelled | None:
         """cancel_future: the owner's pending sample finishes at once as cancelled (a user
-        error for whoever retrieves it); its job runs out unwatched, its result dropped. A finished
+        error for whoever retrieves it) and its job's task is cancelled, which cancels the gRPC call
+        (the sampler aborts the generation in vLLM). A sample running on another gateway is
+        finished as cancelled in the database; that gateway's result is then dropped. A finished
         future is left as it is. None if unknown (or another user's)."""
         pending = self._pending.get(request_id)
         if pending is None:
             row = self._finished.get(request_id) or self.db.get(FutureRow, request_id)
             if row is None or row.owner != owner:
                 return None
+            if row.status == "pending" and row.request_type == "sample":    # running on another gateway
+                if self.db.finish_future(request_id, "failed", "application/json", _cancelled_body(request_id)):
+                    return Cancelled(True, "cancelled")
+                row = self.db.get(FutureRow, request_id)
+            elif row.status == "pending":
+                raise UserError(_not_cancellable(request_id, row.request_type))
             return Cancelled(False, "cancelled" if request_id in self._cancelled else row.status)
         if pending.owner != owner:
             return None
         if pending.request_type != "sample":
-            raise UserError(f"request {request_id} is a {pending.request_type} request; only samples can be "
-                            f"cancelled (a training run's requests all run, in seq_id order)")
+            raise UserError(_not_cancellable(request_id, pending.request_type))
         self._cancelled.add(request_id)
         if request_id in self._jobs:     # cancels its gRPC call: the sampler aborts the generation
             self._jobs[request_id].cancel()
-        self._finish(request_id, "failed", "application/json",
-                     error_json(f"sample request {request_id} was cancelled (cancel_future) before it finished",
-                                "user"))
+        self._finish(request_id, "failed", "application/json", _cancelled_body(request_id))
         return Cancelled(True, "cancelled")
 
     async def wait(self, request_id: str, timeout_s: float, owner: str) -> FutureRow | None:
@@ -229,8 +372,26 @@ class Futures:
         row = self._finished.get(request_id) or self.db.get(FutureRow, request_id)
         if row is None or row.owner != owner:
             return None
+        if row.status == "pending":       # running on another gateway, or waiting to be re-driven
+            row = await self._poll_row(row, time.monotonic() + timeout_s, owner)
+            if row.status == "pending":
+                return row
         self.completions.discard(request_id)      # the client has it: no poll needs to report it
         return row
+
+    async def _poll_row(self, row: FutureRow, deadline: float, owner: str) -> FutureRow:
+        """Waits for a future another gateway runs by reading its row every POLL_S, until it
+        finishes or `deadline`; if it comes to run here meanwhile (re-driven), waits for it here."""
+        request_id = row.request_id
+        while True:
+            left = deadline - time.monotonic()
+            if request_id in self._pending:
+                return await self.wait(request_id, max(left, 0.0), owner)
+            if self.db.future_status(request_id) != "pending":
+                return self.db.get(FutureRow, request_id)
+            if left <= 0:
+                return row
+            await asyncio.sleep(min(POLL_S, left))
 
     def retrieved(self, request_id: str, owner: str, target: Target) -> None:
         """retrieve_futures' acknowledgement that the client has this payload: it leaves the
@@ -241,22 +402,40 @@ class Futures:
         if row is not None and row.owner == owner:
             del self._finished[request_id]
 
-    def recover_orphans(self, target: Target, owner: str, prev_cursor: int) -> None:
+    def recover(self, target: Target, owner: str, prev_cursor: int) -> None:
         """A client that polled an earlier gateway process (its cursor is older than this one)
-        may wait for samples that process never finished; they were failed at start-up
-        (Database.fail_orphaned_futures): queue them once, so its poll reports them failed rather
-        than never."""
+        may wait for samples that process never finished. Those were re-driven (here or on
+        another gateway): queue each once it finishes, so this poll reports it. Samples that
+        finished lately are queued again too, in case the earlier process died before reporting
+        them (the SDK ignores completions it does not wait for)."""
         if not 0 < prev_cursor < self.completions.started or target in self._recovered:
             return
-        self._recovered.add(target)
+        self._recovered[target] = None
+        while len(self._recovered) > _FINISHED_KEPT:
+            self._recovered.popitem(last=False)
         sampling_session_id, clone = target
         prefix = sampling_session_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "#"
+        recent = now() - datetime.timedelta(seconds=_RECOVER_WINDOW_S)
         rows = self.db.select(select(FutureRow).where(
             FutureRow.idempotency_key.like(prefix + "%", escape="\\"), FutureRow.owner == owner,
-            FutureRow.status == "failed", FutureRow.completed_at >= self.started_at))
+            FutureRow.created_at < self.started_at,
+            (FutureRow.status == "pending") | (FutureRow.completed_at >= recent)))
         for row in rows:
-            if int(row.idempotency_key.rpartition("#")[2]) // SAMPLING_CLONE_SPAN == clone:
-                self.completions.add(target, row.request_id, True, len(row.result or b""))
+            if int(row.idempotency_key.rpartition("#")[2]) // SAMPLING_CLONE_SPAN != clone:
+                continue
+            if row.status != "pending":
+                self.completions.add(target, row.request_id, row.status == "failed", len(row.result or b""))
+            elif row.request_id not in self._pending and row.request_id not in self._watched:
+                self._watched.add(row.request_id)      # running elsewhere: report it when it ends
+                self.gateway.in_background(self._report_when_done(target, row, owner))
+
+    async def _report_when_done(self, target: Target, row: FutureRow, owner: str) -> None:
+        try:
+            while row.status == "pending":
+                row = await self._poll_row(row, time.monotonic() + 60.0, owner)
+            self.completions.add(target, row.request_id, row.status == "failed", len(row.result or b""))
+        finally:
+            self._watched.discard(row.request_id)
 
     def pending_of(self, owner: str, request_type: str | None = None) -> int:
         """The owner's futures scheduled here and not finished yet (of one type, or all)."""
@@ -288,3 +467,21 @@ class Futures:
         runner = self._runners.pop(model_id, None)
         if runner:
             runner.task.cancel()
+
+    def drop_idle_runners(self, idle_s: float = _RUNNER_IDLE_S) -> int:
+        """Forgets the runners of models with nothing queued for `idle_s` (housekeeping): memory
+        stays bounded by the models in use. A later request makes a new one."""
+        cutoff = time.monotonic() - idle_s
+        idle = [m for m, r in self._runners.items() if not r.heap and r.running is None and r.idle_since < cutoff]
+        for model_id in idle:
+            self.forget_runner(model_id)
+        return len(idle)
+
+
+def _cancelled_body(request_id: str) -> bytes:
+    return error_json(f"sample request {request_id} was cancelled (cancel_future) before it finished", "user")
+
+
+def _not_cancellable(request_id: str, request_type: str) -> str:
+    return (f"request {request_id} is a {request_type} request; only samples can be cancelled (a training "
+            f"run's requests all run, in seq_id order)")

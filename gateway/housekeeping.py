@@ -1,5 +1,6 @@
 """What the gateway does on its own: unloading the models of sessions that stopped
-heart-beating, releasing the models of closed sessions, expiring checkpoints and records."""
+heart-beating, releasing the models of closed sessions, expiring checkpoints and records,
+deleting finished futures after --futures-retention-s and idle per-model runners."""
 
 from __future__ import annotations
 
@@ -58,6 +59,16 @@ async def release_models(gw: Gateway, session_id: str) -> None:
     log.info("session %s closed; its models are released", session_id)
 
 
+def prune_futures(gw: Gateway) -> int:
+    """Deletes futures finished more than --futures-retention-s ago (a later retrieve of one is
+    a 404, as for an unknown id) and forgets idle models' runners; returns the rows deleted."""
+    deleted = gw.db.delete_finished_futures(now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
+    if deleted:
+        log.info("deleted %d futures finished over %.0f s ago", deleted, gw.settings.futures_retention_s)
+    gw.futures.drop_idle_runners()
+    return deleted
+
+
 async def run_forever(gw: Gateway) -> None:
     interval = min(max(gw.settings.session_timeout_s / 4, 0.5), 30.0)
     while True:
@@ -66,5 +77,6 @@ async def run_forever(gw: Gateway) -> None:
             await unload_lapsed_models(gw)
             delete_expired_checkpoints(gw.db)
             gw.stability.expire()
+            prune_futures(gw)
         except Exception:  # noqa: BLE001 - housekeeping must outlive one bad pass
             log.exception("housekeeping failed")

@@ -41,6 +41,11 @@ class GatewaySettings(ServiceAuthSettings):
     max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
     sampler_wait_s: float = setting(60.0, help="how long a sample waits for a live sampler replica (the SDK "
                                                "keeps polling meanwhile) before it fails")
+    future_lease_s: float = setting(10.0, help="a gateway renews its hold on the futures it runs every third of "
+                                               "this; another gateway on the database re-drives the pending "
+                                               "futures of one that stopped renewing for this long")
+    futures_retention_s: float = setting(86400.0, help="finished futures (with their results) are deleted this "
+                                                       "long after they finished")
     rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
                                                 "included; calls wait this long for a restarting service")
 

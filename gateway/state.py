@@ -15,7 +15,7 @@ from gateway import protocol
 from gateway.auth import Authenticator
 from gateway.backends import Backends
 from gateway.db import Database, ModelRow, aware, now
-from gateway.futures import Futures, Job
+from gateway.futures import Futures, StoredRequest
 from gateway.keys import Caller, KeyStore, create_user
 from gateway.limits import Limits
 from gateway.sessions import Sessions
@@ -53,9 +53,11 @@ class Gateway:
         anonymous = None if settings.auth else Caller(admin.user_id, admin.name, admin.org_id, admin.email,
                                                       True, key_id="")
         authenticator = Authenticator(KeyStore(db), Signer(signing_secret(db), settings.token_ttl_s), anonymous)
-        futures = Futures(db)
-        return cls(settings, db, Sessions(db), futures, StabilityRecords(ttl_s=settings.stability_ttl_s),
-                   authenticator, Limits(settings, db, futures))
+        futures = Futures(db, lease_s=settings.future_lease_s)
+        gw = cls(settings, db, Sessions(db), futures, StabilityRecords(ttl_s=settings.stability_ttl_s),
+                 authenticator, Limits(settings, db, futures))
+        futures.bind(gw)
+        return gw
 
     @property
     def trainer(self):
@@ -76,12 +78,12 @@ class Gateway:
     def signer(self) -> Signer:
         return self.authenticator.signer
 
-    def submit_training(self, caller: Caller, kind: str, model_id: str, seq_id: int, job: Job,
+    def submit_training(self, caller: Caller, kind: str, model_id: str, seq_id: int, request: StoredRequest,
                         fingerprint: str) -> protocol.FutureResponse:
         """A future for a model's request, run in seq_id order with the model's other requests;
         a resent (model_id, seq_id) with the same request (`fingerprint`) gets the first one back."""
         self.limits.check_queue(caller)
-        row = self.futures.submit(kind, job, owner=caller.user_id, fingerprint=fingerprint,
+        row = self.futures.submit(kind, request, owner=caller.user_id, fingerprint=fingerprint,
                                   idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id)
         model = self.db.get(ModelRow, model_id)
         stamp = now()
@@ -89,6 +91,15 @@ class Gateway:
                                   > _REQUEST_TIME_RESOLUTION_S):
             self.db.touch(ModelRow, model_id, last_request_time=stamp, resident=True)
         return protocol.FutureResponse(request_id=row.request_id, model_id=model_id)
+
+
+def caller_args(caller: Caller) -> dict:
+    """Who a stored request acts for (StoredRequest args): enough to record and audit what it makes."""
+    return {"user_id": caller.user_id, "org_id": caller.org_id}
+
+
+def stored_caller(args: dict) -> Caller:
+    return Caller(args["user_id"], "", args["org_id"], "", False, key_id="")
 
 
 def gateway_of(request: Request) -> Gateway:

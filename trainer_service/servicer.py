@@ -3,7 +3,8 @@ model's fair turn, convert back. Weight pushes go through weight_push.py.
 
 A resent (model_id, seq_id) gets the stored reply instead of running twice (replies.py), also
 after a restart for what the model's durable state includes (durable.py); a model that lost
-work in a restart says so once.
+work in a restart says so once. A model's requests execute in seq_id order whichever gateway
+sends them (seq_order.py).
 Every directory is derived here from ids and names below the trainer's own state dir
 (tinkerd/paths.py); none comes from the caller.
 """
@@ -24,6 +25,7 @@ from trainer_service.engine import TrainerEngine
 from trainer_service.durable import IDLE_WRITE_AFTER_S, DurableModels, describe_lost
 from trainer_service.replies import APPLIED, ReplyCache
 from trainer_service.scheduler import FairScheduler, tenant_of
+from trainer_service.seq_order import SeqOrder
 from trainer_service.weight_push import WeightPusher
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             engine.attach_durable(DurableModels(self.state_dir, durable_interval_s))
         self.durable = engine.durable
         self.replies = ReplyCache()
+        self.order = SeqOrder()
         self.scheduler = FairScheduler()
         self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth)
         threading.Thread(target=self._write_when_idle, name="durable-writer", daemon=True).start()
@@ -61,6 +64,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         cached = self.replies.get(model_id, seq, kind)
         if cached is not None:
             return cached
+        self.order.wait_turn(model_id, seq)
+        try:
+            cached = self.replies.get(model_id, seq, kind)    # the same request, sent meanwhile by another gateway
+            if cached is not None:
+                return cached
+            return self._fair(model_id, self._turn(request, kind, work))
+        finally:
+            self.order.executed(model_id, seq)
+
+    def _turn(self, request, kind: str, work):
+        model_id, seq = request.model_id, request.seq_id
 
         def turn():
             self._resume(model_id, seq)
@@ -70,7 +84,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             reply = work()
             self.replies.put(model_id, seq, kind, reply)
             return reply
-        return self._fair(model_id, turn)
+        return turn
 
     def _resume(self, model_id: str, seq: int) -> None:
         """Brings back a model that is not resident. Its journal tells which requests its durable
@@ -140,12 +154,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         else:
             def create():
                 return self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config))
+            self.order.created(request.model_id)
         self._fair(request.model_id, create)
         return self._info(request.model_id)
 
     @rpc_boundary
     def DeleteModel(self, request, context):
         self.replies.forget(request.model_id)
+        self.order.forget(request.model_id)
         return trainer_pb2.DeleteModelResponse(
             deleted=self._fair(request.model_id, lambda: self.engine.delete_model(request.model_id)))
 
@@ -207,6 +223,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             raise UserError("snapshot_id is required")
         cached = self.replies.get(request.model_id, request.seq_id, "push_weights")
         if cached is not None:
+            return cached
+        self.order.wait_turn(request.model_id, request.seq_id)
+        try:
+            return self._push(request)
+        finally:
+            self.order.executed(request.model_id, request.seq_id)
+
+    def _push(self, request) -> trainer_pb2.PushWeightsResponse:
+        cached = self.replies.get(request.model_id, request.seq_id, "push_weights")
+        if cached is not None:     # the same push, sent meanwhile by another gateway
             return cached
 
         def export():

@@ -6,7 +6,6 @@ sample_cancel_enabled)."""
 from __future__ import annotations
 
 import collections
-import functools
 
 import grpc
 from fastapi import APIRouter, Request
@@ -15,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.auth import CallerDep, caller_of
 from gateway.db import FutureRow
 from gateway.errors import error_response
-from gateway.futures import json_body
+from gateway.futures import StoredRequest, json_body, runs
 from gateway.protocol import (CancelFutureRequest, CancelFutureResponse, FutureCompletion, FutureResponse,
                               RetrieveFutureRequest, RetrieveFuturesRequest, RetrieveFuturesResponse,
                               TryAgainResponse, parse_json)
@@ -63,7 +62,7 @@ async def retrieve_futures(request: Request):
     caller = caller_of(request)
     gw.sessions.sampling_session(caller, body.target.sampling_session_id)
     target = (body.target.sampling_session_id, body.target.cloned_sampler_id)
-    gw.futures.recover_orphans(target, caller.user_id, body.prev_cursor)
+    gw.futures.recover(target, caller.user_id, body.prev_cursor)
     for request_id in body.retrieved_request_ids:
         gw.futures.retrieved(request_id, caller.user_id, target)
     timeout = LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S)
@@ -119,10 +118,11 @@ async def _describe_queue(gw: Gateway, row: FutureRow) -> tuple[str, str]:
 @router.post("/internal/noop_future")
 async def noop_future(caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     """Not Tinker: a future whose job is one trainer Health call (bench/futures.py)."""
-    row = gw.futures.submit("noop", functools.partial(_noop, gw), owner=caller.user_id)
+    row = gw.futures.submit("noop", StoredRequest({}), owner=caller.user_id)
     return FutureResponse(request_id=row.request_id)
 
 
-async def _noop(gw: Gateway):
+@runs("noop")
+async def _noop(gw: Gateway, args: dict, body: bytes):
     await gw.trainer.Health(common_pb2.HealthRequest())
     return json_body({"type": "noop"})

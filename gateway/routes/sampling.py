@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 from fastapi import APIRouter
 
 from gateway import convert, metrics
 from gateway.auth import CallerDep
 from gateway.db import ModelRow, SamplingSessionRow
-from gateway.futures import fingerprint
+from gateway.futures import StoredRequest, fingerprint, new_request_id, runs
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
                               GetSamplerResponse, SAMPLING_CLONE_SPAN, SampleRequest)
 from gateway.routes.training import supported_base_model
@@ -53,16 +51,21 @@ async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
     msg = convert.sample_request(body, session.snapshot_id, session.snapshot_path)
     gw.limits.check_samples(caller)
     record_for = session.session_id if body.record_stability_info else None
-    row = gw.futures.submit("sample", functools.partial(_sample, gw, msg, record_for), owner=caller.user_id,
-                            fingerprint=fingerprint("sample", body.model_dump_json()),
+    msg.request_id = new_request_id()      # the future's id (a resend gets the first one's back)
+    row = gw.futures.submit("sample", StoredRequest({"record_for": record_for}, msg.SerializeToString()),
+                            owner=caller.user_id, fingerprint=fingerprint("sample", body.model_dump_json()),
                             idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
-                            target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN))
-    msg.request_id = row.request_id
+                            target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN),
+                            request_id=msg.request_id)
     return FutureResponse(request_id=row.request_id,
                           sample_sequence_ids=[f"{row.request_id}:{i}" for i in range(body.num_samples)])
 
 
-async def _sample(gw: Gateway, msg: sampler_pb2.SampleRequest, record_for: str | None):
+@runs("sample")
+async def _sample(gw: Gateway, args: dict, body: bytes):
+    """Re-driven, a sample is simply sampled again: its first result was never delivered."""
+    msg = sampler_pb2.SampleRequest.FromString(body)
+    record_for = args.get("record_for")
     reply = await gw.backends.samplers.sample(msg)
     metrics.sampled(reply)
     if record_for is not None:       # for stable_reinforce, which names these sequences by id

@@ -3,7 +3,6 @@ does work is a future run in the model's seq_id order (gateway/futures.py)."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 from fastapi import APIRouter, Request
@@ -11,11 +10,11 @@ from fastapi import APIRouter, Request
 from gateway import audit, convert, metrics, step_metrics
 from gateway.auth import CallerDep
 from gateway.db import ModelRow
-from gateway.futures import fingerprint, json_body
+from gateway.futures import StoredRequest, fingerprint, json_body, runs
 from gateway.keys import Caller
 from gateway.protocol import (CreateModelRequest, FutureResponse, GetInfoResponse, ModelData, ModelIdRequest,
                               OptimStepRequest)
-from gateway.state import Gateway, GatewayDep
+from gateway.state import Gateway, GatewayDep, caller_args, stored_caller
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
@@ -42,17 +41,25 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
         gw.limits.check_models(caller)
     msg = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=gw.settings.base_model,
                                          lora_config=convert.lora_config(body.lora_config))
-    row = ModelRow(model_id=model_id, session_id=session_id, owner=caller.user_id, base_model=base,
-                   lora_rank=body.lora_config.rank, lora_config=body.lora_config.model_dump(exclude_none=True))
-    job = functools.partial(_create_model, gw, caller, msg, row)
-    return gw.submit_training(caller, "create_model", model_id, 0, job,
+    run = run_args(model_id, session_id, caller.user_id, base, body.lora_config.rank,
+                   body.lora_config.model_dump(exclude_none=True))
+    request = StoredRequest({"caller": caller_args(caller), "run": run}, msg.SerializeToString())
+    return gw.submit_training(caller, "create_model", model_id, 0, request,
                               fingerprint("create_model", body.model_dump_json()))
 
 
-async def _create_model(gw: Gateway, caller: Caller, msg: trainer_pb2.CreateModelRequest, row: ModelRow):
+@runs("create_model")
+async def _create_model(gw: Gateway, args: dict, body: bytes):
+    msg = trainer_pb2.CreateModelRequest.FromString(body)
     await gw.trainer.CreateModel(msg)
-    add_run(gw, caller, row)
+    add_run(gw, stored_caller(args["caller"]), ModelRow(**args["run"]))
     return json_body({"model_id": msg.model_id, "type": "create_model"})
+
+
+def run_args(model_id: str, session_id: str, owner: str, base_model: str, lora_rank: int, lora_config: dict) -> dict:
+    """A training run's row, as stored request arguments (ModelRow(**run_args(...)))."""
+    return {"model_id": model_id, "session_id": session_id, "owner": owner, "base_model": base_model,
+            "lora_rank": lora_rank, "lora_config": lora_config}
 
 
 def add_run(gw: Gateway, caller: Caller, row: ModelRow) -> None:
@@ -83,11 +90,13 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
     if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
         gw.stability.apply(fb, model.session_id)
     kind = "forward" if fb.forward_only else "forward_backward"
-    job = functools.partial(_forward_backward, gw, convert.trainer_request(fb))
-    return gw.submit_training(caller, kind, fb.model_id, fb.seq_id, job, fingerprint(kind, raw))
+    request = StoredRequest({}, convert.trainer_request(fb).SerializeToString())
+    return gw.submit_training(caller, kind, fb.model_id, fb.seq_id, request, fingerprint(kind, raw))
 
 
-async def _forward_backward(gw: Gateway, msg: trainer_pb2.ForwardBackwardRequest):
+@runs("forward", "forward_backward")
+async def _forward_backward(gw: Gateway, args: dict, body: bytes):
+    msg = trainer_pb2.ForwardBackwardRequest.FromString(body)
     reply = await gw.trainer.ForwardBackward(msg)
     metrics.trained(msg)
     step_metrics.record(gw.db, msg, reply)
@@ -99,12 +108,14 @@ async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) 
     gw.sessions.live_model(caller, body.model_id)
     msg = trainer_pb2.OptimStepRequest(model_id=body.model_id, seq_id=body.seq_id,
                                        adam_params=convert.adam_params(body.params))
-    job = functools.partial(_optim_step, gw, msg)
-    return gw.submit_training(caller, "optim_step", body.model_id, body.seq_id, job,
+    return gw.submit_training(caller, "optim_step", body.model_id, body.seq_id,
+                              StoredRequest({}, msg.SerializeToString()),
                               fingerprint("optim_step", body.model_dump_json()))
 
 
-async def _optim_step(gw: Gateway, msg: trainer_pb2.OptimStepRequest):
+@runs("optim_step")
+async def _optim_step(gw: Gateway, args: dict, body: bytes):
+    msg = trainer_pb2.OptimStepRequest.FromString(body)
     reply = await gw.trainer.OptimStep(msg)
     step_metrics.record(gw.db, msg, reply)
     return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})

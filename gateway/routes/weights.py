@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import datetime
 import time
 import uuid
 
@@ -13,72 +12,72 @@ from fastapi import APIRouter
 from gateway import audit, checkpoints, metrics
 from gateway.auth import CallerDep
 from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, now
-from gateway.futures import fingerprint, json_body
+from gateway.futures import StoredRequest, fingerprint, json_body, runs
 from gateway.keys import Caller
 from gateway.protocol import FutureResponse, LoadWeightsRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest
-from gateway.routes.training import add_run
-from gateway.state import Gateway, GatewayDep
+from gateway.routes.training import add_run, run_args
+from gateway.state import Gateway, GatewayDep, caller_args, stored_caller
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
 router = APIRouter(prefix="/api/v1")
 
 
-@dataclasses.dataclass
-class _SnapshotTarget:
-    """Where a pushed snapshot is recorded once the samplers hold it: a named sampler checkpoint
-    (`path`), or an ephemeral sampling session."""
-    caller: Caller
-    model: ModelRow
-    path: str | None
-    sampling_session_id: str | None
-    expires_at: object
-
-
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: CallerDep,
                                    gw: GatewayDep) -> FutureResponse:
     model = gw.sessions.live_model(caller, body.model_id)
-    target = _SnapshotTarget(caller, model, None, None, checkpoints.expires(body.ttl_seconds))
+    expires_at = checkpoints.expires(body.ttl_seconds)
+    # Where the snapshot is recorded once the samplers hold it: a named sampler checkpoint
+    # (`path`), or an ephemeral sampling session.
+    target = {"caller": caller_args(caller), "session_id": model.session_id, "base_model": model.base_model,
+              "path": None, "sampling_session_id": None,
+              "expires_at": expires_at.isoformat() if expires_at else None}
     if body.path is not None:
         gw.limits.check_checkpoint_bytes(caller)
         name = checkpoints.checkpoint_name(body.path)
-        target.path = checkpoints.tinker_path(body.model_id, "sampler_weights", name)
-        if gw.db.get(CheckpointRow, target.path) is not None:
-            raise UserError(f"checkpoint {target.path} already exists")
+        target["path"] = checkpoints.tinker_path(body.model_id, "sampler_weights", name)
+        if gw.db.get(CheckpointRow, target["path"]) is not None:
+            raise UserError(f"checkpoint {target['path']} already exists")
     else:
-        target.sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
+        target["sampling_session_id"] = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     push = trainer_pb2.PushWeightsRequest(
         model_id=body.model_id, seq_id=body.seq_id, snapshot_id=f"{body.model_id}@{body.seq_id}-{uuid.uuid4().hex[:8]}",
-        persist=True, copy_in_background=target.path is None)   # a named checkpoint's files exist when it is listed
-    job = functools.partial(_push_weights, gw, push, target)
-    return gw.submit_training(caller, "save_weights_for_sampler", body.model_id, body.seq_id, job,
+        persist=True, copy_in_background=body.path is None)   # a named checkpoint's files exist when it is listed
+    return gw.submit_training(caller, "save_weights_for_sampler", body.model_id, body.seq_id,
+                              StoredRequest(target, push.SerializeToString()),
                               fingerprint("save_weights_for_sampler", body.model_dump_json()))
 
 
-async def _push_weights(gw: Gateway, push: trainer_pb2.PushWeightsRequest, target: _SnapshotTarget):
-    # (In the job, not the route: a resend of this very request must still find its future.)
-    if target.sampling_session_id and gw.db.get(SamplingSessionRow, target.sampling_session_id) is not None:
-        raise UserError(f"sampling session {target.sampling_session_id} exists already: every "
+@runs("save_weights_for_sampler")
+async def _push_weights(gw: Gateway, target: dict, body: bytes):
+    push = trainer_pb2.PushWeightsRequest.FromString(body)
+    caller, path, sampling_session_id = stored_caller(target["caller"]), target["path"], target["sampling_session_id"]
+    # (In the job, not the route: a resend of this very request must still find its future. A
+    # session with this very snapshot is this request's own, recorded before a re-drive.)
+    existing = sampling_session_id and gw.db.get(SamplingSessionRow, sampling_session_id)
+    if existing and existing.snapshot_id != push.snapshot_id:
+        raise UserError(f"sampling session {sampling_session_id} exists already: every "
                         f"save_weights_for_sampler needs its own sampling_session_seq_id")
     await gw.backends.samplers.refresh()      # a replica that died since the last check would stall the push
     push.sampler_addresses[:] = gw.backends.samplers.live_addresses()
     t0 = time.perf_counter()
-    pushed = await gw.trainer.PushWeights(push)
+    pushed = await gw.trainer.PushWeights(push)      # a resent (model_id, seq_id) gets the first push's reply
     metrics.pushed(pushed, time.perf_counter() - t0)
     gw.backends.samplers.holds(push.snapshot_id, list(push.sampler_addresses))
-    if target.path is not None:
-        gw.db.add(CheckpointRow(tinker_path=target.path, model_id=push.model_id, owner=target.caller.user_id,
-                                checkpoint_type="sampler", name=target.path.rsplit("/", 1)[1],
+    if path is not None:
+        expires_at = target["expires_at"] and datetime.datetime.fromisoformat(target["expires_at"])
+        gw.db.put(CheckpointRow(tinker_path=path, model_id=push.model_id, owner=caller.user_id,
+                                checkpoint_type="sampler", name=path.rsplit("/", 1)[1],
                                 snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
                                 directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
-                                expires_at=target.expires_at))
-        _audit_saved(gw, target.caller, push.model_id, target.path)
-    else:
-        gw.db.add(SamplingSessionRow(sampling_session_id=target.sampling_session_id, owner=target.caller.user_id,
-                                     session_id=target.model.session_id, base_model=target.model.base_model,
+                                expires_at=expires_at or None))
+        _audit_saved(gw, caller, push.model_id, path)
+    elif not existing:
+        gw.db.add(SamplingSessionRow(sampling_session_id=sampling_session_id, owner=caller.user_id,
+                                     session_id=target["session_id"], base_model=target["base_model"],
                                      snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path))
-    return json_body({"path": target.path, "sampling_session_id": target.sampling_session_id,
+    return json_body({"path": path, "sampling_session_id": sampling_session_id,
                       "type": "save_weights_for_sampler"})
 
 
@@ -106,19 +105,25 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
     path = checkpoints.tinker_path(body.model_id, kind, name)
     if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
         raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
-    row = CheckpointRow(tinker_path=path, model_id=body.model_id, owner=caller.user_id, name=name,
-                        checkpoint_type=checkpoints.KINDS[kind], expires_at=checkpoints.expires(body.ttl_seconds),
-                        user_metadata=body.user_metadata)
+    expires_at = checkpoints.expires(body.ttl_seconds)
+    args = {"caller": caller_args(caller), "path": path, "checkpoint_type": checkpoints.KINDS[kind],
+            "expires_at": expires_at.isoformat() if expires_at else None, "user_metadata": body.user_metadata,
+            "response_type": response_type}
     save = trainer_pb2.SaveStateRequest(model_id=body.model_id, seq_id=body.seq_id, kind=kind, name=name,
                                         with_optimizer=with_optimizer)
-    job = functools.partial(_save, gw, caller, save, row, response_type)
-    return gw.submit_training(caller, f"save_{kind}", body.model_id, body.seq_id, job,
+    return gw.submit_training(caller, f"save_{kind}", body.model_id, body.seq_id,
+                              StoredRequest(args, save.SerializeToString()),
                               fingerprint(f"save_{kind}", body.model_dump_json()))
 
 
-async def _save(gw: Gateway, caller: Caller, save: trainer_pb2.SaveStateRequest, row: CheckpointRow,
-                response_type: str):
-    saved = await gw.trainer.SaveState(save)
+@runs("save_weights", "save_external_weights")
+async def _save(gw: Gateway, args: dict, body: bytes):
+    save = trainer_pb2.SaveStateRequest.FromString(body)
+    caller, response_type = stored_caller(args["caller"]), args["response_type"]
+    row = CheckpointRow(tinker_path=args["path"], model_id=save.model_id, owner=caller.user_id, name=save.name,
+                        checkpoint_type=args["checkpoint_type"], user_metadata=args["user_metadata"],
+                        expires_at=args["expires_at"] and datetime.datetime.fromisoformat(args["expires_at"]) or None)
+    saved = await gw.trainer.SaveState(save)      # a resent (model_id, seq_id) gets the first save's reply
     row.directory, row.size_bytes, row.created_at = saved.directory, saved.size_bytes, now()
     gw.db.put(row)
     _audit_saved(gw, caller, row.model_id, row.tinker_path)
@@ -145,21 +150,22 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
         if gw.db.get(ModelRow, model_id) is None:
             gw.limits.check_models(caller)
         lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
-        new_run = ModelRow(model_id=model_id, session_id=session_id, owner=caller.user_id,
-                           base_model=source.base_model, lora_rank=source.lora_rank, lora_config=lora)
+        new_run = run_args(model_id, session_id, caller.user_id, source.base_model, source.lora_rank, lora)
     create = trainer_pb2.CreateModelRequest(
         model_id=model_id, base_model=gw.settings.base_model, load_optimizer=body.optimizer,
         load_checkpoint=trainer_pb2.CheckpointRef(model_id=source_run, kind=kind, name=name))
-    job = functools.partial(_load, gw, caller, create, seq_id, body.path, new_run)
-    return gw.submit_training(caller, "load_weights", model_id, seq_id, job,
+    args = {"caller": caller_args(caller), "seq_id": seq_id, "path": body.path, "run": new_run}
+    return gw.submit_training(caller, "load_weights", model_id, seq_id, StoredRequest(args, create.SerializeToString()),
                               fingerprint("load_weights", body.model_dump_json()))
 
 
-async def _load(gw: Gateway, caller: Caller, create: trainer_pb2.CreateModelRequest, seq_id: int, path: str,
-                new_run: ModelRow | None):
+@runs("load_weights")
+async def _load(gw: Gateway, args: dict, body: bytes):
+    create = trainer_pb2.CreateModelRequest.FromString(body)
+    seq_id, path = args["seq_id"], args["path"]
     if seq_id > 0:     # legacy: replace the existing model's state
         await gw.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=create.model_id))
     await gw.trainer.CreateModel(create)
-    if new_run is not None:
-        add_run(gw, caller, new_run)
+    if args["run"] is not None:
+        add_run(gw, stored_caller(args["caller"]), ModelRow(**args["run"]))
     return json_body({"path": path, "model_id": create.model_id, "type": "load_weights"})

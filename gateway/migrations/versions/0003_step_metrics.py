@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0003_step_metrics'
-down_revision = '0001'
+down_revision = '0002_redrive'
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,85 @@
+"""The trainer executes a model's requests in seq_id order whichever gateway sends them
+(trainer_service/seq_order.py): out-of-order arrivals wait for the lower seq_ids, a seq_id that
+never comes holds the next one only up to the gap timeout, and a copy of a request that arrives
+while the first still runs (a re-drive from another gateway) gets the first one's reply."""
+
+import concurrent.futures
+import threading
+import time
+
+from trainer_service.seq_order import SeqOrder
+from test_durable import _create, _fb, _step, _trainer
+
+
+def _run_in_threads(calls):
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = []
+        for fn in calls:
+            futures.append(pool.submit(fn))
+            time.sleep(0.05)           # arrival order as listed
+        return [f.result(timeout=60) for f in futures]
+
+
+def test_seq_order_holds_later_seq_ids_and_gives_up_on_a_gap():
+    order, ran = SeqOrder(gap_timeout_s=0.5), []
+    order.created("m")
+
+    def request(seq):
+        def go():
+            order.wait_turn("m", seq)
+            ran.append(seq)
+            order.executed("m", seq)
+        return go
+    _run_in_threads([request(3), request(2), request(1)])
+    assert ran == [1, 2, 3]
+    t0 = time.monotonic()
+    request(5)()                      # 4 never comes: 5 runs after the gap timeout
+    assert ran[-1] == 5 and 0.4 < time.monotonic() - t0 < 2
+    request(4)()                      # late: runs at once (what it would have waited for is done)
+    assert ran[-1] == 4
+
+
+def test_a_copy_of_a_running_request_waits_for_it():
+    order, started, release = SeqOrder(gap_timeout_s=5), threading.Event(), threading.Event()
+    order.created("m")
+
+    def first():
+        order.wait_turn("m", 1)
+        started.set()
+        release.wait(5)
+        order.executed("m", 1)
+
+    def copy():
+        started.wait(5)
+        t0 = time.monotonic()
+        order.wait_turn("m", 1)
+        order.executed("m", 1)
+        return time.monotonic() - t0
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a, b = pool.submit(first), pool.submit(copy)
+        time.sleep(0.3)
+        release.set()
+        a.result(5)
+        assert b.result(5) >= 0.2
+
+
+def test_the_servicer_runs_out_of_order_requests_in_seq_order_once(tiny_model_dir, tmp_path):
+    """The SDK's chunks arrive last-first, spread over two gateways: the optim_step (3) and the
+    second chunk (2) wait for the first chunk (1); a copy of chunk 2 sent meanwhile by another
+    gateway runs nothing and gets the same reply."""
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    _create(trainer, "s:train:0")
+    ran = []
+    real = trainer._forward_backward
+
+    def recorded(request):
+        ran.append(("fb", request.seq_id))
+        return real(request)
+    trainer._forward_backward = recorded
+    step, fb2, fb2_copy, fb1 = _run_in_threads([
+        lambda: _step(trainer, "s:train:0", 3), lambda: _fb(trainer, "s:train:0", 2, shift=1),
+        lambda: _fb(trainer, "s:train:0", 2, shift=1), lambda: _fb(trainer, "s:train:0", 1)])
+    assert ran == [("fb", 1), ("fb", 2)]
+    assert fb2_copy == fb2
+    assert trainer.order.next_of("s:train:0") == 4
+    assert trainer.engine.get("s:train:0").step == 1
