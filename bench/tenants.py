@@ -138,6 +138,13 @@ def _scale_stack(ctx: Context, name: str, counts: tuple[int, ...]):
                          "--merged-slots", "0", "--max-models-per-user", str(10 * max(counts)))
 
 
+def _footprint(pids: dict, state: str) -> str:
+    """The services' memory and open files, and the state dir's size, as one note."""
+    return (f"trainer RSS {rss_mib(pids['trainer']):.0f} MiB, {_open_files(pids['trainer'])} open files; "
+            f"sampler RSS {rss_mib(pids['sampler']):.0f} MiB, {_open_files(pids['sampler'])} open files; "
+            f"gateway RSS {rss_mib(pids['gateway']):.0f} MiB; state dir {_disk_mib(state):.0f} MiB")
+
+
 def _at_scale_rows(ctx: Context, name: str, counts: tuple[int, ...], report=lambda row: None,
                    stack=None) -> list[Row]:
     """The at-scale rows of `name` (see the module docstring), on `stack` or a stack of their own;
@@ -181,9 +188,7 @@ def _at_scale_rows(ctx: Context, name: str, counts: tuple[int, ...], report=lamb
             warm = median_time(lambda: samplers[-1].sample(prompt, 1, params).result(), 5, warmup=1)
             cold_snaps = rng.sample(range(n - cached), min(probes, n - cached))
             cold = [seconds(lambda i=i: samplers[i].sample(prompt, 1, params).result()) for i in cold_snaps]
-            mem = (f"trainer RSS {rss_mib(pids['trainer']):.0f} MiB, {_open_files(pids['trainer'])} open files; "
-                   f"sampler RSS {rss_mib(pids['sampler']):.0f} MiB, {_open_files(pids['sampler'])} open files; "
-                   f"gateway RSS {rss_mib(pids['gateway']):.0f} MiB; state dir {_disk_mib(state):.0f} MiB")
+            mem = _footprint(pids, state)
             rows.append(Row("tenants", f"{name}: {n} models ({resident} resident), first forward on an evicted "
                             f"rank-8 model, p50 (p99 {1e3 * percentile(reload, 0.99):.0f} ms)",
                             1e3 * statistics.median(reload), 1e3 * hot, "ms",
