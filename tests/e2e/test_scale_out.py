@@ -3,8 +3,10 @@
 A 2-rank trainer (torchrun), sampler replicas that register themselves with both gateways, and two
 gateways on one PostgreSQL (the `pgserver` wheel), all started in parallel. The SDK runs an RL
 loop (sample -> forward_backward -> optim_step -> save_weights_for_sampler -> sample) against
-gateway 1. Mid-run a replica is SIGKILLed while samples are in flight and a third one joins; then
-gateway 1 is SIGKILLed while training and sampling futures are pending, and restarted on its port
+gateway 1. A third replica starts once the others are up and joins while the loop runs; a replica
+is SIGKILLed while samples are in flight; then
+gateway 1 is SIGKILLed while samples are pending and a forward_backward and an optim_step are
+held in the trainer (its follower rank is SIGSTOPped meanwhile), and restarted on its port
 (the SDK keeps polling that URL; the futures' leases lapse and a gateway re-drives them from the
 request stored in their row). The loop must finish with every future answered and no error in
 the SDK; no training request may have run twice (the optim step count, and a replay of the same
@@ -14,6 +16,7 @@ newest snapshot is served by the third replica (the second one has stopped by th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -67,8 +70,16 @@ class Service:
         return int(m.group(1))
 
     def kill(self, sig=signal.SIGKILL) -> None:
+        """Signals the service and everything it started: torchrun starts each rank in a session
+        of its own, so the process group alone would leave the ranks running."""
+        import psutil
+
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)       # torchrun's ranks too
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+            os.killpg(self.proc.pid, sig)
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.send_signal(sig)
         self.proc.wait(timeout=60)
 
 
@@ -151,16 +162,20 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
         services += gateways
         for s in services:
             s.ready()
+        # A third replica starts now and joins while the loop runs (a replica takes longer to start
+        # than the loop takes to get going; starting it any later would only make the test longer).
+        services.append(third := replica("replica-3"))
         up = lambda r: f"sampler replica {r.address} is up" in gateways[1].text()  # noqa: E731
         for r in (first, second):
             r.address = f"127.0.0.1:{r.ready()}"
         _wait_for(lambda: up(first) and up(second), "the replicas never joined the pool")
         db = sqlalchemy.create_engine(db_url)
 
-        def pending(kinds: tuple[str, ...]) -> list[str]:
+        def pending() -> list[str]:
+            """The types of the futures pending now, on any gateway."""
             with db.connect() as conn:
-                return [t for (t,) in conn.execute(sqlalchemy.text(
-                    "SELECT request_type FROM futures WHERE status = 'pending'")) if t.startswith(kinds)]
+                return list(conn.execute(sqlalchemy.text(
+                    "SELECT request_type FROM futures WHERE status = 'pending'")).scalars())
 
         os.environ["TINKER_API_KEY"] = "tml-no-auth"
         service = tinker.ServiceClient(base_url=urls[0])
@@ -168,28 +183,27 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
         prompt = tc.get_tokenizer().encode("the cat sat on")
         adam = types.AdamParams(learning_rate=1e-2)
         short = types.SamplingParams(max_tokens=8, temperature=1.0)
-        long = types.SamplingParams(max_tokens=256, temperature=1.0, stop=[])
+        long = types.SamplingParams(max_tokens=128, temperature=1.0, stop=[])
         sc = tc.save_weights_and_get_sampling_client()
-        batches, losses, steps, third = [], [], [], None
+        batches, losses, steps = [], [], []
         for i in range(ITERATIONS):
             in_flight = []
-            if i in (1, 2):                          # long samples, pending while something dies
+            if i == 1:                               # a replica dies mid-sample
                 in_flight = [sc.sample(types.ModelInput.from_ints(prompt), 1, long) for _ in range(4)]
-                _wait_for(lambda: pending(("sample",)), "no sample became pending")
-            if i == 1:                               # a replica dies mid-sample; a third joins
+                _wait_for(lambda: "sample" in pending(), "no sample became pending")
                 first.kill()
-                services.append(third := replica("replica-3"))
             batch = _rl_batch(sc.sample(types.ModelInput.from_ints(prompt), 2, short).result(), prompt)
             if i == 2:
-                # Gateway 1 dies with training pending (held in the trainer: its follower rank is
-                # stopped meanwhile), and comes back on its port.
+                # Gateway 1 dies with samples and training pending (the training held in the trainer:
+                # its follower rank is stopped meanwhile), and comes back on its port.
                 follower = _follower_pid(trainer.proc.pid)
                 os.kill(follower, signal.SIGSTOP)
                 try:
                     fb, step = tc.forward_backward(batch, "importance_sampling"), tc.optim_step(adam)
-                    _wait_for(lambda: {"forward_backward", "optim_step"} <= set(pending(("",))),
-                              "the training requests never became pending", 30)
-                    caught = pending(("",))
+                    in_flight = [sc.sample(types.ModelInput.from_ints(prompt), 1, long) for _ in range(4)]
+                    _wait_for(lambda: {"forward_backward", "optim_step", "sample"} <= set(pending()),
+                              "the requests never became pending", 30)
+                    caught = pending()
                     gateways[0].kill()
                 finally:
                     os.kill(follower, signal.SIGCONT)
@@ -209,14 +223,11 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
         assert steps == [float(n) for n in range(1, ITERATIONS + 1)], steps
         assert all(np.isfinite(losses)), losses
         redriven = re.findall(r"re-driving (\w+)", gateways[0].text() + gateways[1].text())
-        assert {"forward_backward", "optim_step"} <= set(redriven), (redriven, caught)
-
-        # The newest snapshot, with the second replica gone: only the third can serve it.
-        second.kill(signal.SIGTERM)
-        out = sc.sample(types.ModelInput.from_ints(prompt), 2, short).result()
-        assert len(out.sequences) == 2
+        assert {"forward_backward", "optim_step", "sample"} <= set(redriven), (redriven, caught)
 
         # The same data on a fresh model of the same seed, without kills: same losses, same weights.
+        # Meanwhile the second replica stops (a clean stop leaves the pool), to sample below.
+        second.proc.send_signal(signal.SIGTERM)
         again = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=1).result()
         for batch, loss in zip(batches, losses):
             assert again.forward_backward(batch, "importance_sampling").result().metrics["loss:sum"] == \
@@ -226,6 +237,11 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
         logprobs = [c.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
                     for c in (tc, again)]
         np.testing.assert_allclose(logprobs[0], logprobs[1], atol=1e-5)
+
+        # The newest snapshot, with the first two replicas gone: served by the third.
+        second.proc.wait(timeout=60)
+        out = sc.sample(types.ModelInput.from_ints(prompt), 2, short).result()
+        assert len(out.sequences) == 2
         print(f"pending at the gateway kill: {caught}; re-driven: {redriven}")
     finally:
         os.environ.pop("TINKER_API_KEY", None)
