@@ -4,11 +4,11 @@ A 2-rank trainer (torchrun), sampler replicas that register themselves with both
 gateways on one PostgreSQL (the `pgserver` wheel), all started in parallel. The SDK runs an RL
 loop (sample -> forward_backward -> optim_step -> save_weights_for_sampler -> sample) against
 gateway 1. A third replica starts once the others are up and joins while the loop runs; a replica
-is SIGKILLed while samples are in flight; then
-gateway 1 is SIGKILLed while samples are pending and a forward_backward and an optim_step are
-held in the trainer (its follower rank is SIGSTOPped meanwhile), and restarted on its port
-(the SDK keeps polling that URL; the futures' leases lapse and a gateway re-drives them from the
-request stored in their row). The loop must finish with every future answered and no error in
+is SIGKILLed while samples are in flight; then gateway 1 is SIGKILLed while samples are pending
+and a forward_backward and an optim_step are held in the trainer (its follower rank is SIGSTOPped
+meanwhile), and restarted on its port (the SDK keeps polling that URL; the futures' leases lapse
+and a gateway re-drives them from the request stored in their row). The gateways run --no-auth
+(auth on PostgreSQL is tests/e2e/test_postgres.py's). The loop must finish with every future answered and no error in
 the SDK; no training request may have run twice (the optim step count, and a replay of the same
 data on a second model without kills gives the same losses and the same final logprobs); the
 newest snapshot is served by the third replica (the second one has stopped by then).
