@@ -1,0 +1,251 @@
+"""Issue 13's acceptance run: every tier scaled out and failing under one unmodified SDK client.
+
+A 2-rank trainer (torchrun), sampler replicas that register themselves with both gateways, and two
+gateways on one PostgreSQL (the `pgserver` wheel), all started in parallel. The SDK runs an RL
+loop (sample -> forward_backward -> optim_step -> save_weights_for_sampler -> sample) against
+gateway 1. A third replica starts once the others are up and joins while the loop runs; a replica
+is SIGKILLed while samples are in flight; then gateway 1 is SIGKILLed while samples are pending
+and a forward_backward and an optim_step are held in the trainer (its follower rank is SIGSTOPped
+meanwhile), and restarted on its port (the SDK keeps polling that URL; the futures' leases lapse
+and a gateway re-drives them from the request stored in their row). The gateways run --no-auth
+(auth on PostgreSQL is tests/e2e/test_postgres.py's). The loop must finish with every future answered and no error in
+the SDK; no training request may have run twice (the optim step count, and a replay of the same
+data on a second model without kills gives the same losses and the same final logprobs); the
+newest snapshot is served by the third replica (the second one has stopped by then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ITERATIONS = 4
+LEASE_S = 2.0
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """A `tinkerd` service in its own process group; stdout and stderr go to its log file."""
+
+    def __init__(self, name: str, command: list[str], log_dir, env: dict):
+        self.name, self.command, self.env = name, command, env
+        self.log = os.path.join(log_dir, f"{name}.log")
+        self.start()
+
+    def start(self) -> None:
+        self.offset = os.path.getsize(self.log) if os.path.exists(self.log) else 0
+        self.proc = subprocess.Popen(self.command, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=ROOT, start_new_session=True)
+
+    def text(self) -> str:
+        """This start's log."""
+        with open(self.log, errors="replace") as f:
+            f.seek(self.offset)
+            return f.read()
+
+    def ready(self) -> int:
+        """Waits for `READY <service> <port>`; returns the port."""
+        deadline = time.monotonic() + 300
+        while not (m := re.search(r"^READY \w+ (\d+)$", self.text(), re.M)):
+            assert self.proc.poll() is None, f"{self.name} exited ({self.proc.returncode}):\n{self.text()[-4000:]}"
+            assert time.monotonic() < deadline, f"{self.name} not ready:\n{self.text()[-4000:]}"
+            time.sleep(0.1)
+        return int(m.group(1))
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        """Signals the service and everything it started: torchrun starts each rank in a session
+        of its own, so the process group alone would leave the ranks running."""
+        import psutil
+
+        if self.proc.poll() is None:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+            os.killpg(self.proc.pid, sig)
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.send_signal(sig)
+        self.proc.wait(timeout=60)
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _follower_pid(torchrun_pid: int) -> int:
+    """The trainer job's rank 1."""
+    import psutil
+
+    for child in psutil.Process(torchrun_pid).children(recursive=True):
+        if child.environ().get("RANK") == "1":
+            return child.pid
+    raise AssertionError("the trainer has no rank 1")
+
+
+def _postgres(tmp_path):
+    """PostgreSQL in a temporary directory (unix socket): the server and the gateways' URL."""
+    import pgserver
+
+    server = pgserver.get_server(tmp_path / "pg", cleanup_mode="stop")
+    server.psql("CREATE DATABASE tinkerd;")
+    return server, re.sub(r"^postgresql://(.*)/postgres\?", r"postgresql+psycopg://\1/tinkerd?", server.get_uri())
+
+
+def _rl_batch(sample_result, prompt: list[int]) -> list:
+    """Importance-sampling data from the samples: reward = share of even token ids."""
+    from tinker import types
+
+    data = []
+    for seq in sample_result.sequences:
+        reward = float(np.mean([t % 2 == 0 for t in seq.tokens]))
+        n = len(prompt) - 1
+        data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(prompt + seq.tokens[:-1]),
+            loss_fn_inputs={"target_tokens": prompt[1:] + seq.tokens, "logprobs": [0.0] * n + list(seq.logprobs),
+                            "advantages": [0.0] * n + [reward - 0.5] * len(seq.tokens)}))
+    return data
+
+
+def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model_dir, tmp_path):
+    import sqlalchemy
+    import tinker
+    from tinker import types
+
+    from launcher.up import service_token_file
+
+    state, logs = str(tmp_path / "state"), str(tmp_path / "logs")
+    os.makedirs(state)
+    os.makedirs(logs)
+    token = service_token_file(state)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                              "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
+    tinkerd = [sys.executable, "-m", "launcher.cli"]
+    trainer_port, ports = _free_port(), [_free_port(), _free_port()]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    common = ["--base-model", tiny_model_dir, "--state-dir", state, "--service-token-file", token]
+
+    def replica(name: str) -> Service:
+        return Service(name, [*tinkerd, "sampler", *common, "--merged-slots", "0", "--register-with", urls[0],
+                              "--register-with", urls[1]], logs, env)
+
+    services: list[Service] = []
+    postgres = None
+    try:
+        services.append(trainer := Service("trainer", [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+            "launcher.cli", "trainer", *common, "--listen", f"127.0.0.1:{trainer_port}"], logs, env))
+        services += (first := replica("replica-1")), (second := replica("replica-2"))
+        postgres, db_url = _postgres(tmp_path)       # while the others start
+        gateways = [Service(f"gateway-{i + 1}", [
+            *tinkerd, "gateway", *common, "--trainer", f"127.0.0.1:{trainer_port}", "--port", str(port),
+            "--db-url", db_url, "--no-auth", "--future-lease-s", str(LEASE_S)], logs, env)
+            for i, port in enumerate(ports)]
+        services += gateways
+        for s in services:
+            s.ready()
+        # A third replica starts now and joins while the loop runs (a replica takes longer to start
+        # than the loop takes to get going; starting it any later would only make the test longer).
+        services.append(third := replica("replica-3"))
+        up = lambda r: f"sampler replica {r.address} is up" in gateways[1].text()  # noqa: E731
+        for r in (first, second):
+            r.address = f"127.0.0.1:{r.ready()}"
+        _wait_for(lambda: up(first) and up(second), "the replicas never joined the pool")
+        db = sqlalchemy.create_engine(db_url)
+
+        def pending() -> list[str]:
+            """The types of the futures pending now, on any gateway."""
+            with db.connect() as conn:
+                return list(conn.execute(sqlalchemy.text(
+                    "SELECT request_type FROM futures WHERE status = 'pending'")).scalars())
+
+        os.environ["TINKER_API_KEY"] = "tml-no-auth"
+        service = tinker.ServiceClient(base_url=urls[0])
+        tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=1).result()
+        prompt = tc.get_tokenizer().encode("the cat sat on")
+        adam = types.AdamParams(learning_rate=1e-2)
+        short = types.SamplingParams(max_tokens=8, temperature=1.0)
+        long = types.SamplingParams(max_tokens=128, temperature=1.0, stop=[])
+        sc = tc.save_weights_and_get_sampling_client()
+        batches, losses, steps = [], [], []
+        for i in range(ITERATIONS):
+            in_flight = []
+            if i == 1:                               # a replica dies mid-sample
+                in_flight = [sc.sample(types.ModelInput.from_ints(prompt), 1, long) for _ in range(4)]
+                _wait_for(lambda: "sample" in pending(), "no sample became pending")
+                first.kill()
+            batch = _rl_batch(sc.sample(types.ModelInput.from_ints(prompt), 2, short).result(), prompt)
+            if i == 2:
+                # Gateway 1 dies with samples and training pending (the training held in the trainer:
+                # its follower rank is stopped meanwhile), and comes back on its port.
+                follower = _follower_pid(trainer.proc.pid)
+                os.kill(follower, signal.SIGSTOP)
+                try:
+                    fb, step = tc.forward_backward(batch, "importance_sampling"), tc.optim_step(adam)
+                    in_flight = [sc.sample(types.ModelInput.from_ints(prompt), 1, long) for _ in range(4)]
+                    _wait_for(lambda: {"forward_backward", "optim_step", "sample"} <= set(pending()),
+                              "the requests never became pending", 30)
+                    caught = pending()
+                    gateways[0].kill()
+                finally:
+                    os.kill(follower, signal.SIGCONT)
+                gateways[0].start()
+                gateways[0].ready()
+            else:
+                fb, step = tc.forward_backward(batch, "importance_sampling"), tc.optim_step(adam)
+            losses.append(fb.result().metrics["loss:sum"])
+            steps.append(step.result().metrics["step:max"])
+            assert all(len(f.result().sequences[0].tokens) == long.max_tokens for f in in_flight)
+            batches.append(batch)
+            if i == ITERATIONS - 1:                  # the newest snapshot reaches the third replica
+                third.address = f"127.0.0.1:{third.ready()}"
+                _wait_for(lambda: up(third), "the third replica never joined")
+            sc = tc.save_weights_and_get_sampling_client()
+
+        assert steps == [float(n) for n in range(1, ITERATIONS + 1)], steps
+        assert all(np.isfinite(losses)), losses
+        redriven = re.findall(r"re-driving (\w+)", gateways[0].text() + gateways[1].text())
+        assert {"forward_backward", "optim_step", "sample"} <= set(redriven), (redriven, caught)
+
+        # The same data on a fresh model of the same seed, without kills: same losses, same weights.
+        # Meanwhile the second replica stops (a clean stop leaves the pool), to sample below.
+        second.proc.send_signal(signal.SIGTERM)
+        again = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=1).result()
+        for batch, loss in zip(batches, losses):
+            assert again.forward_backward(batch, "importance_sampling").result().metrics["loss:sum"] == \
+                pytest.approx(loss, rel=1e-4, abs=1e-5)
+            again.optim_step(adam).result()
+        probe = batches[-1][0]
+        logprobs = [c.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+                    for c in (tc, again)]
+        np.testing.assert_allclose(logprobs[0], logprobs[1], atol=1e-5)
+
+        # The newest snapshot, with the first two replicas gone: served by the third.
+        second.proc.wait(timeout=60)
+        out = sc.sample(types.ModelInput.from_ints(prompt), 2, short).result()
+        assert len(out.sequences) == 2
+        print(f"pending at the gateway kill: {caught}; re-driven: {redriven}")
+    finally:
+        os.environ.pop("TINKER_API_KEY", None)
+        for s in services:
+            s.kill()
+        if postgres is not None:
+            postgres.cleanup()
