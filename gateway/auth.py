@@ -6,12 +6,18 @@ advertises JWT auth, the token it got from `POST /api/v1/auth/token`. A token th
 expired or whose key was revoked gets 401 with `WWW-Authenticate: Bearer error="invalid_token"`,
 which makes the SDK exchange its key for a fresh one (and fail with AuthenticationError if the
 key itself is no longer valid). A plain ASGI middleware: it is on the futures hot path.
+
+The sampler replicas' routes (`/internal/v1/samplers/`: joining the pool) take the service token
+that the services' gRPC calls carry instead of an API key; without one configured, only callers on this
+machine. Checked here too, so a bad credential is a 401 before any body is read or bounded.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
-from typing import Annotated
+from typing import Annotated, Callable
 
 from fastapi import Depends, Request
 
@@ -23,7 +29,8 @@ from gateway.tokens import Signer
 # signature, and the console's page and files (no data: its script calls the API with the key the
 # user enters).
 PUBLIC_PATHS = ("/api/v1/healthz", "/metrics", "/console", "/console/")       # /metrics: gateway/metrics.py
-PUBLIC_PREFIXES = ("/files/", "/internal/v1/samplers/", "/console/static/")   # samplers: service token, checked there
+PUBLIC_PREFIXES = ("/files/", "/console/static/")
+SERVICE_PREFIX = "/internal/v1/samplers/"   # replicas joining the pool: the service token (service_refusal)
 
 
 class Authenticator:
@@ -49,22 +56,43 @@ def _credential(scope) -> str:
     return ""
 
 
-async def _refuse(send, message: str, invalid_token: bool) -> None:
+def service_refusal(token: str | None, scope) -> tuple[int, str] | None:
+    """Why a caller of a replicas' route is refused, or None: it must present the service token
+    as a bearer credential or, where none is configured, call from this machine."""
+    if token:
+        given = dict(scope.get("headers", ())).get(b"authorization", b"")
+        return None if hmac.compare_digest(given, f"Bearer {token}".encode()) else (
+            401, "missing or wrong service token")
+    client = scope.get("client")
+    try:
+        local = bool(client) and ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:          # a host name, not an address
+        local = False
+    return None if local else (403, "without a service token, replicas may register from this machine only")
+
+
+async def _refuse(send, message: str, invalid_token: bool, status: int = 401) -> None:
     headers = [(b"content-type", b"application/json")]
     if invalid_token:
         headers.append((b"www-authenticate", b'Bearer error="invalid_token"'))
-    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": json.dumps(error_body(message, "user")).encode()})
 
 
 class AuthMiddleware:
-    def __init__(self, app, authenticator: Authenticator):
+    def __init__(self, app, authenticator: Authenticator, service_token: Callable[[], str | None]):
         self.app = app
         self.auth = authenticator
+        self.service_token = service_token
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
         if scope["type"] != "http" or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
+            return await self.app(scope, receive, send)
+        if path.startswith(SERVICE_PREFIX):
+            refusal = service_refusal(self.service_token(), scope)
+            if refusal is not None:
+                return await _refuse(send, refusal[1], False, refusal[0])
             return await self.app(scope, receive, send)
         caller = self.auth.anonymous
         if caller is None:
