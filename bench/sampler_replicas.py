@@ -15,19 +15,18 @@ comes from replicas on machines (GPUs) of their own.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 import torch
 
 from bench.common import REPO, Context, Row, new_dir
-from harness.stack import running_stack
+from bench.sampling import api_generate
+from harness.stack import running_stack, sampler_pool
 
 PROMPT_LEN, MAX_TOKENS = 16, 48
 
@@ -36,15 +35,6 @@ def _prompts(n: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(2)
     return [torch.randint(5, 1000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(n)]
 
-
-def _pool(stack) -> dict[str, dict]:
-    """The gateway's sampler pool: {address: {"alive", "served", ...}}."""
-    with open(os.path.join(stack.state_dir, "service-token")) as f:
-        token = f.read().strip()
-    request = urllib.request.Request(f"{stack.url}/internal/v1/samplers/list",
-                                     headers={"authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=10) as r:
-        return {m["address"]: m for m in json.load(r)["samplers"]}
 
 
 def _until(predicate, what: str, timeout_s: float = 600) -> None:
@@ -67,43 +57,28 @@ def _join(stack, model_dir: str) -> tuple[subprocess.Popen, str]:
     for line in proc.stdout:
         if line.startswith("READY sampler"):
             address = f"127.0.0.1:{line.split()[2]}"
-            _until(lambda: _pool(stack).get(address, {}).get("alive"), "the second replica never joined")
+            _until(lambda: sampler_pool(stack).get(address, {}).get("alive"), "the second replica never joined")
             return proc, address
     raise RuntimeError(f"bench: the second replica did not start (code {proc.wait()})")
 
-
-def _sampler(url: str, model_dir: str, prompts: list[list[int]]):
-    """All prompts through the SDK at once; returns tokens/s."""
-    import tinker
-    from tinker import types
-
-    sc = tinker.ServiceClient(base_url=url).create_sampling_client(base_model=model_dir)
-    params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[])
-
-    def run() -> float:
-        t0 = time.perf_counter()
-        futures = [sc.sample(types.ModelInput.from_ints(p), 1, params) for p in prompts]
-        tokens = sum(len(f.result().sequences[0].tokens) for f in futures)
-        return tokens / (time.perf_counter() - t0)
-    return run
 
 
 def measure(model_dir: str, prompts: list[list[int]], rounds: int, state_dir: str) -> tuple[float, float, str]:
     """(2-replica tokens/s, 1-replica tokens/s, how the 2-replica rounds were split)."""
     with running_stack(model_dir, state_dir) as stack:
-        run = _sampler(stack.url, model_dir, prompts)
+        run = api_generate(stack.url, model_dir, prompts, MAX_TOKENS)
         run()                                                         # warm-up
         one = [run() for _ in range(rounds)]
         proc, address = _join(stack, model_dir)
         try:
             run()                                                     # the new replica's warm-up
-            before = {a: m["served"] for a, m in _pool(stack).items()}
+            before = {a: m["served"] for a, m in sampler_pool(stack).items()}
             two = [run() for _ in range(rounds)]
-            split = {a: m["served"] - before.get(a, 0) for a, m in _pool(stack).items()}
+            split = {a: m["served"] - before.get(a, 0) for a, m in sampler_pool(stack).items()}
         finally:
             proc.send_signal(signal.SIGTERM)                          # leaves the pool at once
             proc.wait(timeout=60)
-        _until(lambda: address not in _pool(stack), "the second replica never left")
+        _until(lambda: address not in sampler_pool(stack), "the second replica never left")
         one += [run() for _ in range(rounds)]
     shares = "/".join(str(n) for n in sorted(split.values(), reverse=True))
     return statistics.median(two), statistics.median(one), f"requests split {shares} between the 2 replicas"

@@ -42,13 +42,13 @@ def raw_generate(model_dir: str, prompts: list[list[int]]):
     return run
 
 
-def api_generate(url: str, model_dir: str, prompts: list[list[int]]):
+def api_generate(url: str, model_dir: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
     """The same prompts through the SDK, all submitted at once; returns tokens/s."""
     import tinker
     from tinker import types
 
     sc = tinker.ServiceClient(base_url=url).create_sampling_client(base_model=model_dir)
-    params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[])
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=[])
 
     def run() -> float:
         t0 = time.perf_counter()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import NamedTuple
 
 
@@ -87,3 +89,14 @@ def service_pids(root_pid: int) -> dict[str, int]:
             if len(cmd) > 3 and cmd[3] == name:
                 pids[name] = child.pid
     return pids
+
+
+def sampler_pool(stack) -> dict[str, dict]:
+    """The gateway's sampler pool, {address: {"alive", "served", ...}} (GET
+    /internal/v1/samplers/list, with the stack's service token)."""
+    with open(os.path.join(stack.state_dir, "service-token")) as f:
+        token = f.read().strip()
+    request = urllib.request.Request(f"{stack.url}/internal/v1/samplers/list",
+                                     headers={"authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return {m["address"]: m for m in json.load(r)["samplers"]}

@@ -6,13 +6,11 @@ its own (`tinkerd sampler --register-with`) joins late and serves the newest sna
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import psutil
 import pytest
@@ -20,6 +18,7 @@ import tinker
 from tinker import types
 
 from conftest import sft_data
+from harness.stack import sampler_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -54,15 +53,6 @@ class Replica:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
-
-def _pool(stack) -> dict[str, dict]:
-    """The gateway's sampler pool (GET /internal/v1/samplers/list, with the service token)."""
-    with open(os.path.join(stack.state_dir, "service-token")) as f:
-        token = f.read().strip()
-    request = urllib.request.Request(f"{stack.url}/internal/v1/samplers/list",
-                                     headers={"authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=10) as r:
-        return {m["address"]: m for m in json.load(r)["samplers"]}
 
 
 def _up_replicas(stack, pool: dict) -> dict[str, int]:
@@ -108,7 +98,7 @@ def replicas():
 def test_replicas_join_fail_over_and_serve_the_newest_snapshot(stack, tiny_model_dir, replicas):
     # `tinkerd up --sampler-replicas 2`: both replicas registered themselves (no --sampler list)
     # and are live by the time the stack is ready.
-    pool = _pool(stack)
+    pool = sampler_pool(stack)
     assert len(pool) == 2 and all(m["alive"] and m["registered"] for m in pool.values()), pool
     up_replicas = _up_replicas(stack, pool)
     assert len(up_replicas) == len(set(up_replicas.values())) == 2, (up_replicas, pool)
@@ -123,7 +113,7 @@ def test_replicas_join_fail_over_and_serve_the_newest_snapshot(stack, tiny_model
 
     # Both replicas hold the snapshot (it was pushed to each) and serve its samples.
     _sample_many(sc, prompt, 8, 32)
-    served = {address: m["served"] for address, m in _pool(stack).items()}
+    served = {address: m["served"] for address, m in sampler_pool(stack).items()}
     assert all(n > 0 for n in served.values()), served
 
     # One is killed while 8 samples are in flight: they all finish (`up` restarts it meanwhile).
@@ -137,13 +127,13 @@ def test_replicas_join_fail_over_and_serve_the_newest_snapshot(stack, tiny_model
     # A replica started on its own joins and serves the newest snapshot.
     third = Replica(stack, tiny_model_dir)
     replicas.append(third)
-    _wait_for(lambda: _pool(stack).get(third.address, {}).get("alive"), "the third never joined")
+    _wait_for(lambda: sampler_pool(stack).get(third.address, {}).get("alive"), "the third never joined")
     tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     newest = tc.save_weights_and_get_sampling_client()
     results = _sample_many(newest, prompt, 6, 16)
     assert all(len(r.sequences[0].tokens) == 16 for r in results)
-    assert _pool(stack)[third.address]["served"] > 0
+    assert sampler_pool(stack)[third.address]["served"] > 0
     third.proc.send_signal(signal.SIGTERM)          # a clean stop leaves the pool at once
     third.proc.wait(timeout=60)
     _wait_for(lambda: f"sampler replica {third.address} left the pool" in _pool_log(stack), "it never left")
