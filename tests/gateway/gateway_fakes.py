@@ -5,6 +5,7 @@ end to end in tests/e2e. Test modules import the `gateway` fixture from here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
@@ -143,21 +144,27 @@ class Api:
         return self.result(future).json()["model_id"]
 
 
-@pytest.fixture
-def gateway(tmp_path):
-    trainer, sampler = FakeTrainer(str(tmp_path / "state")), FakeSampler()
+@contextlib.contextmanager
+def fake_services(tmp_path, trainer, sampler, **settings):
+    """`trainer` and `sampler` served over real gRPC; yields gateway settings pointing at them
+    (`settings` overrides), and stops both servers after."""
     trainer_server, trainer_address = serve(trainer, trainer_pb2_grpc.add_TrainerServicer_to_server)
     sampler_server, sampler_address = serve(sampler, sampler_pb2_grpc.add_SamplerServicer_to_server)
-    settings = GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=trainer_address,
-                               samplers=[sampler_address], state_dir=str(tmp_path / "state"))
     try:
-        with TestClient(create_app(settings)) as client:
-            api = Api(client, "").as_user("tester", email="tester@example.com")
-            client.headers["X-API-Key"] = api.api_key      # raw client calls act as the tester too
-            yield types.SimpleNamespace(api=api, trainer=trainer, sampler=sampler, settings=settings)
+        yield GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=trainer_address,
+                              samplers=[sampler_address], state_dir=str(tmp_path / "state"), **settings)
     finally:
         trainer_server.stop(0)
         sampler_server.stop(0)
+
+
+@pytest.fixture
+def gateway(tmp_path):
+    trainer, sampler = FakeTrainer(str(tmp_path / "state")), FakeSampler()
+    with fake_services(tmp_path, trainer, sampler) as settings, TestClient(create_app(settings)) as client:
+        api = Api(client, "").as_user("tester", email="tester@example.com")
+        client.headers["X-API-Key"] = api.api_key      # raw client calls act as the tester too
+        yield types.SimpleNamespace(api=api, trainer=trainer, sampler=sampler, settings=settings)
 
 
 def assert_user_error(response, status: int, *words: str) -> dict:

@@ -14,13 +14,12 @@ import types
 import grpc
 import pytest
 from fastapi.testclient import TestClient
-from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, serve
+from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, fake_services
 
 from gateway.app import create_app
 from gateway.protocol import MAX_RETRIEVED_IDS
 from gateway.routes import futures as futures_routes
-from gateway.settings import GatewaySettings
-from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2_grpc
+from tinkerd.v1 import sampler_pb2
 
 FAIL_TOKEN = 99        # a prompt starting with it fails in the sampler (a user error)
 
@@ -50,18 +49,13 @@ class HeldSampler(FakeSampler):
 @pytest.fixture
 def gw(tmp_path):
     trainer, sampler = FakeTrainer(str(tmp_path / "state")), HeldSampler()
-    trainer_server, trainer_address = serve(trainer, trainer_pb2_grpc.add_TrainerServicer_to_server)
-    sampler_server, sampler_address = serve(sampler, sampler_pb2_grpc.add_SamplerServicer_to_server)
-    settings = GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=trainer_address,
-                               samplers=[sampler_address], state_dir=str(tmp_path / "state"))
-    try:
-        with TestClient(create_app(settings)) as client:
-            api = Api(client, "").as_user("tester")
-            yield types.SimpleNamespace(api=api, sampler=sampler, futures=client.app.state.gateway.futures)
-    finally:
-        sampler.release.set()
-        trainer_server.stop(0)
-        sampler_server.stop(0)
+    with fake_services(tmp_path, trainer, sampler) as settings:
+        try:
+            with TestClient(create_app(settings)) as client:
+                api = Api(client, "").as_user("tester")
+                yield types.SimpleNamespace(api=api, sampler=sampler, futures=client.app.state.gateway.futures)
+        finally:
+            sampler.release.set()
 
 
 def _sampling_session(api) -> str:
@@ -313,29 +307,24 @@ def test_a_poller_from_before_a_restart_hears_of_its_redriven_samples(tmp_path):
     """Samples the earlier gateway process never finished are re-driven once its lease lapses;
     a client still polling with that process's cursor gets them reported, finished."""
     trainer, sampler = FakeTrainer(str(tmp_path / "state")), HeldSampler()
-    servers = [serve(trainer, trainer_pb2_grpc.add_TrainerServicer_to_server),
-               serve(sampler, sampler_pb2_grpc.add_SamplerServicer_to_server)]
-    settings = GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=servers[0][1],
-                               samplers=[servers[1][1]], state_dir=str(tmp_path / "state"), future_lease_s=0.3)
-    try:
-        with TestClient(create_app(settings)) as client:
-            api = Api(client, "").as_user("tester")
-            sid = _sampling_session(api)
-            done = _sample(api, sid, 0)
-            _, cursor = _collect(api, sid, 1)
-            assert api.result({"request_id": done}).status_code == 200
-            sampler.release.clear()
-            orphan, other_clone = _sample(api, sid, 1), _sample(api, sid, 3 * 1_000_000_000)
-            assert sampler.started.acquire(timeout=10)
-        sampler.release.set()
-        with TestClient(create_app(settings)) as client:
-            api = Api(client, api.api_key)
-            seen, _ = _collect_from(api, sid, cursor, {orphan})
-            assert seen[orphan]["state"] == "finished"
-            assert api.result({"request_id": orphan}).status_code == 200
-            seen, _ = _collect_from(api, sid, cursor, {other_clone}, clone=3)
-            assert seen[other_clone]["state"] == "finished"
-    finally:
-        sampler.release.set()
-        for server, _ in servers:
-            server.stop(0)
+    with fake_services(tmp_path, trainer, sampler, future_lease_s=0.3) as settings:
+        try:
+            with TestClient(create_app(settings)) as client:
+                api = Api(client, "").as_user("tester")
+                sid = _sampling_session(api)
+                done = _sample(api, sid, 0)
+                _, cursor = _collect(api, sid, 1)
+                assert api.result({"request_id": done}).status_code == 200
+                sampler.release.clear()
+                orphan, other_clone = _sample(api, sid, 1), _sample(api, sid, 3 * 1_000_000_000)
+                assert sampler.started.acquire(timeout=10)
+            sampler.release.set()
+            with TestClient(create_app(settings)) as client:
+                api = Api(client, api.api_key)
+                seen, _ = _collect_from(api, sid, cursor, {orphan})
+                assert seen[orphan]["state"] == "finished"
+                assert api.result({"request_id": orphan}).status_code == 200
+                seen, _ = _collect_from(api, sid, cursor, {other_clone}, clone=3)
+                assert seen[other_clone]["state"] == "finished"
+        finally:
+            sampler.release.set()

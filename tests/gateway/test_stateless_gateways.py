@@ -5,19 +5,15 @@ by the other, from the request stored in the row."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import threading
 
 import pytest
 from fastapi.testclient import TestClient
-from gateway_fakes import Api, serve
+from gateway_fakes import Api, FakeTrainer, fake_services
 from test_futures_routes import HeldSampler, _sample, _sampling_session
 
 from gateway.app import create_app
 from gateway.db import FutureRow
-from gateway.settings import GatewaySettings
-from gateway_fakes import FakeTrainer
-from tinkerd.v1 import sampler_pb2_grpc, trainer_pb2_grpc
 
 
 class HeldTrainer(FakeTrainer):
@@ -40,17 +36,12 @@ class HeldTrainer(FakeTrainer):
 @pytest.fixture
 def two(tmp_path):
     trainer, sampler = HeldTrainer(str(tmp_path / "state")), HeldSampler()
-    servers = [serve(trainer, trainer_pb2_grpc.add_TrainerServicer_to_server),
-               serve(sampler, sampler_pb2_grpc.add_SamplerServicer_to_server)]
-    settings = GatewaySettings(base_model=str(tmp_path / "base"), aliases=["tiny/base"], trainer=servers[0][1],
-                               samplers=[servers[1][1]], state_dir=str(tmp_path / "state"), future_lease_s=0.3)
-    try:
-        yield trainer, sampler, settings
-    finally:
-        trainer.release.set()
-        sampler.release.set()
-        for server, _ in servers:
-            server.stop(0)
+    with fake_services(tmp_path, trainer, sampler, future_lease_s=0.3) as settings:
+        try:
+            yield trainer, sampler, settings
+        finally:
+            trainer.release.set()
+            sampler.release.set()
 
 
 def test_a_future_is_answered_and_cancelled_by_the_other_gateway(two):
