@@ -177,8 +177,8 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
                 return list(conn.execute(sqlalchemy.text(
                     "SELECT request_type FROM futures WHERE status = 'pending'")).scalars())
 
-        os.environ["TINKER_API_KEY"] = "tml-no-auth"
-        service = tinker.ServiceClient(base_url=urls[0])
+        # The gateways run --no-auth; the key is passed, not set in os.environ, which later tests read.
+        service = tinker.ServiceClient(base_url=urls[0], api_key="tml-no-auth")
         tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=1).result()
         prompt = tc.get_tokenizer().encode("the cat sat on")
         adam = types.AdamParams(learning_rate=1e-2)
@@ -244,7 +244,6 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
         assert len(out.sequences) == 2
         print(f"pending at the gateway kill: {caught}; re-driven: {redriven}")
     finally:
-        os.environ.pop("TINKER_API_KEY", None)
         for s in services:
             s.kill()
         if postgres is not None:
