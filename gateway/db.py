@@ -8,8 +8,8 @@ import datetime
 import logging
 import time
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Integer, LargeBinary, String, Text, bindparam,
-                        create_engine, event, func, select, update)
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Index, Integer, LargeBinary, String, Text, and_,
+                        bindparam, create_engine, event, func, or_, select, text, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -121,6 +121,10 @@ class FutureRow(Base):
     claimed_by: Mapped[str | None] = mapped_column(String(64), nullable=True)
     lease_until: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True,
                                                                   index=True)
+    # The per-user limits count pending futures (gateway/limits.py): a partial index holds only
+    # pending rows, so it stays as small as the queues however many finished rows are kept.
+    __table_args__ = (Index("ix_futures_pending", "request_type", "owner",
+                            sqlite_where=text("status = 'pending'"), postgresql_where=text("status = 'pending'")),)
 
 
 class SamplerReplicaRow(Base):
@@ -142,6 +146,9 @@ class SamplingSessionRow(Base):
     snapshot_id: Mapped[str] = mapped_column(String(256), default="")   # "" = the base model
     snapshot_path: Mapped[str] = mapped_column(Text, default="")        # its persisted PEFT copy
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    # Its last asample, written at most every LAST_USED_RESOLUTION_S by each gateway (NULL: none
+    # yet): an ephemeral snapshot unused long enough is pruned (gateway/housekeeping.py).
+    last_used: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class CheckpointRow(Base):
@@ -191,6 +198,17 @@ _FINISH_FUTURE = FutureRow.__table__.update().where(
     _FUTURES.request_id == bindparam("rid"), _FUTURES.status == "pending").values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
     completed_at=bindparam("completed_at"), lease_until=None)
+
+# Counts for the per-user limits, written so that they use ix_futures_pending: the literal
+# `status = 'pending'` (a bound parameter would not match the partial index's condition).
+_PENDING_OF = text("futures.status = 'pending'")
+_COUNT = select(func.count()).select_from(FutureRow.__table__)
+_PENDING_SAMPLES = select(
+    _COUNT.where(_PENDING_OF, _FUTURES.request_type == text("'sample'")).scalar_subquery(),
+    _COUNT.where(_PENDING_OF, _FUTURES.request_type == text("'sample'"),
+                 _FUTURES.owner == bindparam("owner")).scalar_subquery())
+_PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sample'"),
+                                 _FUTURES.owner == bindparam("owner"))
 
 # Rows read on every request and rarely changed: served from memory for up to CACHE_TTL_S.
 # touch() and add() keep the cache right for this process at once; another gateway's change on
@@ -304,6 +322,46 @@ class Database:
         """Drops futures that finished before `before` (their retention ended)."""
         with self.engine.begin() as conn:
             return conn.execute(FutureRow.__table__.delete().where(_FUTURES.completed_at < before)).rowcount
+
+    def pending_samples(self, owner: str) -> tuple[int, int]:
+        """(sample futures pending on every gateway, those of `owner`): one indexed query."""
+        with self.engine.connect() as conn:
+            total, mine = conn.execute(_PENDING_SAMPLES, {"owner": owner}).one()
+        return total, mine
+
+    def pending_training(self, owner: str) -> int:
+        """`owner`'s training futures pending on every gateway (queued or running)."""
+        with self.engine.connect() as conn:
+            return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
+
+    def prunable_snapshots(self, unused_before: datetime.datetime,
+                           lapsed_before: datetime.datetime) -> dict[str, tuple[str, list[str]]]:
+        """Ephemeral snapshots nobody can reach any more: snapshot_id -> (its recorded path, the
+        sampling sessions that point at it). Ephemeral: made for a sampling session
+        (save_weights_and_get_sampling_client), not a named checkpoint's. Prunable: none of its
+        sampling sessions used (asample) or made since `unused_before`, and each of their
+        sessions closed or without a heartbeat since `lapsed_before`."""
+        ss, sess = SamplingSessionRow, SessionRow
+        in_use = select(ss.snapshot_id).outerjoin(sess, sess.session_id == ss.session_id).where(or_(
+            func.coalesce(ss.last_used, ss.created_at) >= unused_before,
+            and_(sess.finished.is_(False), sess.last_heartbeat >= lapsed_before),
+            ss.model_path.is_not(None)))
+        named = select(CheckpointRow.snapshot_id).where(CheckpointRow.snapshot_id != "")
+        with self.session() as s:
+            rows = s.execute(select(ss.snapshot_id, ss.snapshot_path, ss.sampling_session_id).where(
+                ss.snapshot_id != "", ss.model_path.is_(None), ss.snapshot_id.not_in(in_use),
+                ss.snapshot_id.not_in(named))).all()
+        found: dict[str, tuple[str, list[str]]] = {}
+        for snapshot_id, path, sampling_session_id in rows:
+            found.setdefault(snapshot_id, (path, []))[1].append(sampling_session_id)
+        return found
+
+    def delete_sampling_sessions(self, sampling_session_ids: list[str]) -> int:
+        for key in sampling_session_ids:
+            self._cache.pop(("SamplingSessionRow", key), None)
+        with self.engine.begin() as conn:
+            return conn.execute(SamplingSessionRow.__table__.delete().where(
+                SamplingSessionRow.__table__.c.sampling_session_id.in_(sampling_session_ids))).rowcount
 
     def models_of_lapsed_sessions(self, before: datetime.datetime) -> list[str]:
         """Resident models whose session's last heartbeat is older than `before`."""

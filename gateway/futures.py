@@ -324,8 +324,9 @@ class Futures:
         self._pending_by_owner[owner, request_type] -= 1
 
     def _job_ended(self, request_id: str, request_type: str, owner: str, _task: asyncio.Task) -> None:
-        """A sample's place in the limits (gateway/limits.py) is freed when its job's task ends; a
-        cancelled one's task is cancelled with it (cancel())."""
+        """A sample's place in this gateway's counts (gateway/metrics.py) is freed when its job's
+        task ends; a cancelled one's task is cancelled with it (cancel()). The limits count the
+        database instead (gateway/limits.py), where a cancelled sample is finished at once."""
         del self._jobs[request_id]
         self._cancelled.discard(request_id)
         self._release(request_type, owner)
@@ -438,7 +439,8 @@ class Futures:
             self._watched.discard(row.request_id)
 
     def pending_of(self, owner: str, request_type: str | None = None) -> int:
-        """The owner's futures scheduled here and not finished yet (of one type, or all)."""
+        """The owner's futures scheduled here and not finished yet (of one type, or all): this
+        gateway's share, for its metrics; the limits count every gateway's (Database.pending_*)."""
         if request_type is None:
             return sum(n for (o, _), n in self._pending_by_owner.items() if o == owner)
         return self._pending_by_owner[owner, request_type]

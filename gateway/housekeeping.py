@@ -1,12 +1,28 @@
 """What the gateway does on its own: unloading the models of sessions that stopped
 heart-beating, releasing the models of closed sessions, expiring checkpoints and records,
-deleting finished futures after --futures-retention-s and idle per-model runners."""
+deleting finished futures after --futures-retention-s and idle per-model runners, and pruning
+ephemeral sampler snapshots nobody can reach any more.
+
+Every pass (each session_timeout_s / 4, between 0.5 and 30 s), on every gateway (each step is
+safe to run on several at once):
+- futures finished more than --futures-retention-s ago are deleted (a later retrieve is a 404);
+- an ephemeral snapshot (save_weights_and_get_sampling_client: a persisted copy under
+  <state_dir>/snapshots/, reachable only through the sampling sessions made for it) is deleted,
+  its files and every sampling session that points at it, once none of those sampling sessions
+  sampled (asample) or was made within --snapshot-retention-s, and each of their sessions is
+  closed or has not heart-beaten within --session-timeout-s. A later asample or get_sampler on
+  one of them is a 404 that says to call save_weights_and_get_sampling_client again. Named
+  sampler checkpoints (save_weights_for_sampler with a path) are never pruned here: they go by
+  their ttl or when deleted.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
 import logging
+import os
+import shutil
 
 import grpc
 from sqlalchemy import select
@@ -14,6 +30,8 @@ from sqlalchemy import select
 from gateway.checkpoints import delete_expired_checkpoints
 from gateway.db import ModelRow, now
 from gateway.state import Gateway
+from tinkerd import paths, persisted_copy
+from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -69,6 +87,48 @@ def prune_futures(gw: Gateway) -> int:
     return deleted
 
 
+def prune_snapshots(gw: Gateway) -> int:
+    """Deletes the ephemeral snapshots nobody can reach any more (the rule is in this module's
+    docstring): files first, then the sampling sessions, so a pass cut short is finished by the
+    next one. Returns the snapshots deleted."""
+    stamp = now()
+    prunable = gw.db.prunable_snapshots(
+        unused_before=stamp - datetime.timedelta(seconds=gw.settings.snapshot_retention_s),
+        lapsed_before=stamp - datetime.timedelta(seconds=gw.settings.session_timeout_s))
+    for snapshot_id, (recorded_path, sampling_session_ids) in prunable.items():
+        delete_snapshot_files(gw.settings.state_dir, snapshot_id, recorded_path)
+        gw.db.delete_sampling_sessions(sampling_session_ids)
+        log.info("pruned snapshot %s, unused for over %.0f s (sampling sessions %s)", snapshot_id,
+                 gw.settings.snapshot_retention_s, sampling_session_ids)
+    return len(prunable)
+
+
+def delete_snapshot_files(state_dir: str, snapshot_id: str, recorded_path: str) -> None:
+    """The snapshot's directory (and a failed copy's marker) below <state_dir>/snapshots/ and
+    nowhere else: derived from its id here, and the recorded path only if it lies there too.
+    Files already gone are fine."""
+    root = os.path.join(state_dir, paths.SNAPSHOTS)
+    targets = set()
+    try:
+        targets.add(paths.snapshot_dir(state_dir, snapshot_id))
+    except UserError:           # a link there that resolves outside snapshots/: not ours to delete
+        log.warning("snapshot %s: its directory resolves outside %s; left alone", snapshot_id, root)
+    if recorded_path:
+        try:
+            targets.add(paths.contained(root, recorded_path))
+        except UserError:
+            log.warning("snapshot %s records %r, outside %s; left alone", snapshot_id, recorded_path, root)
+    for path in targets:
+        if os.path.islink(path):        # never follow a link out of snapshots/
+            os.unlink(path)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.remove(persisted_copy.failed_marker(path))
+        except FileNotFoundError:
+            pass
+
+
 async def run_forever(gw: Gateway) -> None:
     interval = min(max(gw.settings.session_timeout_s / 4, 0.5), 30.0)
     while True:
@@ -78,5 +138,6 @@ async def run_forever(gw: Gateway) -> None:
             delete_expired_checkpoints(gw.db)
             gw.stability.expire()
             prune_futures(gw)
+            prune_snapshots(gw)
         except Exception:  # noqa: BLE001 - housekeeping must outlive one bad pass
             log.exception("housekeeping failed")

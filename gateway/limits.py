@@ -1,7 +1,11 @@
 """Per-user limits, so one user cannot take the service from the others. Over a limit that
 frees up by waiting (queued requests, samples in flight) is HTTP 429 with Retry-After, which
 the SDK backs off on and resends; over one that only the user can free (models in open
-sessions, checkpoint bytes on disk) is a 400 that says what to do."""
+sessions, checkpoint bytes on disk) is a 400 that says what to do.
+
+Every limit is counted in the database, so it holds across all the gateways on it: a user at
+the limit on one gateway is at it on every other. Pending futures are counted through a
+partial index that holds only pending rows (gateway/db.py ix_futures_pending)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,6 @@ from sqlalchemy import func, select
 
 from gateway.db import CheckpointRow, Database, ModelRow, SessionRow
 from gateway.errors import error_response
-from gateway.futures import Futures
 from gateway.keys import Caller
 from gateway.settings import GatewaySettings
 from tinkerd.errors import UserError
@@ -31,23 +34,21 @@ async def on_over_limit(request: Request, exc: OverLimit):
 
 
 class Limits:
-    def __init__(self, settings: GatewaySettings, db: Database, futures: Futures):
+    def __init__(self, settings: GatewaySettings, db: Database):
         self.settings = settings
         self.db = db
-        self.futures = futures
 
     def check_queue(self, caller: Caller) -> None:
-        queued = self.futures.pending_of(caller.user_id) - self.futures.pending_of(caller.user_id, "sample")
+        queued = self.db.pending_training(caller.user_id)
         if queued >= self.settings.max_queued_per_user:
             raise OverLimit(f"{queued} of your training requests are queued (limit "
                             f"{self.settings.max_queued_per_user}); retry when some finish")
 
     def check_samples(self, caller: Caller) -> None:
-        """The server's samples in flight (--max-pending-samples), then the caller's."""
-        queued = self.futures.pending("sample")
+        """The server's samples in flight (--max-pending-samples, all gateways), then the caller's."""
+        queued, pending = self.db.pending_samples(caller.user_id)
         if queued >= self.settings.max_pending_samples:
             raise OverLimit(f"{queued} sample requests are queued; retry shortly", retry_after_s=1)
-        pending = self.futures.pending_of(caller.user_id, "sample")
         if pending >= self.settings.max_samples_per_user:
             raise OverLimit(f"{pending} of your sample requests are in flight (limit "
                             f"{self.settings.max_samples_per_user}); retry when some finish")

@@ -4,14 +4,20 @@ by an id or path the client sent goes through here.
 Rows belong to the user who made them. Another user's id gets the same 404 as an id that does
 not exist, so nobody learns what others have; a published checkpoint can be read (loaded,
 sampled, inspected) by every user, and changed only by its owner. Closed sessions are refused.
+
+A sampling session over an ephemeral snapshot is deleted once unused long enough
+(gateway/housekeeping.py prune_snapshots); asample records its use here, in its row.
 """
 
 from __future__ import annotations
 
+import datetime
+
 from sqlalchemy import select
 
-from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow
+from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
 from gateway.keys import Caller
+from gateway.settings import GatewaySettings
 from tinkerd.errors import NotFoundError, UserError
 
 
@@ -19,9 +25,15 @@ def mine(caller: Caller, row) -> bool:
     return row is not None and row.owner == caller.user_id
 
 
+# A sampling session's last_used is written at most this often (by any gateway: the row says
+# when it was last written), so the sampling hot path does not write a row per sample.
+LAST_USED_RESOLUTION_S = 60.0
+
+
 class Sessions:
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, settings: GatewaySettings):
         self.db = db
+        self.settings = settings
         # Closed by the client (ServiceClient.close): read on every training and sampling
         # request, so kept in memory.
         self.closed = set(db.select(select(SessionRow.session_id).where(SessionRow.finished.is_(True))))
@@ -56,8 +68,25 @@ class Sessions:
         return row
 
     def sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
-        return self._owned(caller, SamplingSessionRow, sampling_session_id,
-                           f"unknown sampling_session_id {sampling_session_id!r}")
+        row = self.db.get(SamplingSessionRow, sampling_session_id)
+        if mine(caller, row):
+            return row
+        session_id, sep, _ = sampling_session_id.rpartition(":sample:")
+        if sep and mine(caller, self.db.get(SessionRow, session_id)):
+            # One of the caller's sessions: most likely an ephemeral one that was pruned.
+            raise NotFoundError(
+                f"sampling session {sampling_session_id} expired or never existed: a sampling session of "
+                f"save_weights_and_get_sampling_client is deleted once unused for "
+                f"{self.settings.snapshot_retention_s:.0f} s after its session closed or stopped heart-beating; "
+                f"call save_weights_and_get_sampling_client again")
+        raise NotFoundError(f"unknown sampling_session_id {sampling_session_id!r}")
+
+    def used(self, row: SamplingSessionRow) -> None:
+        """Records that the sampling session sampled (its snapshot is kept while in use)."""
+        resolution = min(LAST_USED_RESOLUTION_S, self.settings.snapshot_retention_s / 4)
+        last = row.last_used or row.created_at
+        if last is None or (now() - aware(last)).total_seconds() > resolution:
+            self.db.touch(SamplingSessionRow, row.sampling_session_id, last_used=now())
 
     def live_sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
         row = self.sampling_session(caller, sampling_session_id)

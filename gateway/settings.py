@@ -46,6 +46,11 @@ class GatewaySettings(ServiceAuthSettings):
                                                "futures of one that stopped renewing for this long")
     futures_retention_s: float = setting(86400.0, help="finished futures (with their results) are deleted this "
                                                        "long after they finished")
+    snapshot_retention_s: float = setting(86400.0, help="an ephemeral sampler snapshot (save_weights_and_get_"
+                                                        "sampling_client) is deleted, files and sampling "
+                                                        "sessions, once none of its sampling sessions sampled "
+                                                        "for this long and each of their sessions is closed or "
+                                                        "stopped heart-beating; named checkpoints are kept")
     rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
                                                 "included; calls wait this long for a restarting service")
 

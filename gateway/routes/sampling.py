@@ -50,6 +50,7 @@ async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
     convert.check_sample(body, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
     msg = convert.sample_request(body, session.snapshot_id, session.snapshot_path)
     gw.limits.check_samples(caller)
+    gw.sessions.used(session)
     record_for = session.session_id if body.record_stability_info else None
     msg.request_id = new_request_id()      # the future's id (a resend gets the first one's back)
     row = gw.futures.submit("sample", StoredRequest({"record_for": record_for}, msg.SerializeToString()),

@@ -105,3 +105,32 @@ def test_finished_futures_are_pruned_after_the_retention(two):
         assert housekeeping.prune_futures(gw) == 1
         gw.futures._finished.clear()
         assert api.result({"request_id": done}).status_code == 404
+
+
+def test_a_user_at_a_limit_on_one_gateway_is_at_it_on_the_other(two):
+    """The limits count pending futures in the database, not per gateway process."""
+    trainer, sampler, settings = two
+    settings.max_samples_per_user, settings.max_queued_per_user = 1, 1
+    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+        api_a = Api(a, "").as_user("tester")
+        api_b = Api(b, api_a.api_key)
+        other = Api(b, "").as_user("other")
+        sid = _sampling_session(api_a)
+        sampler.release.clear()
+        held = _sample(api_a, sid, 0)
+        r = api_b.post("asample", {"sampling_session_id": sid, "seq_id": 1, "num_samples": 1,
+                                   "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]}})
+        assert r.status_code == 429 and "1 of your sample requests" in r.json()["error"], r.text
+        assert r.headers["retry-after"]
+        _sample(other, _sampling_session(other), 0)       # another user's limit is their own
+        sampler.release.set()
+        assert api_b.result({"request_id": held}).status_code == 200
+        assert _sample(api_b, sid, 2)                     # freed on every gateway once it finished
+
+        model_id = api_a.model(api_a.session())
+        trainer.release.clear()
+        api_a.post("optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 0.1}})
+        assert trainer.started.acquire(timeout=10)
+        r = api_b.post("optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.1}})
+        assert r.status_code == 429 and "training requests are queued" in r.json()["error"], r.text
+        trainer.release.set()
