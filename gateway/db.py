@@ -146,8 +146,8 @@ class SamplingSessionRow(Base):
     snapshot_id: Mapped[str] = mapped_column(String(256), default="")   # "" = the base model
     snapshot_path: Mapped[str] = mapped_column(Text, default="")        # its persisted PEFT copy
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
-    # Its last asample, written at most every LAST_USED_RESOLUTION_S by each gateway (NULL: none
-    # yet): an ephemeral snapshot unused long enough is pruned (gateway/housekeeping.py).
+    # Its last asample, written at most once a minute (gateway/sessions.py Sessions.used; NULL:
+    # none yet): an ephemeral snapshot unused long enough is pruned (gateway/housekeeping.py).
     last_used: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 

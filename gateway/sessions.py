@@ -11,8 +11,6 @@ A sampling session over an ephemeral snapshot is deleted once unused long enough
 
 from __future__ import annotations
 
-import datetime
-
 from sqlalchemy import select
 
 from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now

@@ -35,8 +35,8 @@ def _sample(api, sid: str, seq_id: int = 0):
 
 
 def test_unreachable_ephemeral_snapshots_are_pruned_and_nothing_else(gateway, tmp_path):
-    api, db = gateway.api, gateway.api.client.app.state.gateway.db
-    gw = api.client.app.state.gateway
+    api, gw = gateway.api, gateway.api.client.app.state.gateway
+    db = gw.db
     lapsed, live = api.session(), api.session()
     lapsed_model, live_model = api.model(lapsed), api.model(live)
     old = _ephemeral(api, lapsed_model, 1, 0)          # unused, session lapsed: pruned
@@ -86,7 +86,8 @@ def test_unreachable_ephemeral_snapshots_are_pruned_and_nothing_else(gateway, tm
 
 
 def test_pruning_never_deletes_outside_snapshots(gateway, tmp_path):
-    api, db = gateway.api, gateway.api.client.app.state.gateway.db
+    api, gw = gateway.api, gateway.api.client.app.state.gateway
+    db = gw.db
     session = api.session()
     sid = _ephemeral(api, api.model(session), 1, 0)
     outside = _with_files(str(tmp_path / "elsewhere"))
@@ -98,6 +99,6 @@ def test_pruning_never_deletes_outside_snapshots(gateway, tmp_path):
     os.symlink(outside, link)
     db.touch(SessionRow, session, finished=True)
     gateway.settings.snapshot_retention_s = 60
-    assert housekeeping.prune_snapshots(api.client.app.state.gateway) == 1
+    assert housekeeping.prune_snapshots(gw) == 1
     assert os.path.isfile(os.path.join(outside, "adapter_config.json"))
     assert db.get(SamplingSessionRow, sid) is None
