@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # Sets up and runs every test (unit + e2e against a real `tinkerd up` on a tiny model).
+# Two pytest workers share the 2 cores (each service runs one thread, so one test seldom fills
+# both); the few tests that measure time against a bound run afterwards, alone (marker `serial`).
+# With arguments, runs just `pytest ARGS` in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TINKER_TELEMETRY=0
-exec .venv/bin/python -m pytest -q -W ignore::FutureWarning --durations=25 "$@"
+pytest=(.venv/bin/python -m pytest -q -W ignore::FutureWarning --durations=25)
+if [ "$#" -gt 0 ]; then
+    exec "${pytest[@]}" "$@"
+fi
+status=0
+"${pytest[@]}" -n 2 --dist loadfile -m "not serial" || status=$?
+"${pytest[@]}" -m serial || status=$?
+exit "$status"

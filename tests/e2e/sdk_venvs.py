@@ -3,6 +3,7 @@ from the package registry), for tests that drive the server with them."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -21,6 +22,13 @@ def sdk_python(version: str, *, torch: bool = True) -> str:
     venv = os.path.join(REPO, f".venv-sdk-{version}")
     python = os.path.join(venv, "bin", "python")
     modules = "tinker, torch" if torch else "tinker"
+    # Test workers run in parallel (pytest-xdist): one builds a venv while another waits for it.
+    with open(f"{venv}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure(venv, python, version, modules, torch)
+
+
+def _ensure(venv: str, python: str, version: str, modules: str, torch: bool) -> str:
     probe = subprocess.run([python, "-c", f"import {modules}; print(tinker.__version__)"], capture_output=True,
                            text=True) if os.path.exists(python) else None
     if probe is None or probe.stdout.strip() != version:

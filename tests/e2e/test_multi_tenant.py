@@ -106,6 +106,7 @@ for f in flood:
 """
 
 
+@pytest.mark.serial
 def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys):
     """Tenant F (its own process) floods the trainer through 4 models at once; tenant V's steps
     slow by a bounded factor. With fair scheduling V waits for at most about one of F's requests

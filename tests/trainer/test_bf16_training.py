@@ -47,6 +47,7 @@ def test_widening_refuses_trainable_layers():
         fp32_gemm.install(torch.nn.Linear(4, 4, dtype=torch.bfloat16))
 
 
+@pytest.mark.serial
 def test_bf16_training_loss_falls_in_bounded_time(tiny_model_dir):
     engine = TrainerEngine(tiny_model_dir, zero_stage=2, dtype="bfloat16")
     assert engine.peft.base_model.model.dtype == torch.bfloat16
