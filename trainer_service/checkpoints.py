@@ -164,9 +164,18 @@ def _tensor_only_checkpoint_engine():
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class TensorOnly(TorchCheckpointEngine):
+        # DeepSpeed reads the model-states file twice in a row (once only to check a count); the
+        # second read takes the first's result. Unpickling it tensor-only is pure Python and slow.
+        _last: tuple[str, object] | None = None
+
         def load(self, path: str, map_location=None):
+            if self._last is not None and self._last[0] == path:
+                loaded, self._last = self._last[1], None
+                return loaded
             with torch.serialization.safe_globals(_deepspeed_data_types()):
-                return torch.load(path, map_location=map_location, weights_only=True)
+                loaded = torch.load(path, map_location=map_location, weights_only=True)
+            self._last = (path, loaded)
+            return loaded
     return TensorOnly()
 
 

@@ -122,9 +122,10 @@ class TrainerEngine:
             self.save_durable(model_id)       # the random init too: a restart must not re-draw it
             return model
 
-    def _add(self, model_id: str, spec: LoraSpec, initial: dict[str, torch.Tensor] | None) -> LoraModel:
+    def _add(self, model_id: str, spec: LoraSpec, initial: dict[str, torch.Tensor] | None, *,
+             reuse: bool = False) -> LoraModel:
         self._make_room()
-        model = self.models.add(model_id, spec, initial)
+        model = self.models.add(model_id, spec, initial, reuse=reuse)
         model.last_used = time.monotonic()
         return model
 
@@ -165,7 +166,7 @@ class TrainerEngine:
                     raise NotFoundError(f"unknown model_id {model_id!r}")
                 return self.durable.state_path(model_id)
             self.save_durable(model_id)
-            self.models.remove(model_id)
+            self.models.remove(model_id, keep_slot=True)      # a reload of its shape takes it over
             log.info("unloaded %s", model_id)
             return self.durable.state_path(model_id)
 
@@ -218,7 +219,8 @@ class TrainerEngine:
         with self._lock:
             if self.is_resident(model_id) or (not resume and self.on_disk(model_id)):
                 raise UserError(f"model {model_id!r} already exists")
-            model = self._add(model_id, spec, tensors)
+            # The optimizer state is loaded over it next: a spare slot's leftovers never show.
+            model = self._add(model_id, spec, tensors, reuse=with_optimizer)
             if with_optimizer:
                 try:
                     checkpoints.restore_optimizer(model, directory, step)

@@ -1,6 +1,12 @@
 """The trainer's resident LoRA models: adapters m0, m1, ... in the one shared PEFT model, each
 wrapped by its own DeepSpeed engine. (Models not resident live on disk: durable.py.)
 
+A model that is unloaded (evicted) leaves its adapter and engine behind as a spare slot, and a
+model of the same shape that comes back from a full checkpoint takes it over: its tensors are
+copied into the slot's parameters and its optimizer state loaded into the slot's engine, which
+overwrites everything the previous owner left there. Building a slot (PEFT injecting an adapter
+into every layer, DeepSpeed wrapping it) is most of what a reload would otherwise cost.
+
 Bookkeeping only and not thread-safe: TrainerEngine calls it under its one lock.
 """
 
@@ -17,6 +23,10 @@ from trainer_service.deepspeed_setup import adapter_engine
 from trainer_service.lora import ACTIVE_MARK, LoraSpec, linear_groups, peft_config
 
 log = logging.getLogger(__name__)
+
+# Spare slots kept at most: eviction frees one just before a reload needs one, so a few cover
+# tenants of mixed shapes; each holds an adapter's weights and AdamW moments in memory.
+SPARE_SLOTS = 4
 
 
 @dataclasses.dataclass
@@ -52,6 +62,8 @@ class ModelRegistry:
         self.peft.eval()  # no dropout; LoRA dropout is 0 anyway
         self._models: dict[str, LoraModel] = {}
         self._next_adapter = 0
+        self._param_names: dict[str, list[str]] = {}   # adapter name -> its parameters' PEFT names
+        self._spare: list[LoraModel] = []     # slots left by unloaded models, oldest first
 
     def resident(self, model_id: str) -> LoraModel | None:
         return self._models.get(model_id)
@@ -68,8 +80,15 @@ class ModelRegistry:
         if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
             raise UserError("at least one of train_attn, train_mlp, train_unembed must be true")
 
-    def add(self, model_id: str, spec: LoraSpec, initial: dict[str, torch.Tensor] | None) -> LoraModel:
-        """A new adapter for `model_id`; `initial` (PEFT-named adapter tensors) replaces the random init."""
+    def add(self, model_id: str, spec: LoraSpec, initial: dict[str, torch.Tensor] | None, *,
+            reuse: bool = False) -> LoraModel:
+        """A new adapter for `model_id`; `initial` (PEFT-named adapter tensors) replaces the random init.
+        `reuse`: the caller overwrites the optimizer state next (a full checkpoint), so a spare
+        slot of the same shape may be taken instead of building one."""
+        if reuse and initial is not None:
+            model = self._take_spare(model_id, spec, initial)
+            if model is not None:
+                return model
         name = f"m{self._next_adapter}"
         self._next_adapter += 1
         seed = spec.seed if spec.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -79,7 +98,9 @@ class ModelRegistry:
             self.peft.add_adapter(name, peft_config(self._linear_groups, spec))
         if initial is not None:
             self._load_initial(name, spec, initial)
-        params = [p for n, p in self.peft.named_parameters() if f".{name}." in n]
+        named = [(n, p) for n, p in self.peft.named_parameters() if f".{name}." in n]
+        self._param_names[name] = [n.replace(f".{name}", "") for n, _ in named]   # as PEFT saves them
+        params = [p for _, p in named]
         for p in params:
             p.requires_grad_(True)
         model = LoraModel(model_id, name, spec, adapter_engine(self.peft, name, params, self.zero_stage), params)
@@ -102,12 +123,47 @@ class ModelRegistry:
             raise UserError(f"the checkpoint does not fit a rank-{spec.rank} adapter on this base "
                             f"model ({problem})")
 
-    def remove(self, model_id: str) -> bool:
-        """Forgets the resident model; frees its adapter and engine."""
+    def _take_spare(self, model_id: str, spec: LoraSpec, initial: dict[str, torch.Tensor]) -> LoraModel | None:
+        """A spare slot of `spec`'s shape with `initial` copied into its parameters, or None."""
+        for slot in self._spare:
+            names = self._param_names[slot.adapter_name]
+            if (_shape(slot.spec) == _shape(spec) and set(initial) == set(names)
+                    and all(initial[n].shape == p.shape for n, p in zip(names, slot.params))):
+                break
+        else:
+            return None
+        self._spare.remove(slot)
+        with torch.no_grad():
+            for n, p in zip(names, slot.params):
+                p.copy_(initial[n])
+                p.requires_grad_(True)
+        model = LoraModel(model_id, slot.adapter_name, spec, slot.engine, slot.params)
+        self._models[model_id] = model
+        log.info("loaded %s into the spare adapter %s (rank %d)", model_id, slot.adapter_name, spec.rank)
+        return model
+
+    def remove(self, model_id: str, *, keep_slot: bool = False) -> bool:
+        """Forgets the resident model; frees its adapter and engine, or with `keep_slot` keeps
+        them as a spare slot for a model of the same shape (not under ZeRO-3, whose partitioned
+        parameters load only through DeepSpeed)."""
         model = self._models.pop(model_id, None)
         if model is None:
             return False
+        if keep_slot and self.zero_stage != 3:
+            self._spare.append(model)
+            if len(self._spare) <= SPARE_SLOTS:
+                return True
+            model = self._spare.pop(0)
+        self._destroy(model)
+        return True
+
+    def _destroy(self, model: LoraModel) -> None:
         model.engine.destroy()
         setattr(self.peft, ACTIVE_MARK, None)
         self.peft.base_model.delete_adapter(model.adapter_name)
-        return True
+        self._param_names.pop(model.adapter_name, None)
+
+
+def _shape(spec: LoraSpec) -> tuple:
+    """What decides an adapter's parameter shapes (everything but the seed)."""
+    return spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed

@@ -93,6 +93,33 @@ def test_unloaded_model_comes_back_with_its_optimizer_state(tiny_model_dir, tmp_
     assert torch.allclose(_logprobs(engine, "stays"), _logprobs(engine, "leaves"), atol=1e-6)
 
 
+def test_reloads_into_another_models_slot_train_on_exactly_like_the_twin(tiny_model_dir, tmp_path):
+    """Unloaded models leave their adapter and engine as spare slots, and reloads take them over
+    crosswise ("other" comes back into the slot "moving" left, and the reverse): every step's
+    loss and the weights after it are bit for bit those of a twin that never left memory."""
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2, durable=DurableModels(str(tmp_path)))
+    adam = _adam(1e-2)
+    for model_id, seed in (("twin", 1), ("moving", 1), ("other", 2)):
+        engine.create_model(model_id, LoraSpec(rank=4, seed=seed))
+    for step in range(3):
+        losses = {}
+        for model_id in ("twin", "moving", "other"):
+            outputs, _ = engine.forward_backward(model_id, [A, B], "cross_entropy", {}, forward_only=False)
+            losses[model_id] = torch.cat([o["logprobs"] for o in outputs])
+            engine.optim_step(model_id, adam)
+        assert torch.equal(losses["twin"], losses["moving"]), f"step {step}"
+        assert step == 0 or not torch.equal(losses["twin"], losses["other"])   # B starts at zero
+        twin, moving = _adapter(engine, "twin"), _adapter(engine, "moving")
+        assert all(torch.equal(twin[k], moving[k]) for k in twin)
+        engine.unload_model("moving")
+        engine.unload_model("other")
+        engine.get("other")          # takes the slot "moving" left first
+    engine.get("moving")
+    # No adapter was built after the first three, and "moving" ended up in the slot "other" was made in.
+    assert sorted(m.adapter_name for m in engine.models.all()) == ["m0", "m1", "m2"]
+    assert engine.models.resident("moving").adapter_name == "m2"
+
+
 def test_weights_only_checkpoint_starts_a_fresh_optimizer(tiny_model_dir, tmp_path):
     engine = TrainerEngine(tiny_model_dir, zero_stage=2)
     engine.create_model("src", LoraSpec(rank=4, seed=2))
