@@ -13,6 +13,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_API_KEY", "tml-local-tests")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
+# Test files that run vLLM or DeepSpeed inside the pytest process: both keep process-wide
+# torch.distributed state (vLLM tears its group down, DeepSpeed caches its groups), so under
+# pytest-xdist (scripts/test.sh) they share one worker and run in collection order, as in one
+# process. Every other file is its own group, so its module-scoped stack starts once.
+IN_PROCESS_ENGINES = ("tests/sampler/", "tests/trainer/")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        group = "in-process-engines" if path.startswith(IN_PROCESS_ENGINES) else path
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:

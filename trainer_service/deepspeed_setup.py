@@ -22,18 +22,19 @@ def init_distributed_once() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     if torch.cuda.is_available():         # one GPU per rank on its host
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
         # On CPU DeepSpeed JIT-compiles a shared-memory allreduce op at init (35-85 s on a
         # fresh machine). gloo does every collective just as well for our sizes.
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "MASTER_PORT" not in os.environ and os.environ["WORLD_SIZE"] == "1":
+        # One rank started on its own: an in-memory store, no port. (A free port picked by bind
+        # and close can be taken by another process before the store listens on it: EADDRINUSE.)
+        # DeepSpeed then adopts this group.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend)
 
 
 def deepspeed_config(zero_stage: int) -> dict:
