@@ -16,15 +16,18 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 # Test files that run vLLM or DeepSpeed inside the pytest process: both keep process-wide
 # torch.distributed state (vLLM tears its group down, DeepSpeed caches its groups), so under
 # pytest-xdist (scripts/test.sh) they share one worker and run in collection order, as in one
-# process. Every other file is its own group, so its module-scoped stack starts once.
+# process. They go first, the longest group, so the other worker has the rest meanwhile. Every
+# other file is its own group, so its module-scoped stack starts once.
 IN_PROCESS_ENGINES = ("tests/sampler/", "tests/trainer/")
 
 
 def pytest_collection_modifyitems(config, items):
+    def in_process(item) -> bool:
+        return item.nodeid.startswith(IN_PROCESS_ENGINES)
     for item in items:
-        path = item.nodeid.split("::")[0]
-        group = "in-process-engines" if path.startswith(IN_PROCESS_ENGINES) else path
+        group = "in-process-engines" if in_process(item) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: not in_process(item))      # stable: collection order otherwise
 
 
 @pytest.fixture(scope="session")

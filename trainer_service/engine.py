@@ -166,7 +166,10 @@ class TrainerEngine:
                     raise NotFoundError(f"unknown model_id {model_id!r}")
                 return self.durable.state_path(model_id)
             self.save_durable(model_id)
-            self.models.remove(model_id, keep_slot=True)      # a reload of its shape takes it over
+            # A reload of its shape takes its slot over; not one holding gradients of an unfinished
+            # step, which its engine would add to the next owner's.
+            pending = self.models.resident(model_id).pending_grads
+            self.models.remove(model_id, keep_slot=not pending)
             log.info("unloaded %s", model_id)
             return self.durable.state_path(model_id)
 
