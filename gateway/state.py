@@ -78,6 +78,12 @@ class Gateway:
     def signer(self) -> Signer:
         return self.authenticator.signer
 
+    def is_resend(self, model_id: str, seq_id: int) -> bool:
+        """Whether (model_id, seq_id) was submitted already: a route skips the checks that only a
+        first send must pass (a named checkpoint that this very request created exists now), and
+        submit_training answers it with the first one's future or refuses another request."""
+        return self.db.future_status_by_key(f"{model_id}#{seq_id}") is not None
+
     def submit_training(self, caller: Caller, kind: str, model_id: str, seq_id: int, request: StoredRequest,
                         fingerprint: str) -> protocol.FutureResponse:
         """A future for a model's request, run in seq_id order with the model's other requests;

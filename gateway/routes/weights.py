@@ -33,12 +33,14 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
     target = {"caller": caller_args(caller), "session_id": model.session_id, "base_model": model.base_model,
               "path": None, "sampling_session_id": None,
               "expires_at": expires_at.isoformat() if expires_at else None}
+    resend = gw.is_resend(body.model_id, body.seq_id)
     if body.path is not None:
-        gw.limits.check_checkpoint_bytes(caller)
         name = checkpoints.checkpoint_name(body.path)
         target["path"] = checkpoints.tinker_path(body.model_id, "sampler_weights", name)
-        if gw.db.get(CheckpointRow, target["path"]) is not None:
-            raise UserError(f"checkpoint {target['path']} already exists")
+        if not resend:
+            gw.limits.check_checkpoint_bytes(caller)
+            if gw.db.get(CheckpointRow, target["path"]) is not None:
+                raise UserError(f"checkpoint {target['path']} already exists")
     else:
         target["sampling_session_id"] = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     push = trainer_pb2.PushWeightsRequest(
@@ -46,7 +48,9 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
         persist=True, copy_in_background=body.path is None)   # a named checkpoint's files exist when it is listed
     return gw.submit_training(caller, "save_weights_for_sampler", body.model_id, body.seq_id,
                               StoredRequest(target, push.SerializeToString()),
-                              fingerprint("save_weights_for_sampler", body.model_dump_json()))
+                              # The SDK takes a new sampling_session_seq_id on each try of one request.
+                              fingerprint("save_weights_for_sampler",
+                                          body.model_dump_json(exclude={"sampling_session_seq_id"})))
 
 
 @runs("save_weights_for_sampler")
@@ -100,11 +104,12 @@ async def save_weights_external(body: SaveWeightsRequest, caller: CallerDep, gw:
 def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str, *, with_optimizer: bool,
                 response_type: str) -> FutureResponse:
     gw.sessions.live_model(caller, body.model_id)
-    gw.limits.check_checkpoint_bytes(caller)
     name = checkpoints.checkpoint_name(body.path)
     path = checkpoints.tinker_path(body.model_id, kind, name)
-    if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
-        raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
+    if not gw.is_resend(body.model_id, body.seq_id):
+        gw.limits.check_checkpoint_bytes(caller)
+        if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
+            raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
     expires_at = checkpoints.expires(body.ttl_seconds)
     args = {"caller": caller_args(caller), "path": path, "checkpoint_type": checkpoints.KINDS[kind],
             "expires_at": expires_at.isoformat() if expires_at else None, "user_metadata": body.user_metadata,

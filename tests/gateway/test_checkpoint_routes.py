@@ -70,3 +70,24 @@ def test_registry_user_errors(gateway):
     assert_user_error(api.post("save_weights", {"model_id": model_id, "path": "a/b"}), 400, "checkpoint name")
     assert_user_error(api.client.put(f"/api/v1/training_runs/{model_id}/checkpoints/weights/x/ttl",
                                      json={"ttl_seconds": 5}), 404)
+
+
+def test_a_resent_save_is_answered_with_the_first_ones_future(gateway):
+    """The SDK resends a request whose POST timed out or lost its connection with the same seq_id;
+    for an ephemeral save_weights_for_sampler it takes the next sampling_session_seq_id on each try
+    (tinker 0.38 training_client._send_request), and a named save may have finished meanwhile."""
+    api = gateway.api
+    session = api.session()
+    model_id = api.model(session)
+    first = api.post("save_weights_for_sampler", {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0})
+    resent = api.post("save_weights_for_sampler", {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 1})
+    assert resent.status_code == 200 and resent.json() == first.json()
+    assert api.result(resent.json()).json()["sampling_session_id"] == f"{session}:sample:0"
+    assert len(gateway.trainer.of("PushWeights")) == 1
+    for kind, path in (("save_weights_for_sampler", "named"), ("save_weights", "state")):
+        body = {"model_id": model_id, "seq_id": 2 if kind == "save_weights" else 3, "path": path}
+        done = api.result(api.post(kind, body).json()).json()      # finished: its checkpoint exists now
+        again = api.post(kind, body)
+        assert again.status_code == 200 and api.result(again.json()).json() == done
+        assert_user_error(api.post(kind, {**body, "seq_id": 4}), 400, "already exists")
+    assert len(gateway.trainer.of("PushWeights")) == 2 and len(gateway.trainer.of("SaveState")) == 1

@@ -59,7 +59,10 @@ def _logprobs(engine, snapshot_id: str, prompt: list[int], max_tokens: int = 6) 
 def _wait_served(engine, snapshot_id: str, where: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while engine.served_by(snapshot_id) != where:
-        assert time.monotonic() < deadline, f"{snapshot_id} not served {where} after {timeout} s"
+        policy, slots = engine.merged.policy, engine.merged.slots
+        assert time.monotonic() < deadline, (
+            f"{snapshot_id} not served {where} after {timeout} s: policy slots {policy.slots}, window "
+            f"{list(policy._window)}, refused {policy._refused}, slots {[(s.serving, s.pending and s.pending[0]) for s in slots]}")
         time.sleep(0.05)
 
 
@@ -122,6 +125,8 @@ def _logprobs_of(engine, snapshot_id, prompt, max_tokens):
 
 def test_demotion_when_traffic_goes_to_the_base_model(fp32_engine):
     engine = fp32_engine
+    for _ in range(4):      # b's traffic (the test before leaves b merged; this one does not rely on it)
+        _logprobs(engine, "b", PROMPTS[1])
     _wait_served(engine, "b", "merged")
     futures = []
     from vllm import SamplingParams
