@@ -284,6 +284,10 @@ class Database:
         with self.engine.connect() as conn:
             return conn.execute(select(_FUTURES.status).where(_FUTURES.request_id == request_id)).scalar()
 
+    def future_type_by_key(self, idempotency_key: str) -> str | None:
+        with self.engine.connect() as conn:
+            return conn.execute(select(_FUTURES.request_type).where(_FUTURES.idempotency_key == idempotency_key)).scalar()
+
     def future_status_by_key(self, idempotency_key: str) -> str | None:
         with self.engine.connect() as conn:
             return conn.execute(select(_FUTURES.status).where(_FUTURES.idempotency_key == idempotency_key)).scalar()

@@ -78,11 +78,12 @@ class Gateway:
     def signer(self) -> Signer:
         return self.authenticator.signer
 
-    def is_resend(self, model_id: str, seq_id: int) -> bool:
-        """Whether (model_id, seq_id) was submitted already: a route skips the checks that only a
-        first send must pass (a named checkpoint that this very request created exists now), and
-        submit_training answers it with the first one's future or refuses another request."""
-        return self.db.future_status_by_key(f"{model_id}#{seq_id}") is not None
+    def is_resend(self, kind: str, model_id: str, seq_id: int) -> bool:
+        """Whether a `kind` request with (model_id, seq_id) was submitted already: a route skips the
+        checks that only a first send must pass (a named checkpoint that this very request created
+        exists now), and submit_training answers it with the first one's future, or refuses it if
+        its content differs."""
+        return self.db.future_type_by_key(f"{model_id}#{seq_id}") == kind
 
     def submit_training(self, caller: Caller, kind: str, model_id: str, seq_id: int, request: StoredRequest,
                         fingerprint: str) -> protocol.FutureResponse:

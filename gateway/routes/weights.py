@@ -33,7 +33,7 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
     target = {"caller": caller_args(caller), "session_id": model.session_id, "base_model": model.base_model,
               "path": None, "sampling_session_id": None,
               "expires_at": expires_at.isoformat() if expires_at else None}
-    resend = gw.is_resend(body.model_id, body.seq_id)
+    resend = gw.is_resend("save_weights_for_sampler", body.model_id, body.seq_id)
     if body.path is not None:
         name = checkpoints.checkpoint_name(body.path)
         target["path"] = checkpoints.tinker_path(body.model_id, "sampler_weights", name)
@@ -106,7 +106,7 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
     gw.sessions.live_model(caller, body.model_id)
     name = checkpoints.checkpoint_name(body.path)
     path = checkpoints.tinker_path(body.model_id, kind, name)
-    if not gw.is_resend(body.model_id, body.seq_id):
+    if not gw.is_resend(f"save_{kind}", body.model_id, body.seq_id):
         gw.limits.check_checkpoint_bytes(caller)
         if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
             raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
