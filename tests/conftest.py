@@ -17,15 +17,22 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 # torch.distributed state (vLLM tears its group down, DeepSpeed caches its groups), so under
 # pytest-xdist (scripts/test.sh) they share one worker and run in collection order, as in one
 # process. They go first, the longest group, so the other worker has the rest meanwhile. Every
-# other file is its own group, so its module-scoped stack starts once.
+# other file is its own group, so its module-scoped stack starts once; each benchmark's smoke
+# test is a group of its own.
 IN_PROCESS_ENGINES = ("tests/sampler/", "tests/trainer/")
+ONE_PROCESS_PER_TEST = ("tests/bench/",)       # each runs a benchmark in a process of its own
 
 
 def pytest_collection_modifyitems(config, items):
     def in_process(item) -> bool:
         return item.nodeid.startswith(IN_PROCESS_ENGINES)
     for item in items:
-        group = "in-process-engines" if in_process(item) else item.nodeid.split("::")[0]
+        if in_process(item):
+            group = "in-process-engines"
+        elif item.nodeid.startswith(ONE_PROCESS_PER_TEST):
+            group = item.nodeid          # no shared fixture to keep: each test is its own unit
+        else:
+            group = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: not in_process(item))      # stable: collection order otherwise
 
