@@ -42,8 +42,8 @@ def _loop(model: str, stack, steps: int) -> tuple[list[dict], float]:
 
     pids = service_pids(stack.pid)
     service = tinker.ServiceClient(base_url=stack.url)
-    tc = service.create_lora_training_client(base_model=model, rank=8)
-    sampler = tc.save_weights_and_get_sampling_client()
+    tc = service.create_lora_training_client(base_model=model, rank=8).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints([5, 17, 300, 42, 9, 88, 120, 7])
     params = types.SamplingParams(max_tokens=TOKENS, temperature=1.0)
     adam = types.AdamParams(learning_rate=1e-4)
@@ -61,7 +61,7 @@ def _loop(model: str, stack, steps: int) -> tuple[list[dict], float]:
         fb = tc.forward_backward(data, "cross_entropy")
         tc.optim_step(adam).result()
         fb.result()
-        sampler = tc.save_weights_and_get_sampling_client()
+        sampler = tc.save_weights_and_get_sampling_client().result()
         if step % every == 0 or step == steps:
             series.append(_footprint(step, time.perf_counter() - t0, pids, stack.state_dir))
     return series, time.perf_counter() - t0
