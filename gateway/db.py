@@ -215,6 +215,7 @@ _PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sa
 # the same database is seen within the TTL.
 _CACHED = ("ModelRow", "SamplingSessionRow", "CheckpointRow")
 CACHE_TTL_S = 2.0
+_CACHE_SWEEP_AT = 4096
 
 
 def _cache_key(row) -> tuple[str, str]:
@@ -243,7 +244,18 @@ class Database:
             s.add(row)
             s.commit()
         if type(row).__name__ in _CACHED:
-            self._cache[_cache_key(row)] = (row, time.monotonic() + CACHE_TTL_S)
+            self._remember(_cache_key(row), row)
+
+    def _remember(self, key: tuple[str, str], row) -> None:
+        """Caches `row` for CACHE_TTL_S. Bounded: past _CACHE_SWEEP_AT entries the expired ones are
+        dropped (each add caches its row, and a row never read again would stay for good)."""
+        stamp = time.monotonic()
+        if len(self._cache) >= _CACHE_SWEEP_AT:
+            for k in [k for k, (_, until) in self._cache.items() if until <= stamp]:
+                del self._cache[k]
+            if len(self._cache) >= _CACHE_SWEEP_AT:      # all fresh: a stale entry is only a re-read
+                self._cache.clear()
+        self._cache[key] = (row, stamp + CACHE_TTL_S)
 
     def get(self, cls, key):
         cached = self._cache.get((cls.__name__, key))
@@ -252,9 +264,7 @@ class Database:
         with self.session() as s:
             row = s.get(cls, key)
         if row is not None and cls.__name__ in _CACHED:
-            if len(self._cache) > 100_000:       # bounded: a stale entry is only a re-read
-                self._cache.clear()
-            self._cache[(cls.__name__, key)] = (row, time.monotonic() + CACHE_TTL_S)
+            self._remember((cls.__name__, key), row)
         elif cached is not None:
             self._cache.pop((cls.__name__, key), None)
         return row
