@@ -22,7 +22,7 @@ import time
 from bench.common import REPO, Context, Row, check, smollm2_model, tiny_model
 
 BENCHMARKS = ["train_step", "trainer_ranks", "sdk_workload", "sampling", "sampler_replicas", "adapter_sampling",
-              "weight_sync", "futures", "startup", "tenants", "batching"]
+              "weight_sync", "futures", "startup", "tenants", "batching", "soak"]
 
 
 def machine() -> str:

@@ -8,7 +8,7 @@ import datetime
 import logging
 import time
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Index, Integer, LargeBinary, String, Text, and_,
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Index, Integer, LargeBinary, String, Text, and_, case,
                         bindparam, create_engine, event, func, or_, select, text, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -215,6 +215,7 @@ _PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sa
 # the same database is seen within the TTL.
 _CACHED = ("ModelRow", "SamplingSessionRow", "CheckpointRow")
 CACHE_TTL_S = 2.0
+_CACHE_SWEEP_AT = 4096
 
 
 def _cache_key(row) -> tuple[str, str]:
@@ -243,7 +244,18 @@ class Database:
             s.add(row)
             s.commit()
         if type(row).__name__ in _CACHED:
-            self._cache[_cache_key(row)] = (row, time.monotonic() + CACHE_TTL_S)
+            self._remember(_cache_key(row), row)
+
+    def _remember(self, key: tuple[str, str], row) -> None:
+        """Caches `row` for CACHE_TTL_S. Bounded: past _CACHE_SWEEP_AT entries the expired ones are
+        dropped (each add caches its row, and a row never read again would stay for good)."""
+        stamp = time.monotonic()
+        if len(self._cache) >= _CACHE_SWEEP_AT:
+            for k in [k for k, (_, until) in self._cache.items() if until <= stamp]:
+                del self._cache[k]
+            if len(self._cache) >= _CACHE_SWEEP_AT:      # all fresh: a stale entry is only a re-read
+                self._cache.clear()
+        self._cache[key] = (row, stamp + CACHE_TTL_S)
 
     def get(self, cls, key):
         cached = self._cache.get((cls.__name__, key))
@@ -252,9 +264,7 @@ class Database:
         with self.session() as s:
             row = s.get(cls, key)
         if row is not None and cls.__name__ in _CACHED:
-            if len(self._cache) > 100_000:       # bounded: a stale entry is only a re-read
-                self._cache.clear()
-            self._cache[(cls.__name__, key)] = (row, time.monotonic() + CACHE_TTL_S)
+            self._remember((cls.__name__, key), row)
         elif cached is not None:
             self._cache.pop((cls.__name__, key), None)
         return row
@@ -338,27 +348,46 @@ class Database:
         with self.engine.connect() as conn:
             return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
 
-    def prunable_snapshots(self, unused_before: datetime.datetime,
-                           lapsed_before: datetime.datetime) -> dict[str, tuple[str, list[str]]]:
-        """Ephemeral snapshots nobody can reach any more: snapshot_id -> (its recorded path, the
-        sampling sessions that point at it). Ephemeral: made for a sampling session
-        (save_weights_and_get_sampling_client), not a named checkpoint's. Prunable: none of its
-        sampling sessions used (asample) or made since `unused_before`, and each of their
-        sessions closed or without a heartbeat since `lapsed_before`."""
+    def prunable_snapshots(self, unused_before: datetime.datetime, lapsed_before: datetime.datetime,
+                           superseded_unused_before: datetime.datetime) -> dict[str, tuple[str, list[str]]]:
+        """Ephemeral snapshots nobody can reach any more, or nobody will: snapshot_id -> (its
+        recorded path, the sampling sessions that point at it). Ephemeral: made for a sampling
+        session (save_weights_and_get_sampling_client), not a named checkpoint's. Prunable when
+        none of its sampling sessions was used (asample) or made since `unused_before` and each of
+        their sessions is closed or without a heartbeat since `lapsed_before`; or, live session or
+        not, when a newer snapshot of the same model exists and none of them was used since
+        `superseded_unused_before` (an RL loop leaves one such snapshot per step)."""
         ss, sess = SamplingSessionRow, SessionRow
-        in_use = select(ss.snapshot_id).outerjoin(sess, sess.session_id == ss.session_id).where(or_(
-            func.coalesce(ss.last_used, ss.created_at) >= unused_before,
-            and_(sess.finished.is_(False), sess.last_heartbeat >= lapsed_before),
-            ss.model_path.is_not(None)))
+        used = func.coalesce(ss.last_used, ss.created_at)
+        live = and_(sess.finished.is_(False), sess.last_heartbeat >= lapsed_before)
         named = select(CheckpointRow.snapshot_id).where(CheckpointRow.snapshot_id != "")
         with self.session() as s:
-            rows = s.execute(select(ss.snapshot_id, ss.snapshot_path, ss.sampling_session_id).where(
-                ss.snapshot_id != "", ss.model_path.is_(None), ss.snapshot_id.not_in(in_use),
-                ss.snapshot_id.not_in(named))).all()
+            rows = s.execute(
+                select(ss.snapshot_id, ss.snapshot_path, ss.sampling_session_id, ss.model_path.is_not(None),
+                       case((used >= unused_before, True), else_=False),
+                       case((live, True), else_=False),
+                       case((used >= superseded_unused_before, True), else_=False))
+                .outerjoin(sess, sess.session_id == ss.session_id)
+                .where(ss.snapshot_id != "", ss.snapshot_id.not_in(named))
+                .order_by(ss.created_at)).all()
+        over_named: set[str] = set()    # also behind a sampling session made from a checkpoint's path
+        held: set[str] = set()          # used lately, or a session of it is live
+        used_since_superseded: set[str] = set()
         found: dict[str, tuple[str, list[str]]] = {}
-        for snapshot_id, path, sampling_session_id in rows:
+        newest: dict[str, str] = {}     # model -> its newest ephemeral snapshot (rows come oldest first)
+        for snapshot_id, path, sampling_session_id, from_path, used_lately, session_live, used_lately_2 in rows:
+            if from_path:
+                over_named.add(snapshot_id)
+                continue
             found.setdefault(snapshot_id, (path, []))[1].append(sampling_session_id)
-        return found
+            newest[snapshot_id.rsplit("@", 1)[0]] = snapshot_id      # snapshot ids are "<model_id>@..."
+            if used_lately or session_live:
+                held.add(snapshot_id)
+            if used_lately_2:
+                used_since_superseded.add(snapshot_id)
+        latest = set(newest.values())
+        return {sid: v for sid, v in found.items() if sid not in over_named and (
+            sid not in held or (sid not in latest and sid not in used_since_superseded))}
 
     def delete_sampling_sessions(self, sampling_session_ids: list[str]) -> int:
         for key in sampling_session_ids:

@@ -10,7 +10,11 @@ safe to run on several at once):
   <state_dir>/snapshots/, reachable only through the sampling sessions made for it) is deleted,
   its files and every sampling session that points at it, once none of those sampling sessions
   sampled (asample) or was made within --snapshot-retention-s, and each of their sessions is
-  closed or has not heart-beaten within --session-timeout-s. A later asample or get_sampler on
+  closed or has not heart-beaten within --session-timeout-s; so is one of a model that has a newer
+  ephemeral snapshot once none of its sampling sessions sampled within
+  --superseded-snapshot-retention-s (1 h), live session or not: an RL loop makes one per step and
+  samples only the newest, so without this a day-long loop would keep every step's adapter on
+  disk. A model's newest snapshot waits for the first rule. A later asample or get_sampler on
   one of them is a 404 that says to call save_weights_and_get_sampling_client again. Named
   sampler checkpoints (save_weights_for_sampler with a path) are never pruned here: they go by
   their ttl or when deleted.
@@ -94,7 +98,8 @@ def prune_snapshots(gw: Gateway) -> int:
     stamp = now()
     prunable = gw.db.prunable_snapshots(
         unused_before=stamp - datetime.timedelta(seconds=gw.settings.snapshot_retention_s),
-        lapsed_before=stamp - datetime.timedelta(seconds=gw.settings.session_timeout_s))
+        lapsed_before=stamp - datetime.timedelta(seconds=gw.settings.session_timeout_s),
+        superseded_unused_before=stamp - datetime.timedelta(seconds=gw.settings.superseded_snapshot_retention_s))
     for snapshot_id, (recorded_path, sampling_session_ids) in prunable.items():
         delete_snapshot_files(gw.settings.state_dir, snapshot_id, recorded_path)
         gw.db.delete_sampling_sessions(sampling_session_ids)

@@ -51,6 +51,10 @@ class GatewaySettings(ServiceAuthSettings):
                                                         "sessions, once none of its sampling sessions sampled "
                                                         "for this long and each of their sessions is closed or "
                                                         "stopped heart-beating; named checkpoints are kept")
+    superseded_snapshot_retention_s: float = setting(
+        3600.0, help="an ephemeral sampler snapshot of a model that has a newer one is deleted once none of "
+                     "its sampling sessions sampled for this long, even while its session is live (an RL "
+                     "loop leaves one behind per step); a model's newest snapshot is kept")
     rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
                                                 "included; calls wait this long for a restarting service")
 

@@ -19,8 +19,8 @@ class ReplyCache:
         self._lock = threading.Lock()
 
     def get(self, model_id: str, seq_id: int, kind: str):
-        with self._lock:
-            hit = self._by_model[model_id].get(seq_id)
+        with self._lock:      # (not _by_model[model_id]: a lookup must not leave an entry behind)
+            hit = self._by_model.get(model_id, {}).get(seq_id)
         if hit is None:
             return None
         if hit[0] != kind:

@@ -138,8 +138,9 @@ class Api:
     def session(self) -> str:
         return self.post("create_session", {"tags": []}).json()["session_id"]
 
-    def model(self, session_id: str, rank: int = 8) -> str:
-        future = self.post("create_model", {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny/base",
+    def model(self, session_id: str, rank: int = 8, model_seq_id: int = 0) -> str:
+        future = self.post("create_model", {"session_id": session_id, "model_seq_id": model_seq_id,
+                                            "base_model": "tiny/base",
                                             "lora_config": {"rank": rank}}).json()
         return self.result(future).json()["model_id"]
 

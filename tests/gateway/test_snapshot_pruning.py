@@ -1,7 +1,8 @@
 """Ephemeral sampler snapshots nobody can reach any more are pruned (gateway/housekeeping.py
 prune_snapshots): files and sampling sessions go once none of the sampling sessions sampled for
 --snapshot-retention-s and each of their sessions is closed or stopped heart-beating. Recently used
-ones, ones whose session is live, and named sampler checkpoints stay. Timestamps are set in the
+ones, ones whose session is live, and named sampler checkpoints stay; in a live session, a model's
+snapshots older than its newest go once unused for --superseded-snapshot-retention-s. Timestamps are set in the
 database instead of waiting."""
 
 import datetime
@@ -83,6 +84,32 @@ def test_unreachable_ephemeral_snapshots_are_pruned_and_nothing_else(gateway, tm
     assert os.path.isdir(named_dir) and db.get(SamplingSessionRow, over_named) is not None
     assert db.get(CheckpointRow, named) is not None
     assert os.path.isdir(tmp_path / "moved-away")
+
+
+def test_a_live_rl_loop_keeps_its_newest_snapshots_not_every_steps(gateway):
+    """One session heart-beats for days while its loop makes a snapshot per step and samples only
+    the newest: a superseded snapshot goes once unused for --superseded-snapshot-retention-s; the
+    model's newest, and one sampled lately, stay."""
+    api, gw = gateway.api, gateway.api.client.app.state.gateway
+    db = gw.db
+    session = api.session()
+    model, other_model = api.model(session), api.model(session, model_seq_id=1)
+    steps = [_ephemeral(api, model, seq, seq) for seq in (1, 2, 3, 4)]
+    others = [_ephemeral(api, other_model, 1, 10)]      # another model's newest: its own, kept
+    files = {sid: _with_files(db.get(SamplingSessionRow, sid).snapshot_path) for sid in steps + others}
+    two_hours_ago = now() - datetime.timedelta(hours=2)
+    for sid in files:
+        db.touch(SamplingSessionRow, sid, created_at=two_hours_ago)
+    assert api.result(_sample(api, steps[1]).json()).status_code == 200     # an older one still sampled
+    gateway.settings.superseded_snapshot_retention_s = 3600
+    assert housekeeping.prune_snapshots(gw) == 2           # steps 0 and 2
+    gone = [sid for sid in files if db.get(SamplingSessionRow, sid) is None]
+    assert gone == [steps[0], steps[2]] and not any(os.path.exists(files[sid]) for sid in gone)
+    assert all(os.path.isdir(files[sid]) for sid in (steps[1], steps[3], others[0]))
+    assert_user_error(_sample(api, steps[0]), 404, "save_weights_and_get_sampling_client")
+    db.touch(SamplingSessionRow, steps[1], last_used=two_hours_ago)
+    assert housekeeping.prune_snapshots(gw) == 1 and db.get(SamplingSessionRow, steps[1]) is None
+    assert housekeeping.prune_snapshots(gw) == 0       # each model's newest waits for its session to end
 
 
 def test_pruning_never_deletes_outside_snapshots(gateway, tmp_path):

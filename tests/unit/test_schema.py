@@ -45,3 +45,22 @@ def test_a_database_from_before_migrations_is_completed_and_stamped(tmp_path):
     assert row.finished is False and row.owner is None
     missing = [d for d in schema.differences(db.engine) if d[0] in ("add_table", "add_column")]
     assert missing == []
+
+
+def test_the_row_cache_stays_bounded_when_rows_are_added_and_never_read(tmp_path, monkeypatch):
+    """Each add caches its row for a moment; rows added once and never read again (a sampling
+    session per RL step) must not stay in the gateway's memory for good."""
+    from gateway import db as db_module
+    from gateway.db import SamplingSessionRow
+
+    monkeypatch.setattr(db_module, "_CACHE_SWEEP_AT", 16)
+    monkeypatch.setattr(db_module, "CACHE_TTL_S", 0.0)      # every entry expired at once
+    db = Database(f"sqlite:///{tmp_path / 'cache.db'}")
+    for i in range(100):
+        db.add(SamplingSessionRow(sampling_session_id=f"s:sample:{i}", session_id="s", base_model="m"))
+    assert len(db._cache) <= 16
+    monkeypatch.setattr(db_module, "CACHE_TTL_S", 60.0)     # all fresh: cleared, still bounded
+    for i in range(100, 200):
+        db.add(SamplingSessionRow(sampling_session_id=f"s:sample:{i}", session_id="s", base_model="m"))
+    assert len(db._cache) <= 16
+    assert db.get(SamplingSessionRow, "s:sample:3").session_id == "s"

@@ -1,0 +1,108 @@
+"""A long RL run: does anything grow without bound?
+
+One SDK client runs the loop users run for hours (sample with the newest sampling client, train
+on the samples, optim_step, save_weights_and_get_sampling_client) against `tinkerd up` on the tiny
+model, with the retentions shortened so that a few minutes stand for days: finished futures kept
+20 s (`--futures-retention-s`), superseded snapshots 10 s (`--superseded-snapshot-retention-s`).
+Every tenth of the run it records the services' RSS, the state dir's size, the snapshot
+directories, and the futures and sampling-session rows. Each row compares the end of the run with
+its middle: ratio = middle / end, 1 when flat, lower when still growing. Memory of a Python
+process creeps (allocator arenas, vLLM's caches warming), so the memory target is looser than the
+disk and row targets, where anything above a constant is a leak.
+
+TINKERD_BENCH_SOAK_STEPS sets the loop's length (default 400; `--quick`: 8).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+
+from bench.common import Context, Row, new_dir, rss_mib
+from harness.stack import running_stack, service_pids
+
+FUTURES_RETENTION_S = 20
+SUPERSEDED_RETENTION_S = 10
+SAMPLES = 4
+TOKENS = 16
+
+
+def run(ctx: Context) -> list[Row]:
+    steps = 8 if ctx.quick else int(os.environ.get("TINKERD_BENCH_SOAK_STEPS", "400"))
+    with running_stack(ctx.models["tiny"], new_dir(ctx, "soak"), "--futures-retention-s", str(FUTURES_RETENTION_S),
+                       "--superseded-snapshot-retention-s", str(SUPERSEDED_RETENTION_S)) as stack:
+        series, seconds = _loop(ctx.models["tiny"], stack, steps)
+    return _rows(series, steps, seconds)
+
+
+def _loop(model: str, stack, steps: int) -> tuple[list[dict], float]:
+    import tinker
+    from tinker import types
+
+    pids = service_pids(stack.pid)
+    service = tinker.ServiceClient(base_url=stack.url)
+    tc = service.create_lora_training_client(base_model=model, rank=8).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([5, 17, 300, 42, 9, 88, 120, 7])
+    params = types.SamplingParams(max_tokens=TOKENS, temperature=1.0)
+    adam = types.AdamParams(learning_rate=1e-4)
+    series: list[dict] = []
+    every = max(1, steps // 10)
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        out = sampler.sample(prompt, SAMPLES, params).result()
+        data = []
+        for seq in out.sequences:
+            tokens = prompt.to_ints() + list(seq.tokens)
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                    loss_fn_inputs={"target_tokens": tokens[1:],
+                                                    "weights": [0.0] * (len(prompt.to_ints()) - 1) + [1.0] * len(seq.tokens)}))
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(adam).result()
+        fb.result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        if step % every == 0 or step == steps:
+            series.append(_footprint(step, time.perf_counter() - t0, pids, stack.state_dir))
+    return series, time.perf_counter() - t0
+
+
+def _footprint(step: int, elapsed: float, pids: dict, state: str) -> dict:
+    snapshots = os.path.join(state, "snapshots")
+    db = sqlite3.connect(f"file:{os.path.join(state, 'tinkerd.db')}?mode=ro", uri=True)
+    try:
+        futures = db.execute("select count(*) from futures").fetchone()[0]
+        sessions = db.execute("select count(*) from sampling_sessions").fetchone()[0]
+    finally:
+        db.close()
+    return {"step": step, "s": elapsed, "gateway": rss_mib(pids["gateway"]), "trainer": rss_mib(pids["trainer"]),
+            "sampler": rss_mib(pids["sampler"]), "state_mib": _disk_mib(state),
+            "snapshots": len(os.listdir(snapshots)) if os.path.isdir(snapshots) else 0,
+            "futures": futures, "sampling_sessions": sessions}
+
+
+def _disk_mib(path: str) -> float:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except FileNotFoundError:       # pruned meanwhile
+                pass
+    return total / 2**20
+
+
+def _rows(series: list[dict], steps: int, seconds: float) -> list[Row]:
+    mid, end = series[len(series) // 2], series[-1]
+    span = f"{steps} RL steps in {seconds:.0f} s; step {mid['step']} vs step {end['step']}"
+    cases = [("state dir", "state_mib", "MiB", ">= 0.8"), ("snapshot directories", "snapshots", "", ">= 0.8"),
+             ("futures rows", "futures", "", ">= 0.8"), ("sampling-session rows", "sampling_sessions", "", ">= 0.8"),
+             ("gateway RSS", "gateway", "MiB", ">= 0.7"), ("trainer RSS", "trainer", "MiB", ">= 0.7"),
+             ("sampler RSS", "sampler", "MiB", ">= 0.7")]
+    rows = []
+    for what, key, unit, target in cases:
+        trail = ", ".join(f"{p[key]:.0f}" for p in series)
+        rows.append(Row("soak", f"tiny: {what} at the end of a long RL run vs its middle", end[key], mid[key],
+                        unit or "", ratio=mid[key] / end[key] if end[key] else 1.0, target=target,
+                        note=f"{span}; every tenth: {trail}"))
+    return rows
