@@ -12,6 +12,6 @@ if [ "$#" -gt 0 ]; then
     exec "${pytest[@]}" "$@"
 fi
 status=0
-"${pytest[@]}" -n 2 --dist loadgroup -m "not serial" || status=$?
+"${pytest[@]}" -n 2 -m "not serial" || status=$?
 "${pytest[@]}" -m serial || status=$?
 exit "$status"

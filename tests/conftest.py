@@ -13,28 +13,44 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_API_KEY", "tml-local-tests")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-# Test files that run vLLM or DeepSpeed inside the pytest process: both keep process-wide
-# torch.distributed state (vLLM tears its group down, DeepSpeed caches its groups), so under
-# pytest-xdist (scripts/test.sh) they share one worker and run in collection order, as in one
-# process. They go first, the longest group, so the other worker has the rest meanwhile. Every
-# other file is its own group, so its module-scoped stack starts once; each benchmark's smoke
-# test is a group of its own.
+# How pytest-xdist (scripts/test.sh: two workers) shares the tests out: in work units, each run
+# whole on one worker, in collection order.
+# - Test files that run vLLM or DeepSpeed inside the pytest process are one unit: both keep
+#   process-wide torch.distributed state (vLLM tears its group down, DeepSpeed caches its groups),
+#   so they run in collection order as in one process. They go first, the longest unit, so the
+#   other worker has the rest meanwhile.
+# - Each benchmark's smoke test is a unit of its own (a process of its own, no shared fixture).
+# - Every other file is one unit, so its module-scoped stack starts once.
+# The units are made by the scheduler below. (xdist's own `--dist loadgroup` marks cannot do it
+# under pytest 9: it appends the group to `item._nodeid`, which pytest 9's `nodeid` no longer
+# reads, so every test became its own unit and module stacks restarted on both workers.)
 IN_PROCESS_ENGINES = ("tests/sampler/", "tests/trainer/")
-ONE_PROCESS_PER_TEST = ("tests/bench/",)       # each runs a benchmark in a process of its own
+ONE_PROCESS_PER_TEST = ("tests/bench/",)
+
+
+def work_unit(nodeid: str) -> str:
+    if nodeid.startswith(IN_PROCESS_ENGINES):
+        return "in-process-engines"
+    if nodeid.startswith(ONE_PROCESS_PER_TEST):
+        return nodeid
+    return nodeid.split("::")[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    def in_process(item) -> bool:
-        return item.nodeid.startswith(IN_PROCESS_ENGINES)
-    for item in items:
-        if in_process(item):
-            group = "in-process-engines"
-        elif item.nodeid.startswith(ONE_PROCESS_PER_TEST):
-            group = item.nodeid          # no shared fixture to keep: each test is its own unit
-        else:
-            group = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: not in_process(item))      # stable: collection order otherwise
+    items.sort(key=lambda item: not item.nodeid.startswith(IN_PROCESS_ENGINES))   # stable otherwise
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:         # no pytest-xdist: one process, collection order
+    pass
+else:
+    class _WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _WorkUnits(config, log)
 
 
 @pytest.fixture(scope="session")
