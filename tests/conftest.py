@@ -17,27 +17,26 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 # whole on one worker, in collection order.
 # - Test files that run vLLM or DeepSpeed inside the pytest process are one unit: both keep
 #   process-wide torch.distributed state (vLLM tears its group down, DeepSpeed caches its groups),
-#   so they run in collection order as in one process. They go first, the longest unit, so the
-#   other worker has the rest meanwhile.
-# - Each benchmark's smoke test is a unit of its own (a process of its own, no shared fixture).
+#   so they run in collection order as in one process.
 # - Every other file is one unit, so its module-scoped stack starts once.
 # The units are made by the scheduler below. (xdist's own `--dist loadgroup` marks cannot do it
 # under pytest 9: it appends the group to `item._nodeid`, which pytest 9's `nodeid` no longer
 # reads, so every test became its own unit and module stacks restarted on both workers.)
 IN_PROCESS_ENGINES = ("tests/sampler/", "tests/trainer/")
-ONE_PROCESS_PER_TEST = ("tests/bench/",)
+BENCH_SMOKE = "tests/bench/"        # one test, ~9 minutes here
 
 
 def work_unit(nodeid: str) -> str:
     if nodeid.startswith(IN_PROCESS_ENGINES):
         return "in-process-engines"
-    if nodeid.startswith(ONE_PROCESS_PER_TEST):
-        return nodeid
     return nodeid.split("::")[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(IN_PROCESS_ENGINES))   # stable otherwise
+    """The longest units first, so the short ones fill the gaps at the end: the bench smoke test,
+    the in-process engines, then collection order."""
+    items.sort(key=lambda item: 0 if item.nodeid.startswith(BENCH_SMOKE) else
+               1 if item.nodeid.startswith(IN_PROCESS_ENGINES) else 2)
 
 
 try:
@@ -50,6 +49,7 @@ else:
             return work_unit(nodeid)
 
     def pytest_xdist_make_scheduler(config, log):
+        config.option.loadscopereorder = False      # our order (above), not the most tests first
         return _WorkUnits(config, log)
 
 
