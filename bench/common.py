@@ -87,3 +87,15 @@ def new_dir(ctx: Context, name: str) -> str:
 def rss_mib(pid: int) -> float:
     import psutil
     return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def disk_mib(path: str) -> float:
+    """Size of the files below `path`; a file deleted while it is walked (pruned) counts nothing."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except FileNotFoundError:
+                pass
+    return total / 2**20

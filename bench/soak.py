@@ -20,7 +20,7 @@ import os
 import sqlite3
 import time
 
-from bench.common import Context, Row, new_dir, rss_mib
+from bench.common import Context, Row, disk_mib, new_dir, rss_mib
 from harness.stack import running_stack, service_pids
 
 FUTURES_RETENTION_S = 20
@@ -77,20 +77,9 @@ def _footprint(step: int, elapsed: float, pids: dict, state: str) -> dict:
     finally:
         db.close()
     return {"step": step, "s": elapsed, "gateway": rss_mib(pids["gateway"]), "trainer": rss_mib(pids["trainer"]),
-            "sampler": rss_mib(pids["sampler"]), "state_mib": _disk_mib(state),
+            "sampler": rss_mib(pids["sampler"]), "state_mib": disk_mib(state),
             "snapshots": len(os.listdir(snapshots)) if os.path.isdir(snapshots) else 0,
             "futures": futures, "sampling_sessions": sessions}
-
-
-def _disk_mib(path: str) -> float:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-            except FileNotFoundError:       # pruned meanwhile
-                pass
-    return total / 2**20
 
 
 def _rows(series: list[dict], steps: int, seconds: float) -> list[Row]:

@@ -28,7 +28,7 @@ import random
 import statistics
 import time
 
-from bench.common import Context, Row, median_time, new_dir, percentile, rss_mib, seconds
+from bench.common import Context, Row, disk_mib, median_time, new_dir, percentile, rss_mib, seconds
 from harness.stack import running_stack, service_pids
 
 TEXT = "the quick brown fox jumps over the lazy dog and the cat sat on the mat"
@@ -120,10 +120,6 @@ def _open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _disk_mib(path: str) -> float:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files) / 2**20
-
-
 def _limits(ctx: Context) -> tuple[int, int]:
     """(models resident on the trainer, snapshots in the sampler's memory)."""
     return (4, 4) if ctx.quick else (RESIDENT, CACHED)
@@ -142,7 +138,7 @@ def _footprint(pids: dict, state: str) -> str:
     """The services' memory and open files, and the state dir's size, as one note."""
     return (f"trainer RSS {rss_mib(pids['trainer']):.0f} MiB, {_open_files(pids['trainer'])} open files; "
             f"sampler RSS {rss_mib(pids['sampler']):.0f} MiB, {_open_files(pids['sampler'])} open files; "
-            f"gateway RSS {rss_mib(pids['gateway']):.0f} MiB; state dir {_disk_mib(state):.0f} MiB")
+            f"gateway RSS {rss_mib(pids['gateway']):.0f} MiB; state dir {disk_mib(state):.0f} MiB")
 
 
 def _at_scale_rows(ctx: Context, name: str, counts: tuple[int, ...], report=lambda row: None,

@@ -375,7 +375,7 @@ class Database:
         used_since_superseded: set[str] = set()
         found: dict[str, tuple[str, list[str]]] = {}
         newest: dict[str, str] = {}     # model -> its newest ephemeral snapshot (rows come oldest first)
-        for snapshot_id, path, sampling_session_id, from_path, used_lately, session_live, used_lately_2 in rows:
+        for snapshot_id, path, sampling_session_id, from_path, used_lately, session_live, used_since_cutoff in rows:
             if from_path:
                 over_named.add(snapshot_id)
                 continue
@@ -383,7 +383,7 @@ class Database:
             newest[snapshot_id.rsplit("@", 1)[0]] = snapshot_id      # snapshot ids are "<model_id>@..."
             if used_lately or session_live:
                 held.add(snapshot_id)
-            if used_lately_2:
+            if used_since_cutoff:
                 used_since_superseded.add(snapshot_id)
         latest = set(newest.values())
         return {sid: v for sid, v in found.items() if sid not in over_named and (
