@@ -295,12 +295,9 @@ class Database:
             return conn.execute(select(_FUTURES.status).where(_FUTURES.request_id == request_id)).scalar()
 
     def future_type_by_key(self, idempotency_key: str) -> str | None:
+        """The request type of the future submitted under this key; None if there is none."""
         with self.engine.connect() as conn:
             return conn.execute(select(_FUTURES.request_type).where(_FUTURES.idempotency_key == idempotency_key)).scalar()
-
-    def future_status_by_key(self, idempotency_key: str) -> str | None:
-        with self.engine.connect() as conn:
-            return conn.execute(select(_FUTURES.status).where(_FUTURES.idempotency_key == idempotency_key)).scalar()
 
     def renew_leases(self, request_ids: list[str], owner: str, until: datetime.datetime) -> None:
         """Extends the lease of the pending futures this gateway runs."""

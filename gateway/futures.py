@@ -127,7 +127,7 @@ class _ModelRunner:
 
     def _elsewhere(self, seq: int) -> bool:
         """Did seq reach another gateway? Then the trainer orders it with ours (no wait here)."""
-        return self.futures.db.future_status_by_key(f"{self.model_id}#{seq}") is not None
+        return self.futures.db.future_type_by_key(f"{self.model_id}#{seq}") is not None
 
     async def _loop(self) -> None:
         gap_since = None

@@ -6,12 +6,14 @@ import logging
 import os
 
 from sampler_service.settings import SamplerSettings
-from tinkerd.process import cpu_defaults, init_logging, serve_until_signal, service_dtype
+from tinkerd.process import allocator, cpu_defaults, init_logging, reexec_with_tcmalloc, serve_until_signal, service_dtype
 
 
 def serve(s: SamplerSettings) -> None:
+    reexec_with_tcmalloc()
     cpu_defaults()
     init_logging("sampler")
+    logging.getLogger("sampler").info("memory allocator: %s", allocator())
     from sampler_service import metrics
     from sampler_service.registration import Registration, advertised_address
     from sampler_service.servicer import SamplerServicer

@@ -3,14 +3,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
-# The console's browser test (tests/e2e/test_console.py) drives Chromium from the system packages.
-if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
+# System packages: Chromium for the console's browser test (tests/e2e/test_console.py), and
+# tcmalloc, which the sampler preloads as vLLM's CPU backend asks (tinkerd/process.py).
+packages=()
+{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || packages+=(chromium chromium-driver)
+/sbin/ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || packages+=(libtcmalloc-minimal4)
+if [ "${#packages[@]}" -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${packages[@]}" >/dev/null
   else
-    echo "warning: no apt-get: install chromium and chromedriver for tests/e2e/test_console.py" >&2
+    echo "warning: no apt-get: install ${packages[*]} (tests/e2e/test_console.py; the sampler's tcmalloc)" >&2
   fi
 fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"

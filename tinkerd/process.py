@@ -3,9 +3,11 @@ gRPC server until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import ctypes.util
 import logging
 import os
 import signal
+import sys
 import threading
 
 
@@ -20,6 +22,40 @@ def cpu_defaults() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+TCMALLOC = "tcmalloc_minimal"     # Debian/Ubuntu: libtcmalloc-minimal4
+
+
+def tcmalloc_preload(environ: dict) -> str | None:
+    """The LD_PRELOAD value that adds tcmalloc, or None when it is there already, switched off
+    (TINKERD_TCMALLOC=0) or not installed."""
+    preload = environ.get("LD_PRELOAD", "")
+    if environ.get("TINKERD_TCMALLOC", "1") == "0" or "tcmalloc" in preload:
+        return None
+    lib = ctypes.util.find_library(TCMALLOC)
+    if lib is None:
+        return None
+    return f"{lib}:{preload}" if preload else lib
+
+
+def reexec_with_tcmalloc() -> None:
+    """Runs this process again (same pid, same command line) with tcmalloc preloaded, as vLLM's
+    CPU backend asks: measured on SmolLM2 through a rank-8 adapter, 26.9 against 23.3 tokens/s
+    (2026-11-23). A preload must be in place when the process starts, hence the exec; call it
+    before anything heavy is imported."""
+    preload = tcmalloc_preload(os.environ)
+    if preload is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, {**os.environ, "LD_PRELOAD": preload})
+
+
+def allocator() -> str:
+    """"tcmalloc" if this process runs with it, else "glibc malloc"."""
+    with open("/proc/self/maps") as f:
+        return "tcmalloc" if "libtcmalloc" in f.read() else "glibc malloc"
 
 
 def serve_until_signal(server, port: int, name: str, on_start=None, on_stop=None, health=None) -> None:

@@ -206,3 +206,19 @@ def test_services_refuse_grpc_calls_without_the_service_token(stack):
             stub_class(channel(address)).Health(common_pb2.HealthRequest(), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert stub_class(channel(address, ServiceAuth(token=token))).Health(common_pb2.HealthRequest(), timeout=10).ready
+
+
+def test_the_sampler_runs_with_tcmalloc(stack):
+    """`tinkerd up`'s sampler re-executed itself with tcmalloc preloaded (tinkerd/process.py)."""
+    import ctypes.util
+
+    from harness.stack import service_pids
+    from tinkerd.process import TCMALLOC
+
+    if ctypes.util.find_library(TCMALLOC) is None:
+        pytest.skip("libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)")
+    pid = service_pids(stack.pid)["sampler"]
+    with open(f"/proc/{pid}/maps") as f:
+        assert "libtcmalloc" in f.read()
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        assert b"LD_PRELOAD=libtcmalloc" in f.read()
