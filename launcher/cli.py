@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
-from launcher import keys, up
-from tinkerd import settings
+from tinkerd.process import reexec_with_tcmalloc
+
+if sys.argv[1:2] == ["sampler"]:
+    # Before the imports below (seconds of them): the exec starts this process over with tcmalloc.
+    reexec_with_tcmalloc()
+
+from launcher import keys, up  # noqa: E402
+from tinkerd import settings  # noqa: E402
 
 # Each service: its entry module (a `serve(settings)` function) and a line of help. Its flags
 # come from its settings class (launcher.up.CHILDREN).
