@@ -6,11 +6,11 @@ import logging
 import os
 
 from sampler_service.settings import SamplerSettings
-from tinkerd.process import allocator, cpu_defaults, init_logging, reexec_with_tcmalloc, serve_until_signal, service_dtype
+from tinkerd.process import allocator, cpu_defaults, init_logging, serve_until_signal, service_dtype
 
 
 def serve(s: SamplerSettings) -> None:
-    reexec_with_tcmalloc()
+    # tcmalloc: launcher/cli.py re-executes `tinkerd sampler` with it before its imports.
     cpu_defaults()
     init_logging("sampler")
     logging.getLogger("sampler").info("memory allocator: %s", allocator())

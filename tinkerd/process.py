@@ -52,9 +52,9 @@ def reexec_with_tcmalloc() -> None:
     os.execve(sys.executable, sys.orig_argv, {**os.environ, "LD_PRELOAD": preload})
 
 
-def allocator() -> str:
-    """"tcmalloc" if this process runs with it, else "glibc malloc"."""
-    with open("/proc/self/maps") as f:
+def allocator(pid: int | str = "self") -> str:
+    """"tcmalloc" if process `pid` (this one by default) runs with it, else "glibc malloc"."""
+    with open(f"/proc/{pid}/maps") as f:
         return "tcmalloc" if "libtcmalloc" in f.read() else "glibc malloc"
 
 

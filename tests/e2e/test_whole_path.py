@@ -213,12 +213,11 @@ def test_the_sampler_runs_with_tcmalloc(stack):
     import ctypes.util
 
     from harness.stack import service_pids
-    from tinkerd.process import TCMALLOC
+    from tinkerd.process import TCMALLOC, allocator
 
     if ctypes.util.find_library(TCMALLOC) is None:
         pytest.skip("libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)")
     pid = service_pids(stack.pid)["sampler"]
-    with open(f"/proc/{pid}/maps") as f:
-        assert "libtcmalloc" in f.read()
+    assert allocator(pid) == "tcmalloc"
     with open(f"/proc/{pid}/environ", "rb") as f:
         assert b"LD_PRELOAD=libtcmalloc" in f.read()
