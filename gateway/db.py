@@ -246,6 +246,15 @@ class Database:
         if type(row).__name__ in _CACHED:
             self._remember(_cache_key(row), row)
 
+    def add_if_absent(self, row) -> bool:
+        """Inserts `row` unless one with its primary key exists (made concurrently, perhaps by
+        another gateway): False then, and the caller reads that one to decide."""
+        try:
+            self.add(row)
+        except IntegrityError:
+            return False
+        return True
+
     def _remember(self, key: tuple[str, str], row) -> None:
         """Caches `row` for CACHE_TTL_S. Bounded: past _CACHE_SWEEP_AT entries the expired ones are
         dropped (each add caches its row, and a row never read again would stay for good)."""

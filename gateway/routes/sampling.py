@@ -31,11 +31,21 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, caller: Ca
         base, snapshot, snapshot_path = gw.db.get(ModelRow, ckpt.model_id).base_model, ckpt.snapshot_id, ckpt.snapshot_path
     else:
         base, snapshot, snapshot_path = supported_base_model(gw, body.base_model), "", ""
-    if gw.db.get(SamplingSessionRow, sid) is None:
-        gw.db.add(SamplingSessionRow(sampling_session_id=sid, session_id=session_id, owner=caller.user_id,
-                                     base_model=base, model_path=body.model_path, snapshot_id=snapshot,
-                                     snapshot_path=snapshot_path))
+    row = SamplingSessionRow(sampling_session_id=sid, session_id=session_id, owner=caller.user_id,
+                             base_model=base, model_path=body.model_path, snapshot_id=snapshot,
+                             snapshot_path=snapshot_path)
+    if gw.db.get(SamplingSessionRow, sid) is None and not gw.db.add_if_absent(row):
+        # Made meanwhile by a concurrent request (a create, or a save_weights_for_sampler with
+        # this seq id): a resend of this very request is answered as the first, anything else refused.
+        _same_sampling_session(gw.db.get(SamplingSessionRow, sid), row)
     return CreateSamplingSessionResponse(sampling_session_id=sid)
+
+
+def _same_sampling_session(existing: SamplingSessionRow, wanted: SamplingSessionRow) -> None:
+    if (existing.owner, existing.model_path, existing.snapshot_id) != (wanted.owner, wanted.model_path,
+                                                                       wanted.snapshot_id):
+        raise UserError(f"sampling session {wanted.sampling_session_id} exists already with other weights: every "
+                        f"sampling session needs its own sampling_session_seq_id")
 
 
 @router.get("/samplers/{sampler_id:path}")

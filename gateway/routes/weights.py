@@ -77,10 +77,12 @@ async def _push_weights(gw: Gateway, target: dict, body: bytes):
                                 directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
                                 expires_at=expires_at or None))
         _audit_saved(gw, caller, push.model_id, path)
-    elif not existing:
-        gw.db.add(SamplingSessionRow(sampling_session_id=sampling_session_id, owner=caller.user_id,
-                                     session_id=target["session_id"], base_model=target["base_model"],
-                                     snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path))
+    elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
+            sampling_session_id=sampling_session_id, owner=caller.user_id, session_id=target["session_id"],
+            base_model=target["base_model"], snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path)):
+        # Another request took this sampling_session_seq_id while the weights were pushed.
+        raise UserError(f"sampling session {sampling_session_id} was created meanwhile by another request: every "
+                        f"save_weights_for_sampler needs its own sampling_session_seq_id")
     return json_body({"path": path, "sampling_session_id": sampling_session_id,
                       "type": "save_weights_for_sampler"})
 

@@ -1,6 +1,8 @@
 """Sampling routes on fake backends: JSON sampling params become the sampler's request, its
 reply becomes the SDK's SampleResponse, and bad input is a 400 before anything is queued."""
 
+import asyncio
+
 import pytest
 
 from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
@@ -82,3 +84,31 @@ def test_retrieve_future_bad_bodies(gateway):
     assert_user_error(api.post("retrieve_future", {"request_id": 5}), 400, "request_id")
     r = api.client.post("/api/v1/retrieve_future", content=b"{x", headers={"content-type": "application/json"})
     assert_user_error(r, 400, "not valid JSON")
+
+
+def test_a_sampling_session_id_taken_mid_push_is_a_user_error_not_a_500(gateway):
+    """The fuzz's race: save_weights_for_sampler found its sampling session id free, and while
+    the weights were pushed a create_sampling_session took it. The save fails as a 400 that says
+    why; the concurrent session is left as it was; a create resent as it was is answered again."""
+    api = gateway.api
+    session = api.session()
+    model = api.model(session)
+    taken = {"session_id": session, "sampling_session_seq_id": 1, "base_model": "tiny/base"}
+    trainer = api.client.app.state.gateway.trainer
+    push = trainer.PushWeights
+
+    async def push_while_taken(request):
+        reply = await push(request)
+        made = await asyncio.to_thread(api.post, "create_sampling_session", taken)     # as a concurrent request
+        assert made.status_code == 200
+        return reply
+    trainer.PushWeights = push_while_taken
+    try:
+        future = api.post("save_weights_for_sampler", {"model_id": model, "seq_id": 1, "sampling_session_seq_id": 1})
+        failed = api.result(future.json()).json()
+        assert failed["category"] == "user" and "created meanwhile" in failed["error"], failed
+    finally:
+        trainer.PushWeights = push
+    again = api.post("create_sampling_session", taken)
+    assert again.json()["sampling_session_id"] == f"{session}:sample:1"
+    assert api.get(f"samplers/{session}:sample:1").json()["model_path"] is None
