@@ -59,20 +59,36 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama"))
 
 
+# Tests assert trainer = sampler exactly, which holds in float32: `--dtype auto` is bfloat16 on
+# CPUs with AMX or AVX512-BF16 (and on GPUs), so every stack a test starts names its dtype, and
+# bf16 is tested on its own terms (tests/trainer/test_bf16_training.py).
+EXACT_DTYPE = ("--dtype", "float32")
+
+
+def exact_unless_named(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """`flags`, with `--dtype float32` added unless they name a dtype."""
+    return flags if "--dtype" in flags else (*flags, *EXACT_DTYPE)
+
+
+def stack_in_float32(model_dir: str, state, *flags: str):
+    return running_stack(model_dir, state, *exact_unless_named(flags))
+
+
 @pytest.fixture(scope="session")
 def stack(tiny_model_dir, tmp_path_factory):
-    """The shared `tinkerd up` on the tiny model, with default settings."""
+    """The shared `tinkerd up` on the tiny model, with default settings (in float32)."""
     # Dozens of test modules share it under one admin key: the per-user run limit is raised for them.
-    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("state"), "--alias", "tiny/alias-model",
-                       "--alias", "Qwen/Qwen3.5-9B-Base", "--alias", "Qwen/Qwen3.5-4B",
-                       "--max-models-per-user", "1000") as s:
+    with stack_in_float32(tiny_model_dir, tmp_path_factory.mktemp("state"), "--alias", "tiny/alias-model",
+                          "--alias", "Qwen/Qwen3.5-9B-Base", "--alias", "Qwen/Qwen3.5-4B",
+                          "--max-models-per-user", "1000") as s:
         yield s
 
 
 @pytest.fixture(scope="session")
 def start_stack():
-    """For tests that need a stack with other settings: `with start_stack(model, state, *flags)`."""
-    return running_stack
+    """For tests that need a stack with other settings: `with start_stack(model, state, *flags)`
+    (float32 unless the flags name a dtype)."""
+    return stack_in_float32
 
 
 def sft_data(tok, texts):

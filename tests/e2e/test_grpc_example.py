@@ -26,7 +26,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 def _start(name: str, model_dir: str, state: pathlib.Path, token_file: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", name, "--base-model", model_dir, "--state-dir", str(state),
-         "--service-token-file", token_file, "--metrics-port", "0"],
+         "--service-token-file", token_file, "--metrics-port", "0",
+         *(("--dtype", "float32") if name != "gateway" else ())],     # exact trainer = sampler (conftest.py)
         stdout=subprocess.PIPE, stderr=open(state / f"{name}.log", "ab"), text=True, start_new_session=True)
 
 

@@ -142,9 +142,10 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
     trainer_port, ports = _free_port(), [_free_port(), _free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     common = ["--base-model", tiny_model_dir, "--state-dir", state, "--service-token-file", token]
+    exact = ["--dtype", "float32"]           # trainer = sampler exactly (conftest.py)
 
     def replica(name: str) -> Service:
-        return Service(name, [*tinkerd, "sampler", *common, "--merged-slots", "0", "--register-with", urls[0],
+        return Service(name, [*tinkerd, "sampler", *common, *exact, "--merged-slots", "0", "--register-with", urls[0],
                               "--register-with", urls[1]], logs, env)
 
     services: list[Service] = []
@@ -152,7 +153,7 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
     try:
         services.append(trainer := Service("trainer", [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-            "launcher.cli", "trainer", *common, "--listen", f"127.0.0.1:{trainer_port}"], logs, env))
+            "launcher.cli", "trainer", *common, *exact, "--listen", f"127.0.0.1:{trainer_port}"], logs, env))
         services += (first := replica("replica-1")), (second := replica("replica-2"))
         postgres, db_url = _postgres(tmp_path)       # while the others start
         gateways = [Service(f"gateway-{i + 1}", [

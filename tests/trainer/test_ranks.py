@@ -81,7 +81,7 @@ def two_rank_trainer(tiny_model_dir, tmp_path):
                                                             "LOCAL_RANK")}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "-m", "launcher.cli", "trainer", "--base-model", tiny_model_dir, "--listen",
-                             "127.0.0.1:0", "--state-dir", str(tmp_path / "state"), "--zero-stage", "3"],
+                             "127.0.0.1:0", "--state-dir", str(tmp_path / "state"), "--zero-stage", "3", "--dtype", "float32"],
                             stdout=subprocess.PIPE, stderr=open(tmp_path / "trainer.log", "w"), text=True,
                             env={**env, "PYTHONPATH": ROOT}, cwd=ROOT)
     port = None
