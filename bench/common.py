@@ -47,13 +47,20 @@ def median_time(fn: Callable[[], object], n: int, warmup: int = 1) -> float:
     return statistics.median(seconds(fn) for _ in range(n))
 
 
+def in_turn(measurements: list[Callable[[], float]], rounds: int, warmup: int = 1) -> list[float]:
+    """The medians of measurements taken in turn, one of each per round, so machine noise hits all alike."""
+    for _ in range(warmup):
+        for measure in measurements:
+            measure()
+    taken = [[measure() for measure in measurements] for _ in range(rounds)]
+    return [statistics.median(column) for column in zip(*taken)]
+
+
 def alternately(ours: Callable[[], float], raw: Callable[[], float], rounds: int,
                 warmup: int = 1) -> tuple[float, float]:
     """(ours, raw) medians of two measurements taken in turn, so machine noise hits both alike."""
-    for _ in range(warmup):
-        ours(), raw()
-    pairs = [(ours(), raw()) for _ in range(rounds)]
-    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    ours_median, raw_median = in_turn([ours, raw], rounds, warmup)
+    return ours_median, raw_median
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -30,7 +30,8 @@ def _batch(vocab: int):
 
 
 def raw_step(model_dir: str, sequences: list[list[int]], dtype: str = "float32", rank: int = RANK):
-    """The raw engine's step, as a function: forward, summed cross-entropy, backward, step."""
+    """The raw engine's step, as a function: forward, summed cross-entropy, backward, step; it
+    returns the loss (a tensor: reading it would wait for a GPU)."""
     import deepspeed
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -45,14 +46,15 @@ def raw_step(model_dir: str, sequences: list[list[int]], dtype: str = "float32",
     params = [p for p in model.parameters() if p.requires_grad]
     config = dict(deepspeed_config(2), gradient_accumulation_steps=1)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-4), config=config)
-    ids = torch.tensor([s[:-1] for s in sequences])
-    targets = torch.tensor([s[1:] for s in sequences])
+    ids = torch.tensor([s[:-1] for s in sequences], device=engine.device)    # DeepSpeed put the model there
+    targets = torch.tensor([s[1:] for s in sequences], device=engine.device)
 
-    def step():
+    def step() -> torch.Tensor:
         logits = engine(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
         engine.backward(loss)
         engine.step()
+        return loss.detach()
     return step
 
 
