@@ -78,7 +78,7 @@ def test_push_replies_after_the_persisted_copy_is_complete(tiny_model_dir, tmp_p
 from tinkerd import weight_stream  # noqa: E402
 from tinkerd.errors import UserError  # noqa: E402
 from tinkerd.rpc import create_server, rpc_boundary  # noqa: E402
-from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc  # noqa: E402
+from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc  # noqa: E402
 from sampler_service import convert as sampler_convert  # noqa: E402
 from sampler_service.weight_receiver import WeightReceiver  # noqa: E402
 from trainer_service.weight_push import WeightPusher  # noqa: E402
@@ -92,10 +92,16 @@ class _Receiving(sampler_pb2_grpc.SamplerServicer):
         self.weights = WeightReceiver()
         self.received: dict[str, dict[str, torch.Tensor]] = {}
         self.joins: list[bool] = []
+        self.transports: list[str] = []
+
+    @rpc_boundary
+    def Health(self, request, context):
+        return common_pb2.HealthResponse(ready=True, weight_endpoint=self.weights.endpoint.message())
 
     @rpc_boundary
     def ReceiveWeights(self, request, context):
-        self.joins.append(request.rendezvous.join)
+        self.joins.append(request.rendezvous.join or request.shared.join)
+        self.transports.append(request.transport)
 
         def layout():
             if request.snapshot_id in self.received:
