@@ -108,6 +108,7 @@ class _HandleUnpickler(pickle.Unpickler):
     resolve, so a manifest cannot make the sampler call anything."""
 
     ALLOWED = {("torch", "Tensor"), ("torch._tensor", "Tensor"), ("torch", "Size"),
+               ("torch.storage", "TypedStorage"), ("torch", "TypedStorage"),
                ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage")}
 
     def __init__(self, data: bytes):

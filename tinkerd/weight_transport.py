@@ -120,11 +120,13 @@ def cuda_index(device: str) -> int:
 def why_not(transport: str, sender: Endpoint, receiver: Endpoint) -> str | None:
     """Why the pair cannot use `transport`; None if it can."""
     same_host = bool(sender.host) and sender.host == receiver.host
-    if transport == CUDA_IPC and not (same_host and sender.on_cuda and sender.device == receiver.device):
+    one_card = same_host and sender.on_cuda and sender.device == receiver.device
+    if transport == CUDA_IPC and not one_card:
         return "needs both ends on one CUDA device of one host"
-    if transport == NCCL and not (sender.on_cuda and receiver.on_cuda and sender.device != receiver.device):
-        return ("NCCL refuses two ranks on one device" if sender.on_cuda and sender.device == receiver.device
-                else "needs both ends on CUDA")
+    if transport == NCCL and not (sender.on_cuda and receiver.on_cuda):
+        return "needs both ends on CUDA"
+    if transport == NCCL and one_card:
+        return "NCCL refuses two ranks on one device"
     if transport == SHM and not same_host:
         return "needs both ends on one host"
     if transport not in PREFERENCE:
