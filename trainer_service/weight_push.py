@@ -12,8 +12,12 @@ copy is written depends on who waits for it:
   is written beside the stream and the reply waits for both, so its persisted_path always
   holds the whole adapter. Either failing fails the push.
 
-Each sampler replica gets its own two-rank side group, formed on the first push to it and kept
-(forming one costs a rendezvous and new connections on every push otherwise). Pushes to one
+Each sampler replica gets its own link, formed on the first push to it and kept (forming one
+costs a rendezvous and new connections on every push otherwise). Its transport is chosen then,
+from this end's and the replica's (its Health) host and device (tinkerd/weight_transport.py):
+a two-rank side group (gloo, nccl), or memory both map (shm, cuda_ipc: tinkerd/shared_weights.py,
+no group); a transport the replica refuses gives way to the next, and the choice is made again
+whenever the link is dropped. Pushes to one
 replica take turns on it, pushes to several run side by side. The receiver's end and its rules
 are in sampler_service/weight_receiver.py: it answers "ready" before the bytes move, a replica
 that restarted answers ABORTED and gets a new group, and any failure drops the group on both
