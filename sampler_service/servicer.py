@@ -44,7 +44,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     @rpc_boundary
     def Health(self, request, context):
-        return common_pb2.HealthResponse(ready=True, base_model=self.engine.model_dir)
+        return common_pb2.HealthResponse(ready=True, base_model=self.engine.model_dir,
+                                         weight_endpoint=self.weights.endpoint.message())
 
     @rpc_boundary
     def Sample(self, request, context):
@@ -81,8 +82,9 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                                       persisted).result(_RESULT_TIMEOUT_S)
         seconds = time.perf_counter() - t0
         metrics.RECEIVE_SECONDS.observe(seconds)
-        log.info("snapshot %s: %d tensors in %.1f ms (%sreceive %.1f, register %.1f)", request.snapshot_id,
-                 len(received), 1e3 * seconds, "join + " if request.rendezvous.join else "",
+        log.info("snapshot %s: %d tensors in %.1f ms (%s%sreceive %.1f, register %.1f)", request.snapshot_id,
+                 len(received), 1e3 * seconds, request.transport or request.rendezvous.backend,
+                 " join + " if request.rendezvous.join or request.shared.join else " ",
                  1e3 * (t_received - t0), 1e3 * (time.perf_counter() - t_received))
         return sampler_pb2.SnapshotInfo(snapshot_id=request.snapshot_id,
                                         num_bytes=sum(request.chunk_num_bytes), receive_seconds=seconds)

@@ -21,6 +21,8 @@ PUSH_SECONDS = Histogram("tinkerd_trainer_weight_push_duration_seconds", "PushWe
 PUSH_BYTES = Counter("tinkerd_trainer_weight_push_bytes_total", "adapter bytes streamed to samplers "
                      "(once per push, whatever the number of replicas)")
 PUSHES = Counter("tinkerd_trainer_weight_pushes_total", "weight pushes completed")
+WEIGHT_LINKS = Counter("tinkerd_trainer_weight_links_total", "links to sampler replicas formed for weight pushes, "
+                       "by transport (cuda_ipc, nccl, shm, gloo; tinkerd/weight_transport.py)", ["transport"])
 
 
 def tokens_of(data) -> int:

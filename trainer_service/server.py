@@ -45,5 +45,6 @@ def serve(s: TrainerSettings) -> None:
 
     def stop() -> None:
         servicer.pusher.finish_copies(timeout_s=30)     # persisted copies still being written
+        servicer.pusher.close()                         # no /dev/shm region left behind
         engine.ranks.stop()
     serve_until_signal(server, port, "trainer", on_stop=stop, health=health)

@@ -12,8 +12,12 @@ copy is written depends on who waits for it:
   is written beside the stream and the reply waits for both, so its persisted_path always
   holds the whole adapter. Either failing fails the push.
 
-Each sampler replica gets its own two-rank side group, formed on the first push to it and kept
-(forming one costs a rendezvous and new connections on every push otherwise). Pushes to one
+Each sampler replica gets its own link, formed on the first push to it and kept (forming one
+costs a rendezvous and new connections on every push otherwise). Its transport is chosen then,
+from this end's and the replica's (its Health) host and device (tinkerd/weight_transport.py):
+a two-rank side group (gloo, nccl), or memory both map (shm, cuda_ipc: tinkerd/shared_weights.py,
+no group); a transport the replica refuses gives way to the next, and the choice is made again
+whenever the link is dropped. Pushes to one
 replica take turns on it, pushes to several run side by side. The receiver's end and its rules
 are in sampler_service/weight_receiver.py: it answers "ready" before the bytes move, a replica
 that restarted answers ABORTED and gets a new group, and any failure drops the group on both
@@ -33,10 +37,12 @@ import time
 import uuid
 
 import grpc
+import torch
 
-from tinkerd import persisted_copy, weight_stream
+from tinkerd import persisted_copy, shared_weights, weight_stream, weight_transport
 from tinkerd.rpc import ServiceAuth, channel
-from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2
+from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2
+from trainer_service import metrics
 from trainer_service.checkpoints import save_peft_adapter
 from trainer_service.convert import tensor_specs
 
@@ -78,13 +84,59 @@ def _in_thread(fn, name: str) -> concurrent.futures.Future:
     return future
 
 
+def _refusal(error: BaseException) -> str | None:
+    """Why the transport was refused (by the replica, or by this end unable to offer it), or
+    None for any other failure."""
+    if isinstance(error, weight_transport.TransportRefused):
+        return str(error)
+    if isinstance(error, grpc.RpcError) and weight_transport.is_refusal(error):
+        return error.details()
+    return None
+
+
 @dataclasses.dataclass
 class _Link:
-    """The side group to one sampler replica, kept across pushes; None until formed, and again
+    """What is kept for one sampler replica across pushes: the transport chosen to it (None:
+    choose when next used) and what that transport holds: the side group (gloo, nccl), the
+    /dev/shm region (shm) or the CUDA buffer (cuda_ipc); none of them until formed, and again
     after a failure."""
+    transport: str | None = None
+    receiver: weight_transport.Endpoint | None = None
+    untried: list[str] = dataclasses.field(default_factory=list)      # the next transports, best first
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)  # transport -> why it was refused
     group: weight_stream.Group | None = None
     name: str = ""
+    region: shared_weights.Region | None = None
+    cuda: torch.Tensor | None = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @property
+    def formed(self) -> bool:
+        return self.group is not None or (self.region is not None and not self.region.fresh) or self.cuda is not None
+
+    def shared_region(self, num_bytes: int) -> shared_weights.Region:
+        """The link's region, a new one if it is smaller than `num_bytes`."""
+        if self.region is None or self.region.buffer.numel() < num_bytes:
+            self.release()
+            try:
+                self.region = shared_weights.Region(num_bytes)
+            except OSError as e:
+                raise weight_transport.TransportRefused(weight_transport.SHM, f"the trainer cannot create a "
+                                                        f"region in {shared_weights.SHM_DIR}: {e}") from e
+            self.name = self.region.path
+        return self.region
+
+    def cuda_buffer(self, num_bytes: int, device: torch.device) -> torch.Tensor:
+        if self.cuda is None or self.cuda.numel() < num_bytes:
+            self.cuda = None
+            self.cuda = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+            self.name = f"cuda buffer of {num_bytes} bytes"
+        return self.cuda
+
+    def release(self) -> None:
+        if self.region is not None:
+            self.region.unlink()
+        self.group, self.region, self.cuda = None, None, None
 
 
 @dataclasses.dataclass
@@ -95,11 +147,20 @@ class _Timings:
 
 
 class WeightPusher:
-    def __init__(self, advertise_host: str, transfer_timeout_s: float, auth: ServiceAuth = ServiceAuth()):
+    """`transports`: those it may use (tinkerd/weight_transport.py; all by default), e.g. one
+    to force it; `device`: where this trainer's weights live (the current CUDA device, if any)."""
+
+    def __init__(self, advertise_host: str, transfer_timeout_s: float, auth: ServiceAuth = ServiceAuth(), *,
+                 transports=weight_transport.PREFERENCE, device: torch.device | None = None):
         self.advertise_host = advertise_host
         self.transfer_timeout_s = transfer_timeout_s
         self.auth = auth
-        self.backend = weight_stream.default_backend()
+        self.transports = tuple(transports)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = device
+        self.endpoint = weight_transport.local_endpoint(device)
+        self.id = uuid.uuid4().hex      # tells this trainer process apart in a replica's kept regions
         self._samplers: dict[str, sampler_pb2_grpc.SamplerStub] = {}
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
@@ -178,52 +239,115 @@ class WeightPusher:
                             address, request.snapshot_id, type(e).__name__, e)
 
     def _push_to(self, address: str, manifest: sampler_pb2.WeightManifest, packed: weight_stream.Packed) -> None:
-        """One replica's share: announce, (form the group,) handshake, send, wait for its commit.
-        A replica that answers ABORTED lost the group (it restarted): once, form a new one."""
+        """One replica's share over its link: choose the transport if the link is new, send, wait
+        for its commit. A transport the replica refuses gives way to the next (the push fails at
+        once when none is left); a replica that answers ABORTED lost the link (it restarted):
+        once, form a new one."""
         link = self._link(address)
         with link.lock:
-            for attempt in (1, 2):
-                t0 = time.perf_counter()
-                join = link.group is None
-                if join:
-                    link.name = f"{uuid.uuid4().hex[:16]}"
-                announced = sampler_pb2.WeightManifest()
-                announced.CopyFrom(manifest)
-                announced.rendezvous.CopyFrom(sampler_pb2.Rendezvous(
-                    host=self.advertise_host, port=self.store().port, rank=1, world_size=2, backend=self.backend,
-                    timeout_seconds=self.transfer_timeout_s, group=link.name, join=join))
-                reply = self._sampler(address).ReceiveWeights.future(announced, timeout=self.transfer_timeout_s)
-                timings = _Timings()
+            retried = False
+            while True:
+                if link.transport is None:
+                    self._choose(link, address)
+                join = not link.formed
                 try:
-                    self._transfer(link, join, packed, reply, timings)
-                    t_sent = time.perf_counter()
-                    reply.result()
-                except grpc.RpcError as e:
-                    self._drop(link, address, e)
-                    if attempt == 1 and not join and e.code() == grpc.StatusCode.ABORTED:
-                        continue            # the replica restarted since the group formed
-                    raise
+                    self._send(link, address, manifest, packed, join)
                 except BaseException as e:
-                    self._drop(link, address, e)
+                    refusal = _refusal(e)
+                    self._drop(link, address, e, refused=refusal)
+                    if refusal is not None:
+                        self._next_transport(link, address)
+                        continue
+                    if not retried and not join and isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.ABORTED:
+                        retried = True      # the replica restarted since the link formed
+                        continue
                     raise
-                log.info("stream %s to %s: %s %.1f ms, handshake %.1f ms, send %.1f ms, commit %.1f ms (total %.1f)",
-                         manifest.snapshot_id, address, "join" if join else "announce", 1e3 * timings.join,
-                         1e3 * timings.handshake, 1e3 * timings.send, 1e3 * (time.perf_counter() - t_sent),
-                         1e3 * (time.perf_counter() - t0))
+                if join:
+                    metrics.WEIGHT_LINKS.labels(link.transport).inc()
                 return
+
+    def _send(self, link: _Link, address: str, manifest: sampler_pb2.WeightManifest, packed: weight_stream.Packed,
+              join: bool) -> None:
+        announced = sampler_pb2.WeightManifest()
+        announced.CopyFrom(manifest)
+        announced.transport = link.transport
+        announced.sender.CopyFrom(self.endpoint.message())
+        if link.transport in weight_transport.GROUP_TRANSPORTS:
+            self._send_grouped(link, address, announced, packed, join)
+        else:
+            self._send_shared(link, address, announced, packed)
+
+    def _send_grouped(self, link: _Link, address: str, announced: sampler_pb2.WeightManifest,
+                      packed: weight_stream.Packed, join: bool) -> None:
+        """Announce, (form the group,) handshake, broadcast, wait for the commit."""
+        t0 = time.perf_counter()
+        if join:
+            link.name = f"{uuid.uuid4().hex[:16]}"
+        announced.rendezvous.CopyFrom(sampler_pb2.Rendezvous(
+            host=self.advertise_host, port=self.store().port, rank=1, world_size=2, backend=link.transport,
+            timeout_seconds=self.transfer_timeout_s, group=link.name, join=join))
+        reply = self._sampler(address).ReceiveWeights.future(announced, timeout=self.transfer_timeout_s)
+        timings = _Timings()
+        self._transfer(link, join, packed, reply, timings)
+        t_sent = time.perf_counter()
+        reply.result()
+        log.info("stream %s to %s: %s, %s %.1f ms, handshake %.1f ms, send %.1f ms, commit %.1f ms (total %.1f)",
+                 announced.snapshot_id, address, link.transport, "join" if join else "announce", 1e3 * timings.join,
+                 1e3 * timings.handshake, 1e3 * timings.send, 1e3 * (time.perf_counter() - t_sent),
+                 1e3 * (time.perf_counter() - t0))
+
+    def _send_shared(self, link: _Link, address: str, announced: sampler_pb2.WeightManifest,
+                     packed: weight_stream.Packed) -> None:
+        """Fill the link's shared memory, announce where it is, wait for the commit: the replica
+        has copied the bytes out by then, so the memory is free for the next push."""
+        t0 = time.perf_counter()
+        num_bytes = sum(packed.chunk_num_bytes)
+        announced.shared.sender = self.id
+        if link.transport == weight_transport.SHM:
+            region = link.shared_region(num_bytes)
+            shared_weights.fill(region.buffer, packed.chunks)
+            announced.shared.path, announced.shared.join = region.path, region.fresh
+        else:
+            buffer = link.cuda_buffer(num_bytes, self.device)
+            announced.shared.cuda_handle = shared_weights.cuda_handle(buffer[:shared_weights.fill(buffer, packed.chunks)])
+        t_filled = time.perf_counter()
+        self._sampler(address).ReceiveWeights(announced, timeout=self.transfer_timeout_s)
+        if link.region is not None and link.region.fresh:
+            link.region.unlink()        # the replica keeps its mapping; nothing is left behind if we die
+            link.region.fresh = False
+        log.info("stream %s to %s: %s, fill %.1f ms, commit %.1f ms (total %.1f)", announced.snapshot_id, address,
+                 link.transport, 1e3 * (t_filled - t0), 1e3 * (time.perf_counter() - t_filled),
+                 1e3 * (time.perf_counter() - t0))
+
+    def _choose(self, link: _Link, address: str) -> None:
+        """Asks the replica for its end (its Health) and lines up the transports to it."""
+        health = self._sampler(address).Health(common_pb2.HealthRequest(), timeout=self.transfer_timeout_s)
+        link.receiver = weight_transport.Endpoint.of(health.weight_endpoint)
+        link.untried = weight_transport.candidates(self.endpoint, link.receiver, self.transports)
+        link.refused = {}
+        self._next_transport(link, address)
+
+    def _next_transport(self, link: _Link, address: str) -> None:
+        if not link.untried:
+            link.transport = None
+            raise weight_transport.NoTransport(f"sampler {address}: " + weight_transport.unreachable(
+                self.endpoint, link.receiver, self.transports, link.refused))
+        link.transport = link.untried.pop(0)
+        log.info("weight transport to %s: %s%s", address, weight_transport.explain(link.transport, self.endpoint,
+                 link.receiver), "".join(f"; {t} refused: {why}" for t, why in link.refused.items()))
 
     def _transfer(self, link: _Link, join: bool, packed: weight_stream.Packed, reply, timings: _Timings) -> None:
         """Forms the group if `join`, waits for the receiver's "ready", sends. Runs in its own
         thread so that the sampler's error reply ends the wait even when the group blocks (a
         receiver that failed before joining, or went away). A receiver that refused sends its
         reason as its reply, which the caller waits for next."""
-        group = link.group
+        group, backend = link.group, link.transport
 
         def transfer() -> bool:
             nonlocal group
             t0 = time.perf_counter()
             if join:
-                group = weight_stream.join_group(self.store(), 0, 2, self.backend, self.transfer_timeout_s,
+                group = weight_stream.join_group(self.store(), 0, 2, backend, self.transfer_timeout_s,
                                                  link.name, bind_host=self.advertise_host)
             t_joined = time.perf_counter()
             ready = weight_stream.signal(group, 1, 0) == READY
@@ -250,10 +374,24 @@ class WeightPusher:
         sent.result()
         link.group = group
 
-    def _drop(self, link: _Link, address: str, error: BaseException) -> None:
-        if link.group is not None:
-            log.warning("weight group %s to %s dropped: %s", link.name, address, error)
-        link.group = None
+    def _drop(self, link: _Link, address: str, error: BaseException, refused: str | None = None) -> None:
+        """Lets the link go (a failure leaves nothing on it to trust). A refusal keeps the
+        transports still untried; anything else chooses again on the next push."""
+        if link.formed:
+            log.warning("weight link %s to %s (%s) dropped: %s", link.name, address, link.transport, error)
+        link.release()
+        if refused is not None:
+            link.refused[link.transport] = refused
+        else:
+            link.transport = None
+
+    def close(self) -> None:
+        """At shutdown: a /dev/shm file whose name is left (a region no replica has mapped yet)
+        is unlinked; a push still using it keeps its mapping."""
+        with self._lock:
+            regions = [link.region for link in self._links.values() if link.region is not None]
+        for region in regions:
+            region.unlink()
 
     def _link(self, address: str) -> _Link:
         with self._lock:

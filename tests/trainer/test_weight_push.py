@@ -78,7 +78,7 @@ def test_push_replies_after_the_persisted_copy_is_complete(tiny_model_dir, tmp_p
 from tinkerd import weight_stream  # noqa: E402
 from tinkerd.errors import UserError  # noqa: E402
 from tinkerd.rpc import create_server, rpc_boundary  # noqa: E402
-from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc  # noqa: E402
+from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc  # noqa: E402
 from sampler_service import convert as sampler_convert  # noqa: E402
 from sampler_service.weight_receiver import WeightReceiver  # noqa: E402
 from trainer_service.weight_push import WeightPusher  # noqa: E402
@@ -92,10 +92,16 @@ class _Receiving(sampler_pb2_grpc.SamplerServicer):
         self.weights = WeightReceiver()
         self.received: dict[str, dict[str, torch.Tensor]] = {}
         self.joins: list[bool] = []
+        self.transports: list[str] = []
+
+    @rpc_boundary
+    def Health(self, request, context):
+        return common_pb2.HealthResponse(ready=True, weight_endpoint=self.weights.endpoint.message())
 
     @rpc_boundary
     def ReceiveWeights(self, request, context):
-        self.joins.append(request.rendezvous.join)
+        self.joins.append(request.rendezvous.join or request.shared.join)
+        self.transports.append(request.transport)
 
         def layout():
             if request.snapshot_id in self.received:
@@ -142,14 +148,16 @@ def test_the_sampler_gets_exactly_the_trainers_adapter_over_one_kept_group(tiny_
             _push(pusher, [address], f"s@{step}", packed)
             assert _equal(sampler.received[f"s@{step}"], expected)
         assert sampler.joins == [True, False, False]        # formed once, then kept
+        assert sampler.transports == ["shm"] * 3            # one host, on the CPU
     finally:
         server.stop(0)
 
 
-def test_a_restarted_sampler_gets_a_new_group_and_the_push_succeeds():
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_restarted_sampler_gets_a_new_group_and_the_push_succeeds(transport):
     first = _Receiving()
     server, address = _serve(first)
-    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20, transports=(transport,))
     _push(pusher, [address], "a", weight_stream.pack(_adapter(0)))
     server.stop(0)
     restarted = _Receiving()                      # same address, none of the old state
@@ -159,6 +167,7 @@ def test_a_restarted_sampler_gets_a_new_group_and_the_push_succeeds():
         _push(pusher, [address], "b", weight_stream.pack(_adapter(1)))
         assert time.monotonic() - t0 < 10         # not the 20 s transfer timeout
         assert restarted.joins == [False, True]   # refused the unknown group, then formed a new one
+        assert restarted.transports == [transport, transport]
         assert _equal(restarted.received["b"], _adapter(1))
     finally:
         server.stop(0)
@@ -205,3 +214,112 @@ def test_every_sampler_replica_gets_the_adapter():
     finally:
         for server, _ in served:
             server.stop(0)
+
+
+# ---- the transport to each replica: chosen from both ends, refused ones give way ----
+
+import logging  # noqa: E402
+import multiprocessing  # noqa: E402
+
+from tinkerd import shared_weights, weight_transport  # noqa: E402
+
+
+class _OtherShm(_Receiving):
+    """A replica on this host whose /dev/shm is not the trainer's (another container)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+
+        def cannot(path, num_bytes):
+            raise FileNotFoundError(2, "No such file or directory", path)
+        monkeypatch.setattr(shared_weights, "map_region", cannot)
+
+
+def test_a_replica_that_cannot_map_the_region_gets_gloo_and_the_push_succeeds(monkeypatch, caplog):
+    sampler = _OtherShm(monkeypatch)
+    server, address = _serve(sampler)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    try:
+        with caplog.at_level(logging.INFO, logger="trainer_service.weight_push"):
+            for i in range(2):
+                _push(pusher, [address], f"s@{i}", weight_stream.pack(_adapter(i)))
+        assert sampler.transports == ["shm", "gloo", "gloo"]     # refused once, then the link is kept
+        assert _equal(sampler.received["s@0"], _adapter(0)) and _equal(sampler.received["s@1"], _adapter(1))
+        fallback = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight transport to")]
+        assert fallback[-1].startswith(f"weight transport to {address}: gloo (same host") and "shm refused" in fallback[-1]
+        assert not [n for n in os.listdir(shared_weights.SHM_DIR) if n.startswith(f"{shared_weights.PREFIX}{os.getpid()}-")]
+    finally:
+        server.stop(0)
+
+
+def test_a_replica_no_transport_reaches_fails_the_push_at_once_with_the_reason(monkeypatch):
+    sampler = _OtherShm(monkeypatch)
+    server, address = _serve(sampler)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(weight_transport.NoTransport) as refused:     # shm refused, nothing else allowed
+            _push(WeightPusher("127.0.0.1", transfer_timeout_s=30, transports=("shm",)), [address], "a",
+                  weight_stream.pack(_adapter(0)))
+        assert address in str(refused.value) and "cpu" in str(refused.value)
+        assert "shm: weight transport refused: shm: cannot map" in str(refused.value)
+        with pytest.raises(weight_transport.NoTransport, match="cuda_ipc: needs both ends on one CUDA device"):
+            _push(WeightPusher("127.0.0.1", transfer_timeout_s=30, transports=("cuda_ipc", "nccl")), [address], "b",
+                  weight_stream.pack(_adapter(0)))
+        assert time.monotonic() - t0 < 10
+        assert sampler.transports == ["shm"]      # the second never sent anything
+    finally:
+        server.stop(0)
+
+
+def _sampler_process(requests, replies):
+    """A sampler replica's receive path in a process of its own: serves until told to stop,
+    then says what it received."""
+    sampler = _Receiving()
+    server, address = _serve(sampler)
+    replies.put((address, sampler.weights.endpoint))
+    expected = requests.get()
+    replies.put((sampler.transports, {k: _equal(sampler.received.get(k, {}), _adapter(seed))
+                                      for k, seed in expected.items()}))
+    server.stop(0)
+
+
+def _push_to_another_process(pusher, snapshots: dict[str, int], caplog):
+    ctx = multiprocessing.get_context("spawn")
+    requests, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_sampler_process, args=(requests, replies))
+    child.start()
+    try:
+        address, endpoint = replies.get(timeout=120)
+        with caplog.at_level(logging.INFO, logger="trainer_service.weight_push"):
+            for snapshot_id, seed in snapshots.items():
+                _push(pusher, [address], snapshot_id, weight_stream.pack(_adapter(seed)))
+        requests.put(snapshots)
+        transports, exact = replies.get(timeout=60)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight transport to")]
+    return address, endpoint, transports, exact, chosen
+
+
+def test_two_processes_on_one_host_use_shm(caplog):
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=30)
+    address, endpoint, transports, exact, chosen = _push_to_another_process(pusher, {"a": 0, "b": 1}, caplog)
+    assert endpoint == pusher.endpoint
+    assert transports == ["shm", "shm"] and exact == {"a": True, "b": True}
+    assert chosen == [f"weight transport to {address}: shm (same host {endpoint.host.split('/')[0]}, cpu → cpu)"]
+
+
+_NO_CUDA = "needs CUDA: trainer and sampler processes sharing one GPU"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_CUDA)
+def test_two_processes_on_one_gpu_use_cuda_ipc_exactly(caplog):
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=60)
+    address, endpoint, transports, exact, chosen = _push_to_another_process(pusher, {"a": 0, "b": 1, "c": 2}, caplog)
+    assert endpoint == pusher.endpoint and endpoint.device.startswith("cuda:")    # the card's UUID on both ends
+    assert weight_transport.choose(pusher.endpoint, endpoint) == "cuda_ipc"
+    assert transports == ["cuda_ipc"] * 3 and exact == {"a": True, "b": True, "c": True}
+    assert len(chosen) == 1 and "cuda_ipc (same host" in chosen[0]

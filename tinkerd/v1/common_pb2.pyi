@@ -82,11 +82,21 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "base_model", "detail")
+    __slots__ = ("ready", "base_model", "detail", "weight_endpoint")
     READY_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     base_model: str
     detail: str
-    def __init__(self, ready: _Optional[bool] = ..., base_model: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    weight_endpoint: WeightEndpoint
+    def __init__(self, ready: _Optional[bool] = ..., base_model: _Optional[str] = ..., detail: _Optional[str] = ..., weight_endpoint: _Optional[_Union[WeightEndpoint, _Mapping]] = ...) -> None: ...
+
+class WeightEndpoint(_message.Message):
+    __slots__ = ("host", "device")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    device: str
+    def __init__(self, host: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...

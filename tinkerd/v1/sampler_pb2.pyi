@@ -102,20 +102,38 @@ class SampleResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., topk_prompt_logprobs: _Optional[_Union[TopkLogprobs, _Mapping]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("snapshot_id", "adapter_config_json", "tensors", "chunk_num_bytes", "rendezvous", "persisted_path")
+    __slots__ = ("snapshot_id", "adapter_config_json", "tensors", "chunk_num_bytes", "rendezvous", "persisted_path", "transport", "shared", "sender")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     PERSISTED_PATH_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     adapter_config_json: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     chunk_num_bytes: _containers.RepeatedScalarFieldContainer[int]
     rendezvous: Rendezvous
     persisted_path: str
-    def __init__(self, snapshot_id: _Optional[str] = ..., adapter_config_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk_num_bytes: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., persisted_path: _Optional[str] = ...) -> None: ...
+    transport: str
+    shared: SharedWeights
+    sender: _common_pb2.WeightEndpoint
+    def __init__(self, snapshot_id: _Optional[str] = ..., adapter_config_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk_num_bytes: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., persisted_path: _Optional[str] = ..., transport: _Optional[str] = ..., shared: _Optional[_Union[SharedWeights, _Mapping]] = ..., sender: _Optional[_Union[_common_pb2.WeightEndpoint, _Mapping]] = ...) -> None: ...
+
+class SharedWeights(_message.Message):
+    __slots__ = ("sender", "path", "join", "cuda_handle")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    CUDA_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    path: str
+    join: bool
+    cuda_handle: bytes
+    def __init__(self, sender: _Optional[str] = ..., path: _Optional[str] = ..., join: _Optional[bool] = ..., cuda_handle: _Optional[bytes] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "chunk", "offset")

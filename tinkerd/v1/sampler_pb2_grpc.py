@@ -62,8 +62,10 @@ class SamplerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReceiveWeights(self, request, context):
-        """Joins the torch.distributed group the manifest names, receives the announced tensors and
-        registers them as a snapshot. Returns when the snapshot is ready to sample (the commit).
+        """Receives the announced tensors the way the manifest names (its transport: a torch.distributed
+        group, a /dev/shm file or a CUDA IPC handle) and registers them as a snapshot. Returns when
+        the snapshot is ready to sample (the commit). A transport this replica cannot use is
+        FAILED_PRECONDITION, details beginning "weight transport refused": the trainer tries another.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
