@@ -157,8 +157,8 @@ def explain(transport: str, sender: Endpoint, receiver: Endpoint) -> str:
     """How the pair stands, for the log line of a link: "same host vm, cpu → cpu"."""
     where = (f"same host {sender.host.split('/')[0]}" if sender.host == receiver.host
              else f"hosts {sender.host.split('/')[0]} and {receiver.host.split('/')[0] or '?'}")
-    return f"{transport} ({where}, {_short(sender.device)} → {_short(receiver.device)})"
+    return f"{transport} ({where}, {short_device(sender.device)} → {short_device(receiver.device)})"
 
 
-def _short(device: str) -> str:
+def short_device(device: str) -> str:
     return device[:13] if device.startswith("cuda:") else device or "?"

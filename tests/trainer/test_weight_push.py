@@ -112,6 +112,12 @@ class _Receiving(sampler_pb2_grpc.SamplerServicer):
         return sampler_pb2.SnapshotInfo(snapshot_id=request.snapshot_id)
 
 
+# The receivers below run in this process, where a CUDA IPC handle of this process cannot be
+# opened: their trainer end is on the CPU (shm), also on a GPU host. cuda_ipc is tested across
+# two processes (test_two_processes_on_one_gpu_use_cuda_ipc_exactly).
+CPU = torch.device("cpu")
+
+
 def _serve(servicer, port: int = 0):
     server, port = create_server(f"127.0.0.1:{port}")
     sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, server)
@@ -138,7 +144,7 @@ def test_the_sampler_gets_exactly_the_trainers_adapter_over_one_kept_group(tiny_
     model = engine.create_model("s:train:0", LoraSpec(rank=8, seed=0))
     sampler = _Receiving()
     server, address = _serve(sampler)
-    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20, device=CPU)
     try:
         for step in range(3):
             with torch.no_grad():
@@ -157,7 +163,7 @@ def test_the_sampler_gets_exactly_the_trainers_adapter_over_one_kept_group(tiny_
 def test_a_restarted_sampler_gets_a_new_group_and_the_push_succeeds(transport):
     first = _Receiving()
     server, address = _serve(first)
-    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20, transports=(transport,))
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20, device=CPU, transports=(transport,))
     _push(pusher, [address], "a", weight_stream.pack(_adapter(0)))
     server.stop(0)
     restarted = _Receiving()                      # same address, none of the old state
@@ -176,7 +182,7 @@ def test_a_restarted_sampler_gets_a_new_group_and_the_push_succeeds(transport):
 def test_a_refused_push_fails_at_once_and_the_next_one_works():
     sampler = _Receiving()
     server, address = _serve(sampler)
-    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20, device=CPU)
     try:
         _push(pusher, [address], "a", weight_stream.pack(_adapter(0)))
         t0 = time.monotonic()
@@ -193,7 +199,7 @@ def test_a_refused_push_fails_at_once_and_the_next_one_works():
 def test_an_unreachable_sampler_fails_the_push_without_waiting_out_the_timeout():
     server, address = _serve(_Receiving())
     server.stop(0)                                # nothing listens there any more
-    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=30)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=30, device=CPU)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as failed:
         _push(pusher, [address], "a", weight_stream.pack(_adapter(0)))
@@ -204,7 +210,7 @@ def test_an_unreachable_sampler_fails_the_push_without_waiting_out_the_timeout()
 def test_every_sampler_replica_gets_the_adapter():
     samplers = [_Receiving(), _Receiving()]
     served = [_serve(s) for s in samplers]
-    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20, device=CPU)
     try:
         for i in range(2):
             _push(pusher, [address for _, address in served], f"s@{i}", weight_stream.pack(_adapter(i)))
@@ -238,7 +244,7 @@ class _OtherShm(_Receiving):
 def test_a_replica_that_cannot_map_the_region_gets_gloo_and_the_push_succeeds(monkeypatch, caplog):
     sampler = _OtherShm(monkeypatch)
     server, address = _serve(sampler)
-    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=20, device=CPU)
     try:
         with caplog.at_level(logging.INFO, logger="trainer_service.weight_push"):
             for i in range(2):
@@ -258,12 +264,12 @@ def test_a_replica_no_transport_reaches_fails_the_push_at_once_with_the_reason(m
     try:
         t0 = time.monotonic()
         with pytest.raises(weight_transport.NoTransport) as refused:     # shm refused, nothing else allowed
-            _push(WeightPusher("127.0.0.1", transfer_timeout_s=30, transports=("shm",)), [address], "a",
+            _push(WeightPusher("127.0.0.1", transfer_timeout_s=30, device=CPU, transports=("shm",)), [address], "a",
                   weight_stream.pack(_adapter(0)))
         assert address in str(refused.value) and "cpu" in str(refused.value)
         assert "shm: weight transport refused: shm: cannot map" in str(refused.value)
         with pytest.raises(weight_transport.NoTransport, match="cuda_ipc: needs both ends on one CUDA device"):
-            _push(WeightPusher("127.0.0.1", transfer_timeout_s=30, transports=("cuda_ipc", "nccl")), [address], "b",
+            _push(WeightPusher("127.0.0.1", transfer_timeout_s=30, device=CPU, transports=("cuda_ipc", "nccl")), [address], "b",
                   weight_stream.pack(_adapter(0)))
         assert time.monotonic() - t0 < 10
         assert sampler.transports == ["shm"]      # the second never sent anything
@@ -304,11 +310,12 @@ def _push_to_another_process(pusher, snapshots: dict[str, int], caplog):
 
 
 def test_two_processes_on_one_host_use_shm(caplog):
-    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=30)
+    pusher = WeightPusher("127.0.0.1", transfer_timeout_s=30, device=CPU)    # the sampler: on its GPU, if any
     address, endpoint, transports, exact, chosen = _push_to_another_process(pusher, {"a": 0, "b": 1}, caplog)
-    assert endpoint == pusher.endpoint
+    assert endpoint.host == pusher.endpoint.host
     assert transports == ["shm", "shm"] and exact == {"a": True, "b": True}
-    assert chosen == [f"weight transport to {address}: shm (same host {endpoint.host.split('/')[0]}, cpu → cpu)"]
+    assert chosen == [f"weight transport to {address}: shm (same host {endpoint.host.split('/')[0]}, "
+                      f"cpu → {weight_transport.short_device(endpoint.device)})"]
 
 
 _NO_CUDA = "needs CUDA: trainer and sampler processes sharing one GPU"
