@@ -50,6 +50,7 @@ class Member:
     alive: bool = False
     in_flight: int = 0
     served: int = 0          # samples this replica answered for this gateway (the listing shows it)
+    weight_transport: str = ""   # how the trainer's last push reached it (tinkerd/weight_transport.py)
 
 
 class SamplerPool:
@@ -124,14 +125,18 @@ class SamplerPool:
     def listing(self) -> list[dict]:
         """Every member as this gateway sees it (GET /internal/v1/samplers/list)."""
         return [{"address": m.address, "alive": m.alive, "registered": not m.static, "in_flight": m.in_flight,
-                 "served": m.served} for m in self.members.values()]
+                 "served": m.served, "weight_transport": m.weight_transport} for m in self.members.values()]
 
     def live_addresses(self) -> list[str]:
         """Where a new snapshot is pushed."""
         return [m.address for m in self.live()]
 
-    def holds(self, snapshot_id: str, addresses: list[str]) -> None:
-        """Records that these replicas have the snapshot loaded."""
+    def holds(self, snapshot_id: str, addresses: list[str], transports: dict[str, str] | None = None) -> None:
+        """Records that these replicas have the snapshot loaded (and, from a push's reply, the
+        weight transport that reached each)."""
+        for address, transport in (transports or {}).items():
+            if address in self.members:
+                self.members[address].weight_transport = transport
         if not snapshot_id:
             return
         holders = self._holders.pop(snapshot_id, [])

@@ -175,8 +175,7 @@ class WeightPusher:
         later = bool(persisted) and request.copy_in_background
         copy = _start_copy(persisted, packed, config) if persisted and not later else None
         try:
-            if request.sampler_addresses:
-                self._stream(request, packed, config, persisted)
+            transports = self._stream(request, packed, config, persisted) if request.sampler_addresses else {}
             t_streamed = time.perf_counter()
             copy_seconds = copy.result() if copy is not None else 0.0
         except BaseException:
@@ -186,7 +185,8 @@ class WeightPusher:
             raise
         reply = trainer_pb2.PushWeightsResponse(
             snapshot_id=request.snapshot_id, num_bytes=sum(packed.chunk_num_bytes), num_tensors=len(packed.specs),
-            gather_seconds=gather_seconds, stream_seconds=t_streamed - t0, persisted_path=persisted)
+            gather_seconds=gather_seconds, stream_seconds=t_streamed - t0, persisted_path=persisted,
+            transports=transports)
         if later:
             self._copy_later(request.snapshot_id, persisted, packed, config)    # releases `packed` when done
         else:
@@ -221,28 +221,31 @@ class WeightPusher:
             copies = list(self._copies)
         return not concurrent.futures.wait(copies, timeout=timeout_s).not_done
 
-    def _stream(self, request, packed: weight_stream.Packed, config: dict, persisted: str) -> None:
+    def _stream(self, request, packed: weight_stream.Packed, config: dict, persisted: str) -> dict[str, str]:
+        """Pushes to every replica at once; returns {address: transport} of those that took it."""
         manifest = sampler_pb2.WeightManifest(
             snapshot_id=request.snapshot_id, adapter_config_json=json.dumps(config), tensors=tensor_specs(packed),
             chunk_num_bytes=packed.chunk_num_bytes, persisted_path=persisted)
         addresses = list(dict.fromkeys(request.sampler_addresses))
         with concurrent.futures.ThreadPoolExecutor(len(addresses), thread_name_prefix="push") as pool:
             pushes = [pool.submit(self._push_to, address, manifest, packed) for address in addresses]
+        transports = {}
         for address, push in zip(addresses, pushes):
             try:
-                push.result()
+                transports[address] = push.result()
             except Exception as e:  # noqa: BLE001 - with a persisted copy, one replica's failure is not the push's
                 if not persisted:
                     raise
                 # A replica that died or restarted mid-push loads the persisted copy on first use.
                 log.warning("replica %s did not take %s (%s: %s); it will load the persisted copy when asked",
                             address, request.snapshot_id, type(e).__name__, e)
+        return transports
 
-    def _push_to(self, address: str, manifest: sampler_pb2.WeightManifest, packed: weight_stream.Packed) -> None:
+    def _push_to(self, address: str, manifest: sampler_pb2.WeightManifest, packed: weight_stream.Packed) -> str:
         """One replica's share over its link: choose the transport if the link is new, send, wait
-        for its commit. A transport the replica refuses gives way to the next (the push fails at
-        once when none is left); a replica that answers ABORTED lost the link (it restarted):
-        once, form a new one."""
+        for its commit; returns the transport. A transport the replica refuses gives way to the
+        next (the push fails at once when none is left); a replica that answers ABORTED lost the
+        link (it restarted): once, form a new one."""
         link = self._link(address)
         with link.lock:
             retried = False
@@ -264,7 +267,7 @@ class WeightPusher:
                     raise
                 if join:
                     metrics.WEIGHT_LINKS.labels(link.transport).inc()
-                return
+                return link.transport
 
     def _send(self, link: _Link, address: str, manifest: sampler_pb2.WeightManifest, packed: weight_stream.Packed,
               join: bool) -> None:

@@ -68,7 +68,7 @@ async def _push_weights(gw: Gateway, target: dict, body: bytes):
     t0 = time.perf_counter()
     pushed = await gw.trainer.PushWeights(push)      # a resent (model_id, seq_id) gets the first push's reply
     metrics.pushed(pushed, time.perf_counter() - t0)
-    gw.backends.samplers.holds(push.snapshot_id, list(push.sampler_addresses))
+    gw.backends.samplers.holds(push.snapshot_id, list(push.sampler_addresses), dict(pushed.transports))
     if path is not None:
         expires_at = target["expires_at"] and datetime.datetime.fromisoformat(target["expires_at"])
         gw.db.put(CheckpointRow(tinker_path=path, model_id=push.model_id, owner=caller.user_id,

@@ -115,6 +115,8 @@ def test_replicas_join_fail_over_and_serve_the_newest_snapshot(stack, tiny_model
     _sample_many(sc, prompt, 8, 32)
     served = {address: m["served"] for address, m in sampler_pool(stack).items()}
     assert all(n > 0 for n in served.values()), served
+    # Replicas on the trainer's host, on the CPU: the adapter went through shared memory.
+    assert {m["weight_transport"] for m in sampler_pool(stack).values()} == {"shm"}, sampler_pool(stack)
 
     # One is killed while 8 samples are in flight: they all finish (`up` restarts it meanwhile).
     with concurrent.futures.ThreadPoolExecutor(1) as background:

@@ -119,7 +119,8 @@ def test_a_registered_replica_joins_the_pool_listing_and_healthz(parts):
         replica_health.serving()
         assert _samplers_become(client, "1/3 ok")[0] == 200
         listed = {m["address"]: m for m in client.get("/internal/v1/samplers/list", headers=auth).json()["samplers"]}
-        assert listed[address] == {"address": address, "alive": True, "registered": True, "in_flight": 0, "served": 0}
+        assert listed[address] == {"address": address, "alive": True, "registered": True, "in_flight": 0, "served": 0,
+                                   "weight_transport": ""}     # none pushed to it yet
         assert [m["alive"] for a, m in listed.items() if a != address] == [False, False]
         assert client.post("/internal/v1/samplers/deregister", json={"address": address},
                            headers=auth).status_code == 200

@@ -151,8 +151,9 @@ def test_the_sampler_gets_exactly_the_trainers_adapter_over_one_kept_group(tiny_
                 model.params[step].add_(1.0)      # each snapshot differs from the last
             packed, config = engine.snapshot_adapter("s:train:0")
             expected, _ = engine.export_adapter("s:train:0")
-            _push(pusher, [address], f"s@{step}", packed)
+            reply = _push(pusher, [address], f"s@{step}", packed)
             assert _equal(sampler.received[f"s@{step}"], expected)
+            assert dict(reply.transports) == {address: "shm"}       # told to the gateway (samplers/list)
         assert sampler.joins == [True, False, False]        # formed once, then kept
         assert sampler.transports == ["shm"] * 3            # one host, on the CPU
     finally:

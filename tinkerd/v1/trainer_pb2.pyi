@@ -150,20 +150,29 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., sampler_addresses: _Optional[_Iterable[str]] = ..., persist: _Optional[bool] = ..., copy_in_background: _Optional[bool] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("snapshot_id", "num_bytes", "num_tensors", "gather_seconds", "stream_seconds", "persisted_path")
+    __slots__ = ("snapshot_id", "num_bytes", "num_tensors", "gather_seconds", "stream_seconds", "persisted_path", "transports")
+    class TransportsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     GATHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STREAM_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PERSISTED_PATH_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     num_bytes: int
     num_tensors: int
     gather_seconds: float
     stream_seconds: float
     persisted_path: str
-    def __init__(self, snapshot_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., stream_seconds: _Optional[float] = ..., persisted_path: _Optional[str] = ...) -> None: ...
+    transports: _containers.ScalarMap[str, str]
+    def __init__(self, snapshot_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., stream_seconds: _Optional[float] = ..., persisted_path: _Optional[str] = ..., transports: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SaveStateRequest(_message.Message):
     __slots__ = ("model_id", "seq_id", "with_optimizer", "kind", "name")
