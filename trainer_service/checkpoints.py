@@ -5,6 +5,11 @@ by peft and vLLM as they are), tinkerd_state.json (LoRA spec, step), and, for fu
 optimizer/ (a DeepSpeed checkpoint: fp32 master weights + AdamW moments). Directories are
 written under a temporary name and renamed into place, so a reader never sees half of one.
 
+Optimizer state loads under the ZeRO stage that wrote it, with one conversion: a trainer on one
+rank runs ZeRO-1/2 as stage 0 (deepspeed_setup.effective_zero_stage), so a one-rank ZeRO-1/2
+checkpoint (from before that, or from a trainer run with keep_zero_stage) is turned into stage
+0's per-parameter AdamW state: its flat fp32 moments split by the parameters' sizes, in order.
+
 Nothing is unpickled beyond tensors: the adapter is safetensors, and DeepSpeed's optimizer files
 load with torch.load(weights_only=True), allowing only the three plain-data DeepSpeed types they
 hold (a full unpickler would run whatever code a planted file names).
@@ -143,10 +148,16 @@ def read_state(directory: str, *, with_optimizer: bool,
         raise UserError(f"no checkpoint at {directory}: {e.filename} is missing") from None
     if with_optimizer and not meta.get("has_optimizer"):
         raise UserError(f"the checkpoint at {directory} holds weights only; load it without optimizer state")
-    if with_optimizer and meta.get("zero_stage") != zero_stage:
+    if with_optimizer and meta.get("zero_stage") != zero_stage and not _converts(meta.get("zero_stage"), zero_stage):
         raise UserError(f"the optimizer state at {directory} was written under ZeRO stage "
                         f"{meta.get('zero_stage')}; this trainer runs stage {zero_stage}")
     return LoraSpec(**meta["spec"]), tensors, int(meta["step"]), int(meta.get("seq", 0))
+
+
+def _converts(saved_stage, zero_stage: int) -> bool:
+    """Whether optimizer state written under `saved_stage` loads under `zero_stage` by conversion
+    (one rank's ZeRO-1/2 partition is the whole state; restore_optimizer checks it was one rank)."""
+    return saved_stage in (1, 2) and zero_stage == 0
 
 
 def _deepspeed_data_types() -> list[type]:
@@ -157,6 +168,12 @@ def _deepspeed_data_types() -> list[type]:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def _load_tensors_only(path: str, map_location=None):
+    """torch.load allowing tensors, builtins and DeepSpeed's plain-data types, nothing else."""
+    with torch.serialization.safe_globals(_deepspeed_data_types()):
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def _tensor_only_checkpoint_engine():
@@ -172,23 +189,72 @@ def _tensor_only_checkpoint_engine():
             if self._last is not None and self._last[0] == path:
                 loaded, self._last = self._last[1], None
                 return loaded
-            with torch.serialization.safe_globals(_deepspeed_data_types()):
-                loaded = torch.load(path, map_location=map_location, weights_only=True)
+            loaded = _load_tensors_only(path, map_location)
             self._last = (path, loaded)
             return loaded
     return TensorOnly()
 
 
+# The one partition a ZeRO-1/2 trainer of one rank writes.
+_ONE_RANK_ZERO_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
 def restore_optimizer(model: LoraModel, directory: str, step: int) -> None:
     """The AdamW state and step count from a full checkpoint, into a model made from it."""
-    engine, saved = model.engine, model.engine.checkpoint_engine
+    engine = model.engine
+    state_dir = os.path.join(directory, OPTIMIZER, "state")
+    try:
+        if engine.zero_optimization_stage() == 0 and os.path.exists(os.path.join(state_dir, _ONE_RANK_ZERO_FILE)):
+            _restore_from_zero_partition(model, os.path.join(state_dir, _ONE_RANK_ZERO_FILE), directory)
+        else:
+            _restore_with_deepspeed(engine, directory)
+    except pickle.UnpicklingError as e:
+        raise UserError(f"the optimizer state at {directory} holds more than tensors: {str(e)[:200]}") from None
+    engine.set_gradient_accumulation_boundary(False)
+    model.step = step
+
+
+def _restore_with_deepspeed(engine, directory: str) -> None:
+    saved = engine.checkpoint_engine
     engine.checkpoint_engine = _tensor_only_checkpoint_engine()
     try:
         engine.load_checkpoint(os.path.join(directory, OPTIMIZER), tag="state",
                                load_optimizer_states=True, load_lr_scheduler_states=False)
-    except pickle.UnpicklingError as e:
-        raise UserError(f"the optimizer state at {directory} holds more than tensors: {str(e)[:200]}") from None
     finally:
         engine.checkpoint_engine = saved
-    engine.set_gradient_accumulation_boundary(False)
-    model.step = step
+
+
+def _restore_from_zero_partition(model: LoraModel, path: str, directory: str) -> None:
+    """A one-rank ZeRO-1/2 optimizer file into the stage-0 engine's AdamW (see the module doc);
+    the weights came from the adapter file, which holds the fp32 master weights' values."""
+    saved = _load_tensors_only(path, map_location="cpu")["optimizer_state_dict"]
+    if saved.get("partition_count") != [1]:
+        raise UserError(f"the optimizer state at {directory} was written by a trainer of "
+                        f"{saved.get('partition_count')} ranks under ZeRO-{int(saved['zero_stage'])}; "
+                        f"this trainer runs one rank at stage 0: load it without optimizer state")
+    optimizer = model.engine.optimizer
+    optimizer.load_state_dict({"state": _unflatten_moments(saved, model.params, directory),
+                               "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def _unflatten_moments(saved: dict, params: list[torch.nn.Parameter], directory: str) -> dict[int, dict]:
+    """AdamW's per-parameter state from ZeRO's one flat group: exp_avg and exp_avg_sq cut by the
+    parameters' sizes in order, past each one's alignment padding; the group's padding at the
+    end. Empty when the optimizer never stepped."""
+    (flat,) = saved["single_partition_of_fp32_groups"]
+    states = list(saved["base_optimizer_state"]["state"].values())
+    paddings = saved.get("param_alignment_paddings", [[0] * len(params)])[0]
+    used = sum(p.numel() for p in params) + sum(paddings)
+    if len(paddings) != len(params) or used + saved["group_paddings"][0] != flat.numel():
+        raise UserError(f"the optimizer state at {directory} does not fit this adapter "
+                        f"({flat.numel()} values for {len(params)} parameters of {used})")
+    if not states:
+        return {}
+    (state,) = states
+    moments, offset = {}, 0
+    for i, (p, pad) in enumerate(zip(params, paddings)):
+        cut = slice(offset, offset + p.numel())
+        moments[i] = {"step": state["step"].clone(), "exp_avg": state["exp_avg"][cut].view_as(p).clone(),
+                      "exp_avg_sq": state["exp_avg_sq"][cut].view_as(p).clone()}
+        offset += p.numel() + pad
+    return moments

@@ -1,4 +1,5 @@
-"""DeepSpeed plumbing: the default process group, the engine config, and one engine per adapter."""
+"""DeepSpeed plumbing: the default process group, the ZeRO stage the engines run, the engine
+config, and one engine per adapter."""
 
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def init_distributed_once() -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
+def effective_zero_stage(configured: int, world: int) -> int:
+    """The ZeRO stage the adapter engines run. On one rank stages 1 and 2 partition nothing and
+    only cost (gradient buckets, a reduction micro-step per optim_step): they run as stage 0,
+    whose gradients are plain .grad. Several ranks keep the configured stage; stage 3 stays 3."""
+    if world == 1 and configured in (1, 2):
+        return 0
+    return configured
+
+
 def deepspeed_config(zero_stage: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,
@@ -53,7 +63,9 @@ def adapter_engine(peft_model, adapter_name: str, params: list[torch.nn.Paramete
     gradients and step count never mix between adapters), its accumulation window open."""
     import deepspeed
 
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    # One fused kernel on CUDA; on CPU foreach, as PyTorch's default is a per-tensor loop there.
+    fast = {"fused": True} if params[0].is_cuda else {"foreach": True}
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, **fast)
     engine, *_ = deepspeed.initialize(model=AdapterModule(peft_model, adapter_name, params),
                                       optimizer=optimizer, config=deepspeed_config(zero_stage))
     engine.set_gradient_accumulation_boundary(False)

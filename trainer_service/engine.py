@@ -2,7 +2,8 @@
 
 Layout: one PEFT model holds the base and every adapter (named m0, m1, ...). Each LoRA model
 gets a DeepSpeed ZeRO engine around an `AdapterModule` holding only its own parameters, with
-its own torch AdamW: optimizer state, gradients and step count never mix between models.
+its own torch AdamW: optimizer state, gradients and step count never mix between models. On one
+rank, ZeRO-1 and -2 partition nothing and run as stage 0 (deepspeed_setup.effective_zero_stage).
 
 This class is the facade over the rooms that do the work: registry.py (which models exist),
 checkpoints.py (the adapter in PEFT form and the checkpoint directory format), training.py
@@ -27,7 +28,8 @@ from tinkerd import dtypes, weight_stream
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service import adapter_snapshot, checkpoints, fp32_gemm, training
 from trainer_service.durable import DurableModels
-from trainer_service.deepspeed_setup import deepspeed_config, init_distributed_once  # noqa: F401 - public here
+from trainer_service.deepspeed_setup import (deepspeed_config, effective_zero_stage,  # noqa: F401 - public here
+                                             init_distributed_once)
 from trainer_service.losses import get_loss
 from trainer_service.lora import LoraSpec
 from trainer_service.metrics import EVICTIONS, RELOADS
@@ -43,7 +45,10 @@ BASE_DTYPES = ("float32", "bfloat16", "float16")
 class TrainerEngine:
     def __init__(self, base_model_dir: str, *, zero_stage: int = 2, dtype: str = "float32",
                  max_lora_rank: int = 64, base_model_names: tuple[str, ...] = (),
-                 durable: DurableModels | None = None, max_resident: int = 32):
+                 durable: DurableModels | None = None, max_resident: int = 32, keep_zero_stage: bool = False):
+        """`keep_zero_stage`: run `zero_stage` as given even on one rank, where stages 1 and 2
+        partition nothing (as trainers did before they ran those as stage 0; tests write such
+        checkpoints with it)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if zero_stage not in (0, 1, 2, 3):
@@ -53,7 +58,7 @@ class TrainerEngine:
         init_distributed_once()
         self.base_model_dir = base_model_dir
         self.base_model_names = {base_model_dir, os.path.abspath(base_model_dir), *base_model_names}
-        self.zero_stage = zero_stage
+        self.zero_stage = zero_stage if keep_zero_stage else _stage_for_this_job(zero_stage)
         self.dtype = dtypes.torch_dtype(dtype)
         self.max_lora_rank = max_lora_rank
         self.durable = durable
@@ -65,7 +70,7 @@ class TrainerEngine:
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=dtypes.torch_dtype(dtype)).to(self.device)
         base.requires_grad_(False)
         fp32_gemm.install_where_needed(base)
-        self.models = ModelRegistry(base, base_model_dir, zero_stage=zero_stage, max_lora_rank=max_lora_rank)
+        self.models = ModelRegistry(base, base_model_dir, zero_stage=self.zero_stage, max_lora_rank=max_lora_rank)
         self.peft = self.models.peft
         # One lock for all of it: the PEFT model's active adapter is process-wide state, so
         # no two models may run (or be added, removed, exported) at the same time.
@@ -280,7 +285,17 @@ class TrainerEngine:
         training.check_adam(adam)
         with self._lock:
             model = self.get(model_id)
-            metrics = training.optim_step(model, adam, zero_stage=self.zero_stage, device=self.device)
+            metrics = training.optim_step(model, adam, zero_stage=self.zero_stage, device=self.device,
+                                          ranks=self.ranks.world)
             model.pending_grads = False
             model.state_seq = model.step if seq is None else seq
             return metrics
+
+
+def _stage_for_this_job(configured: int) -> int:
+    import torch.distributed as dist
+
+    stage = effective_zero_stage(configured, dist.get_world_size())
+    if stage != configured:
+        log.info("ZeRO-%d on one rank runs as stage %d: nothing to partition", configured, stage)
+    return stage

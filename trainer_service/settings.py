@@ -19,7 +19,8 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                                     "stream's store listens on this interface only)")
     state_dir: str = setting("./state", help="checkpoints, snapshots and models' durable state; every path is "
                                              "derived below it from ids (the gateway's, on a shared filesystem)")
-    zero_stage: int = setting(2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
+    zero_stage: int = setting(2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (on one rank 1 and 2 run as 0: "
+                                                            "nothing to partition)")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
     durable_interval_s: float = setting(10.0, help="write a model's durable state after an optim_step once its "
                                                    "last write is older than this (0: every step); also written "

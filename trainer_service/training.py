@@ -1,10 +1,17 @@
 """Tinker's training calls on a model's DeepSpeed engine.
 
 Every forward_backward is a micro-step *inside* a gradient-accumulation window (the boundary is
-held open), so gradients add up across calls; optim_step closes the window with a 1-token
-zero-loss micro-step (which triggers ZeRO's reduction), steps, and opens a new window. Losses
-are sums, so DeepSpeed's 1/GAS scaling is turned off.
+held open), so gradients add up across calls; optim_step closes the window, steps, and opens a
+new one. Losses are sums, so DeepSpeed's 1/GAS scaling is turned off.
 
+How optim_step closes the window depends on the ZeRO stage:
+- stage 0 (what ZeRO-1/2 run as on one rank): the gradients are plain .grad. Several ranks
+  all-reduce them explicitly; then the total norm is taken and clipped here (DeepSpeed's
+  clip_grad is a ZeRO optimizer's), and the engine steps (AdamW, zero_grad, counters).
+- stages 1-3: a 1-token zero-loss micro-step at the boundary triggers ZeRO's reduction, and
+  the ZeRO optimizer clips and reports the norm.
+
+forward_backward copies its outputs to the host once per call: no per-datum synchronization.
 The caller (TrainerEngine) holds the engine lock around forward_backward and optim_step.
 """
 
@@ -62,15 +69,56 @@ def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int) -> 
             raise UserError(f"datum {i}: a target token is outside the vocabulary [0, {vocab_size})")
 
 
-def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input ids and their attention mask."""
+def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, their attention mask, and the target tokens (IGNORED where padded)."""
     lengths = [len(d.tokens) for d in data]
     ids = torch.zeros(len(data), max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
+    targets = torch.full_like(ids, IGNORED)
     for i, d in enumerate(data):
         ids[i, :lengths[i]] = torch.tensor(d.tokens)
         mask[i, :lengths[i]] = 1
-    return ids.to(device), mask.to(device)
+        targets[i, :lengths[i]] = d.loss_fn_inputs["target_tokens"]
+    return ids.to(device), mask.to(device), targets.to(device)
+
+
+IGNORED = -100      # cross_entropy's ignore_index: padding positions
+
+
+def _on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, torch.float32) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
+
+
+def _inputs_on_device(data: list[DatumInput], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Every datum's loss inputs on the device (floats as float32): one copy per key, split into
+    per-datum views, when the datums agree on keys, dtypes and per-token shapes; else per datum."""
+    first = data[0].loss_fn_inputs
+    form = {k: (v.dtype, v.shape[1:]) for k, v in first.items()}
+    if any({k: (v.dtype, v.shape[1:]) for k, v in d.loss_fn_inputs.items()} != form for d in data):
+        return [_on_device(d.loss_fn_inputs, device) for d in data]
+    lengths = [len(d.tokens) for d in data]
+    joined = _on_device({k: torch.cat([d.loss_fn_inputs[k] for d in data]) for k in first}, device)
+    split = {k: v.split(lengths) for k, v in joined.items()}
+    return [{k: split[k][i] for k in first} for i in range(len(data))]
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """log p(target) of every datum's tokens: one cross-entropy over the whole batch (fused, no
+    (T, vocab) log-softmax kept for backward), then per-datum views."""
+    lp = -torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                            reduction="none", ignore_index=IGNORED)
+    lp = lp.view(targets.shape)
+    return [lp[i, :n] for i, n in enumerate(lengths)]
+
+
+def _to_host(logprobs: list[torch.Tensor], losses: list[torch.Tensor],
+             total: torch.Tensor) -> tuple[list[dict[str, torch.Tensor]], float]:
+    """Per-datum outputs and the loss sum, in one device-to-host copy."""
+    lengths = [len(t) for t in logprobs]
+    flat = torch.cat([*logprobs, *losses, total.view(1)]).detach().float().cpu()
+    parts = flat.split([*lengths, *lengths, 1])
+    n = len(lengths)
+    return [{"logprobs": parts[i], "elementwise_loss": parts[n + i]} for i in range(n)], float(parts[-1])
 
 
 def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_config: dict[str, float], *,
@@ -85,26 +133,20 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
         if not forward_only:
             model.engine.backward(empty, scale_wrt_gas=False)
         return [], {"loss:sum": 0.0}
-    ids, mask = _batch(data, device)
+    ids, mask, targets = _batch(data, device)
     with grad_ctx:
         logits = model.engine(ids, mask)
         if logits.dtype != torch.float32:
             logits = logits.float()
+        logprobs = _token_logprobs(logits, targets, [len(d.tokens) for d in data])
+        losses = [loss_impl(lp, inputs, loss_fn_config) for lp, inputs in zip(logprobs, _inputs_on_device(data, device))]
         total = logits.new_zeros((), dtype=torch.float32)
-        outputs = []
-        for i, d in enumerate(data):
-            inputs = {k: v.to(device, torch.float32) if v.is_floating_point() else v.to(device)
-                      for k, v in d.loss_fn_inputs.items()}
-            targets = inputs["target_tokens"].long()
-            # log p(target) = -cross_entropy: fused, and no (T, vocab) log-softmax kept for backward
-            lp = -torch.nn.functional.cross_entropy(logits[i, :len(d.tokens)], targets, reduction="none")
-            per_token = loss_impl(lp, inputs, loss_fn_config)
+        for per_token in losses:     # summed datum by datum, in order, as always
             total = total + per_token.sum()
-            outputs.append({"logprobs": lp.detach().float().cpu(),
-                            "elementwise_loss": per_token.detach().float().cpu()})
     if not forward_only:
         model.engine.backward(total * ranks if ranks > 1 else total, scale_wrt_gas=False)
-    return outputs, {"loss:sum": float(total.detach())}
+    outputs, loss_sum = _to_host(logprobs, losses, total)
+    return outputs, {"loss:sum": loss_sum}
 
 
 def check_adam(adam: AdamParams) -> None:
@@ -120,27 +162,56 @@ def check_adam(adam: AdamParams) -> None:
         raise UserError(f"invalid Adam parameters: eps must be > 0, got {adam.eps}")
 
 
-def optim_step(model: LoraModel, adam: AdamParams, *, zero_stage: int, device: torch.device) -> dict[str, float]:
+def optim_step(model: LoraModel, adam: AdamParams, *, zero_stage: int, device: torch.device,
+               ranks: int = 1) -> dict[str, float]:
+    """`ranks`: the job's world size (at stage 0 several ranks all-reduce the gradients here)."""
     engine = model.engine
     for group in engine.optimizer.param_groups:
         group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                      weight_decay=adam.weight_decay)
-    engine.optimizer.clip_grad = adam.grad_clip_norm
     engine.set_gradient_accumulation_boundary(True)
-    engine.backward(_closing_loss(model, zero_stage, device), scale_wrt_gas=False)
-    engine.step()
+    if zero_stage == 0:
+        norm = _step_plain_gradients(model, adam.grad_clip_norm, ranks)
+    else:
+        engine.optimizer.clip_grad = adam.grad_clip_norm
+        engine.backward(_closing_loss(model, zero_stage, device), scale_wrt_gas=False)
+        engine.step()
+        norm = engine.get_global_grad_norm()
     engine.set_gradient_accumulation_boundary(False)
     model.step += 1
-    norm = engine.get_global_grad_norm()
     metrics = {"step:max": float(model.step)}
     if norm is not None:
         metrics["grad_norm:mean"] = float(norm)
     return metrics
 
 
+def _step_plain_gradients(model: LoraModel, max_norm: float, ranks: int) -> float:
+    """Stage 0's step, as ZeRO-1/2 would take it: the gradients (zeros where a parameter has
+    none, as the closing micro-step would leave) averaged over ranks, clipped to `max_norm` (0:
+    no clipping), and no step at all when their norm is not finite (ZeRO's overflow check).
+    Returns the norm before clipping."""
+    engine = model.engine
+    for p in model.params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if ranks > 1:
+        engine.allreduce_gradients()
+    grads = [p.grad for p in model.params]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(model.params, max_norm, norm, foreach=True)
+    norm = float(norm)
+    if not math.isfinite(norm):
+        engine.zero_grad()     # ZeRO skips a step whose gradients overflowed, drops them, says inf
+        return math.inf
+    engine.step()              # AdamW, then the engine's zero_grad and step counters
+    return norm
+
+
 def _closing_loss(model: LoraModel, zero_stage: int, device: torch.device) -> torch.Tensor:
     """A zero loss whose backward touches every parameter of the model: the micro-step that
-    closes the accumulation window and runs ZeRO's reduction. Under ZeRO-1/2 the parameters
+    closes the accumulation window and runs ZeRO's reduction (stages 1-3; an empty share's
+    stand-in at any stage takes the 1-token forward). Under ZeRO-1/2 the parameters
     are whole, so a sum over them does it without running the base model; under ZeRO-3 they
     are partitioned and only a forward gathers them, so that takes a 1-token forward."""
     if zero_stage == 3:

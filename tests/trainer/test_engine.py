@@ -1,11 +1,12 @@
 """TrainerEngine on a real DeepSpeed engine (gloo, one process): Tinker's accumulate-then-step
-semantics and tenant isolation, under ZeRO-2 and ZeRO-3."""
+semantics and tenant isolation, under ZeRO-2 (on one rank: stage 0) and ZeRO-3; the stage-0
+path against ZeRO-2 itself (keep_zero_stage), and ZeRO-2 checkpoints resuming at stage 0."""
 
 import pytest
 import torch
 
 from trainer_service.durable import DurableModels
-from trainer_service.engine import AdamParams, DatumInput, TrainerEngine
+from trainer_service.engine import AdamParams, DatumInput, TrainerEngine, effective_zero_stage
 from trainer_service.lora import LoraSpec
 
 
@@ -164,22 +165,107 @@ class _Planted:
         return (open, (self.marker, "w"))
 
 
-def test_optimizer_state_loads_only_tensors(tiny_model_dir, tmp_path):
-    """A full checkpoint restores through torch.load(weights_only=True); an optimizer file that
-    pickles anything else is refused as a user error, and nothing in it runs."""
-    import glob
+# The file that holds a model's optimizer state: stage 0 keeps it with the module's; ZeRO in its partition.
+_OPTIMIZER_FILES = {"stage 0": ("mp_rank_00_model_states.pt", "optimizer"),
+                    "ZeRO-2, converted": ("zero_pp_rank_0_mp_rank_00_optim_states.pt", "optimizer_state_dict")}
 
+
+@pytest.mark.parametrize("written", sorted(_OPTIMIZER_FILES))
+def test_optimizer_state_loads_only_tensors(tiny_model_dir, tmp_path, written):
+    """A full checkpoint restores through torch.load(weights_only=True); an optimizer file that
+    pickles anything else is refused as a user error, and nothing in it runs. Both ways a
+    one-rank trainer loads one: stage 0's own, and a ZeRO-2 one converted."""
     from tinkerd.errors import UserError
 
+    writer = TrainerEngine(tiny_model_dir, zero_stage=2, keep_zero_stage=written != "stage 0")
+    writer.create_model("src", LoraSpec(rank=4, seed=3))
+    writer.forward_backward("src", [A], "cross_entropy", {}, forward_only=False)
+    writer.optim_step("src", _adam(1e-2))
+    writer.save_state("src", str(tmp_path / "full"), with_optimizer=True)
     engine = TrainerEngine(tiny_model_dir, zero_stage=2)
-    engine.create_model("src", LoraSpec(rank=4, seed=3))
-    engine.forward_backward("src", [A], "cross_entropy", {}, forward_only=False)
-    engine.optim_step("src", _adam(1e-2))
-    engine.save_state("src", str(tmp_path / "full"), with_optimizer=True)
     assert engine.load_state("good", str(tmp_path / "full"), with_optimizer=True).step == 1
-    (optim,) = glob.glob(str(tmp_path / "full" / "optimizer" / "state" / "*optim_states.pt"))
+    name, key = _OPTIMIZER_FILES[written]
     marker = tmp_path / "code-ran"
-    torch.save({"optimizer_state_dict": _Planted(str(marker))}, optim)
+    torch.save({key: _Planted(str(marker))}, tmp_path / "full" / "optimizer" / "state" / name)
     with pytest.raises(UserError, match="more than tensors"):
         engine.load_state("planted", str(tmp_path / "full"), with_optimizer=True)
     assert not marker.exists() and not engine.is_resident("planted")
+
+
+# ---- ZeRO-1/2 on one rank run as stage 0 ------------------------------------------------------
+
+@pytest.mark.parametrize("configured, world, runs", [(0, 1, 0), (1, 1, 0), (2, 1, 0), (3, 1, 3),
+                                                      (0, 2, 0), (1, 2, 1), (2, 4, 2), (3, 2, 3)])
+def test_one_rank_runs_zero_1_and_2_as_stage_0(configured, world, runs):
+    assert effective_zero_stage(configured, world) == runs
+
+
+def _train(engine, model_id, adam, steps):
+    """`steps` optim steps of A then [A, B] in two calls; the grad norms they report."""
+    norms = []
+    for _ in range(steps):
+        engine.forward_backward(model_id, [A], "cross_entropy", {}, forward_only=False)
+        engine.forward_backward(model_id, [A, B], "cross_entropy", {}, forward_only=False)
+        norms.append(engine.optim_step(model_id, adam)["grad_norm:mean"])
+    return norms
+
+
+def _max_difference(one, other):
+    return max((one[k] - other[k]).abs().max().item() for k in one)
+
+
+def test_stage_0_trains_what_zero_2_does_with_clipping(tiny_model_dir):
+    """On one rank the stage-0 path (no closing micro-step, clipping and the norm taken here)
+    takes ZeRO-2's steps: the same weights and the same grad_norm metric, clipping on."""
+    fast = TrainerEngine(tiny_model_dir, zero_stage=2)
+    zero2 = TrainerEngine(tiny_model_dir, zero_stage=2, keep_zero_stage=True)
+    assert (fast.zero_stage, zero2.zero_stage) == (0, 2)
+    adam = _adam(1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+    for engine in (fast, zero2):
+        engine.create_model("m", LoraSpec(rank=4, seed=5))
+    norms = {id(engine): _train(engine, "m", adam, 3) for engine in (fast, zero2)}
+    assert min(norms[id(zero2)]) > 1.0                    # every step clipped
+    assert norms[id(fast)] == pytest.approx(norms[id(zero2)], rel=1e-5)
+    assert _max_difference(_adapter(fast, "m"), _adapter(zero2, "m")) < 1e-5
+
+
+def test_stage_0_clips_gradients(tiny_model_dir):
+    """With eps 1 a first AdamW step moves each weight by lr * g / (|g| + 1), less than lr * |g|:
+    clipped to 1e-3, the whole move is at most lr * 1e-3; unclipped it is far larger."""
+    engine = TrainerEngine(tiny_model_dir, zero_stage=0)
+    moves, norms = {}, {}
+    for clip in (0.0, 1e-3):
+        model_id = f"clip-{clip}"
+        engine.create_model(model_id, LoraSpec(rank=4, seed=6))
+        before = _adapter(engine, model_id)
+        norms[clip] = _train(engine, model_id, _adam(1.0, eps=1.0, grad_clip_norm=clip), 1)[0]
+        after = _adapter(engine, model_id)
+        moves[clip] = sum(((after[k] - before[k]) ** 2).sum().item() for k in after) ** 0.5
+    assert norms[0.0] == pytest.approx(norms[1e-3], rel=1e-6) and norms[0.0] > 1.0   # reported before clipping
+    assert moves[1e-3] <= 1e-3 * (1 + 1e-4)
+    assert moves[0.0] > 100 * moves[1e-3]
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "restart"])
+def test_one_rank_zero_2_optimizer_state_resumes_at_stage_0(tiny_model_dir, tmp_path, how):
+    """A model trained 2 steps by a one-rank ZeRO-2 trainer (as trainers ran before stage 0),
+    saved with its optimizer (a checkpoint, or its durable state before a restart) and loaded by
+    today's one-rank trainer, trains 2 more steps exactly like the original: its AdamW moments and
+    step count were converted. A model saved before its first step comes back fresh."""
+    adam = _adam(1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+    writer = TrainerEngine(tiny_model_dir, zero_stage=2, keep_zero_stage=True, durable=DurableModels(str(tmp_path)))
+    for model_id in ("m", "fresh"):
+        writer.create_model(model_id, LoraSpec(rank=4, seed=7))
+    _train(writer, "m", adam, 2)
+    reader = TrainerEngine(tiny_model_dir, zero_stage=2, durable=DurableModels(str(tmp_path)))
+    if how == "checkpoint":
+        writer.save_state("m", str(tmp_path / "ckpt"), with_optimizer=True)
+        resumed = reader.load_state("copy", str(tmp_path / "ckpt"), with_optimizer=True).model_id
+    else:
+        writer.unload_model("m")
+        writer.get("m")             # the writer's twin: reloaded under ZeRO-2 itself
+        resumed = "m"
+    assert reader.get(resumed).step == 2 and reader.get("fresh").step == 0
+    assert _train(reader, resumed, adam, 2) == pytest.approx(_train(writer, "m", adam, 2), rel=1e-6)
+    assert _max_difference(_adapter(reader, resumed), _adapter(writer, "m")) < 1e-6
+    assert _train(reader, "fresh", adam, 1) == pytest.approx(_train(writer, "fresh", adam, 1), rel=1e-6)

@@ -1,5 +1,6 @@
 """The trainer as one job of W ranks under torchrun (trainer_service/ranks.py), on real DeepSpeed
-over gloo: W=2 computes what W=1 does, for every loss, under ZeRO-2 and ZeRO-3."""
+over gloo: W=2 computes what W=1 does, for every loss, under ZeRO-2 and ZeRO-3 (one rank runs
+ZeRO-2 as stage 0), and at stage 0 (whose optim_step all-reduces the gradients itself)."""
 
 import os
 import subprocess
@@ -29,7 +30,7 @@ def job(tiny_model_dir: str, tmp_path, world: int, stage: int) -> dict[str, torc
     return torch.load(out, weights_only=True)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_two_ranks_compute_what_one_does(tiny_model_dir, tmp_path, stage):
     """Per-datum logprobs and losses, loss sums and gradient norms of every call, and the adapter
     after three optim steps (one of them from two calls, one of those a single datum, which
