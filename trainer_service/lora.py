@@ -7,8 +7,10 @@ import dataclasses
 
 import torch
 from peft import LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
 
-# Attribute on the shared PEFT model: the adapter AdapterModule last activated.
+# Attribute on the shared PEFT model: the `_Active` adapter AdapterModule last activated (None
+# after adapters were added or removed: then the next activation is PEFT's full set_adapter).
 ACTIVE_MARK = "_tinkerd_active_adapter"
 
 # Tinker fixes alpha rather than scaling it with the rank; 32 is its documented default.
@@ -49,6 +51,13 @@ def peft_config(groups: dict[str, list[str]], spec: LoraSpec) -> LoraConfig:
                       target_modules=targets, bias="none")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Active:
+    name: str
+    params: list[torch.nn.Parameter]
+    layers: list[torch.nn.Module]       # PEFT's tuner layers, found once per full set_adapter
+
+
 class AdapterModule(torch.nn.Module):
     """What one DeepSpeed engine wraps: one adapter's parameters, registered *directly* on this
     module so ZeRO-3's pre-forward hook gathers them, and a forward that runs the shared PEFT
@@ -64,11 +73,27 @@ class AdapterModule(torch.nn.Module):
 
     def activate(self) -> None:
         """Makes this adapter the active one (and its parameters the ones requiring grad).
-        set_adapter walks every module: skip it when the last one we set is still in place.
-        The engine clears the mark whenever adapters are added or removed."""
-        if getattr(self._peft_model, ACTIVE_MARK, None) != self.adapter_name:
+        PEFT's set_adapter walks every module and sets requires_grad on every adapter's every
+        layer: with 32 adapters on a 1B model a step round-robin over them took 0.62x a step on
+        one (H100). After the first full switch only two adapters change: the one that was active
+        and this one; the engine clears the mark whenever adapters are added or removed."""
+        active = getattr(self._peft_model, ACTIVE_MARK, None)
+        if active is not None and active.name == self.adapter_name:
+            return
+        params = list(self.parameters())
+        if active is None:
             self._peft_model.base_model.set_adapter(self.adapter_name)
-            setattr(self._peft_model, ACTIVE_MARK, self.adapter_name)
+            layers = [m for m in self._peft_model.modules() if isinstance(m, BaseTunerLayer)]
+        else:
+            layers = active.layers
+            for p in active.params:
+                p.requires_grad_(False)
+            for layer in layers:
+                layer._active_adapter = [self.adapter_name]     # what BaseTunerLayer.set_adapter stores
+            for p in params:
+                p.requires_grad_(True)
+            self._peft_model.base_model.active_adapter = self.adapter_name
+        setattr(self._peft_model, ACTIVE_MARK, _Active(self.adapter_name, params, layers))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         self.activate()
