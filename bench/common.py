@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Iterator
+
+from harness.stack import Stack, running_stack
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,14 +28,48 @@ class Row:
     note: str = ""
 
 
+class SharedStack:
+    """The quick run's one `tinkerd up` on the tiny model with default settings (fp32), started on
+    first use and stopped by close(): a stack start is ~30 s on 2 cores, most of the smoke run's time
+    when every benchmark started its own."""
+    FLAGS = ("--dtype", "float32")
+
+    def __init__(self, model_dir: str, state_dir: str):
+        self.model_dir, self.state_dir = model_dir, state_dir
+        self._exit = contextlib.ExitStack()
+        self._stack: Stack | None = None
+
+    def get(self) -> Stack:
+        if self._stack is None:
+            self._stack = self._exit.enter_context(running_stack(self.model_dir, self.state_dir, *self.FLAGS))
+        # A benchmark's own stack, stopped, put back the key from before it: this stack's is needed.
+        os.environ["TINKER_API_KEY"] = self._stack.api_key
+        return self._stack
+
+    def close(self) -> None:
+        self._exit.close()
+
+
 @dataclasses.dataclass
 class Context:
     quick: bool                     # a few iterations, for the smoke test
     work_dir: str
     models: dict[str, str]          # "tiny" / "smollm2" -> local directory
+    shared: SharedStack | None = None   # the quick run's stack, for benchmarks that need no flags
 
     def iters(self, full: int, quick: int = 2) -> int:
         return quick if self.quick else full
+
+
+@contextlib.contextmanager
+def tinkerd_up(ctx: Context, name: str, model_dir: str, *flags: str) -> Iterator[Stack]:
+    """`tinkerd up` on `model_dir` with `flags` in a fresh state dir, stopped after; in the quick
+    run the shared stack instead when that is the same (tiny model, default flags or fp32)."""
+    if ctx.shared is not None and model_dir == ctx.shared.model_dir and flags in ((), SharedStack.FLAGS):
+        yield ctx.shared.get()
+        return
+    with running_stack(model_dir, new_dir(ctx, name), *flags) as own:
+        yield own
 
 
 def seconds(fn: Callable[[], object]) -> float:

@@ -11,7 +11,7 @@ its first: ratio = first / second, about 1 when bounded, lower when still growin
 process creeps (allocator arenas, vLLM's caches warming), so the memory target is looser than the
 disk and row targets, where anything above a constant is a leak.
 
-TINKERD_BENCH_SOAK_STEPS sets the loop's length (default 400; `--quick`: 8).
+TINKERD_BENCH_SOAK_STEPS sets the loop's length (default 400; `--quick`: 4, too short to prune).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ TOKENS = 16
 
 
 def run(ctx: Context) -> list[Row]:
-    steps = 8 if ctx.quick else int(os.environ.get("TINKERD_BENCH_SOAK_STEPS", "400"))
+    steps = 4 if ctx.quick else int(os.environ.get("TINKERD_BENCH_SOAK_STEPS", "400"))
     with running_stack(ctx.models["tiny"], new_dir(ctx, "soak"), "--futures-retention-s", str(FUTURES_RETENTION_S),
                        "--superseded-snapshot-retention-s", str(SUPERSEDED_RETENTION_S)) as stack:
         series, seconds = _loop(ctx.models["tiny"], stack, steps)
