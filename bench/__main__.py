@@ -6,8 +6,9 @@
 
 The full run gives each benchmark a process of its own, with its own stacks. The quick run, which
 checks that every benchmark's code path still works and measures nothing worth keeping, runs them
-all in this process, and those that want a default `tinkerd up` of the tiny model share one
-(common.SharedStack): each process and stack start costs ~10-30 s on 2 cores, the smoke run's most.
+all in this process, and every `tinkerd up` of the tiny model they ask for is one shared stack with
+the flags of all (common.SharedStack; tenants' limits and soak's retentions change no other
+benchmark's path): each process and stack start costs ~10-30 s on 2 cores, the smoke run's most.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def run_here(ctx: Context, names: list[str]) -> tuple[list[Row], list[str]]:
     """The quick run: every benchmark in this process (DEEPSPEED_FIRST first), one shared stack;
     rows and notes in the order of `names`."""
     got: dict[str, tuple[list[Row], list[str]]] = {}
-    ctx.shared = SharedStack(ctx.models["tiny"], new_dir(ctx, "shared"))
+    flags = [f for n in names for f in getattr(importlib.import_module(f"bench.{n}"), "QUICK_STACK_FLAGS", ())]
+    ctx.shared = SharedStack(ctx.models["tiny"], new_dir(ctx, "shared"), tuple(flags))
     try:
         for name in sorted(names, key=lambda n: DEEPSPEED_FIRST.index(n) if n in DEEPSPEED_FIRST else len(names)):
             t0 = time.monotonic()

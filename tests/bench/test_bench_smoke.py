@@ -2,7 +2,7 @@
 `python -m bench --quick` for all of them: split one test per benchmark, two ran at once under
 the two test workers, each with its own stacks, and the suite took ~30 min instead of ~21. The
 quick run shares one process and one `tinkerd up` among the benchmarks that can (bench/__main__.py):
-~4.5 min on 2 loaded cores, was ~9-14 with a process and stacks of their own each."""
+~3 min on 2 shared cores, was ~9-14 with a process and stacks of their own each."""
 
 from __future__ import annotations
 
