@@ -3,13 +3,21 @@
   python -m bench                 everything (about 10 minutes on a 2-core CPU)
   python -m bench --quick         a few iterations each, no verdicts (the test suite's smoke run)
   python -m bench --only tenants,batching
+
+The full run gives each benchmark a process of its own, with its own stacks. The quick run, which
+checks that every benchmark's code path still works and measures nothing worth keeping, runs them
+all in this process, and every `tinkerd up` of the tiny model they ask for is one shared stack with
+the flags of all (common.SharedStack; tenants' limits and soak's retentions change no other
+benchmark's path): each process and stack start costs ~10-30 s on 2 cores, the smoke run's most.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import gc
 import importlib
 import json
 import os
@@ -19,10 +27,14 @@ import sys
 import tempfile
 import time
 
-from bench.common import REPO, Context, Row, check, smollm2_model, tiny_model
+from bench.common import REPO, Context, Row, SharedStack, check, new_dir, smollm2_model, tiny_model
 
 BENCHMARKS = ["train_step", "trainer_ranks", "sdk_workload", "sampling", "sampler_replicas", "adapter_sampling",
               "weight_sync", "futures", "startup", "tenants", "batching", "soak"]
+# Run first when they share a process: their in-process DeepSpeed engines set up the one-process gloo
+# group, which vLLM's in-process engines join; DeepSpeed after a vLLM engine has gone finds its
+# group unregistered.
+DEEPSPEED_FIRST = ["train_step", "batching", "sdk_workload"]
 
 
 def machine() -> str:
@@ -64,7 +76,42 @@ def run_one(ctx: Context, name: str, rows_to: str) -> None:
         json.dump({"rows": [dataclasses.asdict(r) for r in rows], "notes": getattr(module, "NOTES", [])}, f)
 
 
+@contextlib.contextmanager
+def own_threads():
+    """Threads as before, after a benchmark that set its own (train_step: every core for the raw
+    engine and for the stacks it starts)."""
+    import torch
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if omp is not None:
+            os.environ["OMP_NUM_THREADS"] = omp
+
+
+def run_here(ctx: Context, names: list[str]) -> tuple[list[Row], list[str]]:
+    """The quick run: every benchmark in this process (DEEPSPEED_FIRST first), one shared stack;
+    rows and notes in the order of `names`."""
+    got: dict[str, tuple[list[Row], list[str]]] = {}
+    flags = [f for n in names for f in getattr(importlib.import_module(f"bench.{n}"), "QUICK_STACK_FLAGS", ())]
+    ctx.shared = SharedStack(ctx.models["tiny"], new_dir(ctx, "shared"), tuple(flags))
+    try:
+        for name in sorted(names, key=lambda n: DEEPSPEED_FIRST.index(n) if n in DEEPSPEED_FIRST else len(names)):
+            t0 = time.monotonic()
+            module = importlib.import_module(f"bench.{name}")
+            with own_threads():
+                got[name] = module.run(ctx), getattr(module, "NOTES", [])
+            gc.collect()            # the raw engines of the benchmark that ended (vLLM's KV caches)
+            print(f"[bench] {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        ctx.shared.close()
+    return [r for n in names for r in got[n][0]], [note for n in names for note in got[n][1]]
+
+
 def run_all(ctx: Context, args: argparse.Namespace) -> tuple[list[Row], list[str]] | None:
+    if ctx.quick:
+        return run_here(ctx, args.only.split(","))
     rows: list[Row] = []
     notes: list[str] = []
     for name in args.only.split(","):

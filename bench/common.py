@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Iterator
+
+from harness.stack import Stack, running_stack
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,14 +28,63 @@ class Row:
     note: str = ""
 
 
+def options(flags: tuple[str, ...]) -> set[tuple[str, str]]:
+    """`tinkerd up` flags as (option, value) pairs: ("--a", "1", "--b") -> {("--a", "1"), ("--b", "")}."""
+    pairs, i = set(), 0
+    while i < len(flags):
+        has_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        pairs.add((flags[i], flags[i + 1] if has_value else ""))
+        i += 2 if has_value else 1
+    return pairs
+
+
+class SharedStack:
+    """The quick run's one `tinkerd up` on the tiny model, fp32, with the flags its benchmarks ask
+    for in that run (their QUICK_STACK_FLAGS: tenants' limits, soak's retentions), started on first
+    use and stopped by close(): a stack start is ~30 s on 2 cores, most of the smoke run's time when
+    every benchmark started its own."""
+    DTYPE = ("--dtype", "float32")
+
+    def __init__(self, model_dir: str, state_dir: str, flags: tuple[str, ...] = ()):
+        self.model_dir, self.state_dir, self.flags = model_dir, state_dir, self.DTYPE + flags
+        self._exit = contextlib.ExitStack()
+        self._stack: Stack | None = None
+
+    def serves(self, model_dir: str, flags: tuple[str, ...]) -> bool:
+        """Whether a stack of `flags` on `model_dir` may be this one: each option asked for set as asked."""
+        return model_dir == self.model_dir and options(flags) <= options(self.flags)
+
+    def get(self) -> Stack:
+        if self._stack is None:
+            self._stack = self._exit.enter_context(running_stack(self.model_dir, self.state_dir, *self.flags))
+        # A benchmark's own stack, stopped, put back the key from before it: this stack's is needed.
+        os.environ["TINKER_API_KEY"] = self._stack.api_key
+        return self._stack
+
+    def close(self) -> None:
+        self._exit.close()
+
+
 @dataclasses.dataclass
 class Context:
     quick: bool                     # a few iterations, for the smoke test
     work_dir: str
     models: dict[str, str]          # "tiny" / "smollm2" -> local directory
+    shared: SharedStack | None = None   # the quick run's stack
 
     def iters(self, full: int, quick: int = 2) -> int:
         return quick if self.quick else full
+
+
+@contextlib.contextmanager
+def tinkerd_up(ctx: Context, name: str, model_dir: str, *flags: str) -> Iterator[Stack]:
+    """`tinkerd up` on `model_dir` with `flags` in a fresh state dir, stopped after; in the quick
+    run the shared stack instead when it has every flag asked for."""
+    if ctx.shared is not None and ctx.shared.serves(model_dir, flags):
+        yield ctx.shared.get()
+        return
+    with running_stack(model_dir, new_dir(ctx, name), *flags) as own:
+        yield own
 
 
 def seconds(fn: Callable[[], object]) -> float:

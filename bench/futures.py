@@ -19,8 +19,7 @@ import re
 import statistics
 import time
 
-from bench.common import Context, Row, new_dir, percentile
-from harness.stack import running_stack
+from bench.common import Context, Row, percentile, tinkerd_up
 
 
 def _auth() -> dict:
@@ -129,7 +128,7 @@ def run(ctx: Context) -> list[Row]:
     from tinkerd.v1 import common_pb2, trainer_pb2_grpc
 
     n = ctx.iters(500, 30)
-    with running_stack(ctx.models["tiny"], new_dir(ctx, "futures")) as stack:
+    with tinkerd_up(ctx, "futures", ctx.models["tiny"]) as stack:
         # The direct path authenticates like the gateway does: with the stack's service token.
         with open(os.path.join(stack.state_dir, "service-token")) as f:
             auth = ServiceAuth(token=f.read().strip())

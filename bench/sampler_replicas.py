@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from bench.common import REPO, Context, Row, new_dir
+from bench.common import REPO, Context, Row, tinkerd_up
 from bench.sampling import api_generate
-from harness.stack import running_stack, sampler_pool
+from harness.stack import sampler_pool
 
 PROMPT_LEN, MAX_TOKENS = 16, 48
 
@@ -63,9 +63,10 @@ def _join(stack, model_dir: str) -> tuple[subprocess.Popen, str]:
 
 
 
-def measure(model_dir: str, prompts: list[list[int]], rounds: int, state_dir: str) -> tuple[float, float, str]:
+def measure(ctx: Context, name: str, model_dir: str, prompts: list[list[int]],
+            rounds: int) -> tuple[float, float, str]:
     """(2-replica tokens/s, 1-replica tokens/s, how the 2-replica rounds were split)."""
-    with running_stack(model_dir, state_dir) as stack:
+    with tinkerd_up(ctx, f"replicas-{name}", model_dir) as stack:
         run = api_generate(stack.url, model_dir, prompts, MAX_TOKENS)
         run()                                                         # warm-up
         one = [run() for _ in range(rounds)]
@@ -88,7 +89,7 @@ def run(ctx: Context) -> list[Row]:
     rows = []
     for name, model in ctx.models.items():
         prompts = _prompts(8 if ctx.quick else 32)
-        two, one, split = measure(model, prompts, ctx.iters(3, 1), new_dir(ctx, f"replicas-{name}"))
+        two, one, split = measure(ctx, name, model, prompts, ctx.iters(3, 1))
         rows.append(Row("sampler_replicas", f"{name}: 2 vs 1 sampler replicas, {len(prompts)} concurrent requests, "
                                             f"{PROMPT_LEN}+{MAX_TOKENS} tokens",
                         two, one, "tok/s", ratio=two / one,

@@ -14,8 +14,7 @@ import time
 
 import torch
 
-from bench.common import Context, Row, alternately, new_dir
-from harness.stack import running_stack
+from bench.common import Context, Row, alternately, tinkerd_up
 
 PROMPT_LEN, MAX_TOKENS = 16, 32
 
@@ -58,10 +57,11 @@ def api_generate(url: str, model_dir: str, prompts: list[list[int]], max_tokens:
     return run
 
 
-def side_by_side(model_dir: str, prompts: list[list[int]], rounds: int, state_dir: str) -> tuple[float, float]:
+def side_by_side(ctx: Context, name: str, model_dir: str, prompts: list[list[int]],
+                 rounds: int) -> tuple[float, float]:
     """(ours, raw) median tokens/s, rounds alternating so machine noise hits both alike (the idle
     side waits: the stack's sampler blocks on its inbox, the raw engine is not called)."""
-    with running_stack(model_dir, state_dir) as stack:
+    with tinkerd_up(ctx, f"sampling-{name}", model_dir) as stack:
         return alternately(api_generate(stack.url, model_dir, prompts), raw_generate(model_dir, prompts), rounds)
 
 
@@ -78,7 +78,7 @@ NOTES = [
 
 def _row(ctx: Context, name: str, model: str) -> Row:
     prompts = _prompts(8 if ctx.quick else (64 if name == "tiny" else 32))
-    ours, raw = side_by_side(model, prompts, ctx.iters(3, 1), new_dir(ctx, f"sampling-{name}"))
+    ours, raw = side_by_side(ctx, name, model, prompts, ctx.iters(3, 1))
     return Row("sampling", f"{name}: {len(prompts)} concurrent requests, {PROMPT_LEN}+{MAX_TOKENS} tokens",
                ours, raw, "tok/s", ratio=ours / raw, target=">= 0.9")
 

@@ -23,8 +23,8 @@ import time
 import torch
 
 from bench import adapter_sampling, train_step
-from bench.common import Context, Row, alternately, new_dir, seconds
-from harness.stack import running_stack
+from bench.common import Context, Row, alternately, seconds, tinkerd_up
+from tinkerd.paths import dir_name
 
 RANK = 8
 N_SEQS, MAX_TOKENS = 8, 64
@@ -38,7 +38,7 @@ NOTES = [
 
 
 def _sdk_phases(url: str, model_dir: str, sequences: list[list[int]], prompt: list[int], n: int, max_tokens: int):
-    """(create seconds, sft step fn, save+client fn -> (seconds, persisted adapter name), sample fn)."""
+    """(create seconds, sft step fn, save+client fn -> seconds, sample fn, the training client's model id)."""
     import tinker
     from tinker import types
 
@@ -69,15 +69,15 @@ def _sdk_phases(url: str, model_dir: str, sequences: list[list[int]], prompt: li
     def sample() -> int:
         out = state["client"].sample(model_input, n, params).result()
         return sum(len(s.tokens) for s in out.sequences)
-    return create_s, sft_step, save_and_client, sample
+    return create_s, sft_step, save_and_client, sample, tc.model_id
 
 
-def _persisted_adapter(state_dir: str) -> str:
-    """The PEFT copy of the one snapshot save_weights_for_sampler made in this fresh state dir
-    (<state_dir>/snapshots/<snapshot id>, tinkerd/paths.py)."""
-    found = glob.glob(os.path.join(state_dir, "snapshots", "*", "adapter_config.json"))
+def _persisted_adapter(state_dir: str, model_id: str) -> str:
+    """The PEFT copy of the one snapshot save_weights_for_sampler made of `model_id`
+    (<state_dir>/snapshots/<model id>@<n>..., tinkerd/paths.py; the stack may be shared)."""
+    found = glob.glob(os.path.join(state_dir, "snapshots", f"{dir_name(model_id)}@*", "adapter_config.json"))
     if len(found) != 1:
-        raise RuntimeError(f"expected one persisted snapshot under {state_dir}, found {found}")
+        raise RuntimeError(f"expected one persisted snapshot of {model_id} under {state_dir}, found {found}")
     return os.path.dirname(found[0])
 
 
@@ -89,9 +89,9 @@ def _rows(ctx: Context, name: str, model: str) -> list[Row]:
     n, max_tokens = (2, 8) if ctx.quick else (N_SEQS, MAX_TOKENS)
     case = f"{name}, rank {RANK}, fp32, 1 thread/service"
     train_step.use_threads(1)
-    state_dir = new_dir(ctx, f"sdk-{name}")
-    with running_stack(model, state_dir, "--dtype", "float32") as stack:
-        create_s, sft_step, save_and_client, sample = _sdk_phases(stack.url, model, sequences, prompt, n, max_tokens)
+    with tinkerd_up(ctx, f"sdk-{name}", model, "--dtype", "float32") as stack:
+        create_s, sft_step, save_and_client, sample, model_id = _sdk_phases(stack.url, model, sequences, prompt, n,
+                                                                            max_tokens)
         raw = train_step.raw_step(model, sequences, "float32", rank=RANK)
         ours_sft, raw_sft = alternately(lambda: seconds(sft_step), lambda: seconds(raw), ctx.iters(3, 1))
         del raw
@@ -100,7 +100,7 @@ def _rows(ctx: Context, name: str, model: str) -> list[Row]:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         llm = adapter_sampling._engine(model, RANK, 1)
-        raw_sample = adapter_sampling._runner(llm, False, [prompt] * n, max_tokens, _persisted_adapter(state_dir),
+        raw_sample = adapter_sampling._runner(llm, False, [prompt] * n, max_tokens, _persisted_adapter(stack.state_dir, model_id),
                                               {}, "raw", temperature=1.0)
         tokens: list[int] = []
 

@@ -11,7 +11,8 @@ its first: ratio = first / second, about 1 when bounded, lower when still growin
 process creeps (allocator arenas, vLLM's caches warming), so the memory target is looser than the
 disk and row targets, where anything above a constant is a leak.
 
-TINKERD_BENCH_SOAK_STEPS sets the loop's length (default 400; `--quick`: 8).
+TINKERD_BENCH_SOAK_STEPS sets the loop's length (default 400; `--quick`: 4, on the run's shared stack,
+whose other benchmarks' snapshots and futures count too).
 """
 
 from __future__ import annotations
@@ -20,19 +21,21 @@ import os
 import sqlite3
 import time
 
-from bench.common import Context, Row, disk_mib, new_dir, rss_mib
-from harness.stack import running_stack, service_pids
+from bench.common import Context, Row, disk_mib, rss_mib, tinkerd_up
+from harness.stack import service_pids
 
 FUTURES_RETENTION_S = 20
 SUPERSEDED_RETENTION_S = 10
 SAMPLES = 4
 TOKENS = 16
+RETENTION_FLAGS = ("--futures-retention-s", str(FUTURES_RETENTION_S),
+                   "--superseded-snapshot-retention-s", str(SUPERSEDED_RETENTION_S))
+QUICK_STACK_FLAGS = RETENTION_FLAGS     # the quick run's shared stack has them (bench/__main__.py)
 
 
 def run(ctx: Context) -> list[Row]:
-    steps = 8 if ctx.quick else int(os.environ.get("TINKERD_BENCH_SOAK_STEPS", "400"))
-    with running_stack(ctx.models["tiny"], new_dir(ctx, "soak"), "--futures-retention-s", str(FUTURES_RETENTION_S),
-                       "--superseded-snapshot-retention-s", str(SUPERSEDED_RETENTION_S)) as stack:
+    steps = 4 if ctx.quick else int(os.environ.get("TINKERD_BENCH_SOAK_STEPS", "400"))
+    with tinkerd_up(ctx, "soak", ctx.models["tiny"], *RETENTION_FLAGS) as stack:
         series, seconds = _loop(ctx.models["tiny"], stack, steps)
     return _rows(series, steps, seconds)
 

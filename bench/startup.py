@@ -1,6 +1,7 @@
 """Startup: `tinkerd up` to ready, and to the first finished training step through the SDK.
 Raw: the engines alone, each built in a fresh process, one after the other (the DeepSpeed trainer
-engine with one LoRA model, then vllm.LLM with LoRA enabled): what a serial start would take."""
+engine with one LoRA model, then vllm.LLM with LoRA enabled): what a serial start would take.
+The smoke run (--quick) times the start of its shared stack and builds no raw engines."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import REPO, Context, Row, new_dir
-from harness.stack import running_stack
+from bench.common import REPO, Context, Row, tinkerd_up
 
 
 _BUILD_TRAINER = """
@@ -49,15 +49,14 @@ def run(ctx: Context) -> list[Row]:
     rows = []
     for name, model in ctx.models.items():
         raw = None if ctx.quick else raw_seconds(model)   # the smoke run: two engine builds fewer
-        t0 = time.perf_counter()
-        with running_stack(model, new_dir(ctx, f"startup-{name}")) as stack:
-            ready = time.perf_counter() - t0
+        with tinkerd_up(ctx, f"startup-{name}", model) as stack:
+            ready, t0 = stack.start_seconds, time.perf_counter()
             tc = tinker.ServiceClient(base_url=stack.url).create_lora_training_client(base_model=model, rank=8).result()
             datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
                                 loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
             tc.forward_backward([datum], "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-            first_step = time.perf_counter() - t0
+            first_step = ready + time.perf_counter() - t0
         rows.append(Row("startup", f"{name}: tinkerd up to ready", ready, raw, "s",
                         ratio=None if raw is None else raw / ready,
                         note="raw: trainer engine, then vllm.LLM, each built in a fresh process"))

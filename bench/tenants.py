@@ -17,7 +17,7 @@
 
 TINKERD_BENCH_TENANTS sets the counts, e.g. `tiny=100,500,1000;smollm2=100` (the default;
 `--quick`: `tiny=12`, with 4 models resident and 4 snapshots in memory so that eviction still
-happens). Merged serving is off in these rows.
+happens, both parts on the quick run's shared stack). Merged serving is off in these rows.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import random
 import statistics
 import time
 
-from bench.common import Context, Row, disk_mib, median_time, new_dir, percentile, rss_mib, seconds
+from bench.common import Context, Row, disk_mib, median_time, new_dir, percentile, rss_mib, seconds, tinkerd_up
 from harness.stack import running_stack, service_pids
 
 TEXT = "the quick brown fox jumps over the lazy dog and the cat sat on the mat"
@@ -36,6 +36,19 @@ RESIDENT = 32
 CREATORS = 8               # SDK threads making models at once
 PROBES = 30                # evicted models (and snapshots) timed per count
 CACHED = 64                # snapshots the sampler keeps in memory (--max-cpu-loras)
+QUICK_MODELS = 12          # made in the quick run, with 4 resident and 4 snapshots in memory: eviction happens
+QUICK_LIMITS = (4, 4)
+
+
+def _scale_flags(limits: tuple[int, int], counts: tuple[int, ...]) -> tuple[str, ...]:
+    """The at-scale stack's flags. Merged serving off: its first promotion (a hot snapshot) builds an
+    engine for seconds, which is not what these rows measure."""
+    resident, cached = limits
+    return ("--max-resident-models", str(resident), "--max-cpu-loras", str(cached), "--max-loras", str(min(8, cached)),
+            "--merged-slots", "0", "--max-models-per-user", str(10 * max(counts)))
+
+
+QUICK_STACK_FLAGS = _scale_flags(QUICK_LIMITS, (QUICK_MODELS,))   # the quick run's shared stack has them
 
 
 def run(ctx: Context) -> list[Row]:
@@ -108,7 +121,7 @@ def _resident_rows(ctx: Context, stack) -> list[Row]:
 
 
 def _scale_counts(ctx: Context) -> dict[str, tuple[int, ...]]:
-    spec = "tiny=12" if ctx.quick else os.environ.get("TINKERD_BENCH_TENANTS", "tiny=100,500,1000;smollm2=100")
+    spec = f"tiny={QUICK_MODELS}" if ctx.quick else os.environ.get("TINKERD_BENCH_TENANTS", "tiny=100,500,1000;smollm2=100")
     out = {}
     for part in filter(None, spec.split(";")):
         name, counts = part.split("=")
@@ -122,16 +135,11 @@ def _open_files(pid: int) -> int:
 
 def _limits(ctx: Context) -> tuple[int, int]:
     """(models resident on the trainer, snapshots in the sampler's memory)."""
-    return (4, 4) if ctx.quick else (RESIDENT, CACHED)
+    return QUICK_LIMITS if ctx.quick else (RESIDENT, CACHED)
 
 
 def _scale_stack(ctx: Context, name: str, counts: tuple[int, ...]):
-    # Merged serving off: its first promotion (a hot snapshot) builds an engine for seconds, which
-    # is not what these rows measure.
-    resident, cached = _limits(ctx)
-    return running_stack(ctx.models[name], new_dir(ctx, f"tenants-scale-{name}"), "--max-resident-models",
-                         str(resident), "--max-cpu-loras", str(cached), "--max-loras", str(min(8, cached)),
-                         "--merged-slots", "0", "--max-models-per-user", str(10 * max(counts)))
+    return tinkerd_up(ctx, f"tenants-scale-{name}", ctx.models[name], *_scale_flags(_limits(ctx), counts))
 
 
 def _footprint(pids: dict, state: str) -> str:

@@ -15,8 +15,7 @@ import os
 
 import torch
 
-from bench.common import Context, Row, alternately, new_dir, seconds
-from harness.stack import running_stack
+from bench.common import Context, Row, alternately, seconds, tinkerd_up
 
 RANK = 16
 BATCH, LENGTH = 4, 64
@@ -89,11 +88,11 @@ def use_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def side_by_side(model_dir: str, sequences: list[list[int]], iters: int, state_dir: str, dtype: str = "float32",
-                 warmup: int = 2) -> tuple[float, float]:
+def side_by_side(ctx: Context, name: str, model_dir: str, sequences: list[list[int]], iters: int,
+                 dtype: str = "float32", warmup: int = 2) -> tuple[float, float]:
     """(ours, raw) median seconds, measured alternately so both see the same machine: the raw
     engine runs in this process while the idle stack waits (~3% of a core), and the other way."""
-    with running_stack(model_dir, state_dir, *dtype_flags(dtype)) as stack:
+    with tinkerd_up(ctx, f"train-{name}-{dtype}", model_dir, *dtype_flags(dtype)) as stack:
         ours_step, raw = api_step(stack.url, model_dir, sequences), raw_step(model_dir, sequences, dtype)
         return alternately(lambda: seconds(ours_step), lambda: seconds(raw), iters, warmup=warmup)
 
@@ -124,8 +123,7 @@ def _row(ctx: Context, name: str, model: str, dtype: str) -> Row:
     sequences = _batch(AutoConfig.from_pretrained(model).vocab_size)
     slow_raw = dtype != "float32" and name != "tiny"        # raw bf16 SmolLM2: ~1 min a step on AVX2
     iters = ctx.iters(2 if slow_raw else 15 if name == "tiny" else 8)
-    ours, raw = side_by_side(model, sequences, iters, new_dir(ctx, f"train-{name}-{dtype}"), dtype,
-                             warmup=1 if slow_raw else 2)
+    ours, raw = side_by_side(ctx, name, model, sequences, iters, dtype, warmup=1 if slow_raw else 2)
     return Row("train_step", f"{name} {dtype}: fwd_bwd+optim, {BATCH}x{LENGTH} tokens, rank {RANK}, {THREADS} threads",
                1e3 * ours, 1e3 * raw, "ms", ratio=raw / ours, target=">= 0.9")
 

@@ -19,9 +19,8 @@ import time
 
 import torch
 
-from bench.common import Context, Row, new_dir
+from bench.common import Context, Row, tinkerd_up
 from tinkerd import weight_stream
-from harness.stack import running_stack
 
 CHUNK_BYTES = 16 << 20     # staging chunks: small enough that packing the first one costs little
 
@@ -98,14 +97,14 @@ def phases_ms(state_dir: str, model_id: str, skip: int = 1) -> dict[str, float]:
     return out
 
 
-def adapter_sync_ms(model_dir: str, ranks: tuple[int, ...], trials: int,
-                    state_dir: str) -> dict[int, tuple[float, dict[str, float]]]:
+def adapter_sync_ms(ctx: Context, name: str, model_dir: str, ranks: tuple[int, ...],
+                    trials: int) -> dict[int, tuple[float, dict[str, float]]]:
     """Per rank: the median ms a user waits, and the median of each push phase."""
     import tinker
     from tinker import types
 
     out = {}
-    with running_stack(model_dir, state_dir) as stack:
+    with tinkerd_up(ctx, f"sync-{name}", model_dir) as stack:
         service = tinker.ServiceClient(base_url=stack.url)
         for rank in ranks:
             tc = service.create_lora_training_client(base_model=model_dir, rank=rank, seed=0).result()
@@ -118,7 +117,7 @@ def adapter_sync_ms(model_dir: str, ranks: tuple[int, ...], trials: int,
                 t0 = time.perf_counter()
                 tc.save_weights_and_get_sampling_client().result()
                 times.append(time.perf_counter() - t0)
-            out[rank] = 1e3 * statistics.median(times[1:]), phases_ms(state_dir, tc.model_id)
+            out[rank] = 1e3 * statistics.median(times[1:]), phases_ms(stack.state_dir, tc.model_id)
     return out
 
 
@@ -145,7 +144,7 @@ def run(ctx: Context) -> list[Row]:
     rows.append(Row("weight_sync", f"{name}: full weights ({total / 2**20:.0f} MiB, {len(tensors)} tensors), gloo",
                     total / ours / 2**20, total / raw / 2**20, "MiB/s", ratio=raw / ours, target=">= 0.8"))
     for name, model in ctx.models.items():
-        for rank, (ms, phases) in adapter_sync_ms(model, (8, 32), ctx.iters(5), new_dir(ctx, f"sync-{name}")).items():
+        for rank, (ms, phases) in adapter_sync_ms(ctx, name, model, (8, 32), ctx.iters(5)).items():
             note = "median ms: " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
             rows.append(Row("weight_sync", f"{name}: rank-{rank} adapter, save_weights_and_get_sampling_client",
                             ms, None, "ms", target="<= 100" if (name == "smollm2" and rank == 32) else "", note=note))

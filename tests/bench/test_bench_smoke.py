@@ -1,6 +1,8 @@
 """Every benchmark runs end to end (a few iterations, tiny model, no verdicts), so none rots. One
 `python -m bench --quick` for all of them: split one test per benchmark, two ran at once under
-the two test workers, each with its own stacks, and the suite took ~30 min instead of ~21."""
+the two test workers, each with its own stacks, and the suite took ~30 min instead of ~21. The
+quick run puts every benchmark in one process on one shared `tinkerd up` (bench/__main__.py): ~3 min
+on 2 shared cores, was ~9-14 with a process and stacks of their own each."""
 
 from __future__ import annotations
 
