@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.common import REPO, Context, Row, tinkerd_up
+from bench.common import REPO, Context, Row, SharedStack, tinkerd_up
 from bench.sampling import api_generate
 from harness.stack import sampler_pool
 
@@ -45,13 +45,13 @@ def _until(predicate, what: str, timeout_s: float = 600) -> None:
         time.sleep(0.2)
 
 
-def _join(stack, model_dir: str) -> tuple[subprocess.Popen, str]:
-    """A second replica, `tinkerd sampler --register-with` the stack's gateway; (process, address)
-    once the pool has it live."""
+def _join(stack, model_dir: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A second replica, `tinkerd sampler --register-with` the stack's gateway (with `flags`, e.g.
+    the stack's dtype); (process, address) once the pool has it live."""
     state = stack.state_dir
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "sampler", "--base-model", model_dir, "--state-dir", state,
-         "--service-token-file", os.path.join(state, "service-token"), "--register-with", stack.url],
+         "--service-token-file", os.path.join(state, "service-token"), "--register-with", stack.url, *flags],
         stdout=subprocess.PIPE, stderr=open(os.path.join(state, "logs", "bench-replica.log"), "ab"), text=True,
         cwd=REPO, start_new_session=True)
     for line in proc.stdout:
@@ -70,7 +70,8 @@ def measure(ctx: Context, name: str, model_dir: str, prompts: list[list[int]],
         run = api_generate(stack.url, model_dir, prompts, MAX_TOKENS)
         run()                                                         # warm-up
         one = [run() for _ in range(rounds)]
-        proc, address = _join(stack, model_dir)
+        # The quick run's shared stack is fp32 whatever `auto` is here: the replica runs what it runs.
+        proc, address = _join(stack, model_dir, *(SharedStack.DTYPE if ctx.shared is not None else ()))
         try:
             run()                                                     # the new replica's warm-up
             before = {a: m["served"] for a, m in sampler_pool(stack).items()}
