@@ -103,8 +103,8 @@ def _inputs_on_device(data: list[DatumInput], device: torch.device) -> list[dict
 
 
 def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    """log p(target) of every datum's tokens: one cross-entropy over the whole batch (fused, no
-    (T, vocab) log-softmax kept for backward), then per-datum views."""
+    """log p(target) of every datum's tokens: one cross-entropy over the whole batch (padding
+    ignored), then per-datum views."""
     lp = -torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                             reduction="none", ignore_index=IGNORED)
     lp = lp.view(targets.shape)
@@ -139,7 +139,8 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
         if logits.dtype != torch.float32:
             logits = logits.float()
         logprobs = _token_logprobs(logits, targets, [len(d.tokens) for d in data])
-        losses = [loss_impl(lp, inputs, loss_fn_config) for lp, inputs in zip(logprobs, _inputs_on_device(data, device))]
+        inputs = _inputs_on_device(data, device)
+        losses = [loss_impl(lp, datum_inputs, loss_fn_config) for lp, datum_inputs in zip(logprobs, inputs)]
         total = logits.new_zeros((), dtype=torch.float32)
         for per_token in losses:     # summed datum by datum, in order, as always
             total = total + per_token.sum()
