@@ -69,8 +69,10 @@ def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int) -> 
             raise UserError(f"datum {i}: a target token is outside the vocabulary [0, {vocab_size})")
 
 
-def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids, their attention mask, and the target tokens (IGNORED where padded)."""
+def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Right-padded input ids, their attention mask, and the target tokens (IGNORED where padded).
+    No mask where nothing is padded: attention is then plainly causal, which transformers would
+    otherwise find out by reading the mask back from the device (a synchronization)."""
     lengths = [len(d.tokens) for d in data]
     ids = torch.zeros(len(data), max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -79,7 +81,8 @@ def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, 
         ids[i, :lengths[i]] = torch.tensor(d.tokens)
         mask[i, :lengths[i]] = 1
         targets[i, :lengths[i]] = d.loss_fn_inputs["target_tokens"]
-    return ids.to(device), mask.to(device), targets.to(device)
+    padded = min(lengths) < max(lengths)
+    return ids.to(device), mask.to(device) if padded else None, targets.to(device)
 
 
 IGNORED = -100      # cross_entropy's ignore_index: padding positions
