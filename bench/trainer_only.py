@@ -12,6 +12,7 @@ targets, rank and alpha as tinkerd) on the same batch, one training step each:
              cross-entropy in fp32, backward, step, zero_grad
   deepspeed  PEFT under a DeepSpeed ZeRO-2 engine (bench/train_step.raw_step)
   engine     TrainerEngine: forward_backward(cross_entropy) + optim_step, as the servicer calls it
+             (--zero-stage 2, the default, which one rank runs as stage 0)
 Taken in turn, step by step, so noise hits all alike; medians after warm-up, the clock read
 between torch.cuda.synchronize() calls on CUDA.
 

@@ -136,7 +136,8 @@ def recover_swap(directory: str) -> None:
 def read_state(directory: str, *, with_optimizer: bool,
                zero_stage: int) -> tuple[LoraSpec, dict[str, torch.Tensor], int, int]:
     """A checkpoint's LoRA spec, adapter tensors, step count and last seq_id, checked for loading under
-    `zero_stage` (the optimizer state only loads under the stage that wrote it)."""
+    `zero_stage` (the optimizer state only loads under the stage that wrote it, or converted:
+    see the module doc)."""
     import safetensors.torch
 
     recover_swap(directory)
@@ -148,9 +149,11 @@ def read_state(directory: str, *, with_optimizer: bool,
         raise UserError(f"no checkpoint at {directory}: {e.filename} is missing") from None
     if with_optimizer and not meta.get("has_optimizer"):
         raise UserError(f"the checkpoint at {directory} holds weights only; load it without optimizer state")
-    if with_optimizer and meta.get("zero_stage") != zero_stage and not _converts(meta.get("zero_stage"), zero_stage):
-        raise UserError(f"the optimizer state at {directory} was written under ZeRO stage "
-                        f"{meta.get('zero_stage')}; this trainer runs stage {zero_stage}")
+    saved_stage = meta.get("zero_stage")
+    if with_optimizer and saved_stage != zero_stage and not _converts(saved_stage, zero_stage):
+        hint = " (a trainer of one rank runs ZeRO-1/2 as stage 0)" if saved_stage == 0 else ""
+        raise UserError(f"the optimizer state at {directory} was written under ZeRO stage {saved_stage}{hint}; "
+                        f"this trainer runs stage {zero_stage}: load it without optimizer state")
     return LoraSpec(**meta["spec"]), tensors, int(meta["step"]), int(meta.get("seq", 0))
 
 
@@ -195,8 +198,8 @@ def _tensor_only_checkpoint_engine():
     return TensorOnly()
 
 
-# The one partition a ZeRO-1/2 trainer of one rank writes.
-_ONE_RANK_ZERO_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+# Rank 0's ZeRO-1/2 optimizer partition: the whole state where one rank wrote it.
+_FIRST_ZERO_PARTITION = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
 def restore_optimizer(model: LoraModel, directory: str, step: int) -> None:
@@ -204,8 +207,9 @@ def restore_optimizer(model: LoraModel, directory: str, step: int) -> None:
     engine = model.engine
     state_dir = os.path.join(directory, OPTIMIZER, "state")
     try:
-        if engine.zero_optimization_stage() == 0 and os.path.exists(os.path.join(state_dir, _ONE_RANK_ZERO_FILE)):
-            _restore_from_zero_partition(model, os.path.join(state_dir, _ONE_RANK_ZERO_FILE), directory)
+        partition = os.path.join(state_dir, _FIRST_ZERO_PARTITION)
+        if engine.zero_optimization_stage() == 0 and os.path.exists(partition):
+            _restore_from_zero_partition(model, partition, directory)
         else:
             _restore_with_deepspeed(engine, directory)
     except pickle.UnpicklingError as e:

@@ -53,6 +53,9 @@ def deepspeed_config(zero_stage: int) -> dict:
         # A window that never closes by count: optim_step closes it explicitly.
         "gradient_accumulation_steps": 1 << 30,
         "zero_allow_untested_optimizer": True,
+        # optim_step clips to each request's grad_clip_norm; DeepSpeed's default (1.0) would
+        # clip every stage-0 step again, with a collective (a ZeRO optimizer's is overridden).
+        "gradient_clipping": 0.0,
         "zero_optimization": {"stage": zero_stage},
         "steps_per_print": 1 << 30,
     }

@@ -69,8 +69,10 @@ def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int) -> 
             raise UserError(f"datum {i}: a target token is outside the vocabulary [0, {vocab_size})")
 
 
-def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids, their attention mask, and the target tokens (IGNORED where padded)."""
+def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Right-padded input ids, their attention mask, and the target tokens (IGNORED where padded).
+    No mask where nothing is padded: attention is then plainly causal, which transformers would
+    otherwise find out by reading the mask back from the device (a synchronization)."""
     lengths = [len(d.tokens) for d in data]
     ids = torch.zeros(len(data), max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -79,7 +81,8 @@ def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, 
         ids[i, :lengths[i]] = torch.tensor(d.tokens)
         mask[i, :lengths[i]] = 1
         targets[i, :lengths[i]] = d.loss_fn_inputs["target_tokens"]
-    return ids.to(device), mask.to(device), targets.to(device)
+    padded = min(lengths) < max(lengths)
+    return ids.to(device), mask.to(device) if padded else None, targets.to(device)
 
 
 IGNORED = -100      # cross_entropy's ignore_index: padding positions
@@ -103,8 +106,8 @@ def _inputs_on_device(data: list[DatumInput], device: torch.device) -> list[dict
 
 
 def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    """log p(target) of every datum's tokens: one cross-entropy over the whole batch (fused, no
-    (T, vocab) log-softmax kept for backward), then per-datum views."""
+    """log p(target) of every datum's tokens: one cross-entropy over the whole batch (padding
+    ignored), then per-datum views."""
     lp = -torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                             reduction="none", ignore_index=IGNORED)
     lp = lp.view(targets.shape)
@@ -139,7 +142,8 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
         if logits.dtype != torch.float32:
             logits = logits.float()
         logprobs = _token_logprobs(logits, targets, [len(d.tokens) for d in data])
-        losses = [loss_impl(lp, inputs, loss_fn_config) for lp, inputs in zip(logprobs, _inputs_on_device(data, device))]
+        inputs = _inputs_on_device(data, device)
+        losses = [loss_impl(lp, datum_inputs, loss_fn_config) for lp, datum_inputs in zip(logprobs, inputs)]
         total = logits.new_zeros((), dtype=torch.float32)
         for per_token in losses:     # summed datum by datum, in order, as always
             total = total + per_token.sum()
