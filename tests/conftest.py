@@ -102,3 +102,21 @@ def sft_data(tok, texts):
         out.append(types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),
                                loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)}))
     return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The time budget per test file (setup + call + teardown, summed over its tests, on
+    whichever worker ran them), longest first: a file that grows shows here at once."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                path = report.nodeid.split("::")[0]
+                per_file[path] = per_file.get(path, 0.0) + getattr(report, "duration", 0.0)
+    if not per_file:
+        return
+    terminalreporter.section("time per test file")
+    for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+    terminalreporter.write_line(f"{sum(per_file.values()):8.1f} s  in all ({len(per_file)} files; "
+                                f"with two workers the wall time is about half)")
