@@ -184,6 +184,20 @@ class StepMetricRow(Base):
     at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
+class StabilityRecordRow(Base):
+    """A sequence sampled for stable_reinforce (gateway/stability.py): in the database, so the
+    gateway a training step reaches finds what another gateway sampled."""
+    __tablename__ = "stability_records"
+    # Record order: the count cap drops the lowest ids (an index range, not a count of the table).
+    record_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                           autoincrement=True)
+    sequence_id: Mapped[str] = mapped_column(String(128), unique=True)      # "<request_id>:<i>"
+    session_id: Mapped[str] = mapped_column(String(128))                    # whose: only it may use it
+    tokens: Mapped[bytes] = mapped_column(LargeBinary)                      # int64, the sampled tokens
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)                    # float32, the sampler's
+    used: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
+
+
 @event.listens_for(ModelRow, "after_delete")
 def _delete_step_metrics(_mapper, connection, row: ModelRow) -> None:
     """A run's metrics go with it (no foreign key: SQLite would enforce it only with a pragma)."""
@@ -212,8 +226,9 @@ _PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sa
 
 # Rows read on every request and rarely changed: served from memory for up to CACHE_TTL_S.
 # touch() and add() keep the cache right for this process at once; another gateway's change on
-# the same database is seen within the TTL.
-_CACHED = ("ModelRow", "SamplingSessionRow", "CheckpointRow")
+# the same database is seen within the TTL (a session closed on one gateway is refused by the
+# others at most CACHE_TTL_S later).
+_CACHED = ("ModelRow", "SamplingSessionRow", "CheckpointRow", "SessionRow")
 CACHE_TTL_S = 2.0
 _CACHE_SWEEP_AT = 4096
 
@@ -440,6 +455,15 @@ class Database:
             for cls in (SessionRow, ModelRow, FutureRow, SamplingSessionRow, CheckpointRow):
                 s.execute(update(cls).where(cls.owner.is_(None)).values(owner=owner))
             s.commit()
+
+    def close_session(self, session_id: str) -> bool:
+        """Marks a session closed; False if it was already (of two gateways closing it at once,
+        exactly one gets True: one conditional UPDATE)."""
+        self._cache.pop(("SessionRow", session_id), None)
+        with self.engine.begin() as conn:
+            return conn.execute(update(SessionRow.__table__).where(
+                SessionRow.__table__.c.session_id == session_id,
+                SessionRow.__table__.c.finished.is_(False)).values(finished=True)).rowcount > 0
 
     def touch(self, cls, key, **values) -> bool:
         self._cache.pop((cls.__name__, key), None)

@@ -11,8 +11,6 @@ A sampling session over an ephemeral snapshot is deleted once unused long enough
 
 from __future__ import annotations
 
-from sqlalchemy import select
-
 from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
 from gateway.keys import Caller
 from gateway.settings import GatewaySettings
@@ -32,9 +30,12 @@ class Sessions:
     def __init__(self, db: Database, settings: GatewaySettings):
         self.db = db
         self.settings = settings
-        # Closed by the client (ServiceClient.close): read on every training and sampling
-        # request, so kept in memory.
-        self.closed = set(db.select(select(SessionRow.session_id).where(SessionRow.finished.is_(True))))
+
+    def closed(self, session_id: str) -> bool:
+        """Whether the session was closed (ServiceClient.close), on any gateway: read from its row,
+        through the row cache, so a close elsewhere is seen within db.CACHE_TTL_S (2 s)."""
+        row = self.db.get(SessionRow, session_id)
+        return row is not None and bool(row.finished)
 
     def _owned(self, caller: Caller, cls, key: str, unknown: str):
         """The caller's row of `cls`; anyone else's is as unknown as a missing one."""
@@ -48,8 +49,7 @@ class Sessions:
 
     def open(self, caller: Caller, session_id: str) -> str:
         """A session of the caller's that is not closed."""
-        self.session(caller, session_id)
-        if session_id in self.closed:
+        if self.session(caller, session_id).finished:
             raise UserError(f"session {session_id} was closed (ServiceClient.close); start a new ServiceClient")
         return session_id
 
@@ -60,7 +60,7 @@ class Sessions:
     def live_model(self, caller: Caller, model_id: str) -> ModelRow:
         """A model that can still be trained: the caller's, and its session not closed."""
         row = self.model(caller, model_id)
-        if row.session_id in self.closed:
+        if self.closed(row.session_id):
             raise UserError(f"model {model_id} belongs to session {row.session_id}, which was closed "
                             f"(ServiceClient.close); its checkpoints can still be loaded in a new session")
         return row
@@ -88,7 +88,7 @@ class Sessions:
 
     def live_sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
         row = self.sampling_session(caller, sampling_session_id)
-        if row.session_id in self.closed:
+        if self.closed(row.session_id):
             raise UserError(f"sampling session {sampling_session_id} belongs to session {row.session_id}, "
                             f"which was closed (ServiceClient.close)")
         return row
@@ -103,8 +103,4 @@ class Sessions:
     def close(self, caller: Caller, session_id: str) -> bool:
         """Marks the caller's session closed; False if it already was."""
         self.session(caller, session_id)
-        if session_id in self.closed:
-            return False
-        self.db.touch(SessionRow, session_id, finished=True)
-        self.closed.add(session_id)
-        return True
+        return self.db.close_session(session_id)

@@ -5,26 +5,31 @@ here (its tokens and the sampler's logprobs). A `stable_reinforce` forward_backw
 through the datum's provenance spans, which sampled sequence each target position reproduces;
 the trainer then gets the sampler's own logprobs for those positions (not whatever the client
 sent), and a span whose tokens differ from what was sampled is refused. Records belong to the
-session that sampled them and expire after a period without use, as in Tinker.
+session that sampled them and expire after a period without use, as in Tinker. They are rows of
+the database, so a step that reaches any gateway finds what was sampled through another.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import time
+import datetime
+import logging
 
 import numpy as np
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.exc import IntegrityError
 
+from gateway.db import Database, StabilityRecordRow, now
 from tinkerd.errors import UserError
+
+log = logging.getLogger(__name__)
+_ROWS = StabilityRecordRow.__table__.c
 
 
 @dataclasses.dataclass
 class _Record:
-    session_id: str
     tokens: np.ndarray        # int64, the sampled tokens
     logprobs: np.ndarray      # float32, the sampler's logprob of each
-    used: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,33 +43,69 @@ class Span:
 
 
 class StabilityRecords:
-    def __init__(self, ttl_s: float = 3600.0, max_sequences: int = 1_000_000):
+    """The records, in the database's stability_records table: any gateway finds what another
+    one recorded. At most `max_sequences` are kept (the oldest recorded go first), and those
+    unused for ttl_s are dropped by expire() (housekeeping, on every gateway)."""
+
+    def __init__(self, db: Database | None = None, ttl_s: float = 3600.0, max_sequences: int = 1_000_000):
+        self.db = db or Database("sqlite://")      # none given (a unit test): a private in-memory one
         self.ttl_s = ttl_s
         self.max_sequences = max_sequences
-        self._records: collections.OrderedDict[str, _Record] = collections.OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._records)
+        with self.db.engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(StabilityRecordRow.__table__)).scalar()
 
     def record(self, session_id: str, sequence_id: str, tokens, logprobs) -> None:
-        self._records[sequence_id] = _Record(session_id, np.asarray(tokens, dtype=np.int64),
-                                             np.asarray(logprobs, dtype=np.float32), time.monotonic())
-        self._records.move_to_end(sequence_id)
-        while len(self._records) > self.max_sequences:
-            self._records.popitem(last=False)
+        self.record_all(session_id, {sequence_id: (tokens, logprobs)})
+
+    def record_all(self, session_id: str, sequences: dict) -> None:
+        """Records sequence_id -> (tokens, logprobs) for the session, in one transaction; a
+        sequence recorded again (a re-driven sample) replaces its record."""
+        if not sequences:
+            return
+        stamp = now()
+        rows = [{"sequence_id": sid, "session_id": session_id, "used": stamp,
+                 "tokens": np.asarray(tokens, dtype="<i8").tobytes(),
+                 "logprobs": np.asarray(logprobs, dtype="<f4").tobytes()} for sid, (tokens, logprobs) in sequences.items()]
+        try:
+            with self.db.engine.begin() as conn:
+                conn.execute(delete(StabilityRecordRow.__table__).where(_ROWS.sequence_id.in_(list(sequences))))
+                conn.execute(StabilityRecordRow.__table__.insert(), rows)
+                self._cap(conn)
+        except IntegrityError:       # another gateway recorded the same sequences at this moment
+            log.warning("stability records of %s were recorded concurrently elsewhere; kept theirs", list(sequences))
+
+    def _cap(self, conn) -> None:
+        """Keeps at most max_sequences records: ids increase with each record, so the ones more than
+        max_sequences below the newest are the oldest (fewer are kept where ids have gaps)."""
+        newest = conn.execute(select(func.max(_ROWS.record_id))).scalar() or 0
+        conn.execute(delete(StabilityRecordRow.__table__).where(_ROWS.record_id <= newest - self.max_sequences))
 
     def expire(self) -> int:
         """Drops records unused for ttl_s; returns how many."""
-        cutoff = time.monotonic() - self.ttl_s
-        stale = [k for k, r in self._records.items() if r.used < cutoff]
-        for k in stale:
-            del self._records[k]
-        return len(stale)
+        cutoff = now() - datetime.timedelta(seconds=self.ttl_s)
+        with self.db.engine.begin() as conn:
+            return conn.execute(delete(StabilityRecordRow.__table__).where(_ROWS.used < cutoff)).rowcount
+
+    def _lookup(self, session_id: str, spans: list[Span]) -> dict[str, _Record]:
+        """The session's records the sampled spans name (another session's are as absent as
+        missing ones), marked used now."""
+        wanted = sorted({s.sequence_id for s in spans if s.sampled})
+        if not wanted:
+            return {}
+        mine = (_ROWS.session_id == session_id, _ROWS.sequence_id.in_(wanted))
+        with self.db.engine.begin() as conn:
+            rows = conn.execute(select(_ROWS.sequence_id, _ROWS.tokens, _ROWS.logprobs).where(*mine)).all()
+            conn.execute(update(StabilityRecordRow.__table__).where(*mine).values(used=now()))
+        return {sid: _Record(np.frombuffer(tokens, "<i8"), np.frombuffer(logprobs, "<f4"))
+                for sid, tokens, logprobs in rows}
 
     def behaviour_logprobs(self, session_id: str, datum: int, spans: list[Span], targets: np.ndarray,
-                           client_logprobs: np.ndarray | None) -> np.ndarray:
+                           client_logprobs: np.ndarray | None, found: dict[str, _Record] | None = None) -> np.ndarray:
         """The sampler's logprob for every target position a sampled span covers; positions
-        covered by prompt spans keep the client's value (0 where it sent none)."""
+        covered by prompt spans keep the client's value (0 where it sent none). `found`: the
+        session's records, looked up already (apply looks up a whole request's at once)."""
         where = f"datum {datum}"
         if not spans:
             raise UserError(f"{where}: stable_reinforce needs provenance (Datum.with_provenance) naming the "
@@ -72,32 +113,36 @@ class StabilityRecords:
         if sum(s.length for s in spans) != len(targets):
             raise UserError(f"{where}: loss_fn_input_spans cover {sum(s.length for s in spans)} positions but "
                             f"target_tokens has {len(targets)}")
+        found = self._lookup(session_id, spans) if found is None else found
         out = (np.zeros(len(targets), np.float32) if client_logprobs is None
                else np.asarray(client_logprobs, np.float32).reshape(-1).copy())
         pos = 0
-        now = time.monotonic()
         for span in spans:
             if span.sampled:
-                rec = self._records.get(span.sequence_id)
-                if rec is None or rec.session_id != session_id:
-                    raise UserError(f"{where}: no stability record for sequence {span.sequence_id!r} in this "
-                                    f"session (sample with record_stability_info=True; records expire after "
-                                    f"{self.ttl_s:.0f} s unused)")
-                end = span.offset + span.length
-                if end > len(rec.tokens):
-                    raise UserError(f"{where}: span [{span.offset}, {end}) is past the {len(rec.tokens)} tokens "
-                                    f"sampled in {span.sequence_id!r}")
-                if not np.array_equal(rec.tokens[span.offset:end], targets[pos:pos + span.length]):
-                    raise UserError(f"{where}: target_tokens [{pos}, {pos + span.length}) are not the tokens "
-                                    f"sampled at [{span.offset}, {end}) of {span.sequence_id!r}")
-                out[pos:pos + span.length] = rec.logprobs[span.offset:end]
-                rec.used = now
+                out[pos:pos + span.length] = self._sampled(where, found.get(span.sequence_id), span,
+                                                           targets[pos:pos + span.length], pos)
             pos += span.length
         return out
 
+    def _sampled(self, where: str, rec: _Record | None, span: Span, targets: np.ndarray, pos: int) -> np.ndarray:
+        """The recorded logprobs of a sampled span whose targets are the tokens sampled there."""
+        if rec is None:
+            raise UserError(f"{where}: no stability record for sequence {span.sequence_id!r} in this "
+                            f"session (sample with record_stability_info=True; records expire after "
+                            f"{self.ttl_s:.0f} s unused)")
+        end = span.offset + span.length
+        if end > len(rec.tokens):
+            raise UserError(f"{where}: span [{span.offset}, {end}) is past the {len(rec.tokens)} tokens "
+                            f"sampled in {span.sequence_id!r}")
+        if not np.array_equal(rec.tokens[span.offset:end], targets):
+            raise UserError(f"{where}: target_tokens [{pos}, {pos + span.length}) are not the tokens "
+                            f"sampled at [{span.offset}, {end}) of {span.sequence_id!r}")
+        return rec.logprobs[span.offset:end]
+
     def apply(self, fb, session_id: str) -> None:
         """Puts the recorded sampler logprobs into a decoded stable_reinforce request
-        (gateway.convert.ForwardBackward), in place."""
+        (gateway.convert.ForwardBackward), in place: one lookup for the whole request."""
+        found = self._lookup(session_id, [span for datum in fb.data for span in datum.spans])
         for i, datum in enumerate(fb.data):
             if "target_tokens" not in datum.inputs:
                 raise UserError(f"datum {i}: loss_fn_inputs is missing 'target_tokens'")
@@ -105,4 +150,4 @@ class StabilityRecords:
             client = datum.inputs.get("logprobs")
             if client is not None and client.size != targets.size:
                 raise UserError(f"datum {i}: logprobs has {client.size} values, target_tokens {targets.size}")
-            datum.inputs["logprobs"] = self.behaviour_logprobs(session_id, i, datum.spans, targets, client)
+            datum.inputs["logprobs"] = self.behaviour_logprobs(session_id, i, datum.spans, targets, client, found)

@@ -54,7 +54,7 @@ class Gateway:
                                                       True, key_id="")
         authenticator = Authenticator(KeyStore(db), Signer(signing_secret(db), settings.token_ttl_s), anonymous)
         futures = Futures(db, lease_s=settings.future_lease_s)
-        gw = cls(settings, db, Sessions(db, settings), futures, StabilityRecords(ttl_s=settings.stability_ttl_s),
+        gw = cls(settings, db, Sessions(db, settings), futures, StabilityRecords(db, ttl_s=settings.stability_ttl_s),
                  authenticator, Limits(settings, db))
         futures.bind(gw)
         return gw

@@ -73,7 +73,7 @@ async def sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> dict:
     samplers = gw.db.select(select(SamplingSessionRow).where(SamplingSessionRow.session_id.in_(ids))) if ids else []
     return {"sessions": [
         {"session_id": r.session_id, "created_at": iso(r.created_at), "last_heartbeat": iso(r.last_heartbeat),
-         "closed": r.session_id in gw.sessions.closed, "tags": r.tags or [], "user_metadata": r.user_metadata or {},
+         "closed": bool(r.finished), "tags": r.tags or [], "user_metadata": r.user_metadata or {},
          "training_run_ids": [m.model_id for m in runs if m.session_id == r.session_id],
          "sampler_ids": [s.sampling_session_id for s in samplers if s.session_id == r.session_id]}
         for r in rows]}

@@ -80,6 +80,6 @@ async def _sample(gw: Gateway, args: dict, body: bytes):
     reply = await gw.backends.samplers.sample(msg)
     metrics.sampled(reply)
     if record_for is not None:       # for stable_reinforce, which names these sequences by id
-        for i, seq in enumerate(reply.sequences):
-            gw.stability.record(record_for, f"{msg.request_id}:{i}", seq.tokens, seq.logprobs)
+        gw.stability.record_all(record_for, {f"{msg.request_id}:{i}": (seq.tokens, seq.logprobs)
+                                             for i, seq in enumerate(reply.sequences)})
     return "application/x-protobuf", convert.sample_response(reply)

@@ -27,8 +27,7 @@ async def create_session(body: CreateSessionRequest, caller: CallerDep, gw: Gate
 
 @router.post("/session_heartbeat")
 async def heartbeat(body: SessionHeartbeatRequest, caller: CallerDep, gw: GatewayDep):
-    gw.sessions.session(caller, body.session_id)
-    if body.session_id in gw.sessions.closed:      # 410 stops the SDK's heartbeats
+    if gw.sessions.session(caller, body.session_id).finished:      # 410 stops the SDK's heartbeats
         return error_response(f"session {body.session_id} was closed", 410)
     gw.db.touch(SessionRow, body.session_id, last_heartbeat=now())
     return {"type": "session_heartbeat"}

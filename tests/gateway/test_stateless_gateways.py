@@ -1,19 +1,27 @@
 """Two gateways on one database (fake backends): a future accepted by one is answered by the
 other, and a gateway that stops renewing its lease has its pending futures claimed and re-driven
-by the other, from the request stored in the row."""
+by the other, from the request stored in the row. A session closed through one is closed on the
+other, and a stable_reinforce step on one finds the sequences sampled through the other."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from gateway_fakes import Api, FakeTrainer, fake_services
+from gateway_fakes import Api, FakeTrainer, assert_user_error, fake_services
 from test_futures_routes import HeldSampler, _sample, _sampling_session
 
+from gateway import db as db_module
+from gateway import tinker_wire_pb2 as tw
 from gateway.app import create_app
 from gateway.db import FutureRow
+from tinkerd.tensors import to_numpy
+
+PROTOBUF = {"content-type": "application/x-protobuf"}
 
 
 class HeldTrainer(FakeTrainer):
@@ -134,3 +142,88 @@ def test_a_user_at_a_limit_on_one_gateway_is_at_it_on_the_other(two):
         r = api_b.post("optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.1}})
         assert r.status_code == 429 and "training requests are queued" in r.json()["error"], r.text
         trainer.release.set()
+
+
+def _closed_everywhere(api_a, api_b, model_id: str, session_id: str, sampler_id: str) -> None:
+    """Each gateway refuses the closed session's training, sampling and heartbeats alike."""
+    for path, body in (("optim_step", {"model_id": model_id, "seq_id": 9, "adam_params": {"learning_rate": 0.1}}),
+                       ("asample", {"sampling_session_id": sampler_id, "seq_id": 9, "num_samples": 1,
+                                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]}})):
+        on_a = assert_user_error(api_a.post(path, body), 400, "which was closed")
+        assert assert_user_error(api_b.post(path, body), 400, "which was closed") == on_a
+    for api in (api_a, api_b):
+        assert api.post("session_heartbeat", {"session_id": session_id}).status_code == 410
+
+
+def test_a_session_closed_on_one_gateway_is_closed_on_the_other(two, monkeypatch):
+    trainer, sampler, settings = two
+    settings.max_models_per_user = 1
+    monkeypatch.setattr(db_module, "CACHE_TTL_S", 0.2)    # the staleness a close may have elsewhere
+    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+        api_a = Api(a, "").as_user("tester")
+        api_b = Api(b, api_a.api_key)
+        session_id = api_a.session()
+        model_id = api_a.model(session_id)
+        sampler_id = api_a.post("create_sampling_session", {"session_id": session_id, "sampling_session_seq_id": 0,
+                                                            "base_model": "tiny/base"}).json()["sampling_session_id"]
+        step = api_b.post("optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 0.1}})
+        assert api_b.result(step.json()).status_code == 200       # b has read (and cached) the open session
+        assert api_b.post("session_heartbeat", {"session_id": session_id}).status_code == 200
+        assert api_a.post(f"sessions/{session_id}/finish").status_code == 200
+        time.sleep(0.25)
+        _closed_everywhere(api_a, api_b, model_id, session_id, sampler_id)
+        assert api_b.post(f"sessions/{session_id}/finish").status_code == 200     # closing again is a no-op
+        assert api_b.model(api_b.session())           # the closed session's run no longer counts on b
+
+
+def _stable_reinforce_body(model_id: str, seq_id: int, sequence_id: str) -> bytes:
+    """Prompt [3, 4, 5], sampled [5, 4, 3]: the targets are prompt [4, 5] then the whole sample,
+    with the client's logprobs all 0 (the gateway puts in the sampler's)."""
+    req = tw.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="stable_reinforce")
+    datum = req.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray([3, 4, 5, 5, 4], "<i4").tobytes()
+    for key, dtype, values in (("target_tokens", "<i8", [4, 5, 5, 4, 3]), ("logprobs", "<f4", [0.0] * 5),
+                               ("advantages", "<f4", [1.0] * 5)):
+        tensor = datum.loss_fn_inputs[key]
+        tensor.dtype = tw.DTYPE_INT64 if dtype == "<i8" else tw.DTYPE_FLOAT32
+        tensor.dense = np.asarray(values, dtype).tobytes()
+    datum.loss_fn_input_spans.add().prompt_tokens.CopyFrom(tw.PromptProvenanceSpan(sequence_id=sequence_id,
+                                                                                   offset=1, length=2))
+    datum.loss_fn_input_spans.add().sampled_tokens.CopyFrom(tw.SampledProvenanceSpan(sequence_id=sequence_id,
+                                                                                     offset=0, length=3))
+    return req.SerializeToString()
+
+
+def _forward_backward(api, model_id: str, seq_id: int, sequence_id: str):
+    return api.client.post("/api/v1/forward_backward", headers={**PROTOBUF, "X-API-Key": api.api_key},
+                           content=_stable_reinforce_body(model_id, seq_id, sequence_id))
+
+
+def _recorded_sample(api, session_id: str) -> str:
+    """Samples [3, 4, 5] once in the session, recorded for stable_reinforce: the sequence's id."""
+    sid = api.post("create_sampling_session", {"session_id": session_id, "sampling_session_seq_id": 0,
+                                               "base_model": "tiny/base"}).json()["sampling_session_id"]
+    r = api.post("asample", {"sampling_session_id": sid, "seq_id": 0, "num_samples": 1,
+                             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4, 5]}]},
+                             "sampling_params": {"max_tokens": 3}, "record_stability_info": True})
+    assert api.result(r.json()).status_code == 200
+    return r.json()["sample_sequence_ids"][0]
+
+
+def test_stable_reinforce_on_one_gateway_finds_what_was_sampled_through_the_other(two):
+    trainer, sampler, settings = two
+    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+        api_a = Api(a, "").as_user("tester")
+        api_b = Api(b, api_a.api_key)
+        session_id = api_a.session()
+        model_id = api_a.model(session_id)
+        sequence_id = _recorded_sample(api_a, session_id)
+        for api, seq_id in ((api_b, 1), (api_a, 2)):
+            r = _forward_backward(api, model_id, seq_id, sequence_id)
+            assert r.status_code == 200 and api.result(r.json()).status_code == 200, r.text
+        on_b, on_a = trainer.of("ForwardBackward")[-2:]
+        assert to_numpy(on_b.data[0].loss_fn_inputs["logprobs"]).tolist() == [0.0, 0.0, -1.0, -1.0, -1.0]
+        on_b.seq_id = on_a.seq_id
+        assert on_b == on_a                            # b built the very request a builds
+        other_model = api_b.model(api_b.session(), model_seq_id=1)    # records belong to their session
+        assert_user_error(_forward_backward(api_b, other_model, 1, sequence_id), 400, "no stability record")
