@@ -80,10 +80,19 @@ def test_bf16_and_fp32_trainers_agree_within_bf16_tolerance(tiny_model_dir):
     assert gap.mean() < 0.1 and gap.max() > 0, gap     # different (bf16 rounds), but close
 
 
+# Per position, after training at a high learning rate (issue 23): an AMX machine measured one
+# position off by 1.35 nats on a tiny model while the others were within 0.04, and SmolLM2's base
+# model differs by up to 0.2 nats (the engines' bf16 kernels round differently). Measured here
+# (AVX512-BF16, this test's texts): max 0.03 with the lm_head adapter, 0.002 without.
+MAX_GAP_PER_POSITION, MEAN_GAP = 0.25, 0.05
+TEXTS = [TOKENS[0][:10], TOKENS[1], [40, 3, 77, 12, 9, 100, 31, 2, 64, 18, 5]]
+
+
 @pytest.mark.e2e
 def test_bf16_trainer_and_sampler_logprobs_agree(tiny_model_dir, start_stack, tmp_path):
     """Through the SDK against `tinkerd up --dtype bfloat16`: SFT steps, a snapshot, and the
-    sampler's logprobs of a sequence against the trainer's, within 0.1 nats/token on average."""
+    sampler's logprob of every position of three texts against the trainer's, within the bf16
+    tolerance above, at every position (a mean hides one position far off)."""
     import tinker
     from tinker import types
 
@@ -93,14 +102,17 @@ def test_bf16_trainer_and_sampler_logprobs_agree(tiny_model_dir, start_stack, tm
                                                                                seed=0).result()
         data = [types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),
                             loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)})
-                for t in TOKENS]
+                for t in TEXTS]
         losses = []
-        for _ in range(3):
+        for lr in (1e-2, 1e-2, 1e-2, 5e-2, 5e-2, 5e-2):     # then a high rate: a large adapter
             losses.append(tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
-            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        assert all(b < a for a, b in zip(losses, losses[1:])), losses
-        trainer_lp = tc.forward(data[:1], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+            tc.optim_step(types.AdamParams(learning_rate=lr)).result()
+        assert all(b < a for a, b in zip(losses[:3], losses[1:3])), losses
+        trained = [o["logprobs"].to_numpy() for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
         sampler = tc.save_weights_and_get_sampling_client().result()
-        sampled_lp = np.array(sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS[0])).result()[1:])
-    gap = np.abs(sampled_lp - trainer_lp)
-    assert gap.mean() < 0.1, gap
+        sampled = [np.array(sampler.compute_logprobs(types.ModelInput.from_ints(t)).result()[1:]) for t in TEXTS]
+    gaps = [np.abs(a - b) for a, b in zip(sampled, trained)]
+    assert all(g.shape == (len(t) - 1,) for g, t in zip(gaps, TEXTS))
+    worst = max(float(g.max()) for g in gaps)
+    assert worst < MAX_GAP_PER_POSITION, [np.round(g, 3).tolist() for g in gaps]
+    assert float(np.concatenate(gaps).mean()) < MEAN_GAP, [np.round(g, 3).tolist() for g in gaps]
