@@ -19,6 +19,7 @@ reads it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import uuid
 
@@ -59,15 +60,34 @@ def serving(channel: grpc.Channel) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def main(argv: list[str] | None = None) -> dict:
+@dataclasses.dataclass
+class Services:
+    """The two stubs, and what every call carries."""
+    trainer: trainer_pb2_grpc.TrainerStub
+    sampler: sampler_pb2_grpc.SamplerStub
+    metadata: tuple
+    health: dict[str, str]
+    seq_id: int = 0
+
+    def next_seq(self) -> int:
+        """Each request that changes a model has a seq_id, increasing per model: a resent
+        (model_id, seq_id) gets the first reply back instead of running twice, so a call that
+        failed with UNAVAILABLE (trainer restarting) can simply be resent."""
+        self.seq_id += 1
+        return self.seq_id
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainer", required=True, help="host:port of `tinkerd trainer`")
     parser.add_argument("--sampler", required=True, help="host:port of `tinkerd sampler`")
     parser.add_argument("--base-model", required=True, help="the base model directory both services serve")
     parser.add_argument("--service-token-file", default="", help="the services' shared token, if they have one")
     parser.add_argument("--steps", type=int, default=4)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def connect(args: argparse.Namespace) -> Services:
     # Every call carries the service token as `authorization: Bearer <token>` metadata (tinkerd
     # up makes one per state dir: <state-dir>/service-token). Over TLS, use grpc.secure_channel.
     metadata = ()
@@ -77,81 +97,101 @@ def main(argv: list[str] | None = None) -> dict:
     trainer_channel = grpc.insecure_channel(args.trainer, options=OPTIONS)
     sampler_channel = grpc.insecure_channel(args.sampler, options=OPTIONS)
     health = {"trainer": serving(trainer_channel), "sampler": serving(sampler_channel)}
-    trainer = trainer_pb2_grpc.TrainerStub(trainer_channel)
-    sampler = sampler_pb2_grpc.SamplerStub(sampler_channel)
+    return Services(trainer_pb2_grpc.TrainerStub(trainer_channel), sampler_pb2_grpc.SamplerStub(sampler_channel),
+                    metadata, health)
 
+
+def create_model(services: Services, base_model: str) -> str:
+    """A LoRA model. The caller names it; the trainer keys everything by model_id."""
+    model_id = f"example-{uuid.uuid4().hex[:8]}"
+    info = services.trainer.CreateModel(trainer_pb2.CreateModelRequest(
+        model_id=model_id, base_model=base_model,
+        lora_config=common_pb2.LoraConfig(rank=8, seed=0, train_attn=True, train_mlp=True)),
+        metadata=services.metadata)
+    print(f"created {info.model_id}: {info.num_params} trainable parameters")
+    return model_id
+
+
+def train(services: Services, model_id: str, data: list, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        fb = services.trainer.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+            model_id=model_id, seq_id=services.next_seq(), loss_fn="cross_entropy", data=data),
+            metadata=services.metadata)
+        losses.append(fb.metrics["loss:sum"])        # metrics are "name:reduction"
+        services.trainer.OptimStep(trainer_pb2.OptimStepRequest(
+            model_id=model_id, seq_id=services.next_seq(),
+            adam_params=common_pb2.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-12)),
+            metadata=services.metadata)
+        print(f"step {step}: loss {losses[-1]:.4f}")
+    return losses
+
+
+def trainer_logprobs(services: Services, model_id: str, datum) -> np.ndarray:
+    """The trained model's logprobs of one datum, to compare with the sampler's."""
+    forward = services.trainer.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+        model_id=model_id, seq_id=services.next_seq(), loss_fn="cross_entropy", data=[datum], forward_only=True),
+        metadata=services.metadata)
+    return to_numpy(forward.outputs[0].outputs["logprobs"])
+
+
+def push(services: Services, model_id: str, sampler_address: str) -> tuple[str, trainer_pb2.PushWeightsResponse]:
+    """The adapter to the sampler: the trainer announces a manifest to each sampler
+    (Sampler.ReceiveWeights) and moves the tensors by the transport each link chose (shared
+    memory on one host, torch.distributed across hosts); the sampler registers an immutable
+    snapshot under the caller's snapshot_id. The reply comes once every sampler has committed it.
+    (persist=True would also write a PEFT copy below the trainer's state dir, from which samplers
+    sharing that directory reload it after a restart.)"""
+    snapshot_id = f"{model_id}@{services.seq_id}"
+    pushed = services.trainer.PushWeights(trainer_pb2.PushWeightsRequest(
+        model_id=model_id, seq_id=services.next_seq(), snapshot_id=snapshot_id, sampler_addresses=[sampler_address]),
+        metadata=services.metadata)
+    print(f"pushed {pushed.num_tensors} tensors ({pushed.num_bytes} bytes) in "
+          f"{1e3 * (pushed.gather_seconds + pushed.stream_seconds):.0f} ms")
+    return snapshot_id, pushed
+
+
+def sample(services: Services, snapshot_id: str, prompt: list[int], tokenizer) -> sampler_pb2.SampleResponse:
+    """Two samples from the snapshot (snapshot_id "" is the base model)."""
+    params = sampler_pb2.SamplingParams(max_tokens=8, temperature=1.0, top_p=1.0, top_k=-1, seed=7,
+                                        stop_mode=sampler_pb2.SamplingParams.STOP_MODE_NONE)
+    sampled = services.sampler.Sample(sampler_pb2.SampleRequest(
+        request_id=uuid.uuid4().hex, snapshot_id=snapshot_id, prompt_tokens=prompt, num_samples=2,
+        params=params), metadata=services.metadata)
+    for seq in sampled.sequences:
+        print(f"sampled {list(seq.tokens)}: {tokenizer.decode(seq.tokens)!r}")
+    return sampled
+
+
+def prompt_logprobs(services: Services, snapshot_id: str, prompt: list[int]) -> np.ndarray:
+    """The sampler's logprob of each prompt token (NaN for the first, dropped here)."""
+    reply = services.sampler.Sample(sampler_pb2.SampleRequest(
+        request_id=uuid.uuid4().hex, snapshot_id=snapshot_id, prompt_tokens=prompt, num_samples=1,
+        params=sampler_pb2.SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=-1, seed=0),
+        prompt_logprobs=True), metadata=services.metadata)
+    return np.array(reply.prompt_logprobs[1:])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    services = connect(args)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)
     data = [next_token_datum(tokenizer.encode(t)) for t in TEXTS]
 
-    # 1. A LoRA model. The caller names it; the trainer keys everything by model_id.
-    model_id = f"example-{uuid.uuid4().hex[:8]}"
-    info = trainer.CreateModel(trainer_pb2.CreateModelRequest(
-        model_id=model_id, base_model=args.base_model,
-        lora_config=common_pb2.LoraConfig(rank=8, seed=0, train_attn=True, train_mlp=True)), metadata=metadata)
-    print(f"created {info.model_id}: {info.num_params} trainable parameters")
-
-    # 2. Training. Each request that changes the model has a seq_id, increasing per model: a
-    # resent (model_id, seq_id) gets the first reply back instead of running twice, so a call
-    # that failed with UNAVAILABLE (trainer restarting) can simply be resent.
-    seq_id = 0
-    losses = []
-    for step in range(args.steps):
-        seq_id += 1
-        fb = trainer.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
-            model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy", data=data), metadata=metadata)
-        losses.append(fb.metrics["loss:sum"])        # metrics are "name:reduction"
-        seq_id += 1
-        trainer.OptimStep(trainer_pb2.OptimStepRequest(
-            model_id=model_id, seq_id=seq_id,
-            adam_params=common_pb2.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-12)),
-            metadata=metadata)
-        print(f"step {step}: loss {losses[-1]:.4f}")
-
-    # The trained model's logprobs of the first text, to compare with the sampler's below.
-    forward = trainer.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
-        model_id=model_id, seq_id=seq_id + 1, loss_fn="cross_entropy", data=data[:1], forward_only=True),
-        metadata=metadata)
-    seq_id += 1
-    trainer_logprobs = to_numpy(forward.outputs[0].outputs["logprobs"])
-
-    # 3. Push the adapter to the sampler: the trainer announces a manifest to each sampler
-    # (Sampler.ReceiveWeights), both join a torch.distributed group, the tensors stream, and the
-    # sampler registers an immutable snapshot under the caller's snapshot_id. The reply comes
-    # once every sampler has committed it. (persist=True would also write a PEFT copy below the
-    # trainer's state dir, from which samplers sharing that directory reload it after a restart.)
-    snapshot_id = f"{model_id}@{seq_id}"
-    seq_id += 1
-    pushed = trainer.PushWeights(trainer_pb2.PushWeightsRequest(
-        model_id=model_id, seq_id=seq_id, snapshot_id=snapshot_id, sampler_addresses=[args.sampler]),
-        metadata=metadata)
-    print(f"pushed {pushed.num_tensors} tensors ({pushed.num_bytes} bytes) in "
-          f"{1e3 * (pushed.gather_seconds + pushed.stream_seconds):.0f} ms")
-
-    # 4. Sample from the snapshot (snapshot_id "" is the base model).
+    model_id = create_model(services, args.base_model)
+    losses = train(services, model_id, data, args.steps)
+    trained = trainer_logprobs(services, model_id, data[0])
+    snapshot_id, pushed = push(services, model_id, args.sampler)
     prompt = tokenizer.encode(TEXTS[0])
-    params = sampler_pb2.SamplingParams(max_tokens=8, temperature=1.0, top_p=1.0, top_k=-1, seed=7,
-                                        stop_mode=sampler_pb2.SamplingParams.STOP_MODE_NONE)
-    sampled = sampler.Sample(sampler_pb2.SampleRequest(
-        request_id=uuid.uuid4().hex, snapshot_id=snapshot_id, prompt_tokens=prompt, num_samples=2,
-        params=params), metadata=metadata)
-    for seq in sampled.sequences:
-        print(f"sampled {list(seq.tokens)}: {tokenizer.decode(seq.tokens)!r}")
-
-    # The snapshot is the trained adapter: the sampler's prompt logprobs (one per prompt token,
-    # NaN for the first) match the trainer's, and differ from the base model's.
-    def prompt_logprobs(snapshot: str) -> np.ndarray:
-        reply = sampler.Sample(sampler_pb2.SampleRequest(
-            request_id=uuid.uuid4().hex, snapshot_id=snapshot, prompt_tokens=prompt, num_samples=1,
-            params=sampler_pb2.SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=-1, seed=0),
-            prompt_logprobs=True), metadata=metadata)
-        return np.array(reply.prompt_logprobs[1:])
-    snapshot_logprobs, base_logprobs = prompt_logprobs(snapshot_id), prompt_logprobs("")
-
-    trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=model_id), metadata=metadata)
-    summary = {"health": health, "model_id": model_id, "losses": losses, "snapshot_id": snapshot_id,
+    sampled = sample(services, snapshot_id, prompt, tokenizer)
+    # The snapshot is the trained adapter: the sampler's prompt logprobs match the trainer's,
+    # and differ from the base model's.
+    snapshot_logprobs, base_logprobs = prompt_logprobs(services, snapshot_id, prompt), prompt_logprobs(services, "", prompt)
+    services.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=model_id), metadata=services.metadata)
+    summary = {"health": services.health, "model_id": model_id, "losses": losses, "snapshot_id": snapshot_id,
                "pushed_bytes": pushed.num_bytes, "samples": [list(s.tokens) for s in sampled.sequences],
-               "trainer_vs_snapshot": float(np.max(np.abs(snapshot_logprobs - trainer_logprobs))),
+               "trainer_vs_snapshot": float(np.max(np.abs(snapshot_logprobs - trained))),
                "base_vs_snapshot": float(np.max(np.abs(snapshot_logprobs - base_logprobs)))}
     print(json.dumps(summary))
     return summary
