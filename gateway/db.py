@@ -248,7 +248,7 @@ class Database:
                 cur.execute("PRAGMA synchronous=NORMAL")
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
-        schema.upgrade(self.engine)
+        schema.upgrade(self.engine, Base.metadata)
         self._cache: dict[tuple[str, str], object] = {}
 
     def session(self) -> Session:

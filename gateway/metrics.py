@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI, Response
+from fastapi import APIRouter, FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from starlette.routing import Match
@@ -114,12 +114,16 @@ class RequestMetrics:
         return getattr(route, "path", None) or UNMATCHED
 
 
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics() -> Response:
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
 def install(app: FastAPI, gateway) -> None:
     """GET /metrics and the request middleware (call last: the last added middleware runs first)."""
     PENDING.gateway = gateway
-
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
+    app.include_router(router)
     app.add_middleware(RequestMetrics, routes=app.router.routes)

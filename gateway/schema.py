@@ -4,6 +4,7 @@ models in gateway/db.py and the migrations disagree).
 
 A database from before migrations (tables but no alembic_version) is first completed the old
 way -- missing tables made, missing columns added -- and then stamped at the newest revision.
+The models' MetaData comes in as an argument: gateway/db.py calls this module, never the reverse.
 Several gateways starting at once on one Postgres take turns (a transaction-scoped advisory lock).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from sqlalchemy import inspect, literal, text
+from sqlalchemy import MetaData, inspect, literal, text
 from sqlalchemy.engine import Connection, Engine
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ def _config(connection: Connection):
     return config
 
 
-def upgrade(engine: Engine) -> None:
+def upgrade(engine: Engine, metadata: MetaData) -> None:
+    """The database at the newest revision; `metadata` (gateway/db.py's models) completes a
+    database from before migrations."""
     from alembic import command
     from alembic.runtime.migration import MigrationContext
 
@@ -41,7 +44,7 @@ def upgrade(engine: Engine) -> None:
         config = _config(conn)
         tables = set(inspect(conn).get_table_names())
         if tables and "alembic_version" not in tables:
-            added = _complete_legacy(conn)
+            added = _complete_legacy(conn, metadata)
             command.stamp(config, "head")
             log.info("database from before migrations: added %s, stamped at the newest revision", added)
         before = MigrationContext.configure(conn).get_current_revision()
@@ -51,15 +54,13 @@ def upgrade(engine: Engine) -> None:
             log.info("database schema upgraded from %s to %s", before, after)
 
 
-def _complete_legacy(conn: Connection) -> list[str]:
+def _complete_legacy(conn: Connection, metadata: MetaData) -> list[str]:
     """Missing tables and columns of a database made before migrations existed. Old rows get a
     new column's scalar default, or NULL where the default is computed (JSON, timestamps)."""
-    from gateway.db import Base
-
-    Base.metadata.create_all(conn)
+    metadata.create_all(conn)
     have_tables = inspect(conn)
     added = []
-    for table in Base.metadata.sorted_tables:
+    for table in metadata.sorted_tables:
         have = {c["name"] for c in have_tables.get_columns(table.name)}
         for column in table.columns:
             if column.name in have:
@@ -75,12 +76,10 @@ def _complete_legacy(conn: Connection) -> list[str]:
     return added
 
 
-def differences(engine: Engine) -> list:
-    """What the models in gateway/db.py have that the migrated database lacks, or the reverse."""
+def differences(engine: Engine, metadata: MetaData) -> list:
+    """What the models (`metadata`, gateway/db.py's) have that the migrated database lacks, or the reverse."""
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    from gateway.db import Base
-
     with engine.connect() as conn:
-        return compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        return compare_metadata(MigrationContext.configure(conn), metadata)

@@ -5,7 +5,7 @@ never drift from the migrations (a model change without a migration fails here).
 import sqlalchemy
 
 from gateway import schema
-from gateway.db import Database
+from gateway.db import Base, Database
 
 
 def _revision(url: str) -> str:
@@ -24,7 +24,7 @@ def test_a_new_database_is_made_by_the_migrations_and_matches_the_models(tmp_pat
     url = f"sqlite:///{tmp_path / 'new.db'}"
     db = Database(url)
     assert _revision(url) == _head()
-    assert schema.differences(db.engine) == []
+    assert schema.differences(db.engine, Base.metadata) == []
     Database(url)            # opening it again changes nothing
     assert _revision(url) == _head()
 
@@ -43,7 +43,7 @@ def test_a_database_from_before_migrations_is_completed_and_stamped(tmp_path):
     from gateway.db import SessionRow
     row = db.get(SessionRow, "s1")
     assert row.finished is False and row.owner is None
-    missing = [d for d in schema.differences(db.engine) if d[0] in ("add_table", "add_column")]
+    missing = [d for d in schema.differences(db.engine, Base.metadata) if d[0] in ("add_table", "add_column")]
     assert missing == []
 
 
