@@ -120,3 +120,25 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
     terminalreporter.write_line(f"{sum(per_file.values()):8.1f} s  in all ({len(per_file)} files; "
                                 f"with two workers the wall time is about half)")
+
+
+def assert_reproducible_sampling(sampler, prompt) -> None:
+    """What a user may rely on, in every dtype (issue 23): greedy (temperature 0) and top_k=1
+    give n identical samples and the same tokens; a greedy request gives the same tokens alone or
+    batched next to other requests; a fixed seed gives the same samples again."""
+    from tinker import types
+
+    def tokens(reply):
+        return [tuple(s.tokens) for s in reply.sequences]
+    greedy = tokens(sampler.sample(prompt, 8, types.SamplingParams(max_tokens=16, temperature=0.0)).result())
+    top_1 = tokens(sampler.sample(prompt, 8, types.SamplingParams(max_tokens=16, temperature=1.0, top_k=1)).result())
+    assert len(set(greedy)) == 1 and set(top_1) == set(greedy), (greedy, top_1)
+    neighbours = [sampler.sample(types.ModelInput.from_ints([9 + i, 3, 4]), 2,
+                                 types.SamplingParams(max_tokens=16, temperature=1.0, seed=i)) for i in range(6)]
+    batched = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=16, temperature=0.0))
+    for n in neighbours:
+        n.result()
+    assert tokens(batched.result()) == greedy[:1]
+    seeded = [tokens(sampler.sample(prompt, 4, types.SamplingParams(max_tokens=16, temperature=1.0, seed=123))
+                     .result()) for _ in range(2)]
+    assert seeded[0] == seeded[1], seeded

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_reproducible_sampling
 from tinkerd import hardware
 from trainer_service import fp32_gemm
 from trainer_service.engine import AdamParams, DatumInput, TrainerEngine
@@ -111,6 +112,7 @@ def test_bf16_trainer_and_sampler_logprobs_agree(tiny_model_dir, start_stack, tm
         trained = [o["logprobs"].to_numpy() for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
         sampler = tc.save_weights_and_get_sampling_client().result()
         sampled = [np.array(sampler.compute_logprobs(types.ModelInput.from_ints(t)).result()[1:]) for t in TEXTS]
+        assert_reproducible_sampling(sampler, types.ModelInput.from_ints(TEXTS[0][:4]))
     gaps = [np.abs(a - b) for a, b in zip(sampled, trained)]
     assert all(g.shape == (len(t) - 1,) for g, t in zip(gaps, TEXTS))
     worst = max(float(g.max()) for g in gaps)
