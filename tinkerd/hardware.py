@@ -55,6 +55,13 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def default_device():
+    """Where this process computes: its current CUDA device (a trainer rank's, set from its
+    LOCAL_RANK), else the CPU."""
+    import torch
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def native_bf16(flags: frozenset[str] | None = None, gpu: bool | None = None) -> bool:
     flags = cpu_flags() if flags is None else flags
     if any(f in flags for f in BF16_CPU_FLAGS):

@@ -1,8 +1,8 @@
 """Streams named tensors from one sender (rank 0) to N receivers over a torch.distributed group.
 
 The group is built from its own TCPStore, so it lives beside whatever default group each
-process already has (DeepSpeed's on the trainer, vLLM's on the sampler). gloo on CPU, NCCL when
-both ends have a GPU. The gRPC control plane carries the manifest (names, shapes, chunk layout)
+process already has (DeepSpeed's on the trainer, vLLM's on the sampler): gloo or NCCL, as
+tinkerd/weight_transport.py chose for the link. The gRPC control plane carries the manifest (names, shapes, chunk layout)
 and the rendezvous address; this module only moves bytes.
 
 Small tensors are packed into chunks (fewer collectives); a tensor at least one chunk in size
@@ -212,10 +212,6 @@ def join_group(store: dist.Store, rank: int, world_size: int, backend: str, time
         device = torch.device("cuda", torch.cuda.current_device())
         return Group(dist.ProcessGroupNCCL(prefixed, rank, world_size, options), store, device)
     raise ValueError(f"unknown weight-stream backend {backend!r} (expected gloo or nccl)")
-
-
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def send(group: Group, chunks: list[torch.Tensor]) -> None:

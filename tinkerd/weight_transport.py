@@ -99,12 +99,10 @@ def device_identity(device) -> str:
 
 
 def local_endpoint(device=None) -> Endpoint:
-    """This process's endpoint; `device` defaults to the current CUDA device, if any."""
-    import torch
+    """This process's endpoint; `device` defaults to hardware.default_device()."""
+    from tinkerd import hardware
 
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else CPU
-    return Endpoint(host_identity(), device_identity(device))
+    return Endpoint(host_identity(), device_identity(hardware.default_device() if device is None else device))
 
 
 def cuda_index(device: str) -> int:

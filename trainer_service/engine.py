@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from tinkerd import dtypes, weight_stream
+from tinkerd import dtypes, hardware, weight_stream
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service import adapter_snapshot, checkpoints, fp32_gemm, training
 from trainer_service.durable import DurableModels
@@ -63,7 +63,7 @@ class TrainerEngine:
         self.max_lora_rank = max_lora_rank
         self.durable = durable
         self.max_resident = max_resident
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = hardware.default_device()
         config = AutoConfig.from_pretrained(base_model_dir)
         self.vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 20)

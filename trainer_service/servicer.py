@@ -50,7 +50,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.replies = ReplyCache()
         self.order = SeqOrder()
         self.scheduler = FairScheduler()
-        self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth)
+        self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth, device=engine.device)
         threading.Thread(target=self._write_when_idle, name="durable-writer", daemon=True).start()
 
     def _fair(self, model_id: str, fn):

@@ -39,7 +39,7 @@ import uuid
 import grpc
 import torch
 
-from tinkerd import persisted_copy, shared_weights, weight_stream, weight_transport
+from tinkerd import hardware, persisted_copy, shared_weights, weight_stream, weight_transport
 from tinkerd.rpc import ServiceAuth, channel
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2
 from trainer_service import metrics
@@ -128,7 +128,7 @@ class _Link:
 
     def cuda_buffer(self, num_bytes: int, device: torch.device) -> torch.Tensor:
         if self.cuda is None or self.cuda.numel() < num_bytes:
-            self.cuda = None
+            self.cuda = None          # the smaller one freed before the larger is allocated
             self.cuda = torch.empty(num_bytes, dtype=torch.uint8, device=device)
             self.name = f"cuda buffer of {num_bytes} bytes"
         return self.cuda
@@ -156,9 +156,7 @@ class WeightPusher:
         self.transfer_timeout_s = transfer_timeout_s
         self.auth = auth
         self.transports = tuple(transports)
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.device = device
+        self.device = hardware.default_device() if device is None else device
         self.endpoint = weight_transport.local_endpoint(device)
         self.id = uuid.uuid4().hex      # tells this trainer process apart in a replica's kept regions
         self._samplers: dict[str, sampler_pb2_grpc.SamplerStub] = {}
