@@ -47,8 +47,8 @@ class StabilityRecords:
     one recorded. At most `max_sequences` are kept (the oldest recorded go first), and those
     unused for ttl_s are dropped by expire() (housekeeping, on every gateway)."""
 
-    def __init__(self, db: Database | None = None, ttl_s: float = 3600.0, max_sequences: int = 1_000_000):
-        self.db = db or Database("sqlite://")      # none given (a unit test): a private in-memory one
+    def __init__(self, db: Database, ttl_s: float = 3600.0, max_sequences: int = 1_000_000):
+        self.db = db
         self.ttl_s = ttl_s
         self.max_sequences = max_sequences
 

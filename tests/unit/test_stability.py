@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 
+from gateway.db import Database
 from gateway.stability import Span, StabilityRecords
 from tinkerd.errors import UserError
 
 
 def _records():
-    r = StabilityRecords(ttl_s=60)
+    r = StabilityRecords(Database("sqlite://"), ttl_s=60)
     r.record("sess-a", "req1:0", [7, 8, 9], [-0.5, -1.5, -2.5])
     return r
 
@@ -40,7 +41,7 @@ def test_bad_provenance_is_a_user_error(session, spans, targets, message):
 
 
 def test_unused_records_expire_and_the_store_is_bounded():
-    r = StabilityRecords(ttl_s=0.0, max_sequences=2)
+    r = StabilityRecords(Database("sqlite://"), ttl_s=0.0, max_sequences=2)
     for i in range(3):
         r.record("s", f"q:{i}", [1], [-1.0])
     assert len(r) == 2
