@@ -28,7 +28,8 @@ from gateway import convert, protocol
 from gateway import tinker_wire_pb2 as tw
 from gateway.auth import caller_of
 from gateway.db import CheckpointRow
-from gateway.futures import StoredRequest, new_request_id
+from gateway.futures import new_request_id
+from gateway.jobs.sampling import Sample
 from gateway.keys import Caller
 from gateway.openai_format import (ChatRequest, Choice, CommonRequest, CompletionRequest, OaiError, chat_logprob,
                                    decode_choices, completion_logprobs, json_body, openai_errors, stream, usage)
@@ -82,7 +83,7 @@ async def _sample(gw: Gateway, caller: Caller, prompt: list[int], req: CommonReq
     msg = convert.sample_request(body, snapshot_id, snapshot_path)
     gw.limits.check_samples(caller)
     msg.request_id = new_request_id()
-    row = gw.futures.submit("sample", StoredRequest({"record_for": None}, msg.SerializeToString()),
+    row = gw.futures.submit(Sample(msg),
                             owner=caller.user_id, request_id=msg.request_id)     # run by routes/sampling.py:_sample
     while (row := await gw.futures.wait(row.request_id, _WAIT_S, caller.user_id)).status == "pending":
         pass
