@@ -149,21 +149,41 @@ class Choice:
         return "".join(self.pieces)
 
 
+# A decode window (the last emitted piece's tokens and those not emitted yet) never holds more:
+# a character spans at most 4 byte tokens, so real text stays under 8. Only invalid UTF-8 (a
+# U+FFFD that never resolves) or tokens that decode to nothing reach it; the window then moves on
+# anyway, which keeps decoding linear in the tokens (the text stays the tokenizer's, up to where
+# those U+FFFD fall).
+_WINDOW = 16
+
+
+def _skipped_ids(tok) -> frozenset[int]:
+    """The ids decode(skip_special_tokens=True) drops: the tokenizer's special added tokens."""
+    return frozenset(i for i, t in tok.backend_tokenizer.get_added_tokens_decoder().items() if t.special)
+
+
 def _pieces(tok, tokens: list[int]) -> list[str]:
     """Each token's share of the decoded text, decoding a few tokens at a time (a character can
-    span tokens: its bytes show up with the token that completes it)."""
-    pieces, prefix, read = [], 0, 0
-    for i in range(len(tokens)):
-        before = tok.decode(tokens[prefix:read], skip_special_tokens=True)
-        after = tok.decode(tokens[prefix:i + 1], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            pieces.append(after[len(before):])
-            prefix, read = read, i + 1
-        else:
-            pieces.append("")
-    if read < len(tokens) and pieces:      # an unfinished character at the end: as the tokenizer decodes it
-        before = tok.decode(tokens[prefix:read], skip_special_tokens=True)
-        pieces[-1] = tok.decode(tokens[prefix:], skip_special_tokens=True)[len(before):]
+    span tokens: its bytes show up with the token that completes it). Special tokens add nothing
+    (decoding skips them), so they stay out of the windows."""
+    skipped = _skipped_ids(tok)
+    pieces = [""] * len(tokens)
+    kept = [i for i, t in enumerate(tokens) if t not in skipped]
+    ids = [tokens[i] for i in kept]
+
+    def decode(start: int, end: int) -> str:
+        return tok.decode(ids[start:end], skip_special_tokens=True)
+
+    prefix = read = 0
+    before = ""                                 # decode(prefix, read)
+    for j in range(len(ids)):
+        after = decode(prefix, j + 1)
+        if (len(after) > len(before) and not after.endswith("\ufffd")) or j + 1 - prefix >= _WINDOW:
+            pieces[kept[j]] = after[len(before):]
+            prefix, read = read, j + 1
+            before = decode(prefix, read)
+    if read < len(ids):                         # an unfinished character at the end: as the tokenizer decodes it
+        pieces[-1] = decode(prefix, len(ids))[len(before):]
     return pieces
 
 
