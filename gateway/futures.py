@@ -13,11 +13,8 @@ Any gateway on the database answers any future, and a killed gateway loses none:
   again (its first result was never delivered);
 - a future running elsewhere is waited for by polling its row (POLL_S).
 
-Training jobs of one model run in seq_id order (the SDK posts chunks of one call concurrently,
-first chunk last): a per-model runner holds back a request until every lower seq_id has run or
-is known to another gateway, waiting a bounded time for a gap to fill. The trainer enforces the
-same order itself (trainer_service/seq_order.py), since requests of one model may reach different
-gateways. Samples run concurrently.
+Training jobs of one model run in seq_id order (gateway/model_order.py); samples run concurrently.
+Waiting for a future (the long-poll) and a restarted client's recovery are gateway/future_waits.py.
 """
 
 from __future__ import annotations
@@ -27,35 +24,28 @@ import collections
 import dataclasses
 import functools
 import hashlib
-import heapq
 import datetime
 import logging
 import os
 import socket
 import time
 import uuid
-from typing import Awaitable, Callable, Mapping
+from typing import Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
-from sqlalchemy import select
 
 from gateway.completions import Completions, Target
 from gateway.db import Database, FutureRow, now
 from gateway.jobs.base import Job as TypedJob, StoredRequest
-from gateway.protocol import SAMPLING_CLONE_SPAN
+from gateway.future_waits import Waits
+from gateway.model_order import Job, ModelOrder
 from gateway.errors import error_json
 from tinkerd.errors import ServiceError, UserError, category_for
 
 log = logging.getLogger(__name__)
 
-Job = Callable[[], Awaitable[tuple[str, bytes]]]   # a job bound to the gateway: -> (content_type, body)
-GAP_TIMEOUT_S = 10.0
-_GAP_POLL_S = 0.1          # how often a gap is checked against the other gateways' futures
 _FINISHED_KEPT = 4096      # recent results answered from memory; older ones from the database
-POLL_S = 0.075             # a future running on another gateway: its row is read this often
-_RUNNER_IDLE_S = 600.0     # an idle model's runner is dropped after this long (housekeeping)
-_RECOVER_WINDOW_S = 600.0  # a restarted gateway re-reports samples finished this recently
 
 
 def new_request_id() -> str:
@@ -84,65 +74,6 @@ class Cancelled:
     status: str
 
 
-class _ModelRunner:
-    """Runs one model's jobs in seq_id order."""
-
-    def __init__(self, futures: "Futures", model_id: str, next_seq: int):
-        self.futures = futures
-        self.model_id = model_id
-        self.next_seq = next_seq
-        self.heap: list[tuple[int, str, Job]] = []
-        self.running: str | None = None
-        self.arrived = asyncio.Event()
-        self.idle_since = time.monotonic()
-        self.task = asyncio.create_task(self._loop())
-
-    def put(self, seq: int, request_id: str, job: Job) -> None:
-        heapq.heappush(self.heap, (seq, request_id, job))
-        self.arrived.set()
-
-    def _elsewhere(self, seq: int) -> bool:
-        """Did seq reach another gateway? Then the trainer orders it with ours (no wait here)."""
-        return self.futures.db.future_type_by_key(f"{self.model_id}#{seq}") is not None
-
-    async def _loop(self) -> None:
-        gap_since = None
-        while True:
-            if not self.heap:
-                self.idle_since = time.monotonic()
-                self.arrived.clear()
-                await self.arrived.wait()
-                continue
-            if self.heap[0][0] > self.next_seq and not self._elsewhere(self.next_seq):
-                gap_since = gap_since or time.monotonic()
-                if time.monotonic() - gap_since < GAP_TIMEOUT_S:
-                    self.arrived.clear()
-                    try:
-                        await asyncio.wait_for(self.arrived.wait(), _GAP_POLL_S)
-                    except asyncio.TimeoutError:
-                        pass
-                    continue          # re-check the head
-                log.warning("seq %d of %s never arrived; running seq %d", self.next_seq, self.model_id,
-                            self.heap[0][0])
-            gap_since = None
-            seq, request_id, job = heapq.heappop(self.heap)
-            self.next_seq = max(self.next_seq, seq + 1)
-            self.running = request_id
-            try:
-                await self.futures.run(request_id, job)
-            finally:
-                self.running = None
-
-    def ahead_of(self, request_id: str) -> int | None:
-        """Requests of this model that run before `request_id`; None if it is not queued here."""
-        if self.running == request_id:
-            return 0
-        seqs = [seq for seq, rid, _ in self.heap if rid == request_id]
-        if not seqs:
-            return None
-        return sum(1 for seq, _, _ in self.heap if seq < seqs[0]) + (self.running is not None)
-
-
 class Futures:
     def __init__(self, db: Database, lease_s: float = 10.0):
         self.db = db
@@ -156,12 +87,12 @@ class Futures:
         self._finished: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
         self._pending_by_type: collections.Counter[str] = collections.Counter()
         self._pending_by_owner: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._runners: dict[str, _ModelRunner] = {}
+        # Training jobs, each model's in seq_id order (another gateway's seq counts as arrived).
+        self.order = ModelOrder(self.run, lambda key: self.db.future_type_by_key(key) is not None)
         self._jobs: dict[str, asyncio.Task] = {}       # unordered jobs (samples) still running
         self._cancelled: set[str] = set()              # finished by cancel(); their jobs still running
         self.completions = Completions()
-        self._recovered: collections.OrderedDict[Target, None] = collections.OrderedDict()   # bounded
-        self._watched: set[str] = set()                # other gateways' samples a poller here waits for
+        self.waits = Waits(self)
         self._stopping = False
 
     def bind(self, gateway, jobs: Mapping[str, type[TypedJob]]) -> None:
@@ -233,10 +164,7 @@ class Futures:
         self._pending_by_type[request_type] += 1
         self._pending_by_owner[owner, request_type] += 1
         if seq_id is not None and model_id is not None:
-            runner = self._runners.get(model_id)
-            if runner is None:
-                runner = self._runners[model_id] = _ModelRunner(self, model_id, next_seq=seq_id)
-            runner.put(seq_id, request_id, job)
+            self.order.put(model_id, seq_id, request_id, job)
         else:
             task = self._jobs[request_id] = asyncio.create_task(self.run(request_id, job))
             task.add_done_callback(functools.partial(self._job_ended, request_id, request_type, owner))
@@ -253,8 +181,7 @@ class Futures:
         """A clean shutdown: the jobs running here stop unfinished and their leases are given up
         at once, so another gateway (or this one restarted) re-drives them without waiting."""
         self._stopping = True
-        for runner in self._runners.values():
-            runner.task.cancel()
+        self.order.stop()
         for task in self._jobs.values():
             task.cancel()
         try:
@@ -344,84 +271,19 @@ class Futures:
         self._finish(request_id, "failed", "application/json", _cancelled_body(request_id))
         return Cancelled(True, "cancelled")
 
-    async def wait(self, request_id: str, timeout_s: float, owner: str) -> FutureRow | None:
-        """The owner's future once finished, or still pending after `timeout_s`; None if unknown
-        (or another user's)."""
-        pending = self._pending.get(request_id)
-        if pending is not None:
-            if pending.owner != owner:
-                return None
-            try:
-                await asyncio.wait_for(pending.done.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                return FutureRow(request_id=request_id, status="pending", model_id=pending.model_id)
-        row = self._finished.get(request_id) or self.db.get(FutureRow, request_id)
-        if row is None or row.owner != owner:
-            return None
-        if row.status == "pending":       # running on another gateway, or waiting to be re-driven
-            row = await self._poll_row(row, time.monotonic() + timeout_s, owner)
-            if row.status == "pending":
-                return row
-        self.completions.discard(request_id)      # the client has it: no poll needs to report it
-        return row
+    def here(self, request_id: str) -> "_Pending | None":
+        """The future, if it is scheduled on this gateway and not finished."""
+        return self._pending.get(request_id)
 
-    async def _poll_row(self, row: FutureRow, deadline: float, owner: str) -> FutureRow:
-        """Waits for a future another gateway runs by reading its row every POLL_S, until it
-        finishes or `deadline`; if it comes to run here meanwhile (re-driven), waits for it here."""
-        request_id = row.request_id
-        while True:
-            left = deadline - time.monotonic()
-            if request_id in self._pending:
-                return await self.wait(request_id, max(left, 0.0), owner)
-            if self.db.future_status(request_id) != "pending":
-                return self.db.get(FutureRow, request_id)
-            if left <= 0:
-                return row
-            await asyncio.sleep(min(POLL_S, left))
+    def finished_row(self, request_id: str) -> FutureRow | None:
+        """A finished future's row: from this gateway's recent results, else the database."""
+        return self._finished.get(request_id) or self.db.get(FutureRow, request_id)
 
-    def retrieved(self, request_id: str, owner: str, target: Target) -> None:
-        """retrieve_futures' acknowledgement that the client has this payload: it leaves the
-        owner's `target` queue and the memory cache (the futures table keeps it). Unknown ids and
-        other users' are skipped."""
-        self.completions.discard(request_id, target)
+    def drop_result(self, request_id: str, owner: str) -> None:
+        """The client has this result: it leaves the memory cache (the futures table keeps it)."""
         row = self._finished.get(request_id)
         if row is not None and row.owner == owner:
             del self._finished[request_id]
-
-    def recover(self, target: Target, owner: str, prev_cursor: int) -> None:
-        """A client that polled an earlier gateway process (its cursor is older than this one)
-        may wait for samples that process never finished. Those were re-driven (here or on
-        another gateway): queue each once it finishes, so this poll reports it. Samples that
-        finished lately are queued again too, in case the earlier process died before reporting
-        them (the SDK ignores completions it does not wait for)."""
-        if not 0 < prev_cursor < self.completions.started or target in self._recovered:
-            return
-        self._recovered[target] = None
-        while len(self._recovered) > _FINISHED_KEPT:
-            self._recovered.popitem(last=False)
-        sampling_session_id, clone = target
-        prefix = sampling_session_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "#"
-        recent = now() - datetime.timedelta(seconds=_RECOVER_WINDOW_S)
-        rows = self.db.select(select(FutureRow).where(
-            FutureRow.idempotency_key.like(prefix + "%", escape="\\"), FutureRow.owner == owner,
-            FutureRow.created_at < self.started_at,
-            (FutureRow.status == "pending") | (FutureRow.completed_at >= recent)))
-        for row in rows:
-            if int(row.idempotency_key.rpartition("#")[2]) // SAMPLING_CLONE_SPAN != clone:
-                continue
-            if row.status != "pending":
-                self.completions.add(target, row.request_id, row.status == "failed", len(row.result or b""))
-            elif row.request_id not in self._pending and row.request_id not in self._watched:
-                self._watched.add(row.request_id)      # running elsewhere: report it when it ends
-                self.gateway.in_background(self._report_when_done(target, row, owner))
-
-    async def _report_when_done(self, target: Target, row: FutureRow, owner: str) -> None:
-        try:
-            while row.status == "pending":
-                row = await self._poll_row(row, time.monotonic() + 60.0, owner)
-            self.completions.add(target, row.request_id, row.status == "failed", len(row.result or b""))
-        finally:
-            self._watched.discard(row.request_id)
 
     def pending_of(self, owner: str, request_type: str | None = None) -> int:
         """The owner's futures scheduled here and not finished yet (of one type, or all): this
@@ -438,31 +300,11 @@ class Futures:
         """Futures of this type scheduled here and not finished yet."""
         return self._pending_by_type[request_type]
 
-    def position(self, model_id: str | None, request_id: str) -> tuple[bool, int]:
-        """(running now, requests of the same model ahead of it) for a pending training future."""
-        runner = self._runners.get(model_id or "")
-        ahead = runner.ahead_of(request_id) if runner else None
-        return (runner is not None and runner.running == request_id), (ahead or 0)
-
     async def drained(self, model_id: str) -> None:
         """Returns once every future of this model scheduled so far has finished."""
         waits = [p.done.wait() for p in self._pending.values() if p.model_id == model_id]
         if waits:
             await asyncio.gather(*waits)
-
-    def forget_runner(self, model_id: str) -> None:
-        runner = self._runners.pop(model_id, None)
-        if runner:
-            runner.task.cancel()
-
-    def drop_idle_runners(self, idle_s: float = _RUNNER_IDLE_S) -> int:
-        """Forgets the runners of models with nothing queued for `idle_s` (housekeeping): memory
-        stays bounded by the models in use. A later request makes a new one."""
-        cutoff = time.monotonic() - idle_s
-        idle = [m for m, r in self._runners.items() if not r.heap and r.running is None and r.idle_since < cutoff]
-        for model_id in idle:
-            self.forget_runner(model_id)
-        return len(idle)
 
 
 def _cancelled_body(request_id: str) -> bytes:

@@ -76,7 +76,7 @@ async def release_models(gw: Gateway, session_id: str) -> None:
         except grpc.aio.AioRpcError as e:
             log.warning("could not release %s: %s", model_id, e.details())
             continue
-        gw.futures.forget_runner(model_id)       # the trainer deleted its durable state
+        gw.futures.order.forget(model_id)       # the trainer deleted its durable state
         gw.db.touch(ModelRow, model_id, resident=False)
     log.info("session %s closed; its models are released", session_id)
 
@@ -87,7 +87,7 @@ def prune_futures(gw: Gateway) -> int:
     deleted = gw.db.delete_finished_futures(now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
     if deleted:
         log.info("deleted %d futures finished over %.0f s ago", deleted, gw.settings.futures_retention_s)
-    gw.futures.drop_idle_runners()
+    gw.futures.order.drop_idle()
     return deleted
 
 

@@ -39,7 +39,7 @@ async def retrieve_future(request: Request):
     body = RetrieveFutureRequest.model_validate(await _json(request))
     CALLS["retrieve_future"] += 1
     gw = gateway_of(request)
-    row = await gw.futures.wait(body.request_id, LONG_POLL_S, caller_of(request).user_id)
+    row = await gw.futures.waits.wait(body.request_id, LONG_POLL_S, caller_of(request).user_id)
     if row is None:
         return error_response(f"unknown request_id {body.request_id!r}", 404)
     if row.status == "pending":
@@ -62,9 +62,9 @@ async def retrieve_futures(request: Request):
     caller = caller_of(request)
     gw.sessions.sampling_session(caller, body.target.sampling_session_id)
     target = (body.target.sampling_session_id, body.target.cloned_sampler_id)
-    gw.futures.recover(target, caller.user_id, body.prev_cursor)
+    gw.futures.waits.recover(target, caller.user_id, body.prev_cursor)
     for request_id in body.retrieved_request_ids:
-        gw.futures.retrieved(request_id, caller.user_id, target)
+        gw.futures.waits.retrieved(request_id, caller.user_id, target)
     timeout = LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S)
     found, cursor = await gw.futures.completions.poll(target, body.prev_cursor, timeout, MAX_COMPLETIONS, GATHER_S)
     CALLS["completions_reported"] += len(found)
@@ -105,7 +105,7 @@ async def _describe_queue(gw: Gateway, row: FutureRow) -> tuple[str, str]:
     many other tenants the trainer's fair scheduler is serving."""
     if row.model_id is None:
         return "active", "sampling"
-    running, ahead = gw.futures.position(row.model_id, row.request_id)
+    running, ahead = gw.futures.order.position(row.model_id, row.request_id)
     try:
         trainer = await gw.trainer.GetQueueState(trainer_pb2.QueueStateRequest(), timeout=2)
     except grpc.aio.AioRpcError as e:

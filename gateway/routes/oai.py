@@ -94,7 +94,7 @@ async def _sample(gw: Gateway, caller: Caller, prompt: list[int], req: CommonReq
     msg.request_id = new_request_id()
     row = gw.futures.submit(Sample(msg),
                             owner=caller.user_id, request_id=msg.request_id)     # run by routes/sampling.py:_sample
-    while (row := await gw.futures.wait(row.request_id, _WAIT_S, caller.user_id)).status == "pending":
+    while (row := await gw.futures.waits.wait(row.request_id, _WAIT_S, caller.user_id)).status == "pending":
         pass
     if row.status != "complete":
         error = json.loads(row.result)
