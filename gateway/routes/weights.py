@@ -75,7 +75,7 @@ async def _push_weights(gw: Gateway, target: dict, body: bytes):
                                 checkpoint_type="sampler", name=path.rsplit("/", 1)[1],
                                 snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
                                 directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
-                                expires_at=expires_at or None))
+                                expires_at=expires_at or None, created_at=now()))   # overwritten: a new generation
         _audit_saved(gw, caller, push.model_id, path)
     elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
             sampling_session_id=sampling_session_id, owner=caller.user_id, session_id=target["session_id"],
@@ -146,6 +146,7 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
     if kind != "weights":
         raise UserError(f"{body.path!r} is not a training checkpoint: load_weights takes a "
                         f"tinker://<run>/weights/<name> path from save_state")
+    audit.read_by_other_user(gw.db, caller, ckpt, "load_weights")
     source = gw.db.get(ModelRow, ckpt.model_id)
     new_run = None
     if body.model_id:
