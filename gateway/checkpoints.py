@@ -20,8 +20,9 @@ from typing import Iterator
 
 from sqlalchemy import select
 
-from gateway import protocol
-from gateway.db import CheckpointRow, Database, ModelRow, aware, now
+from gateway import audit, protocol
+from gateway.db import CheckpointRow, Database, ModelRow, UserRow, aware, now
+from gateway.tokens import DownloadGrant
 from tinkerd import paths
 from tinkerd.errors import UserError
 
@@ -63,6 +64,19 @@ def archive_path(run_id: str, checkpoint_id: str) -> str:
     """The URL path of a checkpoint's tar archive (SDKs up to 0.35: get_checkpoint_archive_url):
     what its download URL signs and what the files route checks."""
     return urllib.parse.quote(f"/files/{run_id}/{checkpoint_id}/archive.tar")
+
+
+def download_grant(row: CheckpointRow, path: str, expires: int, user_id: str, key_id: str) -> DownloadGrant | None:
+    """What a download URL of `row`'s `path` made by `user_id` (with API key `key_id`) signs, as
+    of the row now; None when that user may not read the row (another's, unpublished). The row's
+    generation is its creation time: a checkpoint deleted and saved again, or overwritten, has a
+    new one, so the old row's URLs never serve the new files."""
+    access = "owner" if row.owner == user_id else "public" if row.public else None
+    if access is None:
+        return None
+    created = row.created_at and aware(row.created_at)
+    generation = f"{created:%Y%m%dT%H%M%S.%f}" if created else "-"
+    return DownloadGrant(path, expires, key_id, generation, row.owner or "", access)
 
 
 # The file the SDK's `tinker checkpoint` CLI (<= 0.35) insists on finding in an archive. Our
@@ -160,11 +174,17 @@ def delete_expired_checkpoints(db: Database) -> int:
     """Checkpoints past their ttl: rows and files go. Run by the gateway's housekeeping loop."""
     expired = db.select(select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None),
                                                     CheckpointRow.expires_at < now()))
+    deleted = 0
     for row in expired:
-        db.delete(CheckpointRow, row.tinker_path)
+        if not db.delete(CheckpointRow, row.tinker_path):
+            continue                  # another gateway's housekeeping took it (and records it)
         delete_checkpoint_files(row)
+        owner = db.get(UserRow, row.owner) if row.owner else None
+        audit.record(db, "checkpoint_expired", user_id=row.owner or "", org_id=owner.org_id if owner else "",
+                     model_id=row.model_id, tinker_path=row.tinker_path)
         log.info("deleted expired checkpoint %s", row.tinker_path)
-    return len(expired)
+        deleted += 1
+    return deleted
 
 
 def _link_or_copy(src: str, dst: str) -> None:

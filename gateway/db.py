@@ -52,14 +52,6 @@ class ApiKeyRow(Base):
     revoked_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
-class ServerSecretRow(Base):
-    """Secrets the gateway makes once and keeps (the JWT and signed-URL signing key): in the
-    database, so every gateway process on it agrees."""
-    __tablename__ = "server_secrets"
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    value: Mapped[str] = mapped_column(String(128))
-
-
 class AuditRow(Base):
     __tablename__ = "audit_events"
     event_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -20,6 +20,13 @@ class GatewaySettings(ServiceAuthSettings):
     port: int = setting(8000, help="HTTP port (0 picks a free one)")
     state_dir: str = setting("./state", help="database, checkpoints, snapshots and logs")
     db_url: str | None = setting(None, help="SQLAlchemy URL; default sqlite:///<state-dir>/tinkerd.db")
+    signing_keys_file: str = setting("", help="the keys that sign JWTs and download URLs, newest first "
+                                              "(gateway/signing_keys.py; a mounted Secret, shared by every "
+                                              "gateway); default <state-dir>/signing-keys, made on first start")
+    private_state_dir: bool = setting(True, help="refuse to start unless the state dir is private to this user "
+                                                 "(no group or other permission bits: chmod 700 DIR); "
+                                                 "--no-private-state-dir for a volume whose access is controlled "
+                                                 "outside, such as a Kubernetes volume with fsGroup")
     session_timeout_s: float = setting(600.0, help="unload the models of sessions without a heartbeat "
                                                    "for this long (they reload on next use)")
     max_pending_samples: int = setting(4096, help="sample requests in flight beyond this get HTTP 429 "
@@ -71,6 +78,10 @@ class GatewaySettings(ServiceAuthSettings):
     @property
     def database_url(self) -> str:
         return database_url(self.state_dir, self.db_url)
+
+    @property
+    def signing_keys_path(self) -> str:
+        return self.signing_keys_file or os.path.join(os.path.abspath(self.state_dir), "signing-keys")
 
 
 def database_url(state_dir: str, db_url: str | None) -> str:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import os
 from typing import Annotated
 
 from fastapi import Depends, Request
+from sqlalchemy import text
 
-from gateway import protocol
+from gateway import protocol, state_dir
 from gateway.auth import Authenticator
 from gateway.backends import Backends
 from gateway.db import Database, ModelRow, aware, now
@@ -22,7 +22,8 @@ from gateway.limits import Limits
 from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
 from gateway.stability import StabilityRecords
-from gateway.tokens import Signer, signing_secret
+from gateway.signing_keys import KeyRing
+from gateway.tokens import Signer
 from tinkerd.rpc import ServiceAuth
 
 # The user a fresh database starts with: `tinkerd up` gives it the first API key, rows made
@@ -47,13 +48,14 @@ class Gateway:
 
     @classmethod
     def create(cls, settings: GatewaySettings) -> "Gateway":
-        os.makedirs(settings.state_dir, exist_ok=True)
+        keys_file = state_dir.prepare(settings)          # refuses a state dir others may read
         db = Database(settings.database_url)
+        forget_database_secret(db)
         admin = create_user(db, ADMIN_USER, admin=True)
         db.adopt_unowned(admin.user_id)
         anonymous = None if settings.auth else Caller(admin.user_id, admin.name, admin.org_id, admin.email,
                                                       True, key_id="")
-        authenticator = Authenticator(KeyStore(db), Signer(signing_secret(db), settings.token_ttl_s), anonymous)
+        authenticator = Authenticator(KeyStore(db), Signer(KeyRing(keys_file), settings.token_ttl_s), anonymous)
         futures = Futures(db, lease_s=settings.future_lease_s)
         gw = cls(settings, db, Sessions(db, settings), futures, StabilityRecords(db, ttl_s=settings.stability_ttl_s),
                  authenticator, Limits(settings, db))
@@ -98,6 +100,16 @@ class Gateway:
                                   > _REQUEST_TIME_RESOLUTION_S):
             self.db.touch(ModelRow, model_id, last_request_time=stamp, resident=True)
         return protocol.FutureResponse(request_id=row.request_id, model_id=model_id)
+
+
+def forget_database_secret(db: Database) -> None:
+    """Gateways before the signing keys file kept their one secret in `server_secrets`, in a database
+    others could often read: the secret is dropped, never moved to the file (whoever read it could
+    forge tokens with it). Migration 0006 drops the table; this covers a database from before
+    migrations, which is stamped at the newest revision without running them. Tokens and URLs that
+    the old secret signed stop working: the SDK exchanges its API key for a new token by itself."""
+    with db.engine.begin() as conn:
+        conn.execute(text("DROP TABLE IF EXISTS server_secrets"))
 
 
 def gateway_of(request: Request) -> Gateway:

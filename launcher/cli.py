@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from tinkerd.process import reexec_with_tcmalloc
@@ -19,6 +20,7 @@ if sys.argv[1:2] == ["sampler"]:
     # Before the imports below (seconds of them): the exec starts this process over with tcmalloc.
     reexec_with_tcmalloc()
 
+from gateway.state_dir import PRIVATE_UMASK, StateDirError  # noqa: E402
 from launcher import keys, up  # noqa: E402
 from tinkerd import settings  # noqa: E402
 
@@ -31,7 +33,10 @@ SERVICES = {"gateway": ("gateway.server", "the Tinker REST gateway"),
 
 def _run_service(args: argparse.Namespace) -> None:
     service_settings = settings.from_args(up.CHILDREN[args.command], args)
-    importlib.import_module(SERVICES[args.command][0]).serve(service_settings)
+    try:
+        importlib.import_module(SERVICES[args.command][0]).serve(service_settings)
+    except StateDirError as e:                 # a message that says what to fix, not a traceback
+        raise SystemExit(f"tinkerd {args.command}: {e}") from None
 
 
 def make_tiny_model(args: argparse.Namespace) -> None:
@@ -69,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    os.umask(PRIVATE_UMASK)        # checkpoints, snapshots, logs, the database: owner-only (gateway/state_dir.py)
     args = build_parser().parse_args(argv)
     args.func(args)
 

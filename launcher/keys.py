@@ -4,17 +4,20 @@
   tinkerd keys create --user NAME [--org ORG] [--email E] [--admin]   prints the key, once
   tinkerd keys list
   tinkerd keys revoke KEY_OR_KEY_ID
+  tinkerd keys rotate-signing-key [--keep N]   a new key signs JWTs and download URLs from now on;
+                                                the previous N-1 still verify what they signed
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
-from gateway import keys
+from gateway import keys, signing_keys
+from gateway import state_dir as private
 from gateway.db import Database
 from gateway.settings import GatewaySettings, database_url
 from tinkerd import settings
+from tinkerd.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,15 +30,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     listing = sub.add_parser("list", help="every key: id, user, created, revoked")
     revoke = sub.add_parser("revoke", help="revoke a key (give the key or its id)")
     revoke.add_argument("key")
+    rotate = sub.add_parser("rotate-signing-key", help="put a new key first in the signing keys file (running "
+                                                       "gateways pick it up within seconds); older keys verify "
+                                                       "until dropped")
+    rotate.add_argument("--keep", type=int, default=2, help="keys kept in all, the new one included: the oldest "
+                                                            "beyond are dropped and what they signed stops working "
+                                                            "(default: 2)")
     # The database: the gateway's flags of the same names, so `up`'s values work here too.
     database_flags = tuple(f.name for f in settings.fields(GatewaySettings) if f.name not in ("state_dir", "db_url"))
     for p in (create, listing, revoke):
         settings.add_arguments(p, GatewaySettings, skip=database_flags)
+    settings.add_arguments(rotate, GatewaySettings, skip=tuple(
+        f.name for f in settings.fields(GatewaySettings) if f.name not in ("state_dir", "signing_keys_file")))
 
 
 def open_database(state_dir: str, db_url: str | None) -> Database:
-    os.makedirs(state_dir, exist_ok=True)
-    return Database(database_url(state_dir, db_url))
+    private.make_private_dir(state_dir)
+    url = database_url(state_dir, db_url)
+    private.owner_only_database(url)
+    return Database(url)
+
+
+def rotate_signing_key(state_dir: str, signing_keys_file: str, keep: int) -> str:
+    """A new first key in the signing keys file (made if missing, like the gateway does)."""
+    config = GatewaySettings(base_model="", trainer="", state_dir=state_dir, signing_keys_file=signing_keys_file)
+    path = config.signing_keys_path
+    if not signing_keys_file:
+        private.make_private_dir(state_dir)
+        signing_keys.create_if_missing(path)
+    return signing_keys.rotate(path, keep)
 
 
 def new_key(db: Database, user: str, *, org: str = "default", email: str = "", admin: bool = False) -> str:
@@ -53,6 +76,18 @@ def first_admin_key(state_dir: str, db_url: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> None:
+    try:
+        _run(args)
+    except UserError as e:             # what to fix, not a traceback
+        raise SystemExit(f"tinkerd keys: {e}") from None
+
+
+def _run(args: argparse.Namespace) -> None:
+    if args.keys_command == "rotate-signing-key":
+        kid = rotate_signing_key(args.state_dir, args.signing_keys_file, args.keep)
+        print(f"signing key {kid} signs from now on (gateways re-read the file within "
+              f"{signing_keys.RELOAD_S:.0f} s); the previous {args.keep - 1} still verify")
+        return
     db = open_database(args.state_dir, args.db_url)
     if args.keys_command == "create":
         print(new_key(db, args.user, org=args.org, email=args.email, admin=args.admin))

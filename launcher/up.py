@@ -4,7 +4,8 @@ Its flags are the union of the three services' settings (each written once, in t
 settings.py), less the addresses that `up` wires itself; each child's command line is derived
 from its settings object, so a flag given to `up` always reaches every service that has it.
 
-Unless given --service-token-file, `up` makes a random service token per state dir
+The state dir must be private (0700, made so if missing; gateway/state_dir.py), and `up` and its
+children write owner-only files (umask 077). Unless given --service-token-file, `up` makes a random service token per state dir
 (`<state-dir>/service-token`, mode 0600) and hands its path to all three children: the gRPC
 calls between them are authenticated by default.
 
@@ -31,6 +32,7 @@ import time
 import urllib.error
 import urllib.request
 
+from gateway import state_dir
 from gateway.settings import GatewaySettings
 from launcher import keys
 from sampler_service import server as sampler_server
@@ -271,6 +273,18 @@ def service_token_file(state_dir: str) -> str:
     return path
 
 
+def private_state_dir(args: argparse.Namespace) -> None:
+    """The state dir made 0700, or refused (before anything starts) if its group or others may use
+    it; everything the services write there is owner-only (umask 077, inherited by the children)."""
+    os.umask(state_dir.PRIVATE_UMASK)
+    state_dir.make_private_dir(args.state_dir)
+    if args.private_state_dir:
+        try:
+            state_dir.check_private(args.state_dir, "the state dir", "700")
+        except state_dir.StateDirError as e:
+            raise SystemExit(f"tinkerd: {e}") from None
+
+
 def up(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     if args.sampler_replicas < 1:
@@ -279,8 +293,9 @@ def up(args: argparse.Namespace) -> None:
     # One decision for both services, so trainer and sampler run the same dtype.
     args.dtype = process.service_dtype(args.dtype, args.allow_slow_dtype)
     args.base_model, args.state_dir = os.path.abspath(args.base_model), os.path.abspath(args.state_dir)
+    private_state_dir(args)
     log_dir = os.path.join(args.state_dir, "logs")
-    os.makedirs(log_dir, exist_ok=True)
+    os.makedirs(log_dir, mode=0o700, exist_ok=True)
     args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
     args.port = args.port or _free_port()
     procs: dict[str, subprocess.Popen] = {}

@@ -58,7 +58,7 @@ class PushWeights(Job):
                                     checkpoint_type="sampler", name=self.path.rsplit("/", 1)[1],
                                     snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
                                     directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
-                                    expires_at=_expiry(self.expires_at)))
+                                    expires_at=_expiry(self.expires_at), created_at=now()))   # overwritten: a new generation
             _audit_saved(gw, self.caller, push.model_id, self.path)
         elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
                 sampling_session_id=sid, owner=self.caller.user_id, session_id=self.session_id,

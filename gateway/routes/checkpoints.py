@@ -134,7 +134,9 @@ async def external_urls(run_id: str, checkpoint_id: str, request: Request, calle
     expires = _url_expiry(row)
     files = sorted(os.path.relpath(os.path.join(root, f), row.directory)
                    for root, _, names in os.walk(row.directory) for f in names)
-    urls = {f: _signed_url(gw, request, checkpoints.download_path(run_id, checkpoint_id, f), expires) for f in files}
+    urls = {f: _signed_url(gw, request, caller, row, checkpoints.download_path(run_id, checkpoint_id, f), expires)
+            for f in files}
+    audit.read_by_other_user(gw.db, caller, row, "external_weights_urls")
     return ExternalWeightsUrlsResponse(urls=urls, expires=datetime.datetime.fromtimestamp(
         expires, datetime.timezone.utc).isoformat())
 
@@ -150,7 +152,8 @@ async def archive_url(run_id: str, checkpoint_id: str, request: Request, caller:
         raise UserError(f"{row.tinker_path} is an external_weights checkpoint: download its files with "
                         f"get_external_weights_urls")
     expires = _url_expiry(row)
-    url = _signed_url(gw, request, checkpoints.archive_path(run_id, checkpoint_id), expires)
+    url = _signed_url(gw, request, caller, row, checkpoints.archive_path(run_id, checkpoint_id), expires)
+    audit.read_by_other_user(gw.db, caller, row, "archive_url")
     return RedirectResponse(url, status_code=302, headers={"Expires": email.utils.formatdate(expires, usegmt=True)})
 
 
@@ -161,10 +164,12 @@ def _url_expiry(row: CheckpointRow) -> int:
     return expires
 
 
-def _signed_url(gw: Gateway, request: Request, path: str, expires: int) -> str:
-    """Whoever holds it may GET `path` until `expires` (routes/files.py checks), no key needed."""
+def _signed_url(gw: Gateway, request: Request, caller: Caller, row: CheckpointRow, path: str, expires: int) -> str:
+    """Whoever holds it may GET `path` until `expires`, no key needed, while the row and the
+    caller's access to it last (routes/files.py re-checks both)."""
     base = str(request.base_url).rstrip("/")
-    return f"{base}{path}?expires={expires}&signature={gw.signer.url_signature(path, expires)}"
+    grant = checkpoints.download_grant(row, path, expires, caller.user_id, caller.key_id)
+    return f"{base}{path}?{gw.signer.url_query(grant)}"
 
 
 @router.delete(_CHECKPOINT)
@@ -179,7 +184,9 @@ async def delete(run_id: str, checkpoint_id: str, caller: CallerDep, gw: Gateway
 @router.post("/weights_info")
 async def weights_info(body: WeightsInfoRequest, caller: CallerDep, gw: GatewayDep) -> WeightsInfoResponse:
     checkpoints.parse_tinker_path(body.tinker_path)
-    run = gw.db.get(ModelRow, gw.sessions.readable_checkpoint(caller, body.tinker_path).model_id)
+    row = gw.sessions.readable_checkpoint(caller, body.tinker_path)
+    audit.read_by_other_user(gw.db, caller, row, "weights_info")
+    run = gw.db.get(ModelRow, row.model_id)
     lora = run.lora_config or {}
     return WeightsInfoResponse(base_model=run.base_model, lora_rank=run.lora_rank,
                                train_unembed=lora.get("train_unembed", True), train_mlp=lora.get("train_mlp", True),
@@ -205,6 +212,7 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
         raise UserError(f"training run {run_id} already exists; use another model_seq_id")
     path = checkpoints.copy_checkpoint(gw.db, gw.settings.state_dir, source, run_id, session_id, body.ttl_seconds,
                                        owner=caller.user_id)
+    audit.read_by_other_user(gw.db, caller, source, "copy_weights")
     audit.record(gw.db, "checkpoint_saved", user_id=caller.user_id, org_id=caller.org_id, model_id=run_id,
                  tinker_path=path, copied_from=body.source_path)
     return CopyWeightsResponse(tinker_path=path)

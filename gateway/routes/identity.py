@@ -6,10 +6,10 @@ from __future__ import annotations
 import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
 from gateway import audit, keys
-from gateway.auth import CallerDep
+from gateway.auth import CallerDep, _credential
 from gateway.errors import error_response
 from gateway.protocol import AuditEntry, AuditLogResponse, AuditQuery, AuthTokenResponse
 from gateway.state import GatewayDep
@@ -18,7 +18,16 @@ router = APIRouter(prefix="/api/v1")
 
 
 @router.post("/auth/token")
-async def auth_token(caller: CallerDep, gw: GatewayDep) -> AuthTokenResponse:
+async def auth_token(request: Request, caller: CallerDep, gw: GatewayDep) -> AuthTokenResponse:
+    """A JWT for the API key presented. A token presented instead (the SDK 0.38 exchanges a JWT
+    given as its api_key like a key) gets one that expires when it does: a token never buys
+    itself a longer life, so a leaked one ends at its `exp` or with its API key."""
+    credential = _credential(request.scope)
+    if gw.authenticator.anonymous is None and not credential.startswith("tml-"):
+        claims = gw.signer.token_claims(credential)        # the middleware accepted it: valid now
+        if claims is None:
+            return error_response("expired or invalid token: exchange an API key (tml-...) for a new one", 401)
+        return AuthTokenResponse(jwt=gw.signer.token(caller, expires=claims["exp"]))
     return AuthTokenResponse(jwt=gw.signer.token(caller))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway import convert
+from gateway import audit, convert
 from gateway.auth import CallerDep
 from gateway.db import ModelRow, SamplingSessionRow
 from gateway.futures import fingerprint, new_request_id
@@ -28,6 +28,7 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, caller: Ca
         ckpt = gw.sessions.readable_checkpoint(caller, body.model_path)
         if ckpt.checkpoint_type != "sampler":
             raise UserError(f"{body.model_path!r} is not a sampler checkpoint (save_weights_for_sampler makes one)")
+        audit.read_by_other_user(gw.db, caller, ckpt, "create_sampling_session")
         base, snapshot, snapshot_path = gw.db.get(ModelRow, ckpt.model_id).base_model, ckpt.snapshot_id, ckpt.snapshot_path
     else:
         base, snapshot, snapshot_path = supported_base_model(gw, body.base_model), "", ""

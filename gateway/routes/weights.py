@@ -7,7 +7,7 @@ import uuid
 
 from fastapi import APIRouter
 
-from gateway import checkpoints
+from gateway import audit, checkpoints
 from gateway.auth import CallerDep
 from gateway.db import CheckpointRow, ModelRow
 from gateway.futures import fingerprint
@@ -88,6 +88,7 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
     if kind != "weights":
         raise UserError(f"{body.path!r} is not a training checkpoint: load_weights takes a "
                         f"tinker://<run>/weights/<name> path from save_state")
+    audit.read_by_other_user(gw.db, caller, ckpt, "load_weights")
     source = gw.db.get(ModelRow, ckpt.model_id)
     new_run = None
     if body.model_id:

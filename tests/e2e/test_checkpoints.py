@@ -3,6 +3,8 @@ optimizer, named sampler checkpoints, and the RestClient registry (runs, checkpo
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import numpy as np
 import pytest
@@ -119,6 +121,10 @@ def test_external_weights_are_served_as_plain_files(service, tiny_model_dir, sta
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(urls)
     config = httpx.get(urls["adapter_config.json"]).json()
     assert config["r"] == 4 and config["peft_type"] == "LORA"
+    # Everything the services wrote (database, keys, logs, this checkpoint) is its owner's only.
+    shared = [(p, oct(os.stat(p).st_mode & 0o777)) for root, dirs, files in os.walk(stack.state_dir)
+              for p in [root, *(os.path.join(root, f) for f in files)] if os.stat(p).st_mode & 0o077]
+    assert not shared, shared
 
 
 def test_bad_checkpoint_paths_are_user_errors(service, tiny_model_dir):
