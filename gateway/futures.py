@@ -52,9 +52,46 @@ Job = Callable[[], Awaitable[tuple[str, bytes]]]   # -> (content_type, body)
 GAP_TIMEOUT_S = 10.0
 _GAP_POLL_S = 0.1          # how often a gap is checked against the other gateways' futures
 _FINISHED_KEPT = 4096      # recent results answered from memory; older ones from the database
+_FINISHED_BYTES = 256 << 20   # ... and their bodies at most this in all (one sample's can be 100+ MB)
 POLL_S = 0.075             # a future running on another gateway: its row is read this often
 _RUNNER_IDLE_S = 600.0     # an idle model's runner is dropped after this long (housekeeping)
 _RECOVER_WINDOW_S = 600.0  # a restarted gateway re-reports samples finished this recently
+
+
+class FinishedResults:
+    """Recently finished futures kept in memory, the oldest dropped first beyond `max_rows` rows
+    or `max_bytes` of result bodies; a body larger than the budget is not kept at all. What is
+    not here is read from the database."""
+
+    def __init__(self, max_rows: int = _FINISHED_KEPT, max_bytes: int = _FINISHED_BYTES):
+        self.max_rows, self.max_bytes = max_rows, max_bytes
+        self._rows: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, request_id: str) -> FutureRow | None:
+        return self._rows.get(request_id)
+
+    def put(self, row: FutureRow) -> None:
+        self.pop(row.request_id)
+        if len(row.result or b"") > self.max_bytes:
+            return
+        self._rows[row.request_id] = row
+        self.bytes += len(row.result or b"")
+        while len(self._rows) > self.max_rows or self.bytes > self.max_bytes:
+            _, oldest = self._rows.popitem(last=False)
+            self.bytes -= len(oldest.result or b"")
+
+    def pop(self, request_id: str) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self.bytes -= len(row.result or b"")
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self.bytes = 0
 
 
 @dataclasses.dataclass
@@ -176,7 +213,7 @@ class Futures:
         self.gateway = None           # what runners get (gateway/state.py Gateway), set by bind()
         self.started_at = now()
         self._pending: dict[str, _Pending] = {}        # scheduled here, not finished yet
-        self._finished: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
+        self._finished = FinishedResults()
         self._pending_by_type: collections.Counter[str] = collections.Counter()
         self._pending_by_owner: collections.Counter[tuple[str, str]] = collections.Counter()
         self._runners: dict[str, _ModelRunner] = {}
@@ -310,9 +347,7 @@ class Futures:
         else:      # finished elsewhere first (cancelled there, or re-driven by a gateway that thought us dead)
             row = self.db.get(FutureRow, request_id)
             status, body = row.status, row.result or b""
-        self._finished[request_id] = row
-        while len(self._finished) > _FINISHED_KEPT:
-            self._finished.popitem(last=False)
+        self._finished.put(row)
         if request_id not in self._jobs:      # an unordered job releases its place when its task ends
             self._release(pending.request_type, pending.owner)
         if pending.target is not None:
@@ -401,7 +436,7 @@ class Futures:
         self.completions.discard(request_id, target)
         row = self._finished.get(request_id)
         if row is not None and row.owner == owner:
-            del self._finished[request_id]
+            self._finished.pop(request_id)
 
     def recover(self, target: Target, owner: str, prev_cursor: int) -> None:
         """A client that polled an earlier gateway process (its cursor is older than this one)

@@ -1,9 +1,12 @@
-"""The trainer's reply cache (trainer_service/replies.py) is bounded in bytes: per model, and in
-all, where the model holding the most gives up its oldest replies first."""
+"""Caches of results are bounded in bytes (issue 24 M2): the trainer's reply cache
+(trainer_service/replies.py) per model and in all, where the model holding the most gives up its
+oldest replies first; the gateway's finished futures in memory (gateway/futures.py)."""
 
 import numpy as np
 import pytest
 
+from gateway.db import FutureRow
+from gateway.futures import FinishedResults
 from tinkerd.errors import UserError
 from tinkerd.tensors import from_numpy
 from tinkerd.v1 import trainer_pb2
@@ -37,3 +40,21 @@ def test_over_the_total_the_heaviest_model_gives_way_first():
     assert cache.get("busy", 1, "forward_backward") is None and cache.get("busy", 19, "forward_backward")
     cache.forget("busy")
     assert cache.bytes < 5_000
+
+
+def _row(request_id: str, size: int) -> FutureRow:
+    return FutureRow(request_id=request_id, status="complete", result=b"x" * size, owner="u")
+
+
+def test_the_gateways_finished_results_are_bounded_in_bytes_and_rows():
+    cache = FinishedResults(max_rows=3, max_bytes=1000)
+    for i in range(3):
+        cache.put(_row(f"r{i}", 400))
+    assert [cache.get(f"r{i}") is not None for i in range(3)] == [False, True, True] and cache.bytes == 800
+    cache.put(_row("big", 1001))                      # larger than the budget: read from the database
+    assert cache.get("big") is None and cache.bytes == 800
+    for i in range(3, 6):
+        cache.put(_row(f"r{i}", 1))
+    assert len(cache) == 3 and cache.bytes == 3
+    cache.pop("r5")
+    assert cache.get("r5") is None and cache.bytes == 2
