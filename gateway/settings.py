@@ -33,6 +33,9 @@ class GatewaySettings(ServiceAuthSettings):
     max_checkpoint_gb_per_user: float = setting(50.0, help="checkpoint bytes on disk one user may hold (GB)")
     stability_ttl_s: float = setting(3600.0, help="sampled sequences recorded for stable_reinforce are "
                                                   "dropped after this long unused")
+    stability_mb_per_user: float = setting(256.0, help="sampled sequences recorded for stable_reinforce one user "
+                                                       "may hold (MB; also at most 100000 of them): beyond it their "
+                                                       "oldest are dropped")
     max_body_bytes: int = setting(32 << 20, help="larger request bodies get HTTP 413, zstd ones also once "
                                                  "inflated")
     # The trainer's setting of the same name (one `tinkerd up` flag): the gateway refuses such a
