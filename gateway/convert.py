@@ -173,8 +173,9 @@ def check_cost(msg: tw.ForwardBackwardRequest, budget: Budget) -> None:
             shape = list(t.shape)
             if any(d < 0 for d in shape):
                 raise UserError(f"{where}: negative dimension in shape {shape}")
-            if not shape and not t.HasField("sparse_csr"):
-                shape = [len(t.dense) // _itemsize(t)]
+            if not t.HasField("sparse_csr"):
+                values = len(t.dense) // _itemsize(t, where)
+                shape = shape or [values]
             if not shape or shape[0] != n:
                 raise UserError(f"{where} has shape {shape}, expected leading dimension {n} (the number of "
                                 f"input tokens)")
@@ -198,19 +199,27 @@ def _token_count(datum: tw.Datum, i: int) -> int:
         raw = chunk.encoded_text.tokens
         if len(raw) % 4:
             raise UserError(f"datum {i}: model_input tokens are {len(raw)} bytes, not a whole number of int32")
+        if raw and np.frombuffer(raw, dtype="<i4").min() < 0:
+            raise UserError(f"datum {i}: token id {np.frombuffer(raw, dtype='<i4').min()} is negative")
         n += len(raw) // 4
     return n
 
 
-def _itemsize(t: tw.Tensor) -> int:
-    """Bytes per value of a dense tensor (1 for a dtype decode refuses later)."""
+def _itemsize(t: tw.Tensor, where: str) -> int:
+    """Bytes per value of a dense tensor, whose bytes must be a whole number of them."""
     if t.dtype == tw.DTYPE_BFLOAT16:
-        return 2
-    try:
-        numpy_dtype = dtypes.by_wire_name(tw.DType.Name(t.dtype)).numpy
-    except ValueError:
-        return 1
-    return np.dtype(numpy_dtype).itemsize if numpy_dtype is not None else 1
+        size = 2
+    else:
+        try:
+            numpy_dtype = dtypes.by_wire_name(tw.DType.Name(t.dtype)).numpy
+        except ValueError:                # unknown to the table or to the SDK's enum
+            numpy_dtype = None
+        if numpy_dtype is None:
+            raise UserError(f"{where}: unsupported dtype {t.dtype}")
+        size = np.dtype(numpy_dtype).itemsize
+    if len(t.dense) % size:
+        raise UserError(f"{where}: {len(t.dense)} bytes are not a whole number of {size}-byte values")
+    return size
 
 
 def decode_forward_backward(msg: tw.ForwardBackwardRequest) -> ForwardBackward:
