@@ -174,8 +174,7 @@ def check_cost(msg: tw.ForwardBackwardRequest, budget: Budget) -> None:
             if any(d < 0 for d in shape):
                 raise UserError(f"{where}: negative dimension in shape {shape}")
             if not t.HasField("sparse_csr"):
-                values = len(t.dense) // _itemsize(t, where)
-                shape = shape or [values]
+                shape = shape or [len(t.dense) // _itemsize(t, where)]     # no shape: 1-D
             if not shape or shape[0] != n:
                 raise UserError(f"{where} has shape {shape}, expected leading dimension {n} (the number of "
                                 f"input tokens)")
@@ -199,8 +198,9 @@ def _token_count(datum: tw.Datum, i: int) -> int:
         raw = chunk.encoded_text.tokens
         if len(raw) % 4:
             raise UserError(f"datum {i}: model_input tokens are {len(raw)} bytes, not a whole number of int32")
-        if raw and np.frombuffer(raw, dtype="<i4").min() < 0:
-            raise UserError(f"datum {i}: token id {np.frombuffer(raw, dtype='<i4').min()} is negative")
+        lowest = np.frombuffer(raw, dtype="<i4").min() if raw else 0
+        if lowest < 0:
+            raise UserError(f"datum {i}: token id {lowest} is negative")
         n += len(raw) // 4
     return n
 
@@ -236,12 +236,10 @@ def decode_forward_backward(msg: tw.ForwardBackwardRequest) -> ForwardBackward:
 
 
 def _datum(datum: tw.Datum, i: int) -> DatumArrays:
-    _token_count(datum, i)       # text only, whole int32s
+    _token_count(datum, i)       # text only, whole non-negative int32s
     tokens: list[int] = []
     for chunk in datum.model_input:
         tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
-    if tokens and min(tokens) < 0:
-        raise UserError(f"datum {i}: token id {min(tokens)} is negative")
     inputs = {key: _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]") for key, t in datum.loss_fn_inputs.items()}
     for key, array in inputs.items():      # one NaN makes every gradient, then every weight, NaN
         if array.dtype.kind == "f" and not np.isfinite(array).all():
