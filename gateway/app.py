@@ -18,6 +18,7 @@ from gateway import console, errors, housekeeping, limits, metrics
 from gateway.auth import AuthMiddleware
 from gateway.backends import Backends
 from gateway.body_limit import BodyLimit
+from gateway.jobs.table import JOBS
 from gateway.routes import ROUTERS
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     gw = Gateway.create(settings)
+    gw.futures.bind(gw, JOBS)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -112,7 +112,7 @@ class FutureRow(Base):
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
     completed_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True,
                                                                    index=True)
-    # What re-drives it on any gateway (gateway/futures.py StoredRequest): its arguments and the
+    # What re-drives it on any gateway (its typed job, gateway/jobs/base.py StoredRequest): its arguments and the
     # serialized gRPC message.
     request_args: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     request_body: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)

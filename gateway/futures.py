@@ -3,9 +3,9 @@ background; `retrieve_future` long-polls on it. A finished sample is also queued
 retrieve_futures poll (gateway/completions.py), and a pending one can be cancelled.
 
 Any gateway on the database answers any future, and a killed gateway loses none:
-- the row stores the request (StoredRequest: arguments plus the serialized gRPC message); a job
-  is always made from it by `job_of`, at submission and when re-driven, so there is one way to run
-  a request;
+- the row stores the request: its typed job (gateway/jobs/), as JSON arguments plus the serialized
+  gRPC message; the job that runs is always decoded from that stored form (`job_of`), at submission
+  and when re-driven, so there is one way to run a request;
 - the gateway running a future holds a lease on its row (claimed_by, lease_until) and renews it
   every lease/3; a gateway claims pending rows whose lease lapsed (at start-up and every few
   seconds) and runs them again. The trainer answers a resent (model_id, seq_id) with its first
@@ -28,27 +28,28 @@ import dataclasses
 import functools
 import hashlib
 import heapq
-import json
 import datetime
 import logging
 import os
 import socket
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 import grpc
+from google.protobuf.message import DecodeError
 from sqlalchemy import select
 
 from gateway.completions import Completions, Target
 from gateway.db import Database, FutureRow, now
+from gateway.jobs.base import Job as TypedJob, StoredRequest
 from gateway.protocol import SAMPLING_CLONE_SPAN
 from gateway.errors import error_json
 from tinkerd.errors import ServiceError, UserError, category_for
 
 log = logging.getLogger(__name__)
 
-Job = Callable[[], Awaitable[tuple[str, bytes]]]   # -> (content_type, body)
+Job = Callable[[], Awaitable[tuple[str, bytes]]]   # a job bound to the gateway: -> (content_type, body)
 GAP_TIMEOUT_S = 10.0
 _GAP_POLL_S = 0.1          # how often a gap is checked against the other gateways' futures
 _FINISHED_KEPT = 4096      # recent results answered from memory; older ones from the database
@@ -94,27 +95,6 @@ class FinishedResults:
         self.bytes = 0
 
 
-@dataclasses.dataclass
-class StoredRequest:
-    """What a future runs, kept in its row so that any gateway can run it again: JSON arguments
-    and the serialized gRPC message (b"" if none)."""
-    args: dict
-    body: bytes = b""
-
-
-# request_type -> async fn(gateway, args, body) -> (content_type, body). Routes register theirs.
-_RUNNERS: dict[str, Callable[[Any, dict, bytes], Awaitable[tuple[str, bytes]]]] = {}
-
-
-def runs(*request_types: str):
-    """Registers the function that runs requests of these types from their StoredRequest."""
-    def register(fn):
-        for request_type in request_types:
-            _RUNNERS[request_type] = fn
-        return fn
-    return register
-
-
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -123,10 +103,6 @@ def fingerprint(kind: str, request: bytes | str) -> str:
     """What identifies a request's content, to tell a resend from another request."""
     data = request.encode() if isinstance(request, str) else request
     return hashlib.sha256(kind.encode() + b"\0" + data).hexdigest()
-
-
-def json_body(obj) -> tuple[str, bytes]:
-    return "application/json", json.dumps(obj).encode()
 
 
 @dataclasses.dataclass
@@ -210,7 +186,8 @@ class Futures:
         self.lease_s = lease_s
         # This process, as the owner of the futures it runs (unique across restarts and hosts).
         self.instance = f"{socket.gethostname()[:32]}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.gateway = None           # what runners get (gateway/state.py Gateway), set by bind()
+        self.gateway = None           # what jobs run with (gateway/state.py Gateway), set by bind()
+        self.jobs: Mapping[str, type[TypedJob]] = {}     # request type -> its job class, set by bind()
         self.started_at = now()
         self._pending: dict[str, _Pending] = {}        # scheduled here, not finished yet
         self._finished = FinishedResults()
@@ -224,25 +201,32 @@ class Futures:
         self._watched: set[str] = set()                # other gateways' samples a poller here waits for
         self._stopping = False
 
-    def bind(self, gateway) -> None:
-        """What every runner gets as its first argument (the runtime parts, gateway/state.py)."""
-        self.gateway = gateway
+    def bind(self, gateway, jobs: Mapping[str, type[TypedJob]]) -> None:
+        """The runtime parts every job runs with (gateway/state.py), and the job of each request
+        type (gateway/jobs/table.py)."""
+        self.gateway, self.jobs = gateway, jobs
 
     def lease(self) -> datetime.datetime:
         return now() + datetime.timedelta(seconds=self.lease_s)
 
-    def job_of(self, request_type: str, request: StoredRequest) -> Job:
-        """The one way a request becomes a job: at submission and when re-driven from its row."""
-        return functools.partial(_RUNNERS[request_type], self.gateway, request.args, request.body)
+    def job_of(self, request_type: str, request: StoredRequest) -> Job | None:
+        """The one way a request becomes a job: from its stored form, at submission and when
+        re-driven from its row. None if this gateway cannot run it (stored by an older one)."""
+        job_class = self.jobs.get(request_type)
+        try:
+            job = job_class.from_stored(request) if job_class else None
+        except (KeyError, TypeError, DecodeError):
+            job = None
+        return functools.partial(job.run, self.gateway) if job else None
 
-    def submit(self, request_type: str, request: StoredRequest, *, owner: str, fingerprint: str | None = None,
+    def submit(self, job: TypedJob, *, owner: str, fingerprint: str | None = None,
                idempotency_key: str | None = None, model_id: str | None = None, seq_id: int | None = None,
                target: Target | None = None, request_id: str | None = None) -> FutureRow:
         """Records the future, with its request, and schedules its job. A resend (same
         idempotency key and the same request) gets the first one back; the same key with a
         different request is a user error. A sample names its `target`, the sampling session
         (and clone) whose retrieve_futures poll reports it."""
-        request_id = request_id or new_request_id()
+        request_id, request_type, request = request_id or new_request_id(), job.kind(), job.stored()
         extra = {"seq_id": seq_id} if seq_id is not None else {}
         if target is not None:
             extra["target"] = list(target)
@@ -266,8 +250,10 @@ class Futures:
         """Runs a claimed future of a gateway that died, from its stored request."""
         if row.request_id in self._pending:
             return
-        if row.request_args is None or row.request_type not in _RUNNERS:
-            # Accepted by a gateway from before requests were stored: nothing to run again.
+        job = None if row.request_args is None else self.job_of(
+            row.request_type, StoredRequest(row.request_args, row.request_body or b""))
+        if job is None:
+            # Accepted by a gateway from before requests were stored as they are now: nothing to run again.
             self.db.finish_future(row.request_id, "failed", "application/json", error_json(
                 f"the gateway running this {row.request_type} request stopped before it finished and the "
                 f"request cannot be run again here (it was accepted by an older gateway); send it again",
@@ -276,7 +262,6 @@ class Futures:
         extra = row.extra or {}
         target = tuple(extra["target"]) if "target" in extra else None
         log.info("re-driving %s %s of a stopped gateway", row.request_type, row.request_id)
-        job = self.job_of(row.request_type, StoredRequest(row.request_args, row.request_body or b""))
         self._schedule(row.request_id, row.request_type, job, row.owner, row.model_id, extra.get("seq_id"), target)
 
     def _schedule(self, request_id: str, request_type: str, job: Job, owner: str, model_id: str | None,

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, field_validator
 
 from gateway import protocol
@@ -23,6 +23,10 @@ from tinkerd.errors import NotFoundError, UserError
 
 MAX_N = 128                 # OpenAI's own bound on `n`
 MAX_LOGPROBS = protocol.MAX_TOPK_LOGPROBS
+# Logprob entries one request may ask for: n x max_tokens x (top alternatives + the token). Each
+# costs a few microseconds of decoding and about 60 bytes of JSON; this bounds both (about 0.6 s
+# of a tokenizer thread, 15 MB) where n=128 x 1024 tokens x top-20 would be 2.8M.
+MAX_LOGPROB_ENTRIES = 1 << 18
 
 # ---- errors ------------------------------------------------------------------------------
 
@@ -149,21 +153,41 @@ class Choice:
         return "".join(self.pieces)
 
 
+# A decode window (the last emitted piece's tokens and those not emitted yet) never holds more:
+# a character spans at most 4 byte tokens, so real text stays under 8. Only invalid UTF-8 (a
+# U+FFFD that never resolves) or tokens that decode to nothing reach it; the window then moves on
+# anyway, which keeps decoding linear in the tokens (the text stays the tokenizer's, up to where
+# those U+FFFD fall).
+_WINDOW = 16
+
+
+def _skipped_ids(tok) -> frozenset[int]:
+    """The ids decode(skip_special_tokens=True) drops: the tokenizer's special added tokens."""
+    return frozenset(i for i, t in tok.backend_tokenizer.get_added_tokens_decoder().items() if t.special)
+
+
 def _pieces(tok, tokens: list[int]) -> list[str]:
     """Each token's share of the decoded text, decoding a few tokens at a time (a character can
-    span tokens: its bytes show up with the token that completes it)."""
-    pieces, prefix, read = [], 0, 0
-    for i in range(len(tokens)):
-        before = tok.decode(tokens[prefix:read], skip_special_tokens=True)
-        after = tok.decode(tokens[prefix:i + 1], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            pieces.append(after[len(before):])
-            prefix, read = read, i + 1
-        else:
-            pieces.append("")
-    if read < len(tokens) and pieces:      # an unfinished character at the end: as the tokenizer decodes it
-        before = tok.decode(tokens[prefix:read], skip_special_tokens=True)
-        pieces[-1] = tok.decode(tokens[prefix:], skip_special_tokens=True)[len(before):]
+    span tokens: its bytes show up with the token that completes it). Special tokens add nothing
+    (decoding skips them), so they stay out of the windows."""
+    skipped = _skipped_ids(tok)
+    pieces = [""] * len(tokens)
+    kept = [i for i, t in enumerate(tokens) if t not in skipped]
+    ids = [tokens[i] for i in kept]
+
+    def decode(start: int, end: int) -> str:
+        return tok.decode(ids[start:end], skip_special_tokens=True)
+
+    prefix = read = 0
+    before = ""                                 # decode(prefix, read)
+    for j in range(len(ids)):
+        after = decode(prefix, j + 1)
+        if (len(after) > len(before) and not after.endswith("\ufffd")) or j + 1 - prefix >= _WINDOW:
+            pieces[kept[j]] = after[len(before):]
+            prefix, read = read, j + 1
+            before = decode(prefix, read)
+    if read < len(ids):                         # an unfinished character at the end: as the tokenizer decodes it
+        pieces[-1] = decode(prefix, len(ids))[len(before):]
     return pieces
 
 
@@ -198,24 +222,42 @@ def decode_choices(tok, reply: tw.SampleResponse, stop) -> list[Choice]:
     return out
 
 
-def _token_text(tok, token: int) -> str:
-    return tok.decode([token])
+def check_logprob_entries(n: int, max_tokens: int, topk: int) -> None:
+    entries = n * max_tokens * (topk + 1)
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise OaiError(f"n x max_tokens x (top logprobs + 1) = {n} x {max_tokens} x {topk + 1} = {entries} logprob "
+                       f"entries; this server returns at most {MAX_LOGPROB_ENTRIES} per request: ask for fewer "
+                       f"choices, tokens or top logprobs", param="logprobs")
 
 
-def chat_logprob(tok, token: int, logprob: float, topk: list[tuple[int, float]]) -> dict:
-    text = _token_text(tok, token)
+class TokenTexts:
+    """Each token's own text, decoded once per request (the top alternatives repeat a lot)."""
+
+    def __init__(self, tok):
+        self.tok, self._texts = tok, {}
+
+    def __call__(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tok.decode([token])
+        return text
+
+
+def chat_logprob(texts: TokenTexts, token: int, logprob: float, topk: list[tuple[int, float]]) -> dict:
+    text = texts(token)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t := _token_text(tok, i)), "logprob": lp, "bytes": list(t.encode())}
+            "top_logprobs": [{"token": (t := texts(i)), "logprob": lp, "bytes": list(t.encode())}
                              for i, lp in topk]}
 
 
-def completion_logprobs(tok, c: Choice, start: int = 0, end: int | None = None, offset: int = 0) -> dict:
+def completion_logprobs(texts: TokenTexts, c: Choice, start: int = 0, end: int | None = None,
+                        offset: int = 0) -> dict:
     """The legacy completions logprobs object for tokens [start, end) of a choice."""
     end = len(c.tokens) if end is None else end
-    tokens = [_token_text(tok, t) for t in c.tokens[start:end]]
+    tokens = [texts(t) for t in c.tokens[start:end]]
     offsets = list(np.cumsum([offset] + [len(p) for p in c.pieces[start:end]])[:-1].tolist())
     return {"tokens": tokens, "token_logprobs": c.logprobs[start:end],
-            "top_logprobs": [{_token_text(tok, i): lp for i, lp in k} for k in c.topk[start:end]],
+            "top_logprobs": [{texts(i): lp for i, lp in k} for k in c.topk[start:end]],
             "text_offset": offsets}
 
 
@@ -224,13 +266,23 @@ def usage(prompt: list[int], choices: list[Choice]) -> dict:
     return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
 
 
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+def answer_json(answer: dict) -> bytes:
+    """A response body made in a tokenizer thread: FastAPI would otherwise walk it on the loop."""
+    return json.dumps(answer).encode()
 
 
-def stream(chunks) -> StreamingResponse:
-    async def events():
-        for chunk in chunks:
-            yield _sse(chunk)
-        yield b"data: [DONE]\n\n"
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+def answer_response(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def events(chunks) -> list[bytes]:
+    """The server-sent events of `chunks`, ending in [DONE]: made whole in a tokenizer thread (the
+    completion is finished before the first is sent), so the loop only writes them."""
+    return [*(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks), b"data: [DONE]\n\n"]
+
+
+def stream(sse: list[bytes]) -> StreamingResponse:
+    async def send():
+        for event in sse:
+            yield event
+    return StreamingResponse(send(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

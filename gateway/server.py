@@ -24,6 +24,7 @@ def serve(settings: GatewaySettings) -> None:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.http_limits import uvicorn_options
     from tinkerd.process import init_logging
 
     init_logging("gateway")
@@ -31,7 +32,7 @@ def serve(settings: GatewaySettings) -> None:
                                    state_dir=os.path.abspath(settings.state_dir))
     app = create_app(settings)
     sock = _listening_socket(settings.host, settings.port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=75))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **uvicorn_options(settings)))
 
     async def serve():
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -63,6 +63,12 @@ class GatewaySettings(ServiceAuthSettings):
         3600.0, help="an ephemeral sampler snapshot of a model that has a newer one is deleted once none of "
                      "its sampling sessions sampled for this long, even while its session is live (an RL "
                      "loop leaves one behind per step); a model's newest snapshot is kept")
+    max_connections: int = setting(4096, help="open connections or requests in progress beyond this get HTTP "
+                                              "503 at once (the SDK retries); one SDK client opens up to 1000")
+    keep_alive_timeout_s: int = setting(75, help="an idle kept-alive HTTP connection is closed after this long "
+                                                 "(longer than a load balancer's usual 60 s, so it closes first)")
+    header_timeout_s: float = setting(30.0, help="a connection whose request headers are not all in this long after "
+                                                 "it connected or the request began is closed (slow clients)")
     rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
                                                 "included; calls wait this long for a restarting service")
 

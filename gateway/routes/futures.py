@@ -14,13 +14,13 @@ from fastapi.responses import JSONResponse, Response
 from gateway.auth import CallerDep, caller_of
 from gateway.db import FutureRow
 from gateway.errors import error_response
-from gateway.futures import StoredRequest, json_body, runs
+from gateway.jobs.service import Noop
 from gateway.protocol import (CancelFutureRequest, CancelFutureResponse, FutureCompletion, FutureResponse,
                               RetrieveFutureRequest, RetrieveFuturesRequest, RetrieveFuturesResponse,
                               TryAgainResponse, parse_json)
 from gateway.state import Gateway, GatewayDep, gateway_of
 from tinkerd.errors import NotFoundError
-from tinkerd.v1 import common_pb2, trainer_pb2
+from tinkerd.v1 import trainer_pb2
 
 router = APIRouter()
 
@@ -118,11 +118,5 @@ async def _describe_queue(gw: Gateway, row: FutureRow) -> tuple[str, str]:
 @router.post("/internal/noop_future")
 async def noop_future(caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     """Not Tinker: a future whose job is one trainer Health call (bench/futures.py)."""
-    row = gw.futures.submit("noop", StoredRequest({}), owner=caller.user_id)
+    row = gw.futures.submit(Noop(), owner=caller.user_id)
     return FutureResponse(request_id=row.request_id)
-
-
-@runs("noop")
-async def _noop(gw: Gateway, args: dict, body: bytes):
-    await gw.trainer.Health(common_pb2.HealthRequest())
-    return json_body({"type": "noop"})

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway import housekeeping
 from gateway.auth import CallerDep
-from gateway.futures import StoredRequest, fingerprint, json_body, runs
+from gateway.futures import fingerprint
+from gateway.jobs.service import UnloadModel
 from gateway.protocol import FutureResponse, Id, Request
-from gateway.state import Gateway, GatewayDep
+from gateway.state import GatewayDep
 
 router = APIRouter(prefix="/api/v1")
 
@@ -24,14 +24,6 @@ async def unload_model(body: UnloadModelRequest, caller: CallerDep, gw: GatewayD
     Nothing is lost: the model loads again on its next request (as after a lapsed heartbeat)."""
     gw.sessions.model(caller, body.model_id)
     gw.limits.check_queue(caller)
-    row = gw.futures.submit("unload_model", StoredRequest({"model_id": body.model_id}), owner=caller.user_id,
+    row = gw.futures.submit(UnloadModel(body.model_id), owner=caller.user_id,
                             fingerprint=fingerprint("unload_model", body.model_id))
     return FutureResponse(request_id=row.request_id, model_id=body.model_id)
-
-
-@runs("unload_model")
-async def _unload(gw: Gateway, args: dict, body: bytes):
-    model_id = args["model_id"]
-    await gw.futures.drained(model_id)     # this future has no model_id: it does not wait for itself
-    await housekeeping.unload_model(gw, model_id)
-    return json_body({"model_id": model_id, "type": "unload_model"})

@@ -6,8 +6,10 @@ caller may read (theirs or published; anyone else's is 404, as everywhere). Each
 sample like `asample`'s: the same body checks (gateway/convert.py), the same per-user and server
 limits (gateway/limits.py), a "sample" future in the same scheduler (gateway/futures.py) whose job
 is asample's own (routes/sampling.py), on the same sampler pool. The gateway holds the model's
-tokenizer: it renders chat messages with the tokenizer's chat template and decodes the tokens.
-Formats and errors: gateway/openai_format.py.
+tokenizer: it renders chat messages with the tokenizer's chat template and decodes the tokens, in
+the tokenizer pool (gateway/tokenizer_work.py), never on the event loop; a prompt longer than
+`prompt_char_cap` characters is refused before it is encoded. Formats and errors:
+gateway/openai_format.py.
 
 Streaming (`stream: true`) sends server-sent events in OpenAI's chunk format ending in
 `data: [DONE]`; the sampler's gRPC API returns whole completions, so the chunks (one per
@@ -17,7 +19,6 @@ token) are sent once the completion is done, not as the engine makes them.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 
@@ -28,11 +29,15 @@ from gateway import convert, protocol
 from gateway import tinker_wire_pb2 as tw
 from gateway.auth import caller_of
 from gateway.db import CheckpointRow
-from gateway.futures import StoredRequest, new_request_id
+from gateway.futures import new_request_id
+from gateway.jobs.sampling import Sample
 from gateway.keys import Caller
-from gateway.openai_format import (ChatRequest, Choice, CommonRequest, CompletionRequest, OaiError, chat_logprob,
-                                   decode_choices, completion_logprobs, json_body, openai_errors, stream, usage)
+from gateway.openai_format import (ChatRequest, Choice, CommonRequest, CompletionRequest, OaiError, TokenTexts,
+                                   answer_json, answer_response, chat_logprob, check_logprob_entries,
+                                   completion_logprobs, decode_choices, events, json_body, openai_errors, stream,
+                                   usage)
 from gateway.state import Gateway, gateway_of
+from gateway.tokenizer_work import load, pool, prompt_char_cap
 
 router = APIRouter(prefix="/oai/api/v1")
 
@@ -54,25 +59,30 @@ def _model(gw: Gateway, caller: Caller, name: str) -> tuple[str, str]:
     return ckpt.snapshot_id, ckpt.snapshot_path
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
+async def tokenizer_of(gw: Gateway, caller: Caller):
+    return await pool.run(caller.user_id, load, gw.settings.base_model)
 
 
-async def tokenizer_of(gw: Gateway):
-    return await asyncio.to_thread(_tokenizer, gw.settings.base_model)
+def _check_prompt_chars(gw: Gateway, chars: int, param: str) -> None:
+    """Before encoding: longer text cannot fit the context, and encoding it holds the GIL."""
+    cap = prompt_char_cap(gw.settings.max_model_len)
+    if chars > cap:
+        raise OaiError(f"the prompt has {chars} characters; this server encodes at most {cap} "
+                       f"(8 x its context of {gw.settings.max_model_len} tokens)", param=param,
+                       code="context_length_exceeded")
 
 
 # ---- sampling: asample's path ----------------------------------------------------------------
 
 async def _sample(gw: Gateway, caller: Caller, prompt: list[int], req: CommonRequest, max_tokens: int | None,
-                  topk: int) -> tuple[str, tw.SampleResponse]:
+                  topk: int, logprobs: bool) -> tuple[str, tw.SampleResponse]:
     """One sample request as asample makes it: checked, limited, run as a "sample" future."""
-    snapshot_id, snapshot_path = _model(gw, caller, req.model)
+    snapshot_id, snapshot_path = await asyncio.to_thread(_model, gw, caller, req.model)
     limits = convert.model_limits(gw.settings.base_model, gw.settings.max_model_len)
     if max_tokens is None:           # OpenAI's default: up to the context
         max_tokens = max(limits.max_model_len - len(prompt), 1)
+    if logprobs:
+        check_logprob_entries(req.n, max_tokens, topk)
     body = protocol.SampleRequest(
         num_samples=req.n, prompt=protocol.ModelInput(chunks=[protocol.PromptChunk(tokens=prompt)]),
         sampling_params=protocol.SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
@@ -80,9 +90,9 @@ async def _sample(gw: Gateway, caller: Caller, prompt: list[int], req: CommonReq
         topk_sample_logprobs=topk)
     convert.check_sample(body, limits)
     msg = convert.sample_request(body, snapshot_id, snapshot_path)
-    gw.limits.check_samples(caller)
+    await asyncio.to_thread(gw.limits.check_samples, caller)
     msg.request_id = new_request_id()
-    row = gw.futures.submit("sample", StoredRequest({"record_for": None}, msg.SerializeToString()),
+    row = gw.futures.submit(Sample(msg),
                             owner=caller.user_id, request_id=msg.request_id)     # run by routes/sampling.py:_sample
     while (row := await gw.futures.wait(row.request_id, _WAIT_S, caller.user_id)).status == "pending":
         pass
@@ -113,7 +123,7 @@ def _models(gw: Gateway, caller: Caller) -> list[dict]:
 @openai_errors
 async def list_models(request: Request):
     """The base model's names and the caller's sampler checkpoints."""
-    return {"object": "list", "data": _models(gateway_of(request), caller_of(request))}
+    return {"object": "list", "data": await asyncio.to_thread(_models, gateway_of(request), caller_of(request))}
 
 
 @router.get("/models/{model:path}")
@@ -121,11 +131,23 @@ async def list_models(request: Request):
 async def get_model(request: Request):
     gw, caller, name = gateway_of(request), caller_of(request), request.path_params["model"]
     if name not in gw.settings.model_names:
-        row = gw.sessions.readable_checkpoint(caller, name)
+        row = await asyncio.to_thread(gw.sessions.readable_checkpoint, caller, name)
         if row.checkpoint_type != "sampler":
             raise OaiError(f"{name!r} is not a sampler checkpoint", 404, param="model", code="model_not_found")
         return _model_card(name, int(row.created_at.timestamp()), row.owner)
     return _model_card(name, 0, "tinkerd")
+
+
+def _chat_prompt(gw: Gateway, tok, req: ChatRequest) -> list[int]:
+    if not tok.chat_template:
+        raise OaiError("this model's tokenizer has no chat template; use /completions", param="messages")
+    try:
+        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                       tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception) on odd input
+        raise OaiError(f"the chat template refused these messages: {e}", param="messages") from None
+    _check_prompt_chars(gw, len(text), "messages")
+    return tok.encode(text, add_special_tokens=False)
 
 
 @router.post("/chat/completions")
@@ -134,30 +156,31 @@ async def chat_completions(request: Request):
     gw, caller = gateway_of(request), caller_of(request)
     req = ChatRequest.model_validate(await json_body(request))
     req.refuse_unsupported()
-    tok = await tokenizer_of(gw)
-    if not tok.chat_template:
-        raise OaiError("this model's tokenizer has no chat template; use /completions", param="messages")
-    try:
-        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                       tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception) on odd input
-        raise OaiError(f"the chat template refused these messages: {e}", param="messages") from None
-    prompt = tok.encode(text, add_special_tokens=False)
+    _check_prompt_chars(gw, sum(len(m.text()) for m in req.messages), "messages")
+    tok = await tokenizer_of(gw, caller)
+    prompt = await pool.run(caller.user_id, _chat_prompt, gw, tok, req)
     request_id, reply = await _sample(gw, caller, prompt, req, req.max_completion_tokens or req.max_tokens,
-                                      req.top_logprobs if req.logprobs else 0)
+                                      req.top_logprobs if req.logprobs else 0, req.logprobs)
+    answer = await pool.run(caller.user_id, _chat_answer, tok, req, prompt, request_id, reply)
+    return stream(answer) if req.stream else answer_response(answer)
+
+
+def _chat_answer(tok, req: ChatRequest, prompt: list[int], request_id: str, reply: tw.SampleResponse):
+    """The response (or its server-sent events), in a tokenizer thread."""
     choices = decode_choices(tok, reply, req.stop)
+    texts = TokenTexts(tok)
     head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": req.model}
 
     def logprobs(c: Choice, start: int, end: int):
         if not req.logprobs:
             return None
-        return {"content": [chat_logprob(tok, t, lp, k)
+        return {"content": [chat_logprob(texts, t, lp, k)
                             for t, lp, k in zip(c.tokens[start:end], c.logprobs[start:end], c.topk[start:end])]}
 
     if not req.stream:
-        return {**head, "object": "chat.completion", "usage": usage(prompt, choices), "choices": [
+        return answer_json({**head, "object": "chat.completion", "usage": usage(prompt, choices), "choices": [
             {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs(c, 0, None),
-             "finish_reason": c.finish_reason} for i, c in enumerate(choices)]}
+             "finish_reason": c.finish_reason} for i, c in enumerate(choices)]})
 
     def chunk(i: int, delta: dict, finish: str | None = None, lp=None) -> dict:
         return {**head, "object": "chat.completion.chunk",
@@ -172,7 +195,7 @@ async def chat_completions(request: Request):
             yield chunk(i, {}, c.finish_reason)
         if req.stream_options.get("include_usage"):
             yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(prompt, choices)}
-    return stream(chunks())
+    return events(chunks())
 
 
 @router.post("/completions")
@@ -183,29 +206,39 @@ async def completions(request: Request):
     req.refuse_unsupported()
     if req.echo or req.suffix:
         raise OaiError("echo and suffix are not supported by this server", param="echo" if req.echo else "suffix")
-    tok = await tokenizer_of(gw)
-    prompt = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+    if isinstance(req.prompt, str):
+        _check_prompt_chars(gw, len(req.prompt), "prompt")
+    tok = await tokenizer_of(gw, caller)
+    prompt = (await pool.run(caller.user_id, tok.encode, req.prompt) if isinstance(req.prompt, str)
+              else list(req.prompt))
     request_id, reply = await _sample(gw, caller, prompt, req, req.max_tokens or None,
-                                      req.logprobs or 0)
+                                      req.logprobs or 0, req.logprobs is not None)
+    answer = await pool.run(caller.user_id, _completion_answer, tok, req, prompt, request_id, reply)
+    return stream(answer) if req.stream else answer_response(answer)
+
+
+def _completion_answer(tok, req: CompletionRequest, prompt: list[int], request_id: str, reply: tw.SampleResponse):
+    """The response (or its server-sent events), in a tokenizer thread."""
     choices = decode_choices(tok, reply, req.stop)
+    texts = TokenTexts(tok)
     head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
             "model": req.model}
     want_logprobs = req.logprobs is not None
 
     if not req.stream:
-        return {**head, "usage": usage(prompt, choices), "choices": [
-            {"index": i, "text": c.text, "logprobs": completion_logprobs(tok, c) if want_logprobs else None,
-             "finish_reason": c.finish_reason} for i, c in enumerate(choices)]}
+        return answer_json({**head, "usage": usage(prompt, choices), "choices": [
+            {"index": i, "text": c.text, "logprobs": completion_logprobs(texts, c) if want_logprobs else None,
+             "finish_reason": c.finish_reason} for i, c in enumerate(choices)]})
 
     def chunks():
         for i, c in enumerate(choices):
             offset = 0
             for j, piece in enumerate(c.pieces):
                 if piece or want_logprobs:
-                    lp = completion_logprobs(tok, c, j, j + 1, offset) if want_logprobs else None
+                    lp = completion_logprobs(texts, c, j, j + 1, offset) if want_logprobs else None
                     yield {**head, "choices": [{"index": i, "text": piece, "logprobs": lp, "finish_reason": None}]}
                 offset += len(piece)
             yield {**head, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": c.finish_reason}]}
         if req.stream_options.get("include_usage"):
             yield {**head, "choices": [], "usage": usage(prompt, choices)}
-    return stream(chunks())
+    return events(chunks())

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway import convert, metrics
+from gateway import convert
 from gateway.auth import CallerDep
 from gateway.db import ModelRow, SamplingSessionRow
-from gateway.futures import StoredRequest, fingerprint, new_request_id, runs
+from gateway.futures import fingerprint, new_request_id
+from gateway.jobs.sampling import Sample
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
                               GetSamplerResponse, SAMPLING_CLONE_SPAN, SampleRequest)
 from gateway.routes.training import supported_base_model
-from gateway.state import Gateway, GatewayDep
+from gateway.state import GatewayDep
 from tinkerd.errors import UserError
-from tinkerd.v1 import sampler_pb2
 
 router = APIRouter(prefix="/api/v1")
 
@@ -63,23 +63,10 @@ async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
     gw.sessions.used(session)
     record_for = session.session_id if body.record_stability_info else None
     msg.request_id = new_request_id()      # the future's id (a resend gets the first one's back)
-    row = gw.futures.submit("sample", StoredRequest({"record_for": record_for}, msg.SerializeToString()),
+    row = gw.futures.submit(Sample(msg, record_for),
                             owner=caller.user_id, fingerprint=fingerprint("sample", body.model_dump_json()),
                             idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
                             target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN),
                             request_id=msg.request_id)
     return FutureResponse(request_id=row.request_id,
                           sample_sequence_ids=[f"{row.request_id}:{i}" for i in range(body.num_samples)])
-
-
-@runs("sample")
-async def _sample(gw: Gateway, args: dict, body: bytes):
-    """Re-driven, a sample is simply sampled again: its first result was never delivered."""
-    msg = sampler_pb2.SampleRequest.FromString(body)
-    record_for = args.get("record_for")
-    reply = await gw.backends.samplers.sample(msg)
-    metrics.sampled(reply)
-    if record_for is not None:       # for stable_reinforce, which names these sequences by id
-        gw.stability.record_all(record_for, {f"{msg.request_id}:{i}": (seq.tokens, seq.logprobs)
-                                             for i, seq in enumerate(reply.sequences)})
-    return "application/x-protobuf", convert.sample_response(reply)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import text
@@ -47,15 +48,17 @@ async def telemetry() -> dict:
 
 
 @router.get("/healthz")
-async def healthz(gw: GatewayDep):
+async def healthz(request: Request, gw: GatewayDep):
     """Public and cheap (a load balancer's or Kubernetes' readiness probe): ok when the database
     answers, the trainer reports SERVING and at least one sampler does (the others are listed as
     down but do not take the gateway out of service). The samplers' state is the pool's live set
     (gateway/sampler_pool.py checks each replica's grpc.health.v1 every second), not a second
     check. Says which part is down, never why: the reason is logged, not shown to anyone who can
-    reach the port."""
-    auth = ServiceAuth.of(gw.settings)
-    database, trainer = await asyncio.gather(_database(gw), _serving(gw.settings.trainer, auth))
+    reach the port. The database and trainer checks are shared (`Probe`)."""
+    probe = getattr(request.app.state, "healthz_probe", None)
+    if probe is None:
+        probe = request.app.state.healthz_probe = Probe()
+    database, trainer = await probe.result(gw)
     pool = gw.backends.samplers
     live = len(pool.live())
     body = {"database": database, "trainer": trainer, "samplers": f"{live}/{len(pool.members)} ok"}
@@ -66,6 +69,38 @@ async def healthz(gw: GatewayDep):
 
 # Each part answers within this, or counts as down: a probe must not hang on a dead service.
 _PROBE_TIMEOUT_S = 3.0
+# healthz is public: answered from one probe for this long, a caller cannot make the gateway open
+# a trainer channel (a TLS handshake under mTLS), ping the database and re-read the token and
+# certificate files at whatever rate it sends.
+CACHE_S = 1.0
+
+
+class Probe:
+    """The database's and the trainer's state, checked at most once per CACHE_S; callers that
+    come while a check runs wait for that one."""
+
+    def __init__(self):
+        self.checks = 0
+        self._result: tuple[str, str] | None = None
+        self._at = 0.0
+        self._running: asyncio.Task | None = None
+
+    async def result(self, gw) -> tuple[str, str]:
+        if self._result is not None and time.monotonic() - self._at < CACHE_S:
+            return self._result
+        if self._running is None:
+            self._running = asyncio.create_task(self._check(gw))
+        return await asyncio.shield(self._running)     # one caller leaving does not cancel the others' check
+
+    async def _check(self, gw) -> tuple[str, str]:
+        try:
+            self.checks += 1
+            auth = ServiceAuth.of(gw.settings)
+            database, trainer = await asyncio.gather(_database(gw), _serving(gw.settings.trainer, auth))
+            self._result, self._at = (database, trainer), time.monotonic()
+            return self._result
+        finally:
+            self._running = None
 
 
 async def _database(gw) -> str:

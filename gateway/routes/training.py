@@ -7,14 +7,15 @@ import os
 
 from fastapi import APIRouter, Request
 
-from gateway import audit, convert, metrics, step_metrics
+from gateway import convert
 from gateway.auth import CallerDep
 from gateway.db import ModelRow
-from gateway.futures import StoredRequest, fingerprint, json_body, runs
-from gateway.keys import Caller
+from gateway.futures import fingerprint
+from gateway.jobs.base import Owner
+from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimStep
 from gateway.protocol import (CreateModelRequest, FutureResponse, GetInfoResponse, ModelData, ModelIdRequest,
                               OptimStepRequest)
-from gateway.state import Gateway, GatewayDep, caller_args, stored_caller
+from gateway.state import Gateway, GatewayDep
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
@@ -41,33 +42,10 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
         gw.limits.check_models(caller)
     msg = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=gw.settings.base_model,
                                          lora_config=convert.lora_config(body.lora_config))
-    run = run_args(model_id, session_id, caller.user_id, base, body.lora_config.rank,
-                   body.lora_config.model_dump(exclude_none=True))
-    request = StoredRequest({"caller": caller_args(caller), "run": run}, msg.SerializeToString())
-    return gw.submit_training(caller, "create_model", model_id, 0, request,
+    run = NewRun(model_id, session_id, caller.user_id, base, body.lora_config.rank,
+                 body.lora_config.model_dump(exclude_none=True))
+    return gw.submit_training(caller, model_id, 0, CreateModel(msg, Owner.of(caller), run),
                               fingerprint("create_model", body.model_dump_json()))
-
-
-@runs("create_model")
-async def _create_model(gw: Gateway, args: dict, body: bytes):
-    msg = trainer_pb2.CreateModelRequest.FromString(body)
-    await gw.trainer.CreateModel(msg)
-    add_run(gw, stored_caller(args["caller"]), ModelRow(**args["run"]))
-    return json_body({"model_id": msg.model_id, "type": "create_model"})
-
-
-def run_args(model_id: str, session_id: str, owner: str, base_model: str, lora_rank: int, lora_config: dict) -> dict:
-    """A training run's row, as stored request arguments (ModelRow(**run_args(...)))."""
-    return {"model_id": model_id, "session_id": session_id, "owner": owner, "base_model": base_model,
-            "lora_rank": lora_rank, "lora_config": lora_config}
-
-
-def add_run(gw: Gateway, caller: Caller, row: ModelRow) -> None:
-    """Records a training run the trainer now holds."""
-    if gw.db.get(ModelRow, row.model_id) is None:
-        gw.db.add(row)
-        audit.record(gw.db, "training_run_created", user_id=caller.user_id, org_id=caller.org_id,
-                     model_id=row.model_id, base_model=row.base_model, lora_rank=row.lora_rank)
 
 
 @router.post("/get_info")
@@ -92,18 +70,8 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
     convert.check_forward_backward(fb, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
     if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
         gw.stability.apply(fb, model.session_id)
-    kind = "forward" if fb.forward_only else "forward_backward"
-    request = StoredRequest({}, convert.trainer_request(fb).SerializeToString())
-    return gw.submit_training(caller, kind, fb.model_id, fb.seq_id, request, fingerprint(kind, raw))
-
-
-@runs("forward", "forward_backward")
-async def _forward_backward(gw: Gateway, args: dict, body: bytes):
-    msg = trainer_pb2.ForwardBackwardRequest.FromString(body)
-    reply = await gw.trainer.ForwardBackward(msg)
-    metrics.trained(msg)
-    step_metrics.record(gw.db, msg, reply)
-    return "application/x-protobuf", convert.forward_backward_output(reply)
+    job = ForwardBackward(convert.trainer_request(fb))
+    return gw.submit_training(caller, fb.model_id, fb.seq_id, job, fingerprint(job.kind(), raw))
 
 
 @router.post("/optim_step")
@@ -111,14 +79,5 @@ async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) 
     gw.sessions.live_model(caller, body.model_id)
     msg = trainer_pb2.OptimStepRequest(model_id=body.model_id, seq_id=body.seq_id,
                                        adam_params=convert.adam_params(body.params))
-    return gw.submit_training(caller, "optim_step", body.model_id, body.seq_id,
-                              StoredRequest({}, msg.SerializeToString()),
+    return gw.submit_training(caller, body.model_id, body.seq_id, OptimStep(msg),
                               fingerprint("optim_step", body.model_dump_json()))
-
-
-@runs("optim_step")
-async def _optim_step(gw: Gateway, args: dict, body: bytes):
-    msg = trainer_pb2.OptimStepRequest.FromString(body)
-    reply = await gw.trainer.OptimStep(msg)
-    step_metrics.record(gw.db, msg, reply)
-    return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})

@@ -3,20 +3,20 @@
 
 from __future__ import annotations
 
-import datetime
-import time
 import uuid
 
 from fastapi import APIRouter
 
-from gateway import audit, checkpoints, metrics
+from gateway import checkpoints
 from gateway.auth import CallerDep
-from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, now
-from gateway.futures import StoredRequest, fingerprint, json_body, runs
+from gateway.db import CheckpointRow, ModelRow
+from gateway.futures import fingerprint
+from gateway.jobs.base import Owner
+from gateway.jobs.training import NewRun
+from gateway.jobs.weights import LoadWeights, PushWeights, SaveState
 from gateway.keys import Caller
 from gateway.protocol import FutureResponse, LoadWeightsRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest
-from gateway.routes.training import add_run, run_args
-from gateway.state import Gateway, GatewayDep, caller_args, stored_caller
+from gateway.state import Gateway, GatewayDep
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
@@ -30,66 +30,25 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
     expires_at = checkpoints.expires(body.ttl_seconds)
     # Where the snapshot is recorded once the samplers hold it: a named sampler checkpoint
     # (`path`), or an ephemeral sampling session.
-    target = {"caller": caller_args(caller), "session_id": model.session_id, "base_model": model.base_model,
-              "path": None, "sampling_session_id": None,
-              "expires_at": expires_at.isoformat() if expires_at else None}
+    path = sampling_session_id = None
     resend = gw.is_resend("save_weights_for_sampler", body.model_id, body.seq_id)
     if body.path is not None:
-        name = checkpoints.checkpoint_name(body.path)
-        target["path"] = checkpoints.tinker_path(body.model_id, "sampler_weights", name)
+        path = checkpoints.tinker_path(body.model_id, "sampler_weights", checkpoints.checkpoint_name(body.path))
         if not resend:
             gw.limits.check_checkpoint_bytes(caller)
-            if gw.db.get(CheckpointRow, target["path"]) is not None:
-                raise UserError(f"checkpoint {target['path']} already exists")
+            if gw.db.get(CheckpointRow, path) is not None:
+                raise UserError(f"checkpoint {path} already exists")
     else:
-        target["sampling_session_id"] = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
+        sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     push = trainer_pb2.PushWeightsRequest(
         model_id=body.model_id, seq_id=body.seq_id, snapshot_id=f"{body.model_id}@{body.seq_id}-{uuid.uuid4().hex[:8]}",
         persist=True, copy_in_background=body.path is None)   # a named checkpoint's files exist when it is listed
-    return gw.submit_training(caller, "save_weights_for_sampler", body.model_id, body.seq_id,
-                              StoredRequest(target, push.SerializeToString()),
+    job = PushWeights(push, Owner.of(caller), model.session_id, model.base_model, path, sampling_session_id,
+                      expires_at.isoformat() if expires_at else None)
+    return gw.submit_training(caller, body.model_id, body.seq_id, job,
                               # The SDK takes a new sampling_session_seq_id on each try of one request.
                               fingerprint("save_weights_for_sampler",
                                           body.model_dump_json(exclude={"sampling_session_seq_id"})))
-
-
-@runs("save_weights_for_sampler")
-async def _push_weights(gw: Gateway, target: dict, body: bytes):
-    push = trainer_pb2.PushWeightsRequest.FromString(body)
-    caller, path, sampling_session_id = stored_caller(target["caller"]), target["path"], target["sampling_session_id"]
-    # (In the job, not the route: a resend of this very request must still find its future. A
-    # session with this very snapshot is this request's own, recorded before a re-drive.)
-    existing = sampling_session_id and gw.db.get(SamplingSessionRow, sampling_session_id)
-    if existing and existing.snapshot_id != push.snapshot_id:
-        raise UserError(f"sampling session {sampling_session_id} exists already: every "
-                        f"save_weights_for_sampler needs its own sampling_session_seq_id")
-    await gw.backends.samplers.refresh()      # a replica that died since the last check would stall the push
-    push.sampler_addresses[:] = gw.backends.samplers.live_addresses()
-    t0 = time.perf_counter()
-    pushed = await gw.trainer.PushWeights(push)      # a resent (model_id, seq_id) gets the first push's reply
-    metrics.pushed(pushed, time.perf_counter() - t0)
-    gw.backends.samplers.holds(push.snapshot_id, list(push.sampler_addresses), dict(pushed.transports))
-    if path is not None:
-        expires_at = target["expires_at"] and datetime.datetime.fromisoformat(target["expires_at"])
-        gw.db.put(CheckpointRow(tinker_path=path, model_id=push.model_id, owner=caller.user_id,
-                                checkpoint_type="sampler", name=path.rsplit("/", 1)[1],
-                                snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
-                                directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
-                                expires_at=expires_at or None))
-        _audit_saved(gw, caller, push.model_id, path)
-    elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
-            sampling_session_id=sampling_session_id, owner=caller.user_id, session_id=target["session_id"],
-            base_model=target["base_model"], snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path)):
-        # Another request took this sampling_session_seq_id while the weights were pushed.
-        raise UserError(f"sampling session {sampling_session_id} was created meanwhile by another request: every "
-                        f"save_weights_for_sampler needs its own sampling_session_seq_id")
-    return json_body({"path": path, "sampling_session_id": sampling_session_id,
-                      "type": "save_weights_for_sampler"})
-
-
-def _audit_saved(gw: Gateway, caller: Caller, model_id: str, path: str) -> None:
-    audit.record(gw.db, "checkpoint_saved", user_id=caller.user_id, org_id=caller.org_id, model_id=model_id,
-                 tinker_path=path)
 
 
 @router.post("/save_weights")
@@ -113,28 +72,11 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
         if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
             raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
     expires_at = checkpoints.expires(body.ttl_seconds)
-    args = {"caller": caller_args(caller), "path": path, "checkpoint_type": checkpoints.KINDS[kind],
-            "expires_at": expires_at.isoformat() if expires_at else None, "user_metadata": body.user_metadata,
-            "response_type": response_type}
     save = trainer_pb2.SaveStateRequest(model_id=body.model_id, seq_id=body.seq_id, kind=kind, name=name,
                                         with_optimizer=with_optimizer)
-    return gw.submit_training(caller, f"save_{kind}", body.model_id, body.seq_id,
-                              StoredRequest(args, save.SerializeToString()),
-                              fingerprint(f"save_{kind}", body.model_dump_json()))
-
-
-@runs("save_weights", "save_external_weights")
-async def _save(gw: Gateway, args: dict, body: bytes):
-    save = trainer_pb2.SaveStateRequest.FromString(body)
-    caller, response_type = stored_caller(args["caller"]), args["response_type"]
-    row = CheckpointRow(tinker_path=args["path"], model_id=save.model_id, owner=caller.user_id, name=save.name,
-                        checkpoint_type=args["checkpoint_type"], user_metadata=args["user_metadata"],
-                        expires_at=args["expires_at"] and datetime.datetime.fromisoformat(args["expires_at"]) or None)
-    saved = await gw.trainer.SaveState(save)      # a resent (model_id, seq_id) gets the first save's reply
-    row.directory, row.size_bytes, row.created_at = saved.directory, saved.size_bytes, now()
-    gw.db.put(row)
-    _audit_saved(gw, caller, row.model_id, row.tinker_path)
-    return json_body({"path": row.tinker_path, "type": response_type})
+    job = SaveState(save, Owner.of(caller), path, checkpoints.KINDS[kind],
+                    expires_at.isoformat() if expires_at else None, body.user_metadata, response_type)
+    return gw.submit_training(caller, body.model_id, body.seq_id, job, fingerprint(job.kind(), body.model_dump_json()))
 
 
 @router.post("/load_weights")
@@ -157,22 +99,9 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
         if gw.db.get(ModelRow, model_id) is None:
             gw.limits.check_models(caller)
         lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
-        new_run = run_args(model_id, session_id, caller.user_id, source.base_model, source.lora_rank, lora)
+        new_run = NewRun(model_id, session_id, caller.user_id, source.base_model, source.lora_rank, lora)
     create = trainer_pb2.CreateModelRequest(
         model_id=model_id, base_model=gw.settings.base_model, load_optimizer=body.optimizer,
         load_checkpoint=trainer_pb2.CheckpointRef(model_id=source_run, kind=kind, name=name))
-    args = {"caller": caller_args(caller), "seq_id": seq_id, "path": body.path, "run": new_run}
-    return gw.submit_training(caller, "load_weights", model_id, seq_id, StoredRequest(args, create.SerializeToString()),
+    return gw.submit_training(caller, model_id, seq_id, LoadWeights(create, Owner.of(caller), seq_id, body.path, new_run),
                               fingerprint("load_weights", body.model_dump_json()))
-
-
-@runs("load_weights")
-async def _load(gw: Gateway, args: dict, body: bytes):
-    create = trainer_pb2.CreateModelRequest.FromString(body)
-    seq_id, path = args["seq_id"], args["path"]
-    if seq_id > 0:     # legacy: replace the existing model's state
-        await gw.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=create.model_id))
-    await gw.trainer.CreateModel(create)
-    if args["run"] is not None:
-        add_run(gw, stored_caller(args["caller"]), ModelRow(**args["run"]))
-    return json_body({"path": path, "model_id": create.model_id, "type": "load_weights"})

@@ -1,5 +1,5 @@
-"""tinker-cookbook 0.6.1 recipes, unmodified, in their own client venv (.venv-cookbook, built by
-scripts/cookbook-venv.sh from the registry) against `tinkerd up` on the tiny model.
+"""tinker-cookbook 0.6.1 recipes, unmodified, in their own client venv (built once by
+scripts/cookbook-venv.sh from the registry, kept outside the clone: sdk_venvs.client_venv_root) against `tinkerd up` on the tiny model.
 
 Offline as ../shared/reference/cookbook-offline.md describes: the recipes run in a directory
 holding `Qwen/Qwen3.5-9B-Base/` (a link to the tiny model; the server knows the name as an
@@ -15,9 +15,11 @@ import pathlib
 import subprocess
 
 import pytest
+from sdk_venvs import client_venv_root
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = pathlib.Path(__file__).resolve().parents[2]
+COOKBOOK_VENV = pathlib.Path(client_venv_root()) / "cookbook-0.6.1"
 ALIAS = "Qwen/Qwen3.5-9B-Base"      # the cookbook's default model; model_info maps it to role_colon
 ALIAS_CHAT = "Qwen/Qwen3.5-4B"      # the smoke tests' RL model: the qwen3_5 renderer, token-id stops
 SMOKE_TESTS = ["tests/recipes/test_recipe_chat_sl.py", "tests/recipes/test_recipe_rolling_checkpoints.py",
@@ -26,8 +28,9 @@ SMOKE_TESTS = ["tests/recipes/test_recipe_chat_sl.py", "tests/recipes/test_recip
 
 @pytest.fixture(scope="module")
 def cookbook_python() -> str:
-    subprocess.run(["bash", str(REPO / "scripts" / "cookbook-venv.sh")], check=True, timeout=1500)
-    return str(REPO / ".venv-cookbook" / "bin" / "python")
+    subprocess.run(["bash", str(REPO / "scripts" / "cookbook-venv.sh")], check=True, timeout=1500,
+                   env={**os.environ, "VENV": str(COOKBOOK_VENV)})
+    return str(COOKBOOK_VENV / "bin" / "python")
 
 
 def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
@@ -181,7 +184,7 @@ def test_the_cookbooks_own_smoke_tests(cookbook_python, workdir, stack):
     """tests/recipes of the tinker-cookbook 0.6.1 sdist, unmodified: chat_sl and its resume, rolling
     checkpoints and their resume, math_rl sync / async (off-policy) / stream-minibatch. They run
     recipes with `uv run`; a two-line shim runs them with the cookbook venv's python instead."""
-    sdist_dir = REPO / ".venv-cookbook" / "sdist"
+    sdist_dir = COOKBOOK_VENV / "sdist"
     if not (sdist_dir / "tests" / "recipes").is_dir():
         subprocess.run([cookbook_python, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
                         "-d", str(sdist_dir), "tinker-cookbook==0.6.1"], check=True, timeout=300)

@@ -133,6 +133,12 @@ def test_openai_client_over_base_model_and_trained_snapshot(stack, tiny_model_di
     refused(400, "prompt", prompt=[], kind="completions")
     refused(400, "outside the vocabulary", prompt=[10**6], kind="completions")
     refused(400, "echo", echo=True, kind="completions")
+    # Over the prompt character cap (8 x the context of 1024 tokens): refused before encoding.
+    refused(400, "at most 8192", prompt="x" * 8193, kind="completions")
+    refused(400, "at most 8192", messages=[{"role": "user", "content": "y" * 9000}])
+    # Over the logprob entries one request may ask for: n x max_tokens x (top-k + 1) > 262144.
+    refused(400, "at most 262144", n=128, max_tokens=128, logprobs=20, kind="completions")
+    refused(400, "at most 262144", n=128, max_tokens=128, logprobs=True, top_logprobs=20)
     other = openai.OpenAI(base_url=f"{stack.url}/oai/api/v1", api_key=_other_user_key(stack), max_retries=0)
     with pytest.raises(openai.NotFoundError):          # another user's snapshot is as unknown as none
         other.completions.create(model=snapshot, prompt=prompt, max_tokens=2)
@@ -142,3 +148,65 @@ def test_openai_client_over_base_model_and_trained_snapshot(stack, tiny_model_di
     bad = httpx.post(f"{stack.url}/oai/api/v1/completions", content=b"{not json",
                      headers={"Authorization": f"Bearer {stack.api_key}"})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.serial
+def test_tokenizer_work_does_not_stall_healthz(stack, tiny_model_dir):
+    """Issue 24 H3: while one client sends 4 MiB prompts (refused at once, before encoding) and
+    another asks for 128 choices with top-20 logprobs (decoded in the tokenizer pool), healthz
+    answers within 100 ms. Before, encoding one 4 MiB prompt held the event loop for seconds."""
+    import statistics
+    import threading
+    import time
+
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    url = f"{stack.url}/oai/api/v1/completions"
+    huge = "the cat sat on a mat " * (4 * 2**20 // 21)
+    with httpx.Client(timeout=60, headers=headers) as http:
+        # Just under the cap: encoded (2000 and some tokens), then refused by the context check.
+        r = http.post(url, json={"model": tiny_model_dir, "prompt": huge[:8190], "max_tokens": 1})
+        assert r.status_code == 400 and "tokens) + " in r.json()["error"]["message"], r.text
+        fits = http.post(url, json={"model": tiny_model_dir, "prompt": huge[:1500], "max_tokens": 2})
+        assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] > 100, fits.text
+
+    stop = threading.Event()
+    seen = {"huge": [], "logprobs": []}
+
+    def send_huge():
+        with httpx.Client(timeout=60, headers=headers) as http:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                r = http.post(url, json={"model": tiny_model_dir, "prompt": huge, "max_tokens": 1})
+                seen["huge"].append((r.status_code, time.perf_counter() - t0, r.json()["error"]["message"]))
+
+    def ask_logprobs():
+        with httpx.Client(timeout=120, headers=headers) as http:
+            while not stop.is_set():
+                r = http.post(url, json={"model": tiny_model_dir, "prompt": "the cat", "n": 128, "max_tokens": 8,
+                                         "temperature": 1.0, "logprobs": 20})
+                assert r.status_code == 200, r.text
+                seen["logprobs"].append(r.json())
+
+    clients = [threading.Thread(target=send_huge), threading.Thread(target=ask_logprobs)]
+    for c in clients:
+        c.start()
+    latencies = []
+    try:
+        time.sleep(0.5)
+        with httpx.Client(timeout=30) as probe:           # healthz is public: no key
+            for _ in range(20):
+                t0 = time.perf_counter()
+                assert probe.get(f"{stack.url}/api/v1/healthz").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.1)
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(timeout=120)
+    assert seen["huge"] and seen["logprobs"], {k: len(v) for k, v in seen.items()}
+    assert all(code == 400 and "at most 8192" in message for code, _, message in seen["huge"]), seen["huge"][:1]
+    assert statistics.median(t for _, t, _ in seen["huge"]) < 1.0, seen["huge"]
+    choices = seen["logprobs"][0]["choices"]
+    assert len(choices) == 128 and all(len(c["logprobs"]["top_logprobs"][0]) >= 1 for c in choices)
+    latencies.sort()
+    assert latencies[-2] < 0.1, latencies                 # the 95th percentile of 20

@@ -86,3 +86,19 @@ def test_the_page_needs_no_key_and_the_json_routes_do(gateway):
     assert client.get("/api/v1/console/queue", headers=anonymous).status_code == 401
     # The fakes' base model is no directory: the playground's tokenizer is a clear 400, not a 500.
     assert_user_error(gateway.api.post("console/tokenize", {"text": "hi"}), 400, "no tokenizer")
+
+
+def test_playground_tokenizes_and_detokenizes_with_the_base_models_tokenizer(gateway):
+    """The text <-> token ids of the base model's tokenizer (run in the tokenizer pool, off the
+    event loop), and the bounds on what one call may ask for."""
+    from harness.models import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.save_pretrained(gateway.settings.base_model)
+    text = "naïve café — 東京"
+    ids = gateway.api.post("console/tokenize", {"text": text}).json()["tokens"]
+    assert ids == tok.encode(text, add_special_tokens=False)
+    assert gateway.api.post("console/detokenize", {"tokens": ids}).json() == {"text": text}
+    assert_user_error(gateway.api.post("console/detokenize", {"tokens": [len(tok)]}), 400, "outside the vocabulary")
+    assert_user_error(gateway.api.post("console/detokenize", {"tokens": [1] * 131_073}), 400, "131072")
+    assert_user_error(gateway.api.post("console/tokenize", {"text": "x" * 100_001}), 400, "100000")

@@ -13,6 +13,7 @@ import sqlalchemy
 from fastapi.testclient import TestClient
 
 from gateway.app import create_app
+from gateway.routes import service
 from gateway.settings import GatewaySettings
 from gateway_fakes import FakeSampler, FakeTrainer
 from tinkerd import health, rpc
@@ -30,7 +31,8 @@ def _serve(servicer, add, name):
 
 
 @pytest.fixture
-def parts(tmp_path):
+def parts(tmp_path, monkeypatch):
+    monkeypatch.setattr(service, "CACHE_S", 0.0)          # these follow each change at once
     trainer = _serve(FakeTrainer(str(tmp_path / "state")), trainer_pb2_grpc.add_TrainerServicer_to_server,
                      "tinkerd.v1.Trainer")
     samplers = [_serve(FakeSampler(), sampler_pb2_grpc.add_SamplerServicer_to_server, "tinkerd.v1.Sampler")
@@ -127,3 +129,35 @@ def test_a_registered_replica_joins_the_pool_listing_and_healthz(parts):
         assert _samplers_become(client, "0/2 ok")[0] == 503
     finally:
         server.stop(0)
+
+
+def test_rapid_calls_share_one_database_and_trainer_check(parts, monkeypatch):
+    """Issue 24 L2: healthz is public; calls within CACHE_S of a check (sequential or at once from
+    many threads) are answered from it: one trainer channel, one database ping. After CACHE_S the
+    next call checks again and sees the trainer's new state."""
+    import asyncio
+    import concurrent.futures
+
+    client, trainer, samplers = parts
+    trainer[2].serving()
+    samplers[0][2].serving()
+    assert _samplers_become(client, "1/2 ok")[0] == 200
+    probe = client.app.state.healthz_probe = service.Probe()      # nothing checked yet
+    monkeypatch.setattr(service, "CACHE_S", 60.0)
+    calls = []
+    real_serving = service._serving
+
+    async def counted(address, auth):
+        calls.append(address)
+        await asyncio.sleep(0.2)            # a slow trainer: the threads' calls arrive while it runs
+        return await real_serving(address, auth)
+    monkeypatch.setattr(service, "_serving", counted)
+    with concurrent.futures.ThreadPoolExecutor(8) as threads:
+        answers = list(threads.map(lambda _: _healthz(client), range(40)))
+    assert answers == [(200, {"status": "ok", "database": "ok", "trainer": "ok", "samplers": "1/2 ok"})] * 40
+    assert len(calls) == 1 and probe.checks == 1, (calls, probe.checks)
+    trainer[2].stopping()
+    assert _healthz(client)[1]["trainer"] == "ok" and len(calls) == 1        # still the cached check
+    monkeypatch.setattr(service, "CACHE_S", 0.2)
+    time.sleep(0.25)
+    assert _healthz(client)[1]["trainer"] == "not serving" and len(calls) == 2

@@ -1,0 +1,85 @@
+"""A job is what a future runs: one typed class per request kind, with its own `run`.
+
+Its fields are what the future's row stores, so any gateway can run it again from the row
+(gateway/futures.py re-drives the futures of a gateway that stopped): the gRPC message it sends,
+serialized as it is, and typed JSON arguments for what the job records once the service answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Any, ClassVar
+
+from gateway.keys import Caller
+
+
+@dataclasses.dataclass
+class StoredRequest:
+    """A job as its future's row keeps it: JSON arguments and the serialized gRPC message (b"" if none)."""
+    args: dict
+    body: bytes = b""
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """Who a job acts for: enough to record and audit what it makes."""
+    user_id: str
+    org_id: str
+
+    @classmethod
+    def of(cls, caller: Caller) -> "Owner":
+        return cls(caller.user_id, caller.org_id)
+
+    def caller(self) -> Caller:
+        return Caller(self.user_id, "", self.org_id, "", False, key_id="")
+
+
+Result = tuple[str, bytes]      # (content type, body) of the future's result
+
+
+def json_body(obj) -> Result:
+    return "application/json", json.dumps(obj).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Subclasses are frozen dataclasses: `message` (the gRPC request, when the job sends one)
+    and typed arguments; plain values, or dataclasses of plain values."""
+    kinds: ClassVar[tuple[str, ...]]            # the request types this job runs
+    message_type: ClassVar[type | None] = None  # the class of `message`
+
+    def kind(self) -> str:
+        """This request's type (the future's request_type)."""
+        return self.kinds[0]
+
+    async def run(self, gw) -> Result:
+        raise NotImplementedError
+
+    def stored(self) -> StoredRequest:
+        args = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "message"}
+        return StoredRequest(args, self.message.SerializeToString() if self.message_type else b"")
+
+    @classmethod
+    def from_stored(cls, request: StoredRequest) -> "Job":
+        """Raises KeyError or TypeError for a row stored in another shape (an older gateway's)."""
+        hints = typing.get_type_hints(cls)
+        values = {f.name: _typed(hints[f.name], request.args[f.name])
+                  for f in dataclasses.fields(cls) if f.name != "message"}
+        if cls.message_type is not None:
+            values["message"] = cls.message_type.FromString(request.body)
+        return cls(**values)
+
+
+def _plain(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def _typed(hint: Any, value: Any) -> Any:
+    """A stored JSON value as its field's type: a dict becomes the field's dataclass."""
+    if isinstance(value, dict):
+        for candidate in (hint, *typing.get_args(hint)):
+            if dataclasses.is_dataclass(candidate):
+                return candidate(**value)
+    return value

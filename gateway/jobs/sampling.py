@@ -1,0 +1,26 @@
+"""A sample: one SampleRequest to the sampler pool."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gateway import convert, metrics
+from gateway.jobs.base import Job, Result
+from tinkerd.v1 import sampler_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample(Job):
+    """Re-driven, a sample is simply sampled again: its first result was never delivered."""
+    kinds = ("sample",)
+    message_type = sampler_pb2.SampleRequest
+    message: sampler_pb2.SampleRequest
+    record_for: str | None = None       # the session whose stable_reinforce steps may name these sequences
+
+    async def run(self, gw) -> Result:
+        reply = await gw.backends.samplers.sample(self.message)
+        metrics.sampled(reply)
+        if self.record_for is not None:
+            gw.stability.record_all(self.record_for, {f"{self.message.request_id}:{i}": (seq.tokens, seq.logprobs)
+                                                      for i, seq in enumerate(reply.sequences)})
+        return "application/x-protobuf", convert.sample_response(reply)

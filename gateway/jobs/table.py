@@ -1,0 +1,13 @@
+"""Every job, by the request type it runs: the one list (gateway/app.py hands it to the futures)."""
+
+from __future__ import annotations
+
+from gateway.jobs.base import Job
+from gateway.jobs.sampling import Sample
+from gateway.jobs.service import Noop, UnloadModel
+from gateway.jobs.training import CreateModel, ForwardBackward, OptimStep
+from gateway.jobs.weights import LoadWeights, PushWeights, SaveState
+
+JOB_CLASSES: tuple[type[Job], ...] = (CreateModel, ForwardBackward, OptimStep, PushWeights, SaveState, LoadWeights,
+                                      Sample, UnloadModel, Noop)
+JOBS: dict[str, type[Job]] = {kind: cls for cls in JOB_CLASSES for kind in cls.kinds}

@@ -1,0 +1,71 @@
+"""A training run's jobs: create_model, forward / forward_backward, optim_step. They run in the
+model's seq_id order (gateway/futures.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gateway import audit, convert, metrics, step_metrics
+from gateway.db import ModelRow
+from gateway.jobs.base import Job, Owner, Result, json_body
+from tinkerd.v1 import trainer_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class NewRun:
+    """A training run's row, written once the trainer holds its model (a failed create leaves none)."""
+    model_id: str
+    session_id: str
+    owner: str
+    base_model: str
+    lora_rank: int
+    lora_config: dict
+
+    def add(self, gw, owner: Owner) -> None:
+        if gw.db.get(ModelRow, self.model_id) is None:
+            gw.db.add(ModelRow(**dataclasses.asdict(self)))
+            audit.record(gw.db, "training_run_created", user_id=owner.user_id, org_id=owner.org_id,
+                         model_id=self.model_id, base_model=self.base_model, lora_rank=self.lora_rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateModel(Job):
+    kinds = ("create_model",)
+    message_type = trainer_pb2.CreateModelRequest
+    message: trainer_pb2.CreateModelRequest
+    caller: Owner
+    new_run: NewRun
+
+    async def run(self, gw) -> Result:
+        await gw.trainer.CreateModel(self.message)
+        self.new_run.add(gw, self.caller)
+        return json_body({"model_id": self.message.model_id, "type": "create_model"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardBackward(Job):
+    """forward_backward, or forward (forward_only): the SDK's request, translated once at the route."""
+    kinds = ("forward_backward", "forward")
+    message_type = trainer_pb2.ForwardBackwardRequest
+    message: trainer_pb2.ForwardBackwardRequest
+
+    def kind(self) -> str:
+        return "forward" if self.message.forward_only else "forward_backward"
+
+    async def run(self, gw) -> Result:
+        reply = await gw.trainer.ForwardBackward(self.message)
+        metrics.trained(self.message)
+        step_metrics.record(gw.db, self.message, reply)
+        return "application/x-protobuf", convert.forward_backward_output(reply)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimStep(Job):
+    kinds = ("optim_step",)
+    message_type = trainer_pb2.OptimStepRequest
+    message: trainer_pb2.OptimStepRequest
+
+    async def run(self, gw) -> Result:
+        reply = await gw.trainer.OptimStep(self.message)
+        step_metrics.record(gw.db, self.message, reply)
+        return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})

@@ -1,0 +1,118 @@
+"""A model's weights in and out: a snapshot pushed to the samplers (save_weights_for_sampler),
+save_state (adapter, with or without the optimizer), loading a saved state into a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+
+from gateway import audit, metrics
+from gateway.db import CheckpointRow, SamplingSessionRow, now
+from gateway.jobs.base import Job, Owner, Result, json_body
+from gateway.jobs.training import NewRun
+from tinkerd.errors import UserError
+from tinkerd.v1 import trainer_pb2
+
+
+def _expiry(stored: str | None) -> datetime.datetime | None:
+    return datetime.datetime.fromisoformat(stored) if stored else None
+
+
+def _audit_saved(gw, owner: Owner, model_id: str, path: str) -> None:
+    audit.record(gw.db, "checkpoint_saved", user_id=owner.user_id, org_id=owner.org_id, model_id=model_id,
+                 tinker_path=path)
+
+
+@dataclasses.dataclass(frozen=True)
+class PushWeights(Job):
+    """save_weights_for_sampler: the snapshot goes to every live replica, then is recorded as a
+    named sampler checkpoint (`path`) or as an ephemeral sampling session."""
+    kinds = ("save_weights_for_sampler",)
+    message_type = trainer_pb2.PushWeightsRequest
+    message: trainer_pb2.PushWeightsRequest
+    caller: Owner
+    session_id: str
+    base_model: str
+    path: str | None
+    sampling_session_id: str | None
+    expires_at: str | None          # ISO time, for a named checkpoint with a ttl
+
+    async def run(self, gw) -> Result:
+        push, sid = trainer_pb2.PushWeightsRequest(), self.sampling_session_id
+        push.CopyFrom(self.message)
+        # (In the job, not the route: a resend of this very request must still find its future. A
+        # session with this very snapshot is this request's own, recorded before a re-drive.)
+        existing = sid and gw.db.get(SamplingSessionRow, sid)
+        if existing and existing.snapshot_id != push.snapshot_id:
+            raise UserError(f"sampling session {sid} exists already: every "
+                            f"save_weights_for_sampler needs its own sampling_session_seq_id")
+        await gw.backends.samplers.refresh()      # a replica that died since the last check would stall the push
+        push.sampler_addresses[:] = gw.backends.samplers.live_addresses()
+        t0 = time.perf_counter()
+        pushed = await gw.trainer.PushWeights(push)      # a resent (model_id, seq_id) gets the first push's reply
+        metrics.pushed(pushed, time.perf_counter() - t0)
+        gw.backends.samplers.holds(push.snapshot_id, list(push.sampler_addresses), dict(pushed.transports))
+        if self.path is not None:
+            gw.db.put(CheckpointRow(tinker_path=self.path, model_id=push.model_id, owner=self.caller.user_id,
+                                    checkpoint_type="sampler", name=self.path.rsplit("/", 1)[1],
+                                    snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
+                                    directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
+                                    expires_at=_expiry(self.expires_at)))
+            _audit_saved(gw, self.caller, push.model_id, self.path)
+        elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
+                sampling_session_id=sid, owner=self.caller.user_id, session_id=self.session_id,
+                base_model=self.base_model, snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path)):
+            # Another request took this sampling_session_seq_id while the weights were pushed.
+            raise UserError(f"sampling session {sid} was created meanwhile by another request: every "
+                            f"save_weights_for_sampler needs its own sampling_session_seq_id")
+        return json_body({"path": self.path, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveState(Job):
+    """save_weights (adapter and optimizer) or save_weights_external (adapter only)."""
+    kinds = ("save_weights", "save_external_weights")
+    message_type = trainer_pb2.SaveStateRequest
+    message: trainer_pb2.SaveStateRequest
+    caller: Owner
+    path: str
+    checkpoint_type: str
+    expires_at: str | None
+    user_metadata: dict | None
+    response_type: str              # the SDK's name for the call
+
+    def kind(self) -> str:
+        return f"save_{self.message.kind}"
+
+    async def run(self, gw) -> Result:
+        save = self.message
+        row = CheckpointRow(tinker_path=self.path, model_id=save.model_id, owner=self.caller.user_id,
+                            name=save.name, checkpoint_type=self.checkpoint_type, user_metadata=self.user_metadata,
+                            expires_at=_expiry(self.expires_at))
+        saved = await gw.trainer.SaveState(save)      # a resent (model_id, seq_id) gets the first save's reply
+        row.directory, row.size_bytes, row.created_at = saved.directory, saved.size_bytes, now()
+        gw.db.put(row)
+        _audit_saved(gw, self.caller, row.model_id, row.tinker_path)
+        return json_body({"path": row.tinker_path, "type": self.response_type})
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadWeights(Job):
+    """A saved state into a new model (create-via-load: `new_run`) or, from older SDKs, into an
+    existing one (seq_id > 0: its state is replaced)."""
+    kinds = ("load_weights",)
+    message_type = trainer_pb2.CreateModelRequest
+    message: trainer_pb2.CreateModelRequest
+    caller: Owner
+    seq_id: int
+    path: str
+    new_run: NewRun | None
+
+    async def run(self, gw) -> Result:
+        if self.seq_id > 0:
+            await gw.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=self.message.model_id))
+        await gw.trainer.CreateModel(self.message)
+        if self.new_run is not None:
+            self.new_run.add(gw, self.caller)
+        return json_body({"path": self.path, "model_id": self.message.model_id, "type": "load_weights"})

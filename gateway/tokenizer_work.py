@@ -1,0 +1,86 @@
+"""The base model's tokenizer, and its work (encoding, chat templates, decoding) run off the event
+loop for the OpenAI routes and the console.
+
+A long prompt or 128 long completions with logprobs take seconds of CPU; on the loop that would
+stall every tenant (healthz, lease renewals, long-polls). The work runs in a small pool of its
+own, not the loop's default executor (the database calls use that one), and one user has at most
+`PER_USER` jobs in it at a time, so one tenant cannot take every thread. Threads help only while
+the work releases the GIL or runs Python code (which yields every few ms): the Rust encoder holds
+the GIL for a whole call, so prompts are also capped in characters before they are encoded
+(`prompt_char_cap`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+THREADS = 4
+PER_USER = 2
+# A token is rarely more than a few characters; 8 per token of context leaves room for any real
+# prompt that fits, and bounds the encoder's time (it holds the GIL) at a few tens of ms per call.
+CHARS_PER_TOKEN = 8
+
+
+def prompt_char_cap(max_model_len: int) -> int:
+    """The most characters of prompt text encoded: longer text cannot fit the context anyway."""
+    return CHARS_PER_TOKEN * max_model_len
+
+
+@functools.lru_cache(maxsize=4)
+def load(model_dir: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class TokenizerPool:
+    """A bounded pool whose jobs are shared out per user (`run`)."""
+
+    def __init__(self, threads: int = THREADS, per_user: int = PER_USER):
+        self.threads, self.per_user = threads, per_user
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._users: dict[str, list] = {}     # user -> [semaphore, jobs holding or waiting for it]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tokenizer")
+            return self._pool
+
+    async def run(self, user: str, fn, *args):
+        """`fn(*args)` on a pool thread, after the user's earlier jobs beyond `per_user` finished.
+        A caller that goes away (client disconnect) does not free its slot before the thread is
+        done: the work still occupies it."""
+        entry = self._users.setdefault(user, [asyncio.Semaphore(self.per_user), 0])
+        entry[1] += 1
+        try:
+            await entry[0].acquire()
+        except BaseException:
+            self._leave(user, entry)
+            raise
+        try:
+            job = asyncio.get_running_loop().run_in_executor(self._executor(), functools.partial(fn, *args))
+        except BaseException:
+            entry[0].release()
+            self._leave(user, entry)
+            raise
+
+        def done(_):
+            entry[0].release()
+            self._leave(user, entry)
+        job.add_done_callback(done)
+        return await asyncio.shield(job)
+
+    def _leave(self, user: str, entry: list) -> None:
+        entry[1] -= 1
+        if entry[1] == 0 and self._users.get(user) is entry:
+            del self._users[user]
+
+    def busy_users(self) -> int:
+        return len(self._users)
+
+
+pool = TokenizerPool()
