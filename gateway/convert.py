@@ -28,6 +28,7 @@ DEFAULT_MAX_TOKENS = 128
 MAX_BODY_BYTES = 32 << 20          # GatewaySettings.max_body_bytes' default
 MAX_DATUMS = 1024                  # the SDK's fwdbwd_max_chunk_len: it never sends more at once
 MAX_TENSOR_ELEMENTS = 1 << 24      # a sparse tensor made dense (64 MiB as float32)
+MAX_BATCH_TOKENS = 1 << 17         # GatewaySettings.max_batch_tokens' default (datums x longest datum)
 _Stop = sampler_pb2.SamplingParams.StopMode
 
 
@@ -125,8 +126,28 @@ class ForwardBackward:
     data: list[DatumArrays]
 
 
-def forward_backward(body: bytes) -> ForwardBackward:
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What one forward_backward may cost, checked on the parsed body before any array is made:
+    a sparse tensor of a few bytes can stand for gigabytes once dense."""
+    max_elements: int = MAX_BODY_BYTES // 4       # loss_fn_inputs elements, all datums and keys (dense)
+    max_batch_tokens: int = MAX_BATCH_TOKENS      # datums x longest datum: the trainer pads to the longest
+
+    @classmethod
+    def of(cls, settings) -> "Budget":
+        return cls(settings.max_body_bytes // 4, settings.max_batch_tokens)
+
+
+def forward_backward(body: bytes, budget: Budget = Budget()) -> ForwardBackward:
     """The SDK's protobuf body, decoded and checked: anything malformed is a UserError."""
+    msg = parse_forward_backward(body)
+    check_cost(msg, budget)
+    return decode_forward_backward(msg)
+
+
+def parse_forward_backward(body: bytes) -> tw.ForwardBackwardRequest:
+    """The body parsed, nothing expanded (its size is the body's): enough to check ownership of
+    msg.model_id before check_cost() and decode_forward_backward()."""
     msg = tw.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -136,6 +157,73 @@ def forward_backward(body: bytes) -> ForwardBackward:
         raise UserError(f"seq_id must be >= 0, got {msg.seq_id}")
     if len(msg.data) > MAX_DATUMS:
         raise UserError(f"{len(msg.data)} datums in one request; at most {MAX_DATUMS}")
+    return msg
+
+
+def check_cost(msg: tw.ForwardBackwardRequest, budget: Budget) -> None:
+    """From shapes alone: every loss_fn_input has one row per input token (as the trainer
+    requires), their dense elements in all stay within budget.max_elements, and the padded batch
+    within budget.max_batch_tokens."""
+    total, longest = 0, 0
+    for i, datum in enumerate(msg.data):
+        n = _token_count(datum, i)
+        longest = max(longest, n)
+        for key, t in datum.loss_fn_inputs.items():
+            where = f"datum {i}: loss_fn_inputs[{key!r}]"
+            shape = list(t.shape)
+            if any(d < 0 for d in shape):
+                raise UserError(f"{where}: negative dimension in shape {shape}")
+            if not t.HasField("sparse_csr"):
+                shape = shape or [len(t.dense) // _itemsize(t, where)]     # no shape: 1-D
+            if not shape or shape[0] != n:
+                raise UserError(f"{where} has shape {shape}, expected leading dimension {n} (the number of "
+                                f"input tokens)")
+            total += math.prod(shape)
+            if total > budget.max_elements:
+                raise UserError(f"loss_fn_inputs hold more than {budget.max_elements} elements in all (counted "
+                                f"dense, over every datum and key; the limit is --max-body-bytes / 4): send "
+                                f"fewer datums per request")
+    if len(msg.data) * longest > budget.max_batch_tokens:
+        raise UserError(f"{len(msg.data)} datums padded to the longest ({longest} tokens) make "
+                        f"{len(msg.data) * longest} tokens, over this server's --max-batch-tokens "
+                        f"{budget.max_batch_tokens}: send fewer datums per request, or group them by length")
+
+
+def _token_count(datum: tw.Datum, i: int) -> int:
+    n = 0
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise UserError(f"datum {i}: {kind} inputs are not supported by this server (text only)")
+        raw = chunk.encoded_text.tokens
+        if len(raw) % 4:
+            raise UserError(f"datum {i}: model_input tokens are {len(raw)} bytes, not a whole number of int32")
+        lowest = np.frombuffer(raw, dtype="<i4").min() if raw else 0
+        if lowest < 0:
+            raise UserError(f"datum {i}: token id {lowest} is negative")
+        n += len(raw) // 4
+    return n
+
+
+def _itemsize(t: tw.Tensor, where: str) -> int:
+    """Bytes per value of a dense tensor, whose bytes must be a whole number of them."""
+    if t.dtype == tw.DTYPE_BFLOAT16:
+        size = 2
+    else:
+        try:
+            numpy_dtype = dtypes.by_wire_name(tw.DType.Name(t.dtype)).numpy
+        except ValueError:                # unknown to the table or to the SDK's enum
+            numpy_dtype = None
+        if numpy_dtype is None:
+            raise UserError(f"{where}: unsupported dtype {t.dtype}")
+        size = np.dtype(numpy_dtype).itemsize
+    if len(t.dense) % size:
+        raise UserError(f"{where}: {len(t.dense)} bytes are not a whole number of {size}-byte values")
+    return size
+
+
+def decode_forward_backward(msg: tw.ForwardBackwardRequest) -> ForwardBackward:
+    """The arrays of a parsed body that passed check_cost()."""
     config = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "number":
@@ -148,17 +236,10 @@ def forward_backward(body: bytes) -> ForwardBackward:
 
 
 def _datum(datum: tw.Datum, i: int) -> DatumArrays:
+    _token_count(datum, i)       # text only, whole non-negative int32s
     tokens: list[int] = []
     for chunk in datum.model_input:
-        kind = chunk.WhichOneof("chunk")
-        if kind != "encoded_text":
-            raise UserError(f"datum {i}: {kind} inputs are not supported by this server (text only)")
-        raw = chunk.encoded_text.tokens
-        if len(raw) % 4:
-            raise UserError(f"datum {i}: model_input tokens are {len(raw)} bytes, not a whole number of int32")
-        tokens.extend(np.frombuffer(raw, dtype="<i4").tolist())
-    if tokens and min(tokens) < 0:
-        raise UserError(f"datum {i}: token id {min(tokens)} is negative")
+        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
     inputs = {key: _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]") for key, t in datum.loss_fn_inputs.items()}
     for key, array in inputs.items():      # one NaN makes every gradient, then every weight, NaN
         if array.dtype.kind == "f" and not np.isfinite(array).all():

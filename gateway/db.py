@@ -180,11 +180,14 @@ class StabilityRecordRow(Base):
     """A sequence sampled for stable_reinforce (gateway/stability.py): in the database, so the
     gateway a training step reaches finds what another gateway sampled."""
     __tablename__ = "stability_records"
-    # Record order: the count cap drops the lowest ids (an index range, not a count of the table).
+    # Record order: a user's caps drop their lowest ids first.
+    __table_args__ = (Index("ix_stability_records_owner", "owner", "record_id"),)
     record_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
                                            autoincrement=True)
     sequence_id: Mapped[str] = mapped_column(String(128), unique=True)      # "<request_id>:<i>"
     session_id: Mapped[str] = mapped_column(String(128))                    # whose: only it may use it
+    owner: Mapped[str] = mapped_column(String(128), server_default="")      # the session's user: capped per user
+    size_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")  # what the record costs, counted
     tokens: Mapped[bytes] = mapped_column(LargeBinary)                      # int64, the sampled tokens
     logprobs: Mapped[bytes] = mapped_column(LargeBinary)                    # float32, the sampler's
     used: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)

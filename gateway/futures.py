@@ -46,6 +46,43 @@ from tinkerd.errors import ServiceError, UserError, category_for
 log = logging.getLogger(__name__)
 
 _FINISHED_KEPT = 4096      # recent results answered from memory; older ones from the database
+_FINISHED_BYTES = 256 << 20   # ... and their bodies at most this in all (one sample's can be 100+ MB)
+
+
+class FinishedResults:
+    """Recently finished futures kept in memory, the oldest dropped first beyond `max_rows` rows
+    or `max_bytes` of result bodies; a body larger than the budget is not kept at all. What is
+    not here is read from the database."""
+
+    def __init__(self, max_rows: int = _FINISHED_KEPT, max_bytes: int = _FINISHED_BYTES):
+        self.max_rows, self.max_bytes = max_rows, max_bytes
+        self._rows: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, request_id: str) -> FutureRow | None:
+        return self._rows.get(request_id)
+
+    def put(self, row: FutureRow) -> None:
+        self.pop(row.request_id)
+        if len(row.result or b"") > self.max_bytes:
+            return
+        self._rows[row.request_id] = row
+        self.bytes += len(row.result or b"")
+        while len(self._rows) > self.max_rows or self.bytes > self.max_bytes:
+            _, oldest = self._rows.popitem(last=False)
+            self.bytes -= len(oldest.result or b"")
+
+    def pop(self, request_id: str) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self.bytes -= len(row.result or b"")
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self.bytes = 0
 
 
 def new_request_id() -> str:
@@ -84,7 +121,7 @@ class Futures:
         self.jobs: Mapping[str, type[TypedJob]] = {}     # request type -> its job class, set by bind()
         self.started_at = now()
         self._pending: dict[str, _Pending] = {}        # scheduled here, not finished yet
-        self._finished: collections.OrderedDict[str, FutureRow] = collections.OrderedDict()
+        self._finished = FinishedResults()
         self._pending_by_type: collections.Counter[str] = collections.Counter()
         self._pending_by_owner: collections.Counter[tuple[str, str]] = collections.Counter()
         # Training jobs, each model's in seq_id order (another gateway's seq counts as arrived).
@@ -222,9 +259,7 @@ class Futures:
         else:      # finished elsewhere first (cancelled there, or re-driven by a gateway that thought us dead)
             row = self.db.get(FutureRow, request_id)
             status, body = row.status, row.result or b""
-        self._finished[request_id] = row
-        while len(self._finished) > _FINISHED_KEPT:
-            self._finished.popitem(last=False)
+        self._finished.put(row)
         if request_id not in self._jobs:      # an unordered job releases its place when its task ends
             self._release(pending.request_type, pending.owner)
         if pending.target is not None:
@@ -283,7 +318,7 @@ class Futures:
         """The client has this result: it leaves the memory cache (the futures table keeps it)."""
         row = self._finished.get(request_id)
         if row is not None and row.owner == owner:
-            del self._finished[request_id]
+            self._finished.pop(request_id)
 
     def pending_of(self, owner: str, request_type: str | None = None) -> int:
         """The owner's futures scheduled here and not finished yet (of one type, or all): this

@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tinkerd.adam import ADAM_MAX
+
 INT32, INT64 = 2**31 - 1, 2**63 - 1
 MAX_JSON_DEPTH = 32
 MAX_METADATA_BYTES = 64 << 10          # user_metadata / tags, as JSON
@@ -189,13 +191,14 @@ class GetInfoResponse(BaseModel):
 
 class AdamParams(Body):
     """Finite (allow_inf_nan=False) and in Adam's domain: a NaN or negative step would be taken
-    and leave every weight of the adapter NaN."""
+    and leave every weight of the adapter NaN; above ADAM_MAX (tinkerd/adam.py) a typo would blow
+    the weights up."""
     type: Id = "adam"
-    learning_rate: float = Field(1e-4, ge=0)
+    learning_rate: float = Field(1e-4, ge=0, le=ADAM_MAX["learning_rate"])
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-12, gt=0)               # 0 divides 0 by 0 where a gradient is 0
-    weight_decay: float = Field(0.0, ge=0)
+    eps: float = Field(1e-12, gt=0, le=ADAM_MAX["eps"])    # 0 divides 0 by 0 where a gradient is 0
+    weight_decay: float = Field(0.0, ge=0, le=ADAM_MAX["weight_decay"])
     grad_clip_norm: float = Field(0.0, ge=0)
 
 

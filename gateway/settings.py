@@ -40,8 +40,16 @@ class GatewaySettings(ServiceAuthSettings):
     max_checkpoint_gb_per_user: float = setting(50.0, help="checkpoint bytes on disk one user may hold (GB)")
     stability_ttl_s: float = setting(3600.0, help="sampled sequences recorded for stable_reinforce are "
                                                   "dropped after this long unused")
+    stability_mb_per_user: float = setting(256.0, help="sampled sequences recorded for stable_reinforce one user "
+                                                       "may hold (MB; also at most 100000 of them): beyond it their "
+                                                       "oldest are dropped")
     max_body_bytes: int = setting(32 << 20, help="larger request bodies get HTTP 413, zstd ones also once "
                                                  "inflated")
+    # The trainer's setting of the same name (one `tinkerd up` flag): the gateway refuses such a
+    # request before it is queued.
+    max_batch_tokens: int = setting(1 << 17, help="a forward_backward's datums x its longest datum (the trainer "
+                                                  "pads every datum to the longest; its memory grows with this "
+                                                  "times the vocabulary): more is a 400")
     # The sampler's setting of the same name (one `tinkerd up` flag): the gateway refuses a sample
     # that cannot fit before it reaches a replica.
     max_model_len: int = setting(1024, help="context length: prompt + max_tokens")

@@ -6,7 +6,9 @@ through the datum's provenance spans, which sampled sequence each target positio
 the trainer then gets the sampler's own logprobs for those positions (not whatever the client
 sent), and a span whose tokens differ from what was sampled is refused. Records belong to the
 session that sampled them and expire after a period without use, as in Tinker. They are rows of
-the database, so a step that reaches any gateway finds what was sampled through another.
+the database, so a step that reaches any gateway finds what was sampled through another. Each
+user's records are capped in bytes and in rows (their oldest go first): one user's sampling
+cannot push out anyone else's.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import numpy as np
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from gateway.db import Database, StabilityRecordRow, now
+from gateway.db import Database, SessionRow, StabilityRecordRow, now
 from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
 _ROWS = StabilityRecordRow.__table__.c
+_ROW_BYTES = 200          # what a record costs beyond its arrays: ids, timestamps, indexes
 
 
 @dataclasses.dataclass
@@ -44,17 +47,25 @@ class Span:
 
 class StabilityRecords:
     """The records, in the database's stability_records table: any gateway finds what another
-    one recorded. At most `max_sequences` are kept (the oldest recorded go first), and those
-    unused for ttl_s are dropped by expire() (housekeeping, on every gateway)."""
+    one recorded. Each user (the sampling session's owner) keeps at most `max_bytes_per_user` of
+    records and `max_sequences_per_user` of them, the oldest recorded going first; those unused
+    for ttl_s are dropped by expire() (housekeeping, on every gateway)."""
 
-    def __init__(self, db: Database, ttl_s: float = 3600.0, max_sequences: int = 1_000_000):
+    def __init__(self, db: Database, ttl_s: float = 3600.0, max_bytes_per_user: int = 256 << 20,
+                 max_sequences_per_user: int = 100_000):
         self.db = db
         self.ttl_s = ttl_s
-        self.max_sequences = max_sequences
+        self.max_bytes_per_user = max_bytes_per_user
+        self.max_sequences_per_user = max_sequences_per_user
 
     def __len__(self) -> int:
         with self.db.engine.connect() as conn:
             return conn.execute(select(func.count()).select_from(StabilityRecordRow.__table__)).scalar()
+
+    def held_by(self, owner: str) -> tuple[int, int]:
+        """(records, bytes) the user holds."""
+        with self.db.engine.connect() as conn:
+            return self._held(conn, owner)
 
     def record(self, session_id: str, sequence_id: str, tokens, logprobs) -> None:
         self.record_all(session_id, {sequence_id: (tokens, logprobs)})
@@ -65,22 +76,47 @@ class StabilityRecords:
         if not sequences:
             return
         stamp = now()
-        rows = [{"sequence_id": sid, "session_id": session_id, "used": stamp,
-                 "tokens": np.asarray(tokens, dtype="<i8").tobytes(),
-                 "logprobs": np.asarray(logprobs, dtype="<f4").tobytes()} for sid, (tokens, logprobs) in sequences.items()]
+        with self.db.engine.connect() as conn:
+            owner = conn.execute(select(SessionRow.owner).where(SessionRow.session_id == session_id)).scalar()
+        owner = owner or session_id       # (a session without an owner: capped on its own)
+        rows = []
+        for sid, (tokens, logprobs) in sequences.items():
+            tokens = np.asarray(tokens, dtype="<i8").tobytes()
+            logprobs = np.asarray(logprobs, dtype="<f4").tobytes()
+            rows.append({"sequence_id": sid, "session_id": session_id, "owner": owner, "used": stamp,
+                         "tokens": tokens, "logprobs": logprobs,
+                         "size_bytes": len(tokens) + len(logprobs) + len(sid) + _ROW_BYTES})
         try:
             with self.db.engine.begin() as conn:
                 conn.execute(delete(StabilityRecordRow.__table__).where(_ROWS.sequence_id.in_(list(sequences))))
                 conn.execute(StabilityRecordRow.__table__.insert(), rows)
-                self._cap(conn)
+                self._cap(conn, owner)
         except IntegrityError:       # another gateway recorded the same sequences at this moment
             log.warning("stability records of %s were recorded concurrently elsewhere; kept theirs", list(sequences))
 
-    def _cap(self, conn) -> None:
-        """Keeps at most max_sequences records: ids increase with each record, so the ones more than
-        max_sequences below the newest are the oldest (fewer are kept where ids have gaps)."""
-        newest = conn.execute(select(func.max(_ROWS.record_id))).scalar() or 0
-        conn.execute(delete(StabilityRecordRow.__table__).where(_ROWS.record_id <= newest - self.max_sequences))
+    @staticmethod
+    def _held(conn, owner: str) -> tuple[int, int]:
+        count, size = conn.execute(select(func.count(), func.coalesce(func.sum(_ROWS.size_bytes), 0))
+                                   .where(_ROWS.owner == owner)).one()
+        return int(count), int(size)
+
+    def _cap(self, conn, owner: str) -> None:
+        """Drops the user's oldest records once over either cap, down to 7/8 of it (so the next
+        few records do not each walk the user's rows again)."""
+        count, size = self._held(conn, owner)
+        if count <= self.max_sequences_per_user and size <= self.max_bytes_per_user:
+            return
+        keep_rows, keep_bytes = self.max_sequences_per_user * 7 // 8, self.max_bytes_per_user * 7 // 8
+        kept_rows = kept_bytes = 0
+        newest_first = conn.execute(select(_ROWS.record_id, _ROWS.size_bytes).where(_ROWS.owner == owner)
+                                    .order_by(_ROWS.record_id.desc()))
+        for record_id, row_bytes in newest_first:
+            kept_rows, kept_bytes = kept_rows + 1, kept_bytes + row_bytes
+            if kept_rows > max(keep_rows, 1) or kept_bytes > keep_bytes:
+                newest_first.close()
+                conn.execute(delete(StabilityRecordRow.__table__).where(_ROWS.owner == owner,
+                                                                         _ROWS.record_id <= record_id))
+                return
 
     def expire(self) -> int:
         """Drops records unused for ttl_s; returns how many."""

@@ -57,8 +57,9 @@ class Gateway:
                                                       True, key_id="")
         authenticator = Authenticator(KeyStore(db), Signer(KeyRing(keys_file), settings.token_ttl_s), anonymous)
         futures = Futures(db, lease_s=settings.future_lease_s)
-        gw = cls(settings, db, Sessions(db, settings), futures, StabilityRecords(db, ttl_s=settings.stability_ttl_s),
-                 authenticator, Limits(settings, db))
+        stability = StabilityRecords(db, ttl_s=settings.stability_ttl_s,
+                                     max_bytes_per_user=int(settings.stability_mb_per_user * (1 << 20)))
+        gw = cls(settings, db, Sessions(db, settings), futures, stability, authenticator, Limits(settings, db))
         return gw
 
     @property

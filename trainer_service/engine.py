@@ -45,7 +45,8 @@ BASE_DTYPES = ("float32", "bfloat16", "float16")
 class TrainerEngine:
     def __init__(self, base_model_dir: str, *, zero_stage: int = 2, dtype: str = "float32",
                  max_lora_rank: int = 64, base_model_names: tuple[str, ...] = (),
-                 durable: DurableModels | None = None, max_resident: int = 32, keep_zero_stage: bool = False):
+                 durable: DurableModels | None = None, max_resident: int = 32, keep_zero_stage: bool = False,
+                 max_batch_tokens: int = training.MAX_BATCH_TOKENS):
         """`keep_zero_stage`: run `zero_stage` as given even on one rank, where stages 1 and 2
         partition nothing (as trainers did before they ran those as stage 0; tests write such
         checkpoints with it)."""
@@ -63,6 +64,7 @@ class TrainerEngine:
         self.max_lora_rank = max_lora_rank
         self.durable = durable
         self.max_resident = max_resident
+        self.max_batch_tokens = max_batch_tokens
         self.device = hardware.default_device()
         config = AutoConfig.from_pretrained(base_model_dir)
         self.vocab_size = config.vocab_size
@@ -268,7 +270,8 @@ class TrainerEngine:
                          loss_fn_config: dict[str, float], *, forward_only: bool):
         """Returns (per-datum outputs, metrics). Gradients accumulate until optim_step."""
         loss_impl = get_loss(loss_fn)
-        training.validate(data, vocab_size=self.vocab_size, max_positions=self.max_positions)
+        training.validate(data, vocab_size=self.vocab_size, max_positions=self.max_positions,
+                          max_batch_tokens=self.max_batch_tokens)
         with self._lock:
             model = self.get(model_id)
             shares = self.ranks.share(data)       # data parallel: this rank's part of the batch

@@ -40,6 +40,7 @@ class LoraModel:
     state_seq: int = 0        # seq_id of the last optim_step in the weights (0: as created)
     durable_seq: int = -1     # state_seq when the durable state was last written; -1: never
     pending_grads: bool = False   # gradients accumulated since the last optim_step
+    nonfinite_loss: bool = False  # a forward_backward since the last optim_step had a NaN/inf loss: skip it
     last_used: float = 0.0    # monotonic; the least recently used model is evicted first
 
 

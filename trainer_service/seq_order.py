@@ -11,11 +11,17 @@ waits for that copy and then gets its reply, instead of running twice.
 
 A model's order starts at 1 once it is made here (seq 0 is its creation); a model this process
 did not make (it came back from disk after a restart) starts at the first seq_id it sees.
+
+A seq_id below the next one that this process saw execute, arriving again once its reply left the
+reply cache (a re-drive after many later requests), is refused by the servicer instead of applied
+twice: wait_turn() tells it so. Seq_ids skipped by the gap timeout, and requests that failed,
+were not applied; those may still run late.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -24,41 +30,78 @@ log = logging.getLogger(__name__)
 
 GAP_TIMEOUT_S = 10.0
 _MODELS_KEPT = 100_000     # models whose next seq_id is remembered (oldest forgotten first)
+_SKIPPED_KEPT = 64         # per model, runs of seq_ids not applied (older ones forgotten: then refused)
+
+
+@dataclasses.dataclass
+class _Model:
+    next: int                  # every seq_id in [floor, next) executed here, except `skipped`
+    floor: int                 # the first seq_id seen (below it: from before this process)
+    skipped: list[list[int]] = dataclasses.field(default_factory=list)    # [lo, hi) runs not applied
+
+    def executed_before(self, seq: int) -> bool:
+        """Did seq execute here already? A skipped seq_id about to run leaves `skipped`."""
+        if not self.floor <= seq < self.next:
+            return False
+        for i, (lo, hi) in enumerate(self.skipped):
+            if lo <= seq < hi:
+                self.skipped[i:i + 1] = [r for r in ([lo, seq], [seq + 1, hi]) if r[0] < r[1]]
+                return False
+        return True
+
+    def skip(self, lo: int, hi: int) -> None:
+        if lo < hi:
+            self.skipped.append([lo, hi])
+            del self.skipped[:-_SKIPPED_KEPT]
 
 
 class SeqOrder:
     def __init__(self, gap_timeout_s: float = GAP_TIMEOUT_S):
         self.gap_timeout_s = gap_timeout_s
-        self._next: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._models: collections.OrderedDict[str, _Model] = collections.OrderedDict()
         self._running: set[tuple[str, int]] = set()
         self._cv = threading.Condition()
 
-    def wait_turn(self, model_id: str, seq: int) -> None:
+    def _model(self, model_id: str, seq: int) -> _Model:
+        model = self._models.get(model_id)
+        if model is None:
+            model = self._models[model_id] = _Model(next=seq, floor=seq)
+            while len(self._models) > _MODELS_KEPT:
+                self._models.popitem(last=False)
+        self._models.move_to_end(model_id)
+        return model
+
+    def wait_turn(self, model_id: str, seq: int) -> bool:
         """Blocks until every lower seq_id of the model has executed (or the gap timeout passed)
-        and no other copy of this request runs; then it counts as running until executed()."""
+        and no other copy of this request runs; then it counts as running until executed().
+        Returns True if this seq_id executed here before (a late copy: not to be applied again)."""
         deadline = time.monotonic() + self.gap_timeout_s
         with self._cv:
-            self._next.setdefault(model_id, seq)
-            self._next.move_to_end(model_id)
+            model = self._model(model_id, seq)
             gap_waived = False
-            while (model_id, seq) in self._running or (seq > self._next.get(model_id, seq) and not gap_waived):
+            while (model_id, seq) in self._running or (seq > model.next and not gap_waived):
                 left = deadline - time.monotonic()
                 if (model_id, seq) not in self._running and left <= 0:
-                    log.warning("%s: seq_id %d never arrived; running seq_id %d", model_id,
-                                self._next.get(model_id, seq), seq)
+                    log.warning("%s: seq_id %d never arrived; running seq_id %d", model_id, model.next, seq)
                     gap_waived = True
                     continue
                 self._cv.wait(left if left > 0 else 0.1)
+                model = self._model(model_id, seq)       # forget() may have dropped it meanwhile
+            if gap_waived and seq > model.next:
+                model.skip(model.next, seq)
+                model.next = seq
             self._running.add((model_id, seq))
+            return model.executed_before(seq)
 
-    def executed(self, model_id: str, seq: int) -> None:
-        """seq ran (or was refused): the next one may go."""
+    def executed(self, model_id: str, seq: int, applied: bool = True) -> None:
+        """seq ran, or was refused (`applied` False: it changed nothing, so a copy may run
+        later): the next one may go."""
         with self._cv:
             self._running.discard((model_id, seq))
-            self._next[model_id] = max(self._next.get(model_id, 0), seq + 1)
-            self._next.move_to_end(model_id)
-            while len(self._next) > _MODELS_KEPT:
-                self._next.popitem(last=False)
+            model = self._model(model_id, seq)
+            if not applied:
+                model.skip(seq, seq + 1)
+            model.next = max(model.next, seq + 1)
             self._cv.notify_all()
 
     def created(self, model_id: str) -> None:
@@ -67,9 +110,10 @@ class SeqOrder:
 
     def forget(self, model_id: str) -> None:
         with self._cv:
-            self._next.pop(model_id, None)
+            self._models.pop(model_id, None)
             self._cv.notify_all()
 
     def next_of(self, model_id: str) -> int | None:
         with self._cv:
-            return self._next.get(model_id)
+            model = self._models.get(model_id)
+            return model.next if model is not None else None

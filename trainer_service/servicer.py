@@ -64,14 +64,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         cached = self.replies.get(model_id, seq, kind)
         if cached is not None:
             return cached
-        self.order.wait_turn(model_id, seq)
+        ran_before = self.order.wait_turn(model_id, seq)
+        applied = True
         try:
             cached = self.replies.get(model_id, seq, kind)    # the same request, sent meanwhile by another gateway
             if cached is not None:
                 return cached
-            return self._fair(model_id, self._turn(request, kind, work))
+            if ran_before:
+                raise _expired(kind, model_id, seq)
+            applied = False
+            reply = self._fair(model_id, self._turn(request, kind, work))
+            applied = True
+            return reply
         finally:
-            self.order.executed(model_id, seq)
+            self.order.executed(model_id, seq, applied)
 
     def _turn(self, request, kind: str, work):
         model_id, seq = request.model_id, request.seq_id
@@ -224,16 +230,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         cached = self.replies.get(request.model_id, request.seq_id, "push_weights")
         if cached is not None:
             return cached
-        self.order.wait_turn(request.model_id, request.seq_id)
+        ran_before = self.order.wait_turn(request.model_id, request.seq_id)
+        applied = False
         try:
-            return self._push(request)
+            reply = self._push(request, ran_before)
+            applied = True
+            return reply
         finally:
-            self.order.executed(request.model_id, request.seq_id)
+            self.order.executed(request.model_id, request.seq_id, applied or ran_before)
 
-    def _push(self, request) -> trainer_pb2.PushWeightsResponse:
+    def _push(self, request, ran_before: bool) -> trainer_pb2.PushWeightsResponse:
         cached = self.replies.get(request.model_id, request.seq_id, "push_weights")
         if cached is not None:     # the same push, sent meanwhile by another gateway
             return cached
+        if ran_before:
+            raise _expired("push_weights", request.model_id, request.seq_id)
 
         def export():
             self._resume(request.model_id, request.seq_id)
@@ -245,3 +256,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         metrics.pushed(reply, time.perf_counter() - t0)
         self.replies.put(request.model_id, request.seq_id, "push_weights", reply)
         return reply
+
+
+def _expired(kind: str, model_id: str, seq: int) -> UserError:
+    """A late copy of a request that executed here and whose reply was since dropped
+    (replies.py keeps the latest within a byte budget): applying it again would apply it twice."""
+    return UserError(f"{kind} seq_id {seq} of {model_id} was already executed and its result is no longer "
+                     f"kept (later requests pushed it out of the trainer's reply cache); it is not applied "
+                     f"twice. Send a new request")

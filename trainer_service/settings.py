@@ -25,5 +25,8 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
     durable_interval_s: float = setting(10.0, help="write a model's durable state after an optim_step once its "
                                                    "last write is older than this (0: every step); also written "
                                                    "when the trainer is idle, and on unload")
+    max_batch_tokens: int = setting(1 << 17, help="a forward_backward's datums x its longest datum (the trainer "
+                                                  "pads every datum to the longest; its memory grows with this "
+                                                  "times the vocabulary): more is a 400")
     max_resident_models: int = setting(32, help="models kept in memory; the least recently used others wait "
                                                 "on disk and reload on their next use")

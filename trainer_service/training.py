@@ -23,8 +23,12 @@ import math
 
 import torch
 
+from tinkerd.adam import ADAM_MAX
 from tinkerd.errors import UserError
 from trainer_service.registry import LoraModel
+
+
+MAX_BATCH_TOKENS = 1 << 17     # TrainerSettings.max_batch_tokens' default
 
 
 @dataclasses.dataclass
@@ -44,9 +48,14 @@ class AdamParams:
     grad_clip_norm: float  # 0: no clipping
 
 
-def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int) -> None:
+def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int, max_batch_tokens: int) -> None:
     if not data:
         raise UserError("forward_backward needs at least one datum")
+    longest = max(len(d.tokens) for d in data)
+    if len(data) * longest > max_batch_tokens:     # every datum is padded to the longest
+        raise UserError(f"{len(data)} datums padded to the longest ({longest} tokens) make {len(data) * longest} "
+                        f"tokens, over this trainer's --max-batch-tokens {max_batch_tokens}: send fewer datums "
+                        f"per request, or group them by length")
     for i, d in enumerate(data):
         n = len(d.tokens)
         if n == 0:
@@ -150,6 +159,8 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
     if not forward_only:
         model.engine.backward(total * ranks if ranks > 1 else total, scale_wrt_gas=False)
     outputs, loss_sum = _to_host(logprobs, losses, total)
+    if not forward_only and not math.isfinite(loss_sum):
+        model.nonfinite_loss = True      # optim_step skips the step these gradients belong to
     return outputs, {"loss:sum": loss_sum}
 
 
@@ -160,6 +171,9 @@ def check_adam(adam: AdamParams) -> None:
     bad = [k for k, v in values.items() if not math.isfinite(v) or v < 0]
     if bad:
         raise UserError(f"invalid Adam parameters: {bad[0]} = {values[bad[0]]} (must be finite and >= 0)")
+    over = [k for k, limit in ADAM_MAX.items() if values[k] > limit]
+    if over:
+        raise UserError(f"invalid Adam parameters: {over[0]} = {values[over[0]]} is over {ADAM_MAX[over[0]]}")
     if not (adam.beta1 < 1 and adam.beta2 < 1):
         raise UserError(f"invalid Adam parameters: beta1 and beta2 must be < 1, got {adam.beta1}, {adam.beta2}")
     if adam.eps <= 0:
@@ -168,36 +182,47 @@ def check_adam(adam: AdamParams) -> None:
 
 def optim_step(model: LoraModel, adam: AdamParams, *, zero_stage: int, device: torch.device,
                ranks: int = 1) -> dict[str, float]:
-    """`ranks`: the job's world size (at stage 0 several ranks all-reduce the gradients here)."""
+    """`ranks`: the job's world size (at stage 0 several ranks all-reduce the gradients here).
+    A step whose gradients (or, on any rank, a loss since the last step) are not finite is not
+    taken: its gradients are dropped, the weights and Adam's state stay as they were, and the
+    metrics say "optim_step_skipped:sum" 1 (with no grad_norm, which is not a number then)."""
     engine = model.engine
     for group in engine.optimizer.param_groups:
         group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                      weight_decay=adam.weight_decay)
     engine.set_gradient_accumulation_boundary(True)
+    poisoned, model.nonfinite_loss = model.nonfinite_loss, False
     if zero_stage == 0:
-        norm = _step_plain_gradients(model, adam.grad_clip_norm, ranks)
+        norm = _step_plain_gradients(model, adam.grad_clip_norm, ranks, poisoned)
     else:
         engine.optimizer.clip_grad = adam.grad_clip_norm
-        engine.backward(_closing_loss(model, zero_stage, device), scale_wrt_gas=False)
-        engine.step()
+        engine.backward(_closing_loss(model, zero_stage, device, poisoned), scale_wrt_gas=False)
+        engine.step()         # ZeRO's overflow check skips a step whose gradients are not finite
         norm = engine.get_global_grad_norm()
+        if getattr(engine.optimizer, "overflow", False):
+            norm = math.inf
     engine.set_gradient_accumulation_boundary(False)
     model.step += 1
     metrics = {"step:max": float(model.step)}
-    if norm is not None:
+    if norm is not None and not math.isfinite(norm):
+        metrics["optim_step_skipped:sum"] = 1.0
+    elif norm is not None:
         metrics["grad_norm:mean"] = float(norm)
     return metrics
 
 
-def _step_plain_gradients(model: LoraModel, max_norm: float, ranks: int) -> float:
+def _step_plain_gradients(model: LoraModel, max_norm: float, ranks: int, poisoned: bool = False) -> float:
     """Stage 0's step, as ZeRO-1/2 would take it: the gradients (zeros where a parameter has
     none, as the closing micro-step would leave) averaged over ranks, clipped to `max_norm` (0:
     no clipping), and no step at all when their norm is not finite (ZeRO's overflow check).
-    Returns the norm before clipping."""
+    `poisoned`: this rank's loss was not finite; its gradients are made NaN so that every rank's
+    norm says so after the all-reduce and all of them skip. Returns the norm before clipping."""
     engine = model.engine
     for p in model.params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    if poisoned:
+        model.params[0].grad.fill_(math.nan)
     if ranks > 1:
         engine.allreduce_gradients()
     grads = [p.grad for p in model.params]
@@ -212,13 +237,15 @@ def _step_plain_gradients(model: LoraModel, max_norm: float, ranks: int) -> floa
     return norm
 
 
-def _closing_loss(model: LoraModel, zero_stage: int, device: torch.device) -> torch.Tensor:
+def _closing_loss(model: LoraModel, zero_stage: int, device: torch.device, poisoned: bool = False) -> torch.Tensor:
     """A zero loss whose backward touches every parameter of the model: the micro-step that
     closes the accumulation window and runs ZeRO's reduction (stages 1-3; an empty share's
     stand-in at any stage takes the 1-token forward). Under ZeRO-1/2 the parameters
     are whole, so a sum over them does it without running the base model; under ZeRO-3 they
-    are partitioned and only a forward gathers them, so that takes a 1-token forward."""
+    are partitioned and only a forward gathers them, so that takes a 1-token forward.
+    `poisoned`: NaN instead of zero, so that ZeRO's overflow check skips the step on every rank."""
+    factor = math.nan if poisoned else 0.0
     if zero_stage == 3:
-        return model.engine(torch.zeros(1, 1, dtype=torch.long, device=device)).sum() * 0.0
+        return model.engine(torch.zeros(1, 1, dtype=torch.long, device=device)).sum() * factor
     model.engine.module.activate()       # PEFT keeps requires_grad only on the active adapter
-    return sum(p.sum() for p in model.params) * 0.0
+    return sum(p.sum() for p in model.params) * factor

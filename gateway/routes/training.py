@@ -61,10 +61,13 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
     """The SDK's protobuf body (maybe zstd); stable_reinforce gets the sampler's recorded logprobs."""
     if "json" in request.headers.get("content-type", ""):
         raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
-    raw = convert.decompress(await request.body(), request.headers.get("content-encoding"))
-    fb = convert.forward_backward(raw)
+    raw = convert.decompress(await request.body(), request.headers.get("content-encoding"),
+                             gw.settings.max_body_bytes)
+    msg = convert.parse_forward_backward(raw)
+    model = gw.sessions.live_model(caller, msg.model_id)     # before any array is made for it
+    convert.check_cost(msg, convert.Budget.of(gw.settings))   # from shapes: nothing expanded yet
+    fb = convert.decode_forward_backward(msg)
     convert.check_forward_backward(fb, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
-    model = gw.sessions.live_model(caller, fb.model_id)
     if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
         gw.stability.apply(fb, model.session_id)
     job = ForwardBackward(convert.trainer_request(fb))

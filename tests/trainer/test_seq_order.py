@@ -8,7 +8,11 @@ import threading
 import time
 
 from trainer_service.seq_order import SeqOrder
-from test_durable import _create, _fb, _step, _trainer
+import pytest
+
+from servicer_context import Context
+from test_durable import _create, _datum, _fb, _step, _trainer
+from tinkerd.v1 import trainer_pb2
 
 
 def _run_in_threads(calls):
@@ -83,3 +87,59 @@ def test_the_servicer_runs_out_of_order_requests_in_seq_order_once(tiny_model_di
     assert fb2_copy == fb2
     assert trainer.order.next_of("s:train:0") == 4
     assert trainer.engine.get("s:train:0").step == 1
+
+
+def test_a_late_copy_of_an_executed_seq_id_is_told_so():
+    """wait_turn says whether the seq_id executed here before: then the servicer refuses it (its
+    reply is gone) instead of applying it twice. Seq_ids skipped by the gap timeout and requests
+    that failed were not applied, so those may run late."""
+    order = SeqOrder(gap_timeout_s=0.2)
+    order.created("m")
+    for seq in (1, 2):
+        assert order.wait_turn("m", seq) is False
+        order.executed("m", seq)
+    assert order.wait_turn("m", 1) is True           # a re-drive of seq_id 1
+    order.executed("m", 1)
+    assert order.wait_turn("m", 5) is False          # 3 and 4 never come: skipped after the gap timeout
+    order.executed("m", 5)
+    assert order.wait_turn("m", 3) is False          # late, never applied: runs
+    order.executed("m", 3)
+    assert order.wait_turn("m", 3) is True           # but only once
+    order.executed("m", 3)
+    assert order.wait_turn("m", 6) is False
+    order.executed("m", 6, applied=False)            # failed: a resend may run it
+    assert order.wait_turn("m", 6) is False
+    order.executed("m", 6)
+    assert order.wait_turn("m", 6) is True
+    order.executed("m", 6)
+    fresh = SeqOrder()                                # a restarted trainer: what came before is unknown
+    assert fresh.wait_turn("m", 7) is False
+    fresh.executed("m", 7)
+    assert fresh.wait_turn("m", 2) is False
+
+
+def test_a_re_drive_whose_reply_was_dropped_is_refused_not_applied_twice(tiny_model_dir, tmp_path):
+    import grpc
+    from servicer_context import Aborted
+    from trainer_service.replies import ReplyCache
+
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    trainer.replies = ReplyCache(per_model_bytes=1)      # keeps only each model's newest reply
+    _create(trainer, "s:train:0")
+    ran = []
+    real = trainer._forward_backward
+
+    def recorded(request):
+        ran.append(request.seq_id)
+        return real(request)
+    trainer._forward_backward = recorded
+    first = _fb(trainer, "s:train:0", 1)
+    first_request = trainer_pb2.ForwardBackwardRequest(model_id="s:train:0", seq_id=1, loss_fn="cross_entropy",
+                                                       data=[_datum()])
+    _fb(trainer, "s:train:0", 2)
+    assert _fb(trainer, "s:train:0", 2) == _fb(trainer, "s:train:0", 2)      # still kept: answered
+    context = Context()
+    with pytest.raises(Aborted, match="seq_id 1 of s:train:0 was already executed .* not applied twice"):
+        trainer.ForwardBackward(first_request, context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert ran == [1, 2] and first.outputs

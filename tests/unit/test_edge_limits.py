@@ -81,7 +81,8 @@ def test_ordinary_checkpoint_names_pass(name):
 
 @pytest.mark.parametrize("field, value", [("learning_rate", math.nan), ("learning_rate", -1.0),
                                           ("beta1", 1.0), ("beta2", math.inf), ("eps", 0.0),
-                                          ("weight_decay", -0.1), ("grad_clip_norm", math.nan)])
+                                          ("weight_decay", -0.1), ("grad_clip_norm", math.nan),
+                                          ("learning_rate", 1e4), ("weight_decay", 2.0), ("eps", 10.0)])
 def test_the_trainer_refuses_adam_parameters_that_would_ruin_the_weights(field, value):
     from trainer_service.training import AdamParams, check_adam
     params = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gateway.db import Database
+from gateway.db import Database, SessionRow
 from gateway.stability import Span, StabilityRecords
 from tinkerd.errors import UserError
 
@@ -40,9 +40,38 @@ def test_bad_provenance_is_a_user_error(session, spans, targets, message):
         _records().behaviour_logprobs(session, 0, spans, np.array(targets), None)
 
 
-def test_unused_records_expire_and_the_store_is_bounded():
-    r = StabilityRecords(Database("sqlite://"), ttl_s=0.0, max_sequences=2)
+def test_unused_records_expire():
+    r = StabilityRecords(Database("sqlite://"), ttl_s=0.0)
     for i in range(3):
         r.record("s", f"q:{i}", [1], [-1.0])
-    assert len(r) == 2
-    assert r.expire() == 2 and len(r) == 0
+    assert len(r) == 3
+    assert r.expire() == 3 and len(r) == 0
+
+
+def _two_users(**caps) -> StabilityRecords:
+    db = Database("sqlite://")
+    db.add(SessionRow(session_id="sess-a", owner="alice"))
+    db.add(SessionRow(session_id="sess-a2", owner="alice"))
+    db.add(SessionRow(session_id="sess-b", owner="bob"))
+    return StabilityRecords(db, ttl_s=60, **caps)
+
+
+def test_each_user_is_capped_in_bytes_and_cannot_push_out_anyone_elses():
+    r = _two_users(max_bytes_per_user=64 << 10)
+    r.record("sess-b", "b:0", [7, 8, 9], [-0.5, -1.5, -2.5])
+    for i in range(40):             # 1000 tokens: ~12 KB a record, over two sessions of alice's
+        r.record_all(f"sess-a{'2' if i % 2 else ''}", {f"a{i}:0": (np.arange(1000), np.zeros(1000))})
+    records, size = r.held_by("alice")
+    assert size <= 64 << 10 and 2 <= records < 40
+    kept = r._lookup("sess-a2", [Span(True, "a39:0", 0, 1)]) | r._lookup("sess-a", [Span(True, "a38:0", 0, 1)])
+    assert sorted(kept) == ["a38:0", "a39:0"]                  # the newest stay
+    assert r._lookup("sess-a", [Span(True, "a0:0", 0, 1)]) == {}   # the oldest went
+    lp = r.behaviour_logprobs("sess-b", 0, [Span(True, "b:0", 0, 3)], np.array([7, 8, 9]), None)
+    assert lp.tolist() == [-0.5, -1.5, -2.5] and r.held_by("bob")[0] == 1
+
+
+def test_each_user_is_capped_in_records():
+    r = _two_users(max_sequences_per_user=8)
+    r.record("sess-b", "b:0", [1], [-1.0])
+    r.record_all("sess-a", {f"a{i}:0": ([1], [-1.0]) for i in range(20)})
+    assert r.held_by("alice")[0] <= 8 and r.held_by("bob")[0] == 1
