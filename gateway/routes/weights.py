@@ -37,10 +37,8 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
     if body.path is not None:
         name = checkpoints.checkpoint_name(body.path)
         target["path"] = checkpoints.tinker_path(body.model_id, "sampler_weights", name)
-        if not resend:
-            gw.limits.check_checkpoint_bytes(caller)
-            if gw.db.get(CheckpointRow, target["path"]) is not None:
-                raise UserError(f"checkpoint {target['path']} already exists")
+        if not resend and gw.db.get(CheckpointRow, target["path"]) is not None:
+            raise UserError(f"checkpoint {target['path']} already exists")
     else:
         target["sampling_session_id"] = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     push = trainer_pb2.PushWeightsRequest(
@@ -79,7 +77,8 @@ async def _push_weights(gw: Gateway, target: dict, body: bytes):
         _audit_saved(gw, caller, push.model_id, path)
     elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
             sampling_session_id=sampling_session_id, owner=caller.user_id, session_id=target["session_id"],
-            base_model=target["base_model"], snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path)):
+            base_model=target["base_model"], snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
+            snapshot_bytes=pushed.num_bytes)):
         # Another request took this sampling_session_seq_id while the weights were pushed.
         raise UserError(f"sampling session {sampling_session_id} was created meanwhile by another request: every "
                         f"save_weights_for_sampler needs its own sampling_session_seq_id")
@@ -108,10 +107,9 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
     gw.sessions.live_model(caller, body.model_id)
     name = checkpoints.checkpoint_name(body.path)
     path = checkpoints.tinker_path(body.model_id, kind, name)
-    if not gw.is_resend(f"save_{kind}", body.model_id, body.seq_id):
-        gw.limits.check_checkpoint_bytes(caller)
-        if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
-            raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
+    if not gw.is_resend(f"save_{kind}", body.model_id, body.seq_id) and gw.db.get(CheckpointRow, path) is not None \
+            and not body.overwrite:
+        raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
     expires_at = checkpoints.expires(body.ttl_seconds)
     args = {"caller": caller_args(caller), "path": path, "checkpoint_type": checkpoints.KINDS[kind],
             "expires_at": expires_at.isoformat() if expires_at else None, "user_metadata": body.user_metadata,
@@ -154,8 +152,6 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
     else:
         session_id = gw.sessions.open(caller, body.session_id)
         model_id, seq_id = f"{session_id}:train:{body.model_seq_id}", 0
-        if gw.db.get(ModelRow, model_id) is None:
-            gw.limits.check_models(caller)
         lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
         new_run = run_args(model_id, session_id, caller.user_id, source.base_model, source.lora_rank, lora)
     create = trainer_pb2.CreateModelRequest(

@@ -4,11 +4,14 @@ import threading
 import time
 
 from trainer_service import scheduler
+from tinkerd.rpc import TENANT_METADATA, user_tenant
 from trainer_service.scheduler import FairScheduler, tenant_of
 
 
-def test_tenant_is_the_session():
-    assert tenant_of("sess-1:train:3") == "sess-1" and tenant_of("other") == "other"
+def test_tenant_is_the_user_the_gateway_names_else_the_session():
+    named = [("authorization", "Bearer x"), (TENANT_METADATA, user_tenant("u-1"))]
+    assert tenant_of("sess-1:train:3", named) == tenant_of("sess-2:train:0", named) == "user:u-1"
+    assert tenant_of("sess-1:train:3") == "sess-1" and tenant_of("other", [(TENANT_METADATA, "")]) == "other"
 
 
 def test_a_waiting_light_tenant_goes_before_a_flooding_one():
