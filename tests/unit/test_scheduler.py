@@ -40,3 +40,20 @@ def test_idle_tenants_are_forgotten(monkeypatch):
     for i in range(50):
         s.run(f"t{i}", lambda: None)
     assert len(s.snapshot().used_seconds) <= 9
+
+
+def test_the_servicer_schedules_by_the_tenant_in_the_call_metadata():
+    """TrainerServicer._fair reads the gRPC context's metadata (tuples of key, value)."""
+    import collections
+    import types
+
+    from trainer_service.servicer import TrainerServicer
+
+    Metadatum = collections.namedtuple("Metadatum", ("key", "value"))
+    seen = []
+    servicer = types.SimpleNamespace(scheduler=types.SimpleNamespace(run=lambda tenant, fn: seen.append(tenant)))
+    context = types.SimpleNamespace(invocation_metadata=lambda: (Metadatum(TENANT_METADATA, user_tenant("u-7")),))
+    TrainerServicer._fair(servicer, "sess-a:train:0", None, context)
+    TrainerServicer._fair(servicer, "sess-b:train:1", None, context)
+    TrainerServicer._fair(servicer, "sess-a:train:0", None)          # the trainer's own work
+    assert seen == ["user:u-7", "user:u-7", "sess-a"]
