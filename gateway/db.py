@@ -337,6 +337,7 @@ class Database:
 
     @staticmethod
     def pending_training_in(conn: Connection, owner: str) -> int:
+        """`owner`'s training futures pending on every gateway (queued or running)."""
         return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
 
     @staticmethod
@@ -479,11 +480,6 @@ class Database:
         with self.engine.connect() as conn:
             total, mine = conn.execute(_PENDING_SAMPLES, {"owner": owner}).one()
         return total, mine
-
-    def pending_training(self, owner: str) -> int:
-        """`owner`'s training futures pending on every gateway (queued or running)."""
-        with self.engine.connect() as conn:
-            return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
 
     def prunable_snapshots(self, unused_before: datetime.datetime, lapsed_before: datetime.datetime,
                            superseded_unused_before: datetime.datetime) -> dict[str, tuple[str, list[str]]]:
