@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import contextvars
+
+import grpc
+
 from gateway.db import Database
 from gateway.sampler_pool import SamplerPool
 from gateway.settings import GatewaySettings
-from tinkerd.rpc import ServiceAuth, aio_channel, resilient_calls
+from tinkerd.rpc import TENANT_METADATA, ServiceAuth, aio_channel, resilient_calls, user_tenant
 from tinkerd.v1 import trainer_pb2_grpc
+
+# The user a future runs for (gateway/futures.py sets it around each job): every trainer call it
+# makes names them, and the trainer's fair scheduler shares its time per user, not per session.
+TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("tenant", default="")
+
+
+class _SendTenant(grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        user = TENANT.get()
+        if user:
+            metadata = grpc.aio.Metadata(*(details.metadata or ()), (TENANT_METADATA, user_tenant(user)))
+            details = details._replace(metadata=metadata)
+        return await continuation(details, request)
 
 
 class Backends:
@@ -14,7 +31,8 @@ class Backends:
 
     def __init__(self, settings: GatewaySettings, db: Database, auth: ServiceAuth):
         self.trainer = trainer_pb2_grpc.TrainerStub(aio_channel(
-            settings.trainer, auth, resilient_calls("tinkerd.v1.Trainer", settings.rpc_timeout_s)))
+            settings.trainer, auth, resilient_calls("tinkerd.v1.Trainer", settings.rpc_timeout_s),
+            interceptors=[_SendTenant()]))
         self.samplers = SamplerPool(settings.samplers, db, auth, timeout_s=settings.rpc_timeout_s,
                                     wait_s=settings.sampler_wait_s)
 

@@ -4,12 +4,16 @@ checkpoints, the audit log. Every row a user makes carries `owner` (their user i
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
 import logging
 import time
+from typing import Callable, Iterator
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Index, Integer, LargeBinary, String, Text, and_, case,
                         bindparam, create_engine, event, func, or_, select, text, update)
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -141,6 +145,9 @@ class SamplingSessionRow(Base):
     # Its last asample, written at most once a minute (gateway/sessions.py Sessions.used; NULL:
     # none yet): an ephemeral snapshot unused long enough is pruned (gateway/housekeeping.py).
     last_used: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # An ephemeral snapshot's bytes on disk (the trainer's reply), counted in its owner's
+    # --max-checkpoint-gb-per-user; NULL for the base model and a checkpoint's path.
+    snapshot_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class CheckpointRow(Base):
@@ -219,6 +226,49 @@ _PENDING_SAMPLES = select(
 _PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sample'"),
                                  _FUTURES.owner == bindparam("owner"))
 
+# Requests that make a new training run, and those that write a checkpoint or snapshot to disk:
+# pending ones are counted against the model cap and the checkpoint quota (gateway/limits.py).
+NEW_RUN_TYPES = ("create_model", "load_weights")
+SAVE_TYPES = ("save_weights", "save_external_weights", "save_weights_for_sampler")
+_MODELS = ModelRow.__table__.c
+_SESSIONS = SessionRow.__table__.c
+_SAMPLING = SamplingSessionRow.__table__.c
+_CHECKPOINTS = CheckpointRow.__table__.c
+_OPEN_RUNS = select(func.count()).select_from(ModelRow.__table__.join(
+    SessionRow.__table__, _SESSIONS.session_id == _MODELS.session_id)).where(
+    _MODELS.owner == bindparam("owner"), _SESSIONS.finished.is_(False))
+# Runs being created: their future is pending and the trainer has not made them yet (no row).
+_RUNS_BEING_MADE = _COUNT.where(
+    _PENDING_OF, _FUTURES.request_type.in_(NEW_RUN_TYPES),
+    _FUTURES.owner == bindparam("owner"),
+    ~select(_MODELS.model_id).where(_MODELS.model_id == _FUTURES.model_id).exists())
+_PENDING_SAVES = _COUNT.where(_PENDING_OF, _FUTURES.request_type.in_(SAVE_TYPES),
+                              _FUTURES.owner == bindparam("owner"))
+# Ephemeral snapshots (save_weights_and_get_sampling_client): a sampling session of its own per
+# snapshot, not made from a checkpoint's path.
+_EPHEMERAL = and_(_SAMPLING.owner == bindparam("owner"), _SAMPLING.model_path.is_(None), _SAMPLING.snapshot_id != "")
+_STORED_BYTES = select(
+    select(func.coalesce(func.sum(_CHECKPOINTS.size_bytes), 0)).where(
+        _CHECKPOINTS.owner == bindparam("owner")).scalar_subquery(),
+    select(func.coalesce(func.sum(_SAMPLING.snapshot_bytes), 0)).where(_EPHEMERAL).scalar_subquery(),
+    select(func.coalesce(func.max(_CHECKPOINTS.size_bytes), 0)).where(
+        _CHECKPOINTS.owner == bindparam("owner")).scalar_subquery(),
+    select(func.coalesce(func.max(_SAMPLING.snapshot_bytes), 0)).where(_EPHEMERAL).scalar_subquery())
+_OPEN_SESSIONS = select(func.count()).select_from(SessionRow.__table__).where(
+    _SESSIONS.owner == bindparam("owner"), _SESSIONS.finished.is_(False))
+# Sampling sessions made by create_sampling_session (over the base model or a checkpoint's path)
+# in open sessions; ephemeral ones are bounded by the checkpoint quota and pruned with their snapshot.
+_OPEN_SAMPLING_SESSIONS = select(func.count()).select_from(SamplingSessionRow.__table__.join(
+    SessionRow.__table__, _SESSIONS.session_id == _SAMPLING.session_id)).where(
+    _SAMPLING.owner == bindparam("owner"), _SESSIONS.finished.is_(False),
+    or_(_SAMPLING.snapshot_id == "", _SAMPLING.model_path.is_not(None)))
+_LOCK_OWNER = text("SELECT pg_advisory_xact_lock(:key)")
+
+
+def _owner_lock_key(owner: str) -> int:
+    """A Postgres advisory lock key (signed 64 bits) per user."""
+    return int.from_bytes(hashlib.sha256(b"tinkerd-limits\0" + owner.encode()).digest()[:8], "big", signed=True)
+
 # Rows read on every request and rarely changed: served from memory for up to CACHE_TTL_S.
 # touch() and add() keep the cache right for this process at once; another gateway's change on
 # the same database is seen within the TTL (a session closed on one gateway is refused by the
@@ -265,6 +315,53 @@ class Database:
             return False
         return True
 
+    def add_admitted(self, row, admit: Callable[[Connection], None]) -> bool:
+        """Inserts `row` (a user's: it has `owner`) if `admit(conn)`, run in the same transaction
+        with the row counted, does not raise (Database.owner_turn); False, with nothing written,
+        if a row with its primary key exists."""
+        table = type(row).__table__
+        values = {c.key: getattr(row, c.key) for c in table.columns if getattr(row, c.key) is not None}
+        try:
+            with self.owner_turn(row.owner) as conn:
+                conn.execute(table.insert(), values)
+                admit(conn)
+        except IntegrityError:
+            return False
+        self._cache.pop(_cache_key(row), None)
+        return True
+
+    @staticmethod
+    def pending_training_in(conn: Connection, owner: str) -> int:
+        """`owner`'s training futures pending on every gateway (queued or running)."""
+        return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
+
+    @staticmethod
+    def runs_of(conn: Connection, owner: str) -> int:
+        """`owner`'s training runs in open sessions, and those being made (create_model or
+        load_weights pending, no row yet)."""
+        return (conn.execute(_OPEN_RUNS, {"owner": owner}).scalar()
+                + conn.execute(_RUNS_BEING_MADE, {"owner": owner}).scalar())
+
+    @staticmethod
+    def run_exists(conn: Connection, model_id: str) -> bool:
+        return conn.execute(select(_MODELS.model_id).where(_MODELS.model_id == model_id)).first() is not None
+
+    @staticmethod
+    def stored_bytes(conn: Connection, owner: str) -> tuple[int, int, int]:
+        """(bytes of `owner`'s checkpoints and ephemeral snapshots, the largest one of them (0:
+        none yet), their saves pending)."""
+        checkpoints, snapshots, largest_ckpt, largest_snapshot = conn.execute(_STORED_BYTES, {"owner": owner}).one()
+        pending = conn.execute(_PENDING_SAVES, {"owner": owner}).scalar()
+        return int(checkpoints) + int(snapshots), max(int(largest_ckpt), int(largest_snapshot)), pending
+
+    @staticmethod
+    def open_sessions(conn: Connection, owner: str) -> int:
+        return conn.execute(_OPEN_SESSIONS, {"owner": owner}).scalar()
+
+    @staticmethod
+    def open_sampling_sessions(conn: Connection, owner: str) -> int:
+        return conn.execute(_OPEN_SAMPLING_SESSIONS, {"owner": owner}).scalar()
+
     def _remember(self, key: tuple[str, str], row) -> None:
         """Caches `row` for CACHE_TTL_S. Bounded: past _CACHE_SWEEP_AT entries the expired ones are
         dropped (each add caches its row, and a row never read again would stay for good)."""
@@ -290,14 +387,34 @@ class Database:
 
     # Futures are the hot path: plain Core statements, no ORM unit of work.
 
-    def insert_future(self, row: FutureRow) -> FutureRow:
-        """Inserts a pending future, or returns the existing one with the same idempotency key."""
+    @contextlib.contextmanager
+    def owner_turn(self, owner: str) -> Iterator[Connection]:
+        """A transaction in which one of `owner`'s new rows is written and then their limits are
+        counted with it (gateway/limits.py), one such transaction per user at a time on every
+        gateway, so a burst cannot pass a limit between a count and an insert. Postgres: a
+        per-user advisory lock, held to the commit. SQLite: the insert takes the database's write
+        lock (the caller writes before it counts), which every other writer waits for."""
+        with self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(_LOCK_OWNER, {"key": _owner_lock_key(owner)})
+            yield conn
+
+    def insert_future(self, row: FutureRow, admit: Callable[[Connection], None] | None = None) -> FutureRow:
+        """Inserts a pending future, or returns the existing one with the same idempotency key.
+        `admit(conn)`, if given, checks the owner's limits in the inserting transaction (the new
+        row counted) and raises to refuse it: nothing is written then. A resend is not admitted
+        again."""
         values = {c.name: getattr(row, c.name) for c in FutureRow.__table__.columns}
         values.update(status="pending", created_at=now(), extra=row.extra or {})
         row.status = "pending"
         try:
-            with self.engine.begin() as conn:
-                conn.execute(_INSERT_FUTURE, values)     # prebuilt statement, parameters apart
+            if admit is None:
+                with self.engine.begin() as conn:
+                    conn.execute(_INSERT_FUTURE, values)     # prebuilt statement, parameters apart
+            else:
+                with self.owner_turn(row.owner) as conn:
+                    conn.execute(_INSERT_FUTURE, values)
+                    admit(conn)
             return row
         except IntegrityError:
             with self.session() as s:
@@ -358,11 +475,6 @@ class Database:
         with self.engine.connect() as conn:
             total, mine = conn.execute(_PENDING_SAMPLES, {"owner": owner}).one()
         return total, mine
-
-    def pending_training(self, owner: str) -> int:
-        """`owner`'s training futures pending on every gateway (queued or running)."""
-        with self.engine.connect() as conn:
-            return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
 
     def prunable_snapshots(self, unused_before: datetime.datetime, lapsed_before: datetime.datetime,
                            superseded_unused_before: datetime.datetime) -> dict[str, tuple[str, list[str]]]:
@@ -453,12 +565,42 @@ class Database:
 
     def close_session(self, session_id: str) -> bool:
         """Marks a session closed; False if it was already (of two gateways closing it at once,
-        exactly one gets True: one conditional UPDATE)."""
+        exactly one gets True: one conditional UPDATE). Its last_heartbeat becomes the time it
+        closed, from which its row is kept for --closed-session-retention-s."""
         self._cache.pop(("SessionRow", session_id), None)
         with self.engine.begin() as conn:
             return conn.execute(update(SessionRow.__table__).where(
                 SessionRow.__table__.c.session_id == session_id,
-                SessionRow.__table__.c.finished.is_(False)).values(finished=True)).rowcount > 0
+                SessionRow.__table__.c.finished.is_(False)).values(finished=True, last_heartbeat=now())).rowcount > 0
+
+    def prune_closed_sessions(self, closed_before: datetime.datetime, limit: int = 500) -> list[str]:
+        """Deletes sessions closed before `closed_before` whose runs hold no checkpoint (those are
+        kept with the checkpoints, which the disk quota bounds): the session's row, its runs
+        (with their step metrics) and its sampling sessions over the base model or a checkpoint's
+        path. Its ephemeral snapshots go by housekeeping.prune_snapshots, which finds them
+        unreachable now. Returns the sessions deleted."""
+        has_checkpoint = select(_MODELS.model_id).select_from(ModelRow.__table__.join(
+            CheckpointRow.__table__, _CHECKPOINTS.model_id == _MODELS.model_id)).where(
+            _MODELS.session_id == _SESSIONS.session_id).exists()
+        with self.engine.begin() as conn:
+            ids = list(conn.execute(select(_SESSIONS.session_id).where(
+                _SESSIONS.finished.is_(True), _SESSIONS.last_heartbeat < closed_before, ~has_checkpoint)
+                .limit(limit)).scalars())
+            if not ids:
+                return []
+            runs = list(conn.execute(select(_MODELS.model_id).where(_MODELS.session_id.in_(ids))).scalars())
+            metrics = StepMetricRow.__table__
+            for i in range(0, len(runs), 500):
+                conn.execute(metrics.delete().where(metrics.c.model_id.in_(runs[i:i + 500])))
+            conn.execute(ModelRow.__table__.delete().where(_MODELS.session_id.in_(ids)))
+            conn.execute(SamplingSessionRow.__table__.delete().where(
+                _SAMPLING.session_id.in_(ids), or_(_SAMPLING.snapshot_id == "", _SAMPLING.model_path.is_not(None))))
+            conn.execute(SessionRow.__table__.delete().where(_SESSIONS.session_id.in_(ids)))
+        for key in ids:
+            self._cache.pop(("SessionRow", key), None)
+        for key in runs:
+            self._cache.pop(("ModelRow", key), None)
+        return ids
 
     def touch(self, cls, key, **values) -> bool:
         self._cache.pop((cls.__name__, key), None)

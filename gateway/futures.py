@@ -35,6 +35,7 @@ from typing import Mapping
 import grpc
 from google.protobuf.message import DecodeError
 
+from gateway.backends import TENANT
 from gateway.completions import Completions, Target
 from gateway.db import Database, FutureRow, now
 from gateway.jobs.base import Job as TypedJob, StoredRequest
@@ -152,11 +153,12 @@ class Futures:
 
     def submit(self, job: TypedJob, *, owner: str, fingerprint: str | None = None,
                idempotency_key: str | None = None, model_id: str | None = None, seq_id: int | None = None,
-               target: Target | None = None, request_id: str | None = None) -> FutureRow:
+               target: Target | None = None, request_id: str | None = None, admit=None) -> FutureRow:
         """Records the future, with its request, and schedules its job. A resend (same
         idempotency key and the same request) gets the first one back; the same key with a
         different request is a user error. A sample names its `target`, the sampling session
-        (and clone) whose retrieve_futures poll reports it."""
+        (and clone) whose retrieve_futures poll reports it. `admit` checks the owner's limits
+        with the new future counted (gateway/limits.py) and raises to refuse it."""
         request_id, request_type, request = request_id or new_request_id(), job.kind(), job.stored()
         extra = {"seq_id": seq_id} if seq_id is not None else {}
         if target is not None:
@@ -165,7 +167,7 @@ class Futures:
                                               fingerprint=fingerprint, owner=owner, request_type=request_type,
                                               model_id=model_id, extra=extra, request_args=request.args,
                                               request_body=request.body, claimed_by=self.instance,
-                                              lease_until=self.lease()))
+                                              lease_until=self.lease()), admit)
         if row.request_id != request_id and (row.fingerprint != fingerprint or row.owner != owner):
             raise UserError(f"{idempotency_key.replace('#', ' seq_id ')} was already used for a different "
                             f"request ({row.request_type}); every request needs its own seq_id")
@@ -235,6 +237,8 @@ class Futures:
             await asyncio.sleep(self.lease_s / 3)
 
     async def run(self, request_id: str, job: Job) -> None:
+        pending = self._pending.get(request_id)
+        tenant = TENANT.set(pending.owner if pending is not None else "")     # whom its trainer calls are for
         try:
             content_type, body = await job()
             status = "complete"
@@ -246,6 +250,8 @@ class Futures:
         except Exception as e:  # noqa: BLE001 - a failed job must still finish its future
             log.exception("job %s failed", request_id)
             status, content_type, body = "failed", "application/json", error_json(f"{type(e).__name__}: {e}", "server")
+        finally:
+            TENANT.reset(tenant)
         if self._stopping:      # shutting down (the call was cut short): it is re-driven, not failed
             return
         if request_id in self._pending:       # else cancel() finished it already: the result is dropped

@@ -17,7 +17,11 @@ safe to run on several at once):
   disk. A model's newest snapshot waits for the first rule. A later asample or get_sampler on
   one of them is a 404 that says to call save_weights_and_get_sampling_client again. Named
   sampler checkpoints (save_weights_for_sampler with a path) are never pruned here: they go by
-  their ttl or when deleted.
+  their ttl or when deleted;
+- a session closed more than --closed-session-retention-s ago whose runs hold no checkpoint is
+  deleted with its runs (and their step metrics) and sampling sessions, so closed sessions do
+  not pile up in the database (the open ones are capped by --max-sessions-per-user). A later
+  call naming it is a 404; its ephemeral snapshots are pruned as unreachable by the rule above.
 """
 
 from __future__ import annotations
@@ -91,6 +95,15 @@ def prune_futures(gw: Gateway) -> int:
     return deleted
 
 
+def prune_sessions(gw: Gateway) -> int:
+    """Deletes the sessions closed over --closed-session-retention-s ago that hold no checkpoint
+    (this module's docstring); returns how many."""
+    pruned = gw.db.prune_closed_sessions(now() - datetime.timedelta(seconds=gw.settings.closed_session_retention_s))
+    if pruned:
+        log.info("pruned %d sessions closed over %.0f s ago", len(pruned), gw.settings.closed_session_retention_s)
+    return len(pruned)
+
+
 def prune_snapshots(gw: Gateway) -> int:
     """Deletes the ephemeral snapshots nobody can reach any more (the rule is in this module's
     docstring): files first, then the sampling sessions, so a pass cut short is finished by the
@@ -143,6 +156,7 @@ async def run_forever(gw: Gateway) -> None:
             delete_expired_checkpoints(gw.db)
             gw.stability.expire()
             prune_futures(gw)
+            prune_sessions(gw)
             prune_snapshots(gw)
         except Exception:  # noqa: BLE001 - housekeeping must outlive one bad pass
             log.exception("housekeeping failed")

@@ -33,9 +33,10 @@ class Sessions:
 
     def closed(self, session_id: str) -> bool:
         """Whether the session was closed (ServiceClient.close), on any gateway: read from its row,
-        through the row cache, so a close elsewhere is seen within db.CACHE_TTL_S (2 s)."""
+        through the row cache, so a close elsewhere is seen within db.CACHE_TTL_S (2 s). A session
+        whose row is gone was closed and pruned (housekeeping.prune_sessions)."""
         row = self.db.get(SessionRow, session_id)
-        return row is not None and bool(row.finished)
+        return row is None or bool(row.finished)
 
     def _owned(self, caller: Caller, cls, key: str, unknown: str):
         """The caller's row of `cls`; anyone else's is as unknown as a missing one."""
@@ -87,10 +88,20 @@ class Sessions:
             self.db.touch(SamplingSessionRow, row.sampling_session_id, last_used=now())
 
     def live_sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
+        """One that can sample now: its session open and, if made from a checkpoint's path, that
+        checkpoint still readable by the caller and still these weights. Unpublishing or
+        deleting a checkpoint cuts off the sampling sessions others made from it within
+        db.CACHE_TTL_S (2 s: the checkpoint row is read through the row cache)."""
         row = self.sampling_session(caller, sampling_session_id)
         if self.closed(row.session_id):
             raise UserError(f"sampling session {sampling_session_id} belongs to session {row.session_id}, "
                             f"which was closed (ServiceClient.close)")
+        if row.model_path:
+            ckpt = self.db.get(CheckpointRow, row.model_path)
+            if ckpt is None or not (mine(caller, ckpt) or ckpt.public) or ckpt.snapshot_id != row.snapshot_id:
+                raise NotFoundError(f"sampling session {sampling_session_id} samples {row.model_path!r}, which "
+                                    f"was deleted, replaced or unpublished since; its weights can no longer be "
+                                    f"sampled")
         return row
 
     def readable_checkpoint(self, caller: Caller, tinker_path: str) -> CheckpointRow:

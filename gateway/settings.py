@@ -34,7 +34,13 @@ class GatewaySettings(ServiceAuthSettings):
     auth: bool = setting(True, help="require an API key (tinkerd keys create) on every request; --no-auth makes "
                                     "every caller the one admin user, for local experiments only")
     token_ttl_s: float = setting(3600.0, help="lifetime of the JWTs the SDK exchanges its API key for")
-    max_models_per_user: int = setting(32, help="training runs one user may have in open sessions")
+    # Half the trainer's --max-resident-models (32) by default: one user cannot pin every slot.
+    max_models_per_user: int = setting(16, help="training runs one user may have in open sessions, those being "
+                                                "created included; keep it below the trainer's "
+                                                "--max-resident-models")
+    max_sessions_per_user: int = setting(256, help="sessions (ServiceClients) one user may have open")
+    max_sampling_sessions_per_user: int = setting(1024, help="sampling sessions (create_sampling_session) one user "
+                                                             "may have in open sessions")
     max_queued_per_user: int = setting(256, help="training requests one user may have queued (HTTP 429 beyond)")
     max_samples_per_user: int = setting(1024, help="sample requests one user may have in flight (HTTP 429 beyond)")
     max_checkpoint_gb_per_user: float = setting(50.0, help="checkpoint bytes on disk one user may hold (GB)")
@@ -59,6 +65,9 @@ class GatewaySettings(ServiceAuthSettings):
     future_lease_s: float = setting(10.0, help="a gateway renews its hold on the futures it runs every third of "
                                                "this; another gateway on the database re-drives the pending "
                                                "futures of one that stopped renewing for this long")
+    closed_session_retention_s: float = setting(86400.0, help="a closed session whose runs hold no checkpoint is "
+                                                              "deleted this long after it closed, with its runs "
+                                                              "and sampling sessions")
     futures_retention_s: float = setting(86400.0, help="finished futures (with their results) are deleted this "
                                                        "long after they finished")
     snapshot_retention_s: float = setting(86400.0, help="an ephemeral sampler snapshot (save_weights_and_get_"

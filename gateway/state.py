@@ -92,9 +92,9 @@ class Gateway:
                         fingerprint: str) -> protocol.FutureResponse:
         """A future for a model's request, run in seq_id order with the model's other requests;
         a resent (model_id, seq_id) with the same request (`fingerprint`) gets the first one back."""
-        self.limits.check_queue(caller)
         row = self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
-                                  idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id)
+                                  idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id,
+                                  admit=self.limits.admit_training(caller, job.kind(), model_id))
         model = self.db.get(ModelRow, model_id)
         stamp = now()
         if model is not None and (not model.resident or (stamp - aware(model.last_request_time)).total_seconds()

@@ -77,10 +77,12 @@ def stack_in_float32(model_dir: str, state, *flags: str):
 @pytest.fixture(scope="session")
 def stack(tiny_model_dir, tmp_path_factory):
     """The shared `tinkerd up` on the tiny model, with default settings (in float32)."""
-    # Dozens of test modules share it under one admin key: the per-user run limit is raised for them.
+    # Dozens of test modules share it under one admin key: the per-user run and session limits are
+    # raised for them.
     with stack_in_float32(tiny_model_dir, tmp_path_factory.mktemp("state"), "--alias", "tiny/alias-model",
                           "--alias", "Qwen/Qwen3.5-9B-Base", "--alias", "Qwen/Qwen3.5-4B",
-                          "--max-models-per-user", "1000") as s:
+                          "--max-models-per-user", "1000", "--max-sessions-per-user", "100000",
+                          "--max-sampling-sessions-per-user", "100000") as s:
         yield s
 
 

@@ -224,8 +224,18 @@ def deadline_calls(service: str, timeout_s: float) -> list[tuple[str, object]]:
     return [("grpc.service_config", json.dumps(config)), ("grpc.enable_retries", 0)]
 
 
-def aio_channel(address: str, auth: ServiceAuth = ServiceAuth(), options=()) -> grpc.aio.Channel:
-    interceptors = [_SendTokenAio(auth.token)] if auth.token else None
+# The gRPC metadata in which the gateway names the user a trainer call is for: the trainer's fair
+# scheduler shares its time among these tenants (trainer_service/scheduler.py).
+TENANT_METADATA = "x-tinkerd-tenant"
+
+
+def user_tenant(user_id: str) -> str:
+    """The scheduler tenant of a user (apart from the session ids the trainer falls back on)."""
+    return f"user:{user_id}"
+
+
+def aio_channel(address: str, auth: ServiceAuth = ServiceAuth(), options=(), interceptors=()) -> grpc.aio.Channel:
+    interceptors = [*interceptors, *([_SendTokenAio(auth.token)] if auth.token else [])] or None
     options = [*CHANNEL_OPTIONS, *options]
     if auth.tls:
         return grpc.aio.secure_channel(address, _channel_credentials(auth), options=options,

@@ -7,7 +7,10 @@ fair queuing on measured seconds). A tenant that floods the trainer, even throug
 gets its share and no more; a tenant returning from idle starts level with the busiest active
 tenant, so idle time is not banked as credit. Within one tenant work runs in arrival order.
 
-A tenant is a session: model ids look like "{session_id}:train:{n}"; any other id is its own tenant.
+A tenant is a user: the gateway names the owner of each request in the call's metadata
+(tinkerd.rpc TENANT_METADATA), so one user's many sessions and models share one user's share. Work without
+it (the trainer's own, a client other than the gateway) is its model's session's: model ids look
+like "{session_id}:train:{n}"; any other id is its own tenant.
 """
 
 from __future__ import annotations
@@ -19,11 +22,17 @@ import threading
 import time
 from typing import Callable
 
+from tinkerd.rpc import TENANT_METADATA
+
 
 _KEEP_IDLE = 1024     # idle tenants whose used time is remembered
 
 
-def tenant_of(model_id: str) -> str:
+def tenant_of(model_id: str, metadata=()) -> str:
+    """The user named in the call's metadata, else the model's session."""
+    for key, value in metadata or ():
+        if key == TENANT_METADATA and value:
+            return value
     return model_id.split(":train:", 1)[0]
 
 

@@ -53,11 +53,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth, device=engine.device)
         threading.Thread(target=self._write_when_idle, name="durable-writer", daemon=True).start()
 
-    def _fair(self, model_id: str, fn):
-        """Runs engine work when the model's tenant gets its turn (see scheduler.py)."""
-        return self.scheduler.run(tenant_of(model_id), fn)
+    def _fair(self, model_id: str, fn, context=None):
+        """Runs engine work when the tenant's turn comes (see scheduler.py): the user the gateway
+        names in the call's metadata, else the model's session (work of the trainer's own)."""
+        metadata = context.invocation_metadata() if context is not None else ()
+        return self.scheduler.run(tenant_of(model_id, metadata), fn)
 
-    def _once(self, request, kind: str, work):
+    def _once(self, request, kind: str, work, context):
         """`work()` in the model's fair turn, at most once per (model_id, seq_id): a resend gets
         the first reply, also after a restart for what the durable state includes."""
         model_id, seq = request.model_id, request.seq_id
@@ -73,7 +75,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if ran_before:
                 raise _expired(kind, model_id, seq)
             applied = False
-            reply = self._fair(model_id, self._turn(request, kind, work))
+            reply = self._fair(model_id, self._turn(request, kind, work), context)
             applied = True
             return reply
         finally:
@@ -161,7 +163,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             def create():
                 return self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config))
             self.order.created(request.model_id)
-        self._fair(request.model_id, create)
+        self._fair(request.model_id, create, context)
         return self._info(request.model_id)
 
     @rpc_boundary
@@ -169,7 +171,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.replies.forget(request.model_id)
         self.order.forget(request.model_id)
         return trainer_pb2.DeleteModelResponse(
-            deleted=self._fair(request.model_id, lambda: self.engine.delete_model(request.model_id)))
+            deleted=self._fair(request.model_id, lambda: self.engine.delete_model(request.model_id), context))
 
     @rpc_boundary
     def SaveState(self, request, context):
@@ -180,11 +182,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         def save():
             size = self.engine.save_state(request.model_id, directory, with_optimizer=request.with_optimizer)
             return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size)
-        return self._once(request, "save_state", save)
+        return self._once(request, "save_state", save, context)
 
     @rpc_boundary
     def UnloadModel(self, request, context):
-        directory = self._fair(request.model_id, lambda: self.engine.unload_model(request.model_id))
+        directory = self._fair(request.model_id, lambda: self.engine.unload_model(request.model_id), context)
         return trainer_pb2.UnloadModelResponse(directory=directory)
 
     @rpc_boundary
@@ -195,7 +197,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc_boundary
     def ForwardBackward(self, request, context):
         kind = "forward" if request.forward_only else "forward_backward"
-        return self._once(request, kind, lambda: self._forward_backward(request))
+        return self._once(request, kind, lambda: self._forward_backward(request), context)
 
     def _forward_backward(self, request) -> trainer_pb2.ForwardBackwardResponse:
         data = [convert.datum(d, i) for i, d in enumerate(request.data)]
@@ -221,7 +223,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if self.durable.due(request.model_id):
                 self.engine.save_durable(request.model_id)
             return reply
-        return self._once(request, "optim_step", step)
+        return self._once(request, "optim_step", step, context)
 
     @rpc_boundary
     def PushWeights(self, request, context):
@@ -233,13 +235,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         ran_before = self.order.wait_turn(request.model_id, request.seq_id)
         applied = False
         try:
-            reply = self._push(request, ran_before)
+            reply = self._push(request, ran_before, context)
             applied = True
             return reply
         finally:
             self.order.executed(request.model_id, request.seq_id, applied or ran_before)
 
-    def _push(self, request, ran_before: bool) -> trainer_pb2.PushWeightsResponse:
+    def _push(self, request, ran_before: bool, context) -> trainer_pb2.PushWeightsResponse:
         cached = self.replies.get(request.model_id, request.seq_id, "push_weights")
         if cached is not None:     # the same push, sent meanwhile by another gateway
             return cached
@@ -250,7 +252,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             self._resume(request.model_id, request.seq_id)
             return self.engine.snapshot_adapter(request.model_id)
         t0 = time.perf_counter()
-        packed, config = self._fair(request.model_id, export)     # the transfer runs outside the turn
+        packed, config = self._fair(request.model_id, export, context)     # the transfer runs outside the turn
         persisted = paths.snapshot_dir(self.state_dir, request.snapshot_id) if request.persist else ""
         reply = self.pusher.push(request, persisted, packed, config, gather_seconds=time.perf_counter() - t0)
         metrics.pushed(reply, time.perf_counter() - t0)

@@ -62,7 +62,8 @@ class PushWeights(Job):
             _audit_saved(gw, self.caller, push.model_id, self.path)
         elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
                 sampling_session_id=sid, owner=self.caller.user_id, session_id=self.session_id,
-                base_model=self.base_model, snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path)):
+                base_model=self.base_model, snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
+                snapshot_bytes=pushed.num_bytes)):
             # Another request took this sampling_session_seq_id while the weights were pushed.
             raise UserError(f"sampling session {sid} was created meanwhile by another request: every "
                             f"save_weights_for_sampler needs its own sampling_session_seq_id")

@@ -20,6 +20,7 @@ from gateway.protocol import (CancelFutureRequest, CancelFutureResponse, FutureC
                               TryAgainResponse, parse_json)
 from gateway.state import Gateway, GatewayDep, gateway_of
 from tinkerd.errors import NotFoundError
+from tinkerd.rpc import user_tenant
 from tinkerd.v1 import trainer_pb2
 
 router = APIRouter()
@@ -43,7 +44,7 @@ async def retrieve_future(request: Request):
     if row is None:
         return error_response(f"unknown request_id {body.request_id!r}", 404)
     if row.status == "pending":
-        queue_state, reason = await _describe_queue(gw, row)
+        queue_state, reason = await _describe_queue(gw, row, caller_of(request).user_id)
         try_again = TryAgainResponse(request_id=body.request_id, queue_state=queue_state, queue_state_reason=reason)
         return JSONResponse(try_again.model_dump(), status_code=408)
     return Response(content=row.result, media_type=row.content_type)
@@ -100,9 +101,9 @@ async def _json(request: Request):
     return parse_json(await request.body())
 
 
-async def _describe_queue(gw: Gateway, row: FutureRow) -> tuple[str, str]:
+async def _describe_queue(gw: Gateway, row: FutureRow, owner: str) -> tuple[str, str]:
     """Where a pending future is: for training, its place among its model's requests and how
-    many other tenants the trainer's fair scheduler is serving."""
+    many other tenants (users; sessions for the trainer's own work) its fair scheduler serves."""
     if row.model_id is None:
         return "active", "sampling"
     running, ahead = gw.futures.order.position(row.model_id, row.request_id)
@@ -110,13 +111,18 @@ async def _describe_queue(gw: Gateway, row: FutureRow) -> tuple[str, str]:
         trainer = await gw.trainer.GetQueueState(trainer_pb2.QueueStateRequest(), timeout=2)
     except grpc.aio.AioRpcError as e:
         return "paused_capacity", f"the trainer is not answering ({e.code().name})"
-    others = sum(1 for tenant, n in trainer.queued.items() if n and not row.model_id.startswith(f"{tenant}:"))
+    others = sum(1 for tenant, n in trainer.queued.items()
+                 if n and tenant != user_tenant(owner) and not row.model_id.startswith(f"{tenant}:"))
     where = "running on the trainer" if running else f"{ahead} earlier request(s) of this model ahead"
     return "active", f"{where}; {others} other tenant(s) waiting for their fair share"
 
 
 @router.post("/internal/noop_future")
-async def noop_future(caller: CallerDep, gw: GatewayDep) -> FutureResponse:
-    """Not Tinker: a future whose job is one trainer Health call (bench/futures.py)."""
-    row = gw.futures.submit(Noop(), owner=caller.user_id)
+async def noop_future(caller: CallerDep, gw: GatewayDep):
+    """Not Tinker: a future whose job is one trainer Health call (bench/futures.py). Admins only,
+    and in the caller's training queue (--max-queued-per-user): each is a row and a trainer call."""
+    if not caller.admin:
+        return error_response("/internal/noop_future is for admins (bench/futures.py measures the futures with it)",
+                              403)
+    row = gw.futures.submit(Noop(), owner=caller.user_id, admit=gw.limits.admit_queued(caller))
     return FutureResponse(request_id=row.request_id)

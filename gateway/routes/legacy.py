@@ -23,7 +23,7 @@ async def unload_model(body: UnloadModelRequest, caller: CallerDep, gw: GatewayD
     """A future: once the model's queued requests have run, its memory on the trainer is freed.
     Nothing is lost: the model loads again on its next request (as after a lapsed heartbeat)."""
     gw.sessions.model(caller, body.model_id)
-    gw.limits.check_queue(caller)
     row = gw.futures.submit(UnloadModel(body.model_id), owner=caller.user_id,
-                            fingerprint=fingerprint("unload_model", body.model_id))
+                            fingerprint=fingerprint("unload_model", body.model_id),
+                            admit=gw.limits.admit_queued(caller))
     return FutureResponse(request_id=row.request_id, model_id=body.model_id)

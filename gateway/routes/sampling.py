@@ -35,7 +35,8 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, caller: Ca
     row = SamplingSessionRow(sampling_session_id=sid, session_id=session_id, owner=caller.user_id,
                              base_model=base, model_path=body.model_path, snapshot_id=snapshot,
                              snapshot_path=snapshot_path)
-    if gw.db.get(SamplingSessionRow, sid) is None and not gw.db.add_if_absent(row):
+    admit = gw.limits.admit_sampling_session(caller)       # --max-sampling-sessions-per-user
+    if gw.db.get(SamplingSessionRow, sid) is None and not gw.db.add_admitted(row, admit):
         # Made meanwhile by a concurrent request (a create, or a save_weights_for_sampler with
         # this seq id): a resend of this very request is answered as the first, anything else refused.
         _same_sampling_session(gw.db.get(SamplingSessionRow, sid), row)

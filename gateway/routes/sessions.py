@@ -19,8 +19,8 @@ router = APIRouter(prefix="/api/v1")
 @router.post("/create_session")
 async def create_session(body: CreateSessionRequest, caller: CallerDep, gw: GatewayDep) -> CreateSessionResponse:
     session_id = f"sess-{uuid.uuid4().hex[:12]}"
-    gw.db.add(SessionRow(session_id=session_id, owner=caller.user_id, tags=body.tags,
-                         user_metadata=body.user_metadata))
+    gw.db.add_admitted(SessionRow(session_id=session_id, owner=caller.user_id, tags=body.tags,
+                                  user_metadata=body.user_metadata), gw.limits.admit_session(caller))
     audit.record(gw.db, "session_created", user_id=caller.user_id, org_id=caller.org_id, session_id=session_id)
     return CreateSessionResponse(session_id=session_id)
 

@@ -37,9 +37,7 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
     if body.lora_config.rank > gw.settings.max_lora_rank:
         raise UserError(f"lora_config.rank {body.lora_config.rank} is over this server's --max-lora-rank "
                         f"{gw.settings.max_lora_rank}")
-    model_id = f"{session_id}:train:{body.model_seq_id}"
-    if gw.db.get(ModelRow, model_id) is None:
-        gw.limits.check_models(caller)
+    model_id = f"{session_id}:train:{body.model_seq_id}"      # the model cap is counted as it is queued
     msg = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=gw.settings.base_model,
                                          lora_config=convert.lora_config(body.lora_config))
     run = NewRun(model_id, session_id, caller.user_id, base, body.lora_config.rank,

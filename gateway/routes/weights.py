@@ -34,10 +34,8 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
     resend = gw.is_resend("save_weights_for_sampler", body.model_id, body.seq_id)
     if body.path is not None:
         path = checkpoints.tinker_path(body.model_id, "sampler_weights", checkpoints.checkpoint_name(body.path))
-        if not resend:
-            gw.limits.check_checkpoint_bytes(caller)
-            if gw.db.get(CheckpointRow, path) is not None:
-                raise UserError(f"checkpoint {path} already exists")
+        if not resend and gw.db.get(CheckpointRow, path) is not None:
+            raise UserError(f"checkpoint {path} already exists")
     else:
         sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     push = trainer_pb2.PushWeightsRequest(
@@ -67,10 +65,9 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
     gw.sessions.live_model(caller, body.model_id)
     name = checkpoints.checkpoint_name(body.path)
     path = checkpoints.tinker_path(body.model_id, kind, name)
-    if not gw.is_resend(f"save_{kind}", body.model_id, body.seq_id):
-        gw.limits.check_checkpoint_bytes(caller)
-        if gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
-            raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
+    if not gw.is_resend(f"save_{kind}", body.model_id, body.seq_id) and gw.db.get(CheckpointRow, path) is not None \
+            and not body.overwrite:
+        raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
     expires_at = checkpoints.expires(body.ttl_seconds)
     save = trainer_pb2.SaveStateRequest(model_id=body.model_id, seq_id=body.seq_id, kind=kind, name=name,
                                         with_optimizer=with_optimizer)
@@ -97,8 +94,6 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
     else:
         session_id = gw.sessions.open(caller, body.session_id)
         model_id, seq_id = f"{session_id}:train:{body.model_seq_id}", 0
-        if gw.db.get(ModelRow, model_id) is None:
-            gw.limits.check_models(caller)
         lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
         new_run = NewRun(model_id, session_id, caller.user_id, source.base_model, source.lora_rank, lora)
     create = trainer_pb2.CreateModelRequest(

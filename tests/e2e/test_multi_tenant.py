@@ -108,11 +108,15 @@ for f in flood:
 
 @pytest.mark.serial
 def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys):
-    """Tenant F (its own process) floods the trainer through 4 models at once; tenant V's steps
-    slow by a bounded factor. With fair scheduling V waits for at most about one of F's requests
-    per request of its own; first-come locking would let it wait behind up to four."""
+    """Tenant F (another user, its own process) floods the trainer through 4 models at once;
+    tenant V's steps slow by a bounded factor. With fair scheduling V waits for at most about one
+    of F's requests per request of its own; first-come locking would let it wait behind up to
+    four. (Tenants are users: F's four models share one share.)"""
+    import os
     import subprocess
     import sys
+
+    from launcher import keys
 
     victim = tinker.ServiceClient(base_url=stack.url).create_lora_training_client(
         base_model=tiny_model_dir, rank=8, seed=20).result()
@@ -129,8 +133,9 @@ def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys
 
     victim_steps(2)                                   # warm
     alone = statistics.median(victim_steps(12))
+    flooder_key = keys.new_key(keys.open_database(stack.state_dir, None), "flooder")
     flooder = subprocess.Popen([sys.executable, "-c", FLOODER % (CORPORA[1],), stack.url, tiny_model_dir],
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "TINKER_API_KEY": flooder_key})
     assert flooder.stdout.readline().strip() == "flooding"
     # Let its 640 requests reach the server: while the SDK and the gateway take them in, the
     # victim's steps also wait for CPU (2 cores), which is not what this measures.

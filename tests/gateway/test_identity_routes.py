@@ -155,7 +155,7 @@ def test_limits_answer_429_with_retry_after_or_a_400_that_says_what_to_do(gatewa
     r = api.post("create_model", {"session_id": session, "model_seq_id": 1, "base_model": "tiny/base"})
     assert_user_error(r, 400, "close a ServiceClient")
     gateway.settings.max_checkpoint_gb_per_user = 0.0
-    assert_user_error(api.post("save_weights", {"model_id": model, "path": "x"}), 400, "delete some")
+    assert_user_error(api.post("save_weights", {"model_id": model, "path": "x", "seq_id": 1}), 400, "delete some")
 
 
 @pytest.mark.parametrize("tamper", ["signature", "expires", "path"])

@@ -4,11 +4,14 @@ import threading
 import time
 
 from trainer_service import scheduler
+from tinkerd.rpc import TENANT_METADATA, user_tenant
 from trainer_service.scheduler import FairScheduler, tenant_of
 
 
-def test_tenant_is_the_session():
-    assert tenant_of("sess-1:train:3") == "sess-1" and tenant_of("other") == "other"
+def test_tenant_is_the_user_the_gateway_names_else_the_session():
+    named = [("authorization", "Bearer x"), (TENANT_METADATA, user_tenant("u-1"))]
+    assert tenant_of("sess-1:train:3", named) == tenant_of("sess-2:train:0", named) == "user:u-1"
+    assert tenant_of("sess-1:train:3") == "sess-1" and tenant_of("other", [(TENANT_METADATA, "")]) == "other"
 
 
 def test_a_waiting_light_tenant_goes_before_a_flooding_one():
@@ -37,3 +40,20 @@ def test_idle_tenants_are_forgotten(monkeypatch):
     for i in range(50):
         s.run(f"t{i}", lambda: None)
     assert len(s.snapshot().used_seconds) <= 9
+
+
+def test_the_servicer_schedules_by_the_tenant_in_the_call_metadata():
+    """TrainerServicer._fair reads the gRPC context's metadata (tuples of key, value)."""
+    import collections
+    import types
+
+    from trainer_service.servicer import TrainerServicer
+
+    Metadatum = collections.namedtuple("Metadatum", ("key", "value"))
+    seen = []
+    servicer = types.SimpleNamespace(scheduler=types.SimpleNamespace(run=lambda tenant, fn: seen.append(tenant)))
+    context = types.SimpleNamespace(invocation_metadata=lambda: (Metadatum(TENANT_METADATA, user_tenant("u-7")),))
+    TrainerServicer._fair(servicer, "sess-a:train:0", None, context)
+    TrainerServicer._fair(servicer, "sess-b:train:1", None, context)
+    TrainerServicer._fair(servicer, "sess-a:train:0", None)          # the trainer's own work
+    assert seen == ["user:u-7", "user:u-7", "sess-a"]

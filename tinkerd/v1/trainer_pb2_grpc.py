@@ -139,7 +139,8 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetQueueState(self, request, context):
-        """Who is running and queued in the fair scheduler (tenant = session id of the model id).
+        """Who is running and queued in the fair scheduler (tenant = the user named in the call's
+        x-tinkerd-tenant metadata, else the session id of the model id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
