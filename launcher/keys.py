@@ -28,14 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     revoke = sub.add_parser("revoke", help="revoke a key (give the key or its id)")
     revoke.add_argument("key")
     # The database: the gateway's flags of the same names, so `up`'s values work here too.
-    database_flags = tuple(f.name for f in settings.fields(GatewaySettings) if f.name not in ("state_dir", "db_url"))
+    database_flags = tuple(f.name for f in settings.fields(GatewaySettings) if f.name not in ("state_dir", "db_url", "db_password_file"))
     for p in (create, listing, revoke):
         settings.add_arguments(p, GatewaySettings, skip=database_flags)
 
 
-def open_database(state_dir: str, db_url: str | None) -> Database:
+def open_database(state_dir: str, db_url: str | None, password_file: str = "") -> Database:
     os.makedirs(state_dir, exist_ok=True)
-    return Database(database_url(state_dir, db_url))
+    return Database(database_url(state_dir, db_url, password_file))
 
 
 def new_key(db: Database, user: str, *, org: str = "default", email: str = "", admin: bool = False) -> str:
@@ -43,17 +43,29 @@ def new_key(db: Database, user: str, *, org: str = "default", email: str = "", a
     return key
 
 
-def first_admin_key(state_dir: str, db_url: str | None) -> str | None:
-    """For `tinkerd up`: on a database without API keys, a key for its admin user (printed once)."""
-    db = open_database(state_dir, db_url)
+def first_admin_key(state_dir: str, db_url: str | None, password_file: str = "") -> str | None:
+    """For `tinkerd up`: on a database without API keys, a key for its admin user (written once to
+    write_key_file's file)."""
+    db = open_database(state_dir, db_url, password_file)
     try:
         return None if keys.list_keys(db) else new_key(db, "admin", admin=True)
     finally:
         db.engine.dispose()
 
 
+def write_key_file(state_dir: str, key: str) -> str:
+    """<state-dir>/admin-api-key, readable by its owner only: `tinkerd up` does not print the key,
+    where a terminal's scrollback, a CI log or a supervisor's journal would keep it."""
+    path = os.path.join(state_dir, "admin-api-key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)               # an older file kept its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return path
+
+
 def run(args: argparse.Namespace) -> None:
-    db = open_database(args.state_dir, args.db_url)
+    db = open_database(args.state_dir, args.db_url, args.db_password_file)
     if args.keys_command == "create":
         print(new_key(db, args.user, org=args.org, email=args.email, admin=args.admin))
     elif args.keys_command == "list":

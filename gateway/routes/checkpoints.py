@@ -16,7 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 from sqlalchemy import select
 
-from gateway import audit, checkpoints
+from gateway import audit, checkpoints, public_url
 from gateway.auth import CallerDep
 from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, aware
 from gateway.keys import Caller
@@ -163,7 +163,7 @@ def _url_expiry(row: CheckpointRow) -> int:
 
 def _signed_url(gw: Gateway, request: Request, path: str, expires: int) -> str:
     """Whoever holds it may GET `path` until `expires` (routes/files.py checks), no key needed."""
-    base = str(request.base_url).rstrip("/")
+    base = public_url.base_url(request, gw.settings)
     return f"{base}{path}?expires={expires}&signature={gw.signer.url_signature(path, expires)}"
 
 

@@ -86,3 +86,18 @@ def test_the_page_needs_no_key_and_the_json_routes_do(gateway):
     assert client.get("/api/v1/console/queue", headers=anonymous).status_code == 401
     # The fakes' base model is no directory: the playground's tokenizer is a clear 400, not a 500.
     assert_user_error(gateway.api.post("console/tokenize", {"text": "hi"}), 400, "no tokenizer")
+
+
+def test_the_console_is_sent_with_its_security_headers(gateway):
+    """Its own script and style only (no inline code runs), never in a frame, no type sniffing."""
+    client = gateway.api.client
+    for path in ("/console", "/console/static/console.js", "/console/static/console.css", "/console/"):
+        r = client.get(path, headers={"X-API-Key": ""}, follow_redirects=False)
+        assert r.status_code in (200, 307), (path, r.status_code)
+        csp = {d.split()[0]: d.split()[1:] for d in r.headers["content-security-policy"].split("; ")}
+        assert csp["script-src"] == ["'self'"] and csp["default-src"] == ["'self'"], csp
+        assert csp["frame-ancestors"] == ["'none'"] and csp["object-src"] == ["'none'"], csp
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+    # The page loads no inline script or style that the policy would block.
+    page = client.get("/console", headers={"X-API-Key": ""}).text
+    assert "<script>" not in page and "<style" not in page and " style=" not in page and "onclick" not in page
