@@ -48,7 +48,7 @@ def running_stack(model_dir: str, state, *extra_args: str):
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        m = re.match(r"(?:export )?TINKER_(BASE_URL|API_KEY)=(\S+)", line)
+        m = re.match(r"(?:export )?TINKER_(BASE_URL|API_KEY)=(\$\(cat \S+\)|\S+)", line)
         if line.startswith("internal listener: "):
             internal_url = line.split()[2]
         if m and m.group(1) == "API_KEY":
@@ -96,12 +96,13 @@ def service_pids(root_pid: int) -> dict[str, int]:
     return pids
 
 
-def sampler_pool(stack) -> dict[str, dict]:
+def sampler_pool(stack, context=None) -> dict[str, dict]:
     """The gateway's sampler pool, {address: {"alive", "served", ...}} (GET
-    /internal/v1/samplers/list, with the stack's service token)."""
+    /internal/v1/samplers/list on its internal listener, with the stack's service token; `context`:
+    an ssl.SSLContext that trusts an https stack's certificate)."""
     with open(os.path.join(stack.state_dir, "service-token")) as f:
         token = f.read().strip()
     request = urllib.request.Request(f"{stack.internal_url}/internal/v1/samplers/list",
                                      headers={"authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=10) as r:
+    with urllib.request.urlopen(request, timeout=10, context=context) as r:
         return {m["address"]: m for m in json.load(r)["samplers"]}

@@ -303,7 +303,7 @@ def up(args: argparse.Namespace) -> None:
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
     args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
-    check_https(args)
+    check_https(settings.from_args(GatewaySettings, args, trainer="", samplers=[]))
     args.port = args.port or _free_port()
     args.internal_port = args.internal_port or _free_port()
     procs: dict[str, subprocess.Popen] = {}
