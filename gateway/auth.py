@@ -7,9 +7,9 @@ expired or whose key was revoked gets 401 with `WWW-Authenticate: Bearer error="
 which makes the SDK exchange its key for a fresh one (and fail with AuthenticationError if the
 key itself is no longer valid). A plain ASGI middleware: it is on the futures hot path.
 
-The internal listener's routes (gateway/listeners.py; `/internal/v1/samplers/`: replicas joining
-the pool) take the service token that the services' gRPC calls carry, or an admin's credential; a
-tenant's is refused with 403. Being on this machine counts for nothing: a local user or a local
+The internal listener's routes (gateway/listeners.py) take an admin's credential; a tenant's is
+refused with 403. The replicas' (`/internal/v1/samplers/`: joining the pool) also take the service
+token that the services' gRPC calls carry. Being on this machine counts for nothing: a local user or a local
 reverse proxy is not the operator. Checked here too, so a bad credential is a 401 before any body
 is read or bounded. A path on the wrong listener is a 404 before any credential is looked at.
 """
@@ -32,7 +32,8 @@ from gateway.tokens import Signer
 # calls the API with the key the user enters).
 PUBLIC_PATHS = ("/api/v1/healthz", "/metrics", "/console", "/console/")       # /metrics: gateway/metrics.py
 PUBLIC_PREFIXES = ("/files/", "/console/static/")
-SERVICE_PREFIX = "/internal/"   # replicas joining the pool: the service token or an admin (service_refusal)
+INTERNAL_PREFIX = "/internal/"                  # admins only (internal_refusal) ...
+REPLICA_PREFIX = "/internal/v1/samplers/"       # ... and, for replicas joining the pool, the service token
 
 
 class Authenticator:
@@ -58,21 +59,25 @@ def _credential(scope) -> str:
     return ""
 
 
-def service_refusal(token: str | None, auth: Authenticator, scope) -> tuple[int, str] | None:
-    """Why a caller of an internal route is refused, or None: it must present the service token as
-    a bearer credential, or an admin's API key or token."""
+def internal_refusal(token: str | None, auth: Authenticator, scope) -> tuple[tuple[int, str] | None, Caller | None]:
+    """(why a caller of an internal route is refused, or None; the admin it acts as, None for a
+    replica). The replicas' routes take the service token as a bearer credential; every internal
+    route takes an admin's API key or token."""
     credential = _credential(scope)
+    replica_route = scope.get("path", "").startswith(REPLICA_PREFIX)
+    wanted = "the service token (Authorization: Bearer) or an admin's API key" if replica_route else \
+        "an admin's API key"
     if not credential:
-        return 401, "missing credential: the service token (Authorization: Bearer) or an admin's API key"
+        return (401, f"missing credential: {wanted}"), None
     # Bytes: compare_digest refuses a non-ASCII str (latin-1 round-trips the header's bytes).
-    if token and hmac.compare_digest(credential.encode("latin-1"), token.encode()):
-        return None
+    if replica_route and token and hmac.compare_digest(credential.encode("latin-1"), token.encode()):
+        return None, None
     caller, _ = auth.caller(credential)
     if caller is None:
-        return 401, "wrong service token, or an unknown, revoked or expired API key or token"
+        return (401, f"wrong credential: {wanted}"), None
     if not caller.admin:
-        return 403, "internal routes take the service token or an admin's API key, not a user's"
-    return None
+        return (403, f"internal routes take {wanted}, not a user's key"), None
+    return None, caller
 
 
 async def _refuse(send, message: str, invalid_token: bool, status: int = 401) -> None:
@@ -98,10 +103,12 @@ class AuthMiddleware:
             return await _refuse(send, misplaced, False, 404)
         if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
             return await self.app(scope, receive, send)
-        if path.startswith(SERVICE_PREFIX):
-            refusal = service_refusal(self.service_token(), self.auth, scope)
+        if path.startswith(INTERNAL_PREFIX):
+            refusal, admin = internal_refusal(self.service_token(), self.auth, scope)
             if refusal is not None:
                 return await _refuse(send, refusal[1], False, refusal[0])
+            if admin is not None:
+                scope.setdefault("state", {})["caller"] = admin
             return await self.app(scope, receive, send)
         caller = self.auth.anonymous
         if caller is None:

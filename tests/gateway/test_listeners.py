@@ -60,7 +60,7 @@ def test_internal_routes_take_the_service_token_or_an_admin_and_refuse_a_tenant(
     _, internal, admin, tenant, _ = gw
     listing = "/internal/v1/samplers/list"
     assert_user_error(internal.get(listing), 401, "missing credential")     # from 127.0.0.1: no matter
-    assert_user_error(internal.get(listing, headers={"authorization": "Bearer wrong"}), 401, "wrong service token")
+    assert_user_error(internal.get(listing, headers={"authorization": "Bearer wrong"}), 401, "wrong credential")
     assert_user_error(internal.get(listing, headers={"authorization": "Bearer tml-unknown"}), 401)
     assert_user_error(internal.get(listing, headers={"X-API-Key": tenant}), 403, "admin")
     assert_user_error(internal.get(listing, headers={"authorization": f"Bearer {tenant}"}), 403, "admin")
@@ -70,6 +70,13 @@ def test_internal_routes_take_the_service_token_or_an_admin_and_refuse_a_tenant(
     assert internal.get(listing, headers={"X-API-Key": admin}).status_code == 200
     assert internal.post("/internal/v1/samplers/register", json={"address": "10.0.0.9:5"},
                          headers={"authorization": f"Bearer {TOKEN}"}).json() == {"status": "registered"}
+    # The other internal routes (benchmarks' no-op futures, futures stats) are an admin's only: the
+    # service token is for replicas joining the pool.
+    for credential, status in ((TOKEN, 401), (tenant, 403)):
+        assert_user_error(internal.get("/internal/futures_stats", headers={"authorization": f"Bearer {credential}"}),
+                          status, "admin")
+        assert_user_error(internal.post("/internal/noop_future", headers={"X-API-Key": credential}), status)
+    assert "calls" in internal.get("/internal/futures_stats", headers={"X-API-Key": admin}).json()
     # A non-ASCII credential is a 401, not a 500.
     assert internal.get(listing, headers={"authorization": "Bearer \u00e9t\u00e9".encode("latin-1")}).status_code == 401
 
