@@ -22,8 +22,11 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def check_https(settings: GatewaySettings) -> None:
-    """Refuses settings that cannot serve (before anything starts, not in a log later)."""
+def check_listeners(settings: GatewaySettings) -> None:
+    """Refuses listener settings that cannot serve (before anything starts, not in a log later)."""
+    if settings.port and settings.port == settings.internal_port:
+        raise SystemExit(f"tinkerd: --port and --internal-port are both {settings.port}: the internal listener "
+                         f"(/internal/, /metrics) needs a port of its own")
     if bool(settings.https_cert) != bool(settings.https_key):
         raise SystemExit("tinkerd: --https-cert and --https-key go together")
     for path in (settings.https_cert, settings.https_key):
@@ -41,7 +44,7 @@ def serve(settings: GatewaySettings) -> None:
     from gateway.listeners import INTERNAL, PUBLIC, Listener
     from tinkerd.process import init_logging
 
-    check_https(settings)
+    check_listeners(settings)
     init_logging("gateway")
     settings = dataclasses.replace(settings, base_model=os.path.abspath(settings.base_model),
                                    state_dir=os.path.abspath(settings.state_dir))

@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 
-from gateway.server import check_https
+from gateway.server import check_listeners
 from gateway.settings import GatewaySettings
 from launcher import keys
 from sampler_service import server as sampler_server
@@ -303,7 +303,7 @@ def up(args: argparse.Namespace) -> None:
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
     args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
-    check_https(settings.from_args(GatewaySettings, args, trainer="", samplers=[]))
+    check_listeners(settings.from_args(GatewaySettings, args, trainer="", samplers=[]))
     args.port = args.port or _free_port()
     args.internal_port = args.internal_port or _free_port()
     procs: dict[str, subprocess.Popen] = {}
@@ -316,15 +316,17 @@ def up(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, stop)
     try:
         api_key = keys.first_admin_key(args.state_dir, args.db_url, args.db_password_file) if args.auth else None
+        # Written at once: a stack that fails to start must not lose the only copy of the key.
+        key_file = keys.write_key_file(args.state_dir, api_key) if api_key else None
         ready: dict[str, int] = {}
         url = _start_all(args, procs, ready, log_dir)
         print(f"tinkerd ready at {url} in {time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
         print(f"internal listener: {gateway_url(args)} (replicas register there; /metrics; every service's "
               f"metrics in {args.state_dir}/prometheus-targets.json)", flush=True)
-        if api_key:
+        if key_file:
             print("the admin's API key is in its file (readable by you only; more keys with `tinkerd keys create "
                   "--user NAME`):", flush=True)
-            print(f"export TINKER_API_KEY=$(cat {keys.write_key_file(args.state_dir, api_key)})", flush=True)
+            print(f"export TINKER_API_KEY=$(cat {key_file})", flush=True)
         elif not args.auth:
             print("auth is OFF (--no-auth): every caller acts as the admin user", flush=True)
         print(f"TINKER_BASE_URL={url}", flush=True)

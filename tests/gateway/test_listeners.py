@@ -139,22 +139,31 @@ def test_a_trusted_proxy_s_forwarded_headers_make_the_url(gw):
     ("", ["10.0.0.0/33"], "not an IP address or network"),
 ])
 def test_bad_public_url_or_proxy_settings_are_refused_at_start(public_url, proxies, words):
-    from gateway.server import check_https
+    from gateway.server import check_listeners
     from gateway.settings import GatewaySettings
 
     settings = GatewaySettings(base_model="b", trainer="t:1", public_url=public_url, trusted_proxies=proxies)
     with pytest.raises(SystemExit, match=re.escape(words)):
-        check_https(settings)
+        check_listeners(settings)
+
+
+def test_the_internal_listener_needs_a_port_of_its_own():
+    from gateway.server import check_listeners
+    from gateway.settings import GatewaySettings
+
+    with pytest.raises(SystemExit, match="a port of its own"):
+        check_listeners(GatewaySettings(base_model="b", trainer="t:1", port=8000, internal_port=8000))
+    check_listeners(GatewaySettings(base_model="b", trainer="t:1", port=0, internal_port=0))
 
 
 def test_https_cert_and_key_go_together(tmp_path):
-    from gateway.server import check_https
+    from gateway.server import check_listeners
     from gateway.settings import GatewaySettings
 
     cert = tmp_path / "cert.pem"
     cert.write_text("x")
     with pytest.raises(SystemExit, match="go together"):
-        check_https(GatewaySettings(base_model="b", trainer="t:1", https_cert=str(cert)))
+        check_listeners(GatewaySettings(base_model="b", trainer="t:1", https_cert=str(cert)))
     with pytest.raises(SystemExit, match="is not a file"):
-        check_https(GatewaySettings(base_model="b", trainer="t:1", https_cert=str(cert),
+        check_listeners(GatewaySettings(base_model="b", trainer="t:1", https_cert=str(cert),
                                     https_key=str(tmp_path / "missing.pem")))
