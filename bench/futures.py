@@ -32,26 +32,28 @@ def _trainer_port(state_dir: str) -> int:
         return int(re.search(rb"READY trainer (\d+)", f.read()).group(1))
 
 
-async def _round_trip(client) -> None:
-    r = await client.post("/internal/noop_future")
+async def _round_trip(client, internal: str) -> None:
+    """A no-op future (on the gateway's internal listener: admins only), then its result (the API's
+    retrieve_future, on the users' port)."""
+    r = await client.post(f"{internal}/internal/noop_future")
     done = await client.post("/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]})
     assert done.status_code == 200, done.text
 
 
-async def _latencies(url: str, n: int) -> list[float]:
+async def _latencies(url: str, internal: str, n: int) -> list[float]:
     import httpx
     async with httpx.AsyncClient(base_url=url, headers=_auth()) as client:
         for _ in range(20):
-            await _round_trip(client)
+            await _round_trip(client, internal)
         out = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await _round_trip(client)
+            await _round_trip(client, internal)
             out.append(time.perf_counter() - t0)
         return out
 
 
-async def _throughput(url: str, seconds: float, concurrency: int) -> float:
+async def _throughput(url: str, internal: str, seconds: float, concurrency: int) -> float:
     """`concurrency` clients, each with its own connection (one shared httpx pool serialises
     badly: measured 145/s at 32 concurrent against 566/s with a client each)."""
     import httpx
@@ -62,7 +64,7 @@ async def _throughput(url: str, seconds: float, concurrency: int) -> float:
     async def worker(client):
         nonlocal count
         while time.perf_counter() < deadline:
-            await _round_trip(client)
+            await _round_trip(client, internal)
             count += 1
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(c) for c in clients))
@@ -88,12 +90,13 @@ NOTES = [
 ]
 
 
-def _stats(url: str) -> dict:
+def _stats(internal: str) -> dict:
     import httpx
-    return httpx.get(f"{url}/internal/futures_stats", headers=_auth()).json()["calls"]
+    return httpx.get(f"{internal}/internal/futures_stats", headers=_auth()).json()["calls"]
 
 
-def _sdk_burst(url: str, model: str, n: int, batched: bool, rounds: int) -> tuple[float, float, float]:
+def _sdk_burst(url: str, internal: str, model: str, n: int, batched: bool,
+               rounds: int) -> tuple[float, float, float]:
     """(samples per second, median latency of one sample in s, HTTP polls per sample) for bursts
     of `n` one-token samples from one SamplingClient, the best of `rounds`."""
     import tinker
@@ -108,7 +111,7 @@ def _sdk_burst(url: str, model: str, n: int, batched: bool, rounds: int) -> tupl
     sampler.sample(prompts[0], 1, params).result()                 # warm: poller, connections
     best, latency, polls = 0.0, 0.0, 0.0
     for _ in range(rounds):
-        before = _stats(url)
+        before = _stats(internal)
         t0 = time.perf_counter()
         futures = [sampler.sample(p, 1, params) for p in prompts]
         done = []
@@ -116,7 +119,7 @@ def _sdk_burst(url: str, model: str, n: int, batched: bool, rounds: int) -> tupl
             f.result(timeout=600)
             done.append(time.perf_counter() - t0)
         rate = n / (time.perf_counter() - t0)
-        after = _stats(url)
+        after = _stats(internal)
         if rate > best:
             calls = sum(after.get(k, 0) - before.get(k, 0) for k in ("retrieve_future", "retrieve_futures"))
             best, latency, polls = rate, statistics.median(done), calls / n
@@ -139,11 +142,13 @@ def run(ctx: Context) -> list[Row]:
             stub.Health(common_pb2.HealthRequest())
             if i >= 20:
                 direct.append(time.perf_counter() - t0)
-        via = asyncio.run(_latencies(stack.url, n))
-        rate = asyncio.run(_throughput(stack.url, 1.0 if ctx.quick else 4.0, 32))
+        via = asyncio.run(_latencies(stack.url, stack.internal_url, n))
+        rate = asyncio.run(_throughput(stack.url, stack.internal_url, 1.0 if ctx.quick else 4.0, 32))
         burst, rounds = ctx.iters(400, 20), ctx.iters(3, 1)
-        per_sample = _sdk_burst(stack.url, ctx.models["tiny"], burst, batched=False, rounds=rounds)
-        batched = _sdk_burst(stack.url, ctx.models["tiny"], burst, batched=True, rounds=rounds)
+        per_sample = _sdk_burst(stack.url, stack.internal_url, ctx.models["tiny"], burst, batched=False,
+                                rounds=rounds)
+        batched = _sdk_burst(stack.url, stack.internal_url, ctx.models["tiny"], burst, batched=True,
+                             rounds=rounds)
     p50 = 1e3 * (statistics.median(via) - statistics.median(direct))
     p99 = 1e3 * (percentile(via, 0.99) - percentile(direct, 0.99))
     return [

@@ -51,7 +51,7 @@ def _join(stack, model_dir: str, *flags: str) -> tuple[subprocess.Popen, str]:
     state = stack.state_dir
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "sampler", "--base-model", model_dir, "--state-dir", state,
-         "--service-token-file", os.path.join(state, "service-token"), "--register-with", stack.url, *flags],
+         "--service-token-file", os.path.join(state, "service-token"), "--register-with", stack.internal_url, *flags],
         stdout=subprocess.PIPE, stderr=open(os.path.join(state, "logs", "bench-replica.log"), "ab"), text=True,
         cwd=REPO, start_new_session=True)
     for line in proc.stdout:

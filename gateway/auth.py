@@ -7,30 +7,33 @@ expired or whose key was revoked gets 401 with `WWW-Authenticate: Bearer error="
 which makes the SDK exchange its key for a fresh one (and fail with AuthenticationError if the
 key itself is no longer valid). A plain ASGI middleware: it is on the futures hot path.
 
-The sampler replicas' routes (`/internal/v1/samplers/`: joining the pool) take the service token
-that the services' gRPC calls carry instead of an API key; without one configured, only callers on this
-machine. Checked here too, so a bad credential is a 401 before any body is read or bounded.
+The internal listener's routes (gateway/listeners.py) take an admin's credential; a tenant's is
+refused with 403. The replicas' (`/internal/v1/samplers/`: joining the pool) also take the service
+token that the services' gRPC calls carry. Being on this machine counts for nothing: a local user or a local
+reverse proxy is not the operator. Checked here too, so a bad credential is a 401 before any body
+is read or bounded. A path on the wrong listener is a 404 before any credential is looked at.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 from typing import Annotated, Callable
 
 from fastapi import Depends, Request
 
+from gateway import listeners
 from gateway.errors import error_body
 from gateway.keys import Caller, KeyStore
 from gateway.tokens import Signer
 
-# Reachable without a credential: health probes, metrics scrapes, downloads that carry their own
-# signature, and the console's page and files (no data: its script calls the API with the key the
-# user enters).
+# Reachable without a credential: health probes, metrics scrapes (on the internal listener only),
+# downloads that carry their own signature, and the console's page and files (no data: its script
+# calls the API with the key the user enters).
 PUBLIC_PATHS = ("/api/v1/healthz", "/metrics", "/console", "/console/")       # /metrics: gateway/metrics.py
 PUBLIC_PREFIXES = ("/files/", "/console/static/")
-SERVICE_PREFIX = "/internal/v1/samplers/"   # replicas joining the pool: the service token (service_refusal)
+INTERNAL_PREFIX = "/internal/"                  # admins only (internal_refusal) ...
+REPLICA_PREFIX = "/internal/v1/samplers/"       # ... and, for replicas joining the pool, the service token
 
 
 class Authenticator:
@@ -56,19 +59,25 @@ def _credential(scope) -> str:
     return ""
 
 
-def service_refusal(token: str | None, scope) -> tuple[int, str] | None:
-    """Why a caller of a replicas' route is refused, or None: it must present the service token
-    as a bearer credential or, where none is configured, call from this machine."""
-    if token:
-        given = dict(scope.get("headers", ())).get(b"authorization", b"")
-        return None if hmac.compare_digest(given, f"Bearer {token}".encode()) else (
-            401, "missing or wrong service token")
-    client = scope.get("client")
-    try:
-        local = bool(client) and ipaddress.ip_address(client[0]).is_loopback
-    except ValueError:          # a host name, not an address
-        local = False
-    return None if local else (403, "without a service token, replicas may register from this machine only")
+def internal_refusal(token: str | None, auth: Authenticator, scope) -> tuple[tuple[int, str] | None, Caller | None]:
+    """(why a caller of an internal route is refused, or None; the admin it acts as, None for a
+    replica). The replicas' routes take the service token as a bearer credential; every internal
+    route takes an admin's API key or token."""
+    credential = _credential(scope)
+    replica_route = scope.get("path", "").startswith(REPLICA_PREFIX)
+    wanted = "the service token (Authorization: Bearer) or an admin's API key" if replica_route else \
+        "an admin's API key"
+    if not credential:
+        return (401, f"missing credential: {wanted}"), None
+    # Bytes: compare_digest refuses a non-ASCII str (latin-1 round-trips the header's bytes).
+    if replica_route and token and hmac.compare_digest(credential.encode("latin-1"), token.encode()):
+        return None, None
+    caller, _ = auth.caller(credential)
+    if caller is None:
+        return (401, f"wrong credential: {wanted}"), None
+    if not caller.admin:
+        return (403, f"internal routes take {wanted}, not a user's key"), None
+    return None, caller
 
 
 async def _refuse(send, message: str, invalid_token: bool, status: int = 401) -> None:
@@ -86,13 +95,20 @@ class AuthMiddleware:
         self.service_token = service_token
 
     async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if scope["type"] != "http" or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if path.startswith(SERVICE_PREFIX):
-            refusal = service_refusal(self.service_token(), scope)
+        path = scope.get("path", "")
+        misplaced = listeners.misplaced(scope)
+        if misplaced is not None:
+            return await _refuse(send, misplaced, False, 404)
+        if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
+            return await self.app(scope, receive, send)
+        if path.startswith(INTERNAL_PREFIX):
+            refusal, admin = internal_refusal(self.service_token(), self.auth, scope)
             if refusal is not None:
                 return await _refuse(send, refusal[1], False, refusal[0])
+            if admin is not None:
+                scope.setdefault("state", {})["caller"] = admin
             return await self.app(scope, receive, send)
         caller = self.auth.anonymous
         if caller is None:

@@ -1,6 +1,6 @@
-"""The gateway's Prometheus metrics, served at `GET /metrics` on its own HTTP port without an API
-key (like /api/v1/healthz: a scraper has none). It shows user names as label values of the queue
-depths: keep the port off the public internet, or let the proxy in front refuse /metrics.
+"""The gateway's Prometheus metrics, served at `GET /metrics` on its internal listener (gateway/
+listeners.py; the users' port answers 404) without an API key: a scraper has none. It shows user
+ids as label values of the queue depths, which is why it is not on the users' port.
 
 Requests are labelled by route template (`/api/v1/samplers/{sampler_id:path}`, never the raw
 path) and status, so the label sets stay bounded; paths no route matches share one template.

@@ -1,4 +1,5 @@
-"""`tinkerd gateway`: the Tinker REST gateway in its own process."""
+"""`tinkerd gateway`: the Tinker REST gateway in its own process: one app on two listeners
+(gateway/listeners.py), the public one and the internal one, both HTTPS with --https-cert."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import os
 import socket
 
+from gateway import public_url
 from gateway.settings import GatewaySettings
 
 
@@ -20,24 +22,58 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_listeners(settings: GatewaySettings) -> None:
+    """Refuses listener settings that cannot serve (before anything starts, not in a log later)."""
+    if settings.port and settings.port == settings.internal_port:
+        raise SystemExit(f"tinkerd: --port and --internal-port are both {settings.port}: the internal listener "
+                         f"(/internal/, /metrics) needs a port of its own")
+    if bool(settings.https_cert) != bool(settings.https_key):
+        raise SystemExit("tinkerd: --https-cert and --https-key go together")
+    for path in (settings.https_cert, settings.https_key):
+        if path and not os.path.isfile(path):
+            raise SystemExit(f"tinkerd: {path} (--https-cert/--https-key) is not a file")
+    problem = public_url.check(settings.public_url, settings.trusted_proxies)
+    if problem:
+        raise SystemExit(f"tinkerd: {problem}")
+
+
 def serve(settings: GatewaySettings) -> None:
     import uvicorn
 
     from gateway.app import create_app
     from gateway.http_limits import uvicorn_options
+    from gateway.listeners import INTERNAL, PUBLIC, Listener
     from tinkerd.process import init_logging
 
+    check_listeners(settings)
     init_logging("gateway")
     settings = dataclasses.replace(settings, base_model=os.path.abspath(settings.base_model),
                                    state_dir=os.path.abspath(settings.state_dir))
     app = create_app(settings)
     sock = _listening_socket(settings.host, settings.port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **uvicorn_options(settings)))
+    internal_sock = _listening_socket(settings.internal_host, settings.internal_port)
+    tls = {"ssl_certfile": settings.https_cert, "ssl_keyfile": settings.https_key} if settings.https else {}
+    limits = uvicorn_options(settings)     # connection limit, keep-alive, header deadline: on both listeners
+    server = uvicorn.Server(uvicorn.Config(Listener(app, PUBLIC), log_level="warning", **limits, **tls))
+    # The same app: its lifespan (backends, housekeeping) runs once, under the public server.
+    internal = uvicorn.Server(uvicorn.Config(Listener(app, INTERNAL), log_level="warning", lifespan="off", **limits,
+                                             **tls))
 
     async def serve():
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
+            if task.done():
+                return await task
             await asyncio.sleep(0.02)
+        internal_task = asyncio.create_task(internal.serve(sockets=[internal_sock]))
+        while not internal.started:
+            if internal_task.done():
+                break
+            await asyncio.sleep(0.02)
+        print(f"INTERNAL gateway {internal_sock.getsockname()[1]}", flush=True)
         print(f"READY gateway {sock.getsockname()[1]}", flush=True)
-        await task
+        # A signal reaches one server's handler only (each installs its own): stop both together.
+        await asyncio.wait([task, internal_task], return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = internal.should_exit = True
+        await asyncio.gather(task, internal_task)
     asyncio.run(serve())

@@ -18,8 +18,28 @@ class GatewaySettings(ServiceAuthSettings):
     aliases: list[str] = setting([], flag="alias", help="another accepted name for the base model (repeatable)")
     host: str = setting("127.0.0.1", help="HTTP listen address")
     port: int = setting(8000, help="HTTP port (0 picks a free one)")
+    # The internal listener: replicas joining the pool (/internal/) and Prometheus (/metrics), off
+    # the users' port (gateway/listeners.py).
+    internal_host: str = setting("127.0.0.1", help="listen address of the internal HTTP listener (/internal/: "
+                                                   "sampler replicas register there with the service token; "
+                                                   "/metrics); keep it off the users' network")
+    internal_port: int = setting(0, help="port of the internal HTTP listener (0 picks a free one, printed as "
+                                         "`INTERNAL gateway PORT`)")
+    https_cert: str = setting("", help="PEM certificate (chain) to serve HTTPS with, on both listeners; not "
+                                       "the gRPC --tls-cert")
+    https_key: str = setting("", help="PEM private key of --https-cert")
+    public_url: str = setting("", help="the URL clients reach this gateway at (e.g. https://tinker.example.com): "
+                                       "the base of every URL it hands out (checkpoint downloads); default: "
+                                       "the scheme and Host of each request")
+    trusted_proxies: list[str] = setting([], flag="trusted-proxy", help="address or network (CIDR) of a reverse "
+                                         "proxy whose X-Forwarded-Proto and X-Forwarded-Host are believed when "
+                                         "--public-url is not given (repeatable)")
     state_dir: str = setting("./state", help="database, checkpoints, snapshots and logs")
-    db_url: str | None = setting(None, help="SQLAlchemy URL; default sqlite:///<state-dir>/tinkerd.db")
+    db_url: str | None = setting(None, help="SQLAlchemy URL; default $TINKERD_DB_URL, else "
+                                            "sqlite:///<state-dir>/tinkerd.db (a password here is on the "
+                                            "command line: use --db-password-file or the variable)")
+    db_password_file: str = setting("", help="file holding the database password, put into the URL (keeps it "
+                                             "off the command line)")
     signing_keys_file: str = setting("", help="the keys that sign JWTs and download URLs, newest first "
                                               "(gateway/signing_keys.py; a mounted Secret, shared by every "
                                               "gateway); default <state-dir>/signing-keys, made on first start")
@@ -94,12 +114,26 @@ class GatewaySettings(ServiceAuthSettings):
 
     @property
     def database_url(self) -> str:
-        return database_url(self.state_dir, self.db_url)
+        return database_url(self.state_dir, self.db_url, self.db_password_file)
+
+    @property
+    def https(self) -> bool:
+        return bool(self.https_cert)
 
     @property
     def signing_keys_path(self) -> str:
         return self.signing_keys_file or os.path.join(os.path.abspath(self.state_dir), "signing-keys")
 
 
-def database_url(state_dir: str, db_url: str | None) -> str:
-    return db_url or f"sqlite:///{os.path.join(os.path.abspath(state_dir), 'tinkerd.db')}"
+def database_url(state_dir: str, db_url: str | None, password_file: str = "") -> str:
+    """--db-url, else $TINKERD_DB_URL (an environment variable is readable by the process's owner
+    only; argv by everyone on the host), else SQLite in the state dir; the password from a file."""
+    url = db_url or os.environ.get("TINKERD_DB_URL") or \
+        f"sqlite:///{os.path.join(os.path.abspath(state_dir), 'tinkerd.db')}"
+    if not password_file:
+        return url
+    import sqlalchemy
+
+    with open(password_file) as f:
+        password = f.read().strip()
+    return sqlalchemy.engine.make_url(url).set(password=password).render_as_string(hide_password=False)

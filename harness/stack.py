@@ -20,6 +20,7 @@ class Stack(NamedTuple):
     start_seconds: float     # `tinkerd up` to ready
     pid: int                 # of `tinkerd up`; its children are the services
     api_key: str             # an admin's key ("" with --no-auth)
+    internal_url: str = ""   # the gateway's internal listener: /internal/ (the service token), /metrics
 
 
 
@@ -43,13 +44,17 @@ def running_stack(model_dir: str, state, *extra_args: str):
         [sys.executable, "-m", "launcher.cli", "up", "--base-model", model_dir, "--port", "0",
          "--state-dir", str(state), *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url, api_key = None, ""
+    url, api_key, internal_url = None, "", ""
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        m = re.match(r"(?:export )?TINKER_(BASE_URL|API_KEY)=(\S+)", line)
+        m = re.match(r"(?:export )?TINKER_(BASE_URL|API_KEY)=(\$\(cat \S+\)|\S+)", line)
+        if line.startswith("internal listener: "):
+            internal_url = line.split()[2]
         if m and m.group(1) == "API_KEY":
-            api_key = m.group(2)
+            # `export TINKER_API_KEY=$(cat FILE)`: up writes the key to a file of mode 0600.
+            with open(m.group(2).removeprefix("$(cat ").removesuffix(")")) as f:
+                api_key = f.read().strip()
         elif m:
             url = m.group(2)
             break
@@ -62,7 +67,7 @@ def running_stack(model_dir: str, state, *extra_args: str):
     previous_key = os.environ.get("TINKER_API_KEY")
     os.environ["TINKER_API_KEY"] = api_key or "tml-no-auth"
     try:
-        yield Stack(url, str(state), time.monotonic() - t0, proc.pid, api_key)
+        yield Stack(url, str(state), time.monotonic() - t0, proc.pid, api_key, internal_url)
     finally:
         if previous_key is None:
             os.environ.pop("TINKER_API_KEY", None)
@@ -91,12 +96,13 @@ def service_pids(root_pid: int) -> dict[str, int]:
     return pids
 
 
-def sampler_pool(stack) -> dict[str, dict]:
+def sampler_pool(stack, context=None) -> dict[str, dict]:
     """The gateway's sampler pool, {address: {"alive", "served", ...}} (GET
-    /internal/v1/samplers/list, with the stack's service token)."""
+    /internal/v1/samplers/list on its internal listener, with the stack's service token; `context`:
+    an ssl.SSLContext that trusts an https stack's certificate)."""
     with open(os.path.join(stack.state_dir, "service-token")) as f:
         token = f.read().strip()
-    request = urllib.request.Request(f"{stack.url}/internal/v1/samplers/list",
+    request = urllib.request.Request(f"{stack.internal_url}/internal/v1/samplers/list",
                                      headers={"authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=10) as r:
+    with urllib.request.urlopen(request, timeout=10, context=context) as r:
         return {m["address"]: m for m in json.load(r)["samplers"]}

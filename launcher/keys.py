@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from gateway import keys, signing_keys
 from gateway import state_dir as private
@@ -37,16 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "beyond are dropped and what they signed stops working "
                                                             "(default: 2)")
     # The database: the gateway's flags of the same names, so `up`'s values work here too.
-    database_flags = tuple(f.name for f in settings.fields(GatewaySettings) if f.name not in ("state_dir", "db_url"))
+    database_flags = tuple(f.name for f in settings.fields(GatewaySettings) if f.name not in ("state_dir", "db_url", "db_password_file"))
     for p in (create, listing, revoke):
         settings.add_arguments(p, GatewaySettings, skip=database_flags)
     settings.add_arguments(rotate, GatewaySettings, skip=tuple(
         f.name for f in settings.fields(GatewaySettings) if f.name not in ("state_dir", "signing_keys_file")))
 
 
-def open_database(state_dir: str, db_url: str | None) -> Database:
+def open_database(state_dir: str, db_url: str | None, password_file: str = "") -> Database:
     private.make_private_dir(state_dir)
-    url = database_url(state_dir, db_url)
+    url = database_url(state_dir, db_url, password_file)
     private.owner_only_database(url)
     return Database(url)
 
@@ -66,13 +67,25 @@ def new_key(db: Database, user: str, *, org: str = "default", email: str = "", a
     return key
 
 
-def first_admin_key(state_dir: str, db_url: str | None) -> str | None:
-    """For `tinkerd up`: on a database without API keys, a key for its admin user (printed once)."""
-    db = open_database(state_dir, db_url)
+def first_admin_key(state_dir: str, db_url: str | None, password_file: str = "") -> str | None:
+    """For `tinkerd up`: on a database without API keys, a key for its admin user (written once to
+    write_key_file's file)."""
+    db = open_database(state_dir, db_url, password_file)
     try:
         return None if keys.list_keys(db) else new_key(db, "admin", admin=True)
     finally:
         db.engine.dispose()
+
+
+def write_key_file(state_dir: str, key: str) -> str:
+    """<state-dir>/admin-api-key, readable by its owner only: `tinkerd up` does not print the key,
+    where a terminal's scrollback, a CI log or a supervisor's journal would keep it."""
+    path = os.path.join(state_dir, "admin-api-key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)               # an older file kept its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return path
 
 
 def run(args: argparse.Namespace) -> None:
@@ -88,7 +101,7 @@ def _run(args: argparse.Namespace) -> None:
         print(f"signing key {kid} signs from now on (gateways re-read the file within "
               f"{signing_keys.RELOAD_S:.0f} s); the previous {args.keep - 1} still verify")
         return
-    db = open_database(args.state_dir, args.db_url)
+    db = open_database(args.state_dir, args.db_url, args.db_password_file)
     if args.keys_command == "create":
         print(new_key(db, args.user, org=args.org, email=args.email, admin=args.admin))
     elif args.keys_command == "list":

@@ -10,10 +10,14 @@ children write owner-only files (umask 077). Unless given --service-token-file, 
 calls between them are authenticated by default.
 
 Sampler replicas (`--sampler-replicas N`) join the gateway's pool the way a replica on another
-host does: each is `tinkerd sampler --register-with <the gateway's URL>` and heart-beats there
-(sampler_service/registration.py); the gateway gets no --sampler list. Since a replica's engine
-takes longest to start, the gateway's port is fixed before anything starts (a free one when
---port is 0), and the replicas start with the trainer.
+host does: each is `tinkerd sampler --register-with <the gateway's internal URL>` and heart-beats
+there (sampler_service/registration.py); the gateway gets no --sampler list. Since a replica's
+engine takes longest to start, the gateway's ports are fixed before anything starts (free ones
+when --port / --internal-port are 0), and the replicas start with the trainer.
+
+With --https-cert the gateway serves HTTPS on both its listeners; the replicas and `up`'s own
+health checks verify it against that certificate (register_ca), at the address they reach it by
+(--host, 127.0.0.1 for a wildcard): the certificate must name that address.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import urllib.error
 import urllib.request
 
 from gateway import state_dir
+from gateway.server import check_listeners
 from gateway.settings import GatewaySettings
 from launcher import keys
 from sampler_service import server as sampler_server
@@ -43,7 +48,7 @@ from trainer_service.settings import TrainerSettings
 CHILDREN = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
 # Settings `up` fills in itself: where the children find each other.
 WIRED = {"trainer": ("listen", "metrics_port"),
-         "sampler": ("listen", "register_with", "advertise_address", "metrics_port"),
+         "sampler": ("listen", "register_with", "register_ca", "advertise_address", "metrics_port"),
          "gateway": ("trainer", "samplers")}
 
 
@@ -121,8 +126,8 @@ def _start(name: str, command: list[str], ready: dict, log_dir: str) -> subproce
             log.write(line)
             log.flush()
             parts = line.decode(errors="replace").split()
-            if len(parts) == 3 and parts[0] in ("READY", "METRICS"):
-                ready[name if parts[0] == "READY" else f"{name}.metrics"] = int(parts[2])
+            if len(parts) == 3 and parts[0] in ("READY", "METRICS", "INTERNAL"):
+                ready[name if parts[0] == "READY" else f"{name}.{parts[0].lower()}"] = int(parts[2])
                 _write_targets(log_dir, ready)
     threading.Thread(target=read, daemon=True).start()
     return proc
@@ -132,11 +137,11 @@ _TARGETS_LOCK = threading.Lock()
 
 
 def _write_targets(log_dir: str, ready: dict) -> None:
-    """<state-dir>/prometheus-targets.json, for Prometheus' file_sd_configs: the gateway and every
-    child that printed `METRICS <name> <port>`, rewritten as they (re)start."""
+    """<state-dir>/prometheus-targets.json, for Prometheus' file_sd_configs: the gateway's internal
+    listener and every child that printed `METRICS <name> <port>`, rewritten as they (re)start."""
     targets = [{"targets": [f"127.0.0.1:{port}"],
-                "labels": {"service": kind_of(name.removesuffix(".metrics")), "process": name.removesuffix(".metrics")}}
-               for name, port in sorted(ready.items()) if name == "gateway" or name.endswith(".metrics")]
+                "labels": {"service": kind_of(name.split(".")[0]), "process": name.split(".")[0]}}
+               for name, port in sorted(ready.items()) if name.endswith((".metrics", ".internal"))]
     path = os.path.join(os.path.dirname(log_dir), "prometheus-targets.json")
     with _TARGETS_LOCK:                    # one reader thread per child
         with open(path + ".tmp", "w") as f:
@@ -172,10 +177,25 @@ def sampler_names(args: argparse.Namespace) -> list[str]:
     return ["sampler", *(f"sampler-{i}" for i in range(2, args.sampler_replicas + 1))]
 
 
+def _reachable(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def scheme(args: argparse.Namespace) -> str:
+    return "https" if args.https_cert else "http"
+
+
 def gateway_url(args: argparse.Namespace) -> str:
-    """Where this host's replicas register (the gateway's port is fixed by then)."""
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    return f"http://{host}:{args.port}"
+    """Where this host's replicas register: the gateway's internal listener (its port is fixed by
+    then)."""
+    return f"{scheme(args)}://{_reachable(args.internal_host)}:{args.internal_port}"
+
+
+def client_context(args: argparse.Namespace):
+    """`up`'s own calls to the gateway trust its certificate, as the replicas do."""
+    from sampler_service.registration import client_context as context
+
+    return context(args.https_cert) if args.https_cert else None
 
 
 def _wiring(args: argparse.Namespace, name: str, ready: dict) -> dict:
@@ -186,6 +206,7 @@ def _wiring(args: argparse.Namespace, name: str, ready: dict) -> dict:
     wiring = {"listen": f"127.0.0.1:{ready[name]}"} if name in ready else {}
     if kind_of(name) == "sampler":
         wiring["register_with"] = [gateway_url(args)]
+        wiring["register_ca"] = args.https_cert
     return wiring
 
 
@@ -210,7 +231,7 @@ def _wait_pool(args: argparse.Namespace, url: str, procs: dict, log_dir: str) ->
             raise SystemExit(f"tinkerd: the stack is not healthy after {args.start_timeout:.0f} s ({body}); "
                              f"see {log_dir}/")
         try:
-            with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=10) as r:
+            with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=10, context=client_context(args)) as r:
                 body = json.load(r)
         except urllib.error.HTTPError as e:        # 503 until the pool has seen a live replica
             body = json.load(e)
@@ -227,7 +248,7 @@ def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str)
     procs["gateway"] = _start("gateway", child_command(args, "gateway", **_wiring(args, "gateway", ready)),
                               ready, log_dir)
     _wait_ready(procs, ready, names + ["gateway"], args.start_timeout, log_dir)
-    url = f"http://{args.host}:{ready['gateway']}"
+    url = f"{scheme(args)}://{_reachable(args.host)}:{ready['gateway']}"
     _wait_pool(args, url, procs, log_dir)
     return url
 
@@ -297,7 +318,9 @@ def up(args: argparse.Namespace) -> None:
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, mode=0o700, exist_ok=True)
     args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
+    check_listeners(settings.from_args(GatewaySettings, args, trainer="", samplers=[]))
     args.port = args.port or _free_port()
+    args.internal_port = args.internal_port or _free_port()
     procs: dict[str, subprocess.Popen] = {}
 
     def stop(*_, code: int = 0):
@@ -307,14 +330,18 @@ def up(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        api_key = keys.first_admin_key(args.state_dir, args.db_url) if args.auth else None
+        api_key = keys.first_admin_key(args.state_dir, args.db_url, args.db_password_file) if args.auth else None
+        # Written at once: a stack that fails to start must not lose the only copy of the key.
+        key_file = keys.write_key_file(args.state_dir, api_key) if api_key else None
         ready: dict[str, int] = {}
         url = _start_all(args, procs, ready, log_dir)
         print(f"tinkerd ready at {url} in {time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
-        print(f"metrics: {url}/metrics; every service's in {args.state_dir}/prometheus-targets.json", flush=True)
-        if api_key:
-            print("the admin's API key (shown only now; more with `tinkerd keys create --user NAME`):", flush=True)
-            print(f"export TINKER_API_KEY={api_key}", flush=True)
+        print(f"internal listener: {gateway_url(args)} (replicas register there; /metrics; every service's "
+              f"metrics in {args.state_dir}/prometheus-targets.json)", flush=True)
+        if key_file:
+            print("the admin's API key is in its file (readable by you only; more keys with `tinkerd keys create "
+                  "--user NAME`):", flush=True)
+            print(f"export TINKER_API_KEY=$(cat {key_file})", flush=True)
         elif not args.auth:
             print("auth is OFF (--no-auth): every caller acts as the admin user", flush=True)
         print(f"TINKER_BASE_URL={url}", flush=True)

@@ -7,7 +7,12 @@ The address it registers is --advertise-address, else (advertised_address) 127.0
 replica that listens on loopback, else this host's address as its own name resolves here: a
 container's or pod's IP (Docker and Kubernetes map the hostname to it), or the hostname itself
 where it maps to loopback (many Linux hosts). Give --advertise-address when the gateways and
-the trainer reach this host by another name."""
+the trainer reach this host by another name.
+
+The URL is the gateway's internal listener (`--internal-port`; gateway/listeners.py). Over https
+the gateway's certificate is checked against --register-ca (a CA bundle, or the gateway's own
+certificate when self-signed) or the system's trust store; with TLS configured, an http URL to
+another host is refused (check_urls): the service token would cross the network in clear."""
 
 from __future__ import annotations
 
@@ -15,9 +20,13 @@ import json
 import ipaddress
 import logging
 import socket
+import ssl
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
+
+from tinkerd.rpc import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +51,34 @@ def advertised_address(listen: str, port: int, given: str = "") -> str:
     return f"{name if ipaddress.ip_address(ip).is_loopback else ip}:{port}"
 
 
+def check_urls(gateways: list[str], tls: bool) -> None:
+    """Refuses a --register-with that is not an http(s) URL, and, when this replica is configured for
+    TLS (gRPC certificates or --register-ca), one that would send the token in clear to another host."""
+    for url in gateways:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise SystemExit(f"tinkerd sampler: --register-with {url!r} is not an http(s) URL of the gateway's "
+                             f"internal listener (e.g. https://gateway:8001)")
+        if tls and parts.scheme == "http" and not is_loopback(f"{parts.hostname}:0"):
+            raise SystemExit(f"tinkerd sampler: --register-with {url} is plain http while TLS is configured: the "
+                             f"service token would cross the network in clear; serve the gateway with "
+                             f"--https-cert and register at https://")
+
+
+def client_context(ca_file: str) -> ssl.SSLContext:
+    """Verifies the gateway's certificate (and its name) against `ca_file`, else the system's CAs.
+    A certificate in the file is trusted as it is (partial chain): the gateway's self-signed one, or
+    an intermediate."""
+    context = ssl.create_default_context(cafile=ca_file or None)
+    if ca_file:
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return context
+
+
 class Registration:
-    def __init__(self, gateways: list[str], address: str, token: str):
+    def __init__(self, gateways: list[str], address: str, token: str, ca_file: str = ""):
         self.gateways, self.address, self.token = [g.rstrip("/") for g in gateways], address, token
+        self.context = client_context(ca_file)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="registration", daemon=True)
 
@@ -76,7 +110,7 @@ class Registration:
                 headers={"content-type": "application/json",
                          **({"authorization": f"Bearer {self.token}"} if self.token else {})})
             try:
-                urllib.request.urlopen(request, timeout=HEARTBEAT_S).close()
+                urllib.request.urlopen(request, timeout=HEARTBEAT_S, context=self.context).close()
             except (urllib.error.URLError, OSError) as e:
                 log.warning("could not %s with %s: %s", action, gateway, e)
                 reached_all = False

@@ -15,7 +15,7 @@ def serve(s: SamplerSettings) -> None:
     init_logging("sampler")
     logging.getLogger("sampler").info("memory allocator: %s", allocator())
     from sampler_service import metrics
-    from sampler_service.registration import Registration, advertised_address
+    from sampler_service.registration import Registration, advertised_address, check_urls
     from sampler_service.servicer import SamplerServicer
     from tinkerd.health import ServiceHealth
     from tinkerd.metrics import serve as serve_metrics
@@ -24,6 +24,7 @@ def serve(s: SamplerSettings) -> None:
 
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of engine start
+    check_urls(s.register_with, auth.tls or bool(s.register_ca))
     check_parallelism_or_exit(s.tensor_parallel_size)
     engine = engine_from(s)
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
@@ -34,7 +35,7 @@ def serve(s: SamplerSettings) -> None:
     sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine, state_dir=os.path.abspath(s.state_dir)),
                                                    server)
     registration = Registration(s.register_with, advertised_address(s.listen, port, s.advertise_address),
-                                auth.token)
+                                auth.token, s.register_ca)
 
     def stop():
         registration.stop()

@@ -27,8 +27,11 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
     gpu_memory_utilization: float = setting(0.9, help="share of each GPU's memory the engine may take for weights "
                                                       "and KV cache (vLLM's --gpu-memory-utilization); on CPU the "
                                                       "KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead")
-    register_with: list[str] = setting([], help="gateway URL to join the sampler pool of (repeatable); the "
-                                                "replica heart-beats there and leaves on a clean stop")
+    register_with: list[str] = setting([], help="URL of a gateway's internal listener (its --internal-port) to "
+                                                "join the sampler pool of (repeatable); the replica heart-beats "
+                                                "there with the service token and leaves on a clean stop")
+    register_ca: str = setting("", help="PEM CA bundle, or the gateway's own certificate, that an https "
+                                        "--register-with is verified against (default: the system's CAs)")
     advertise_address: str = setting("", help="host:port the gateways and trainer reach this replica at "
                                               "(default: the port it listens on at 127.0.0.1 for a loopback "
                                               "--listen, else at this host's IP as its hostname resolves)")

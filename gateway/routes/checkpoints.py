@@ -16,7 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 from sqlalchemy import select
 
-from gateway import audit, checkpoints
+from gateway import audit, checkpoints, public_url
 from gateway.auth import CallerDep
 from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, aware
 from gateway.keys import Caller
@@ -167,7 +167,7 @@ def _url_expiry(row: CheckpointRow) -> int:
 def _signed_url(gw: Gateway, request: Request, caller: Caller, row: CheckpointRow, path: str, expires: int) -> str:
     """Whoever holds it may GET `path` until `expires`, no key needed, while the row and the
     caller's access to it last (routes/files.py re-checks both)."""
-    base = str(request.base_url).rstrip("/")
+    base = public_url.base_url(request, gw.settings)
     grant = checkpoints.download_grant(row, path, expires, caller.user_id, caller.key_id)
     return f"{base}{path}?{gw.signer.url_query(grant)}"
 

@@ -24,7 +24,7 @@ def _headers(stack) -> dict:
 
 
 def _calls(stack) -> dict:
-    r = httpx.get(f"{stack.url}/internal/futures_stats", headers=_headers(stack))
+    r = httpx.get(f"{stack.internal_url}/internal/futures_stats", headers=_headers(stack))   # an admin's key
     assert r.status_code == 200, r.text
     return r.json()["calls"]
 

@@ -39,7 +39,7 @@ class Replica:
         state = stack.state_dir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launcher.cli", "sampler", "--base-model", model_dir, "--state-dir", state,
-             "--service-token-file", os.path.join(state, "service-token"), "--register-with", stack.url,
+             "--service-token-file", os.path.join(state, "service-token"), "--register-with", stack.internal_url,
              "--max-model-len", "1024", "--dtype", "float32"],     # the stack's dtype (conftest.py)
             stdout=subprocess.PIPE, stderr=open(os.path.join(state, "logs", f"replica-{id(self)}.log"), "ab"),
             text=True, start_new_session=True)

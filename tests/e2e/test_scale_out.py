@@ -141,12 +141,14 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
     tinkerd = [sys.executable, "-m", "launcher.cli"]
     trainer_port, ports = _free_port(), [_free_port(), _free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
+    internal_ports = [_free_port(), _free_port()]          # where replicas register (gateway/listeners.py)
+    internal_urls = [f"http://127.0.0.1:{p}" for p in internal_ports]
     common = ["--base-model", tiny_model_dir, "--state-dir", state, "--service-token-file", token]
     exact = ["--dtype", "float32"]           # trainer = sampler exactly (conftest.py)
 
     def replica(name: str) -> Service:
-        return Service(name, [*tinkerd, "sampler", *common, *exact, "--merged-slots", "0", "--register-with", urls[0],
-                              "--register-with", urls[1]], logs, env)
+        return Service(name, [*tinkerd, "sampler", *common, *exact, "--merged-slots", "0", "--register-with",
+                              internal_urls[0], "--register-with", internal_urls[1]], logs, env)
 
     services: list[Service] = []
     postgres = None
@@ -158,8 +160,8 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
         postgres, db_url = _postgres(tmp_path)       # while the others start
         gateways = [Service(f"gateway-{i + 1}", [
             *tinkerd, "gateway", *common, "--trainer", f"127.0.0.1:{trainer_port}", "--port", str(port),
-            "--db-url", db_url, "--no-auth", "--future-lease-s", str(LEASE_S)], logs, env)
-            for i, port in enumerate(ports)]
+            "--internal-port", str(internal), "--db-url", db_url, "--no-auth", "--future-lease-s", str(LEASE_S)],
+            logs, env) for i, (port, internal) in enumerate(zip(ports, internal_ports))]
         services += gateways
         for s in services:
             s.ready()

@@ -102,3 +102,18 @@ def test_playground_tokenizes_and_detokenizes_with_the_base_models_tokenizer(gat
     assert_user_error(gateway.api.post("console/detokenize", {"tokens": [len(tok)]}), 400, "outside the vocabulary")
     assert_user_error(gateway.api.post("console/detokenize", {"tokens": [1] * 131_073}), 400, "131072")
     assert_user_error(gateway.api.post("console/tokenize", {"text": "x" * 100_001}), 400, "100000")
+
+
+def test_the_console_is_sent_with_its_security_headers(gateway):
+    """Its own script and style only (no inline code runs), never in a frame, no type sniffing."""
+    client = gateway.api.client
+    for path in ("/console", "/console/static/console.js", "/console/static/console.css", "/console/"):
+        r = client.get(path, headers={"X-API-Key": ""}, follow_redirects=False)
+        assert r.status_code in (200, 307), (path, r.status_code)
+        csp = {d.split()[0]: d.split()[1:] for d in r.headers["content-security-policy"].split("; ")}
+        assert csp["script-src"] == ["'self'"] and csp["default-src"] == ["'self'"], csp
+        assert csp["frame-ancestors"] == ["'none'"] and csp["object-src"] == ["'none'"], csp
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+    # The page loads no inline script or style that the policy would block.
+    page = client.get("/console", headers={"X-API-Key": ""}).text
+    assert "<script>" not in page and "<style" not in page and " style=" not in page and "onclick" not in page

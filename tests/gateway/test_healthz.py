@@ -13,6 +13,7 @@ import sqlalchemy
 from fastapi.testclient import TestClient
 
 from gateway.app import create_app
+from gateway.listeners import INTERNAL, Listener
 from gateway.routes import service
 from gateway.settings import GatewaySettings
 from gateway_fakes import FakeSampler, FakeTrainer
@@ -108,23 +109,25 @@ def test_an_unreachable_database_makes_it_unavailable(parts):
 def test_a_registered_replica_joins_the_pool_listing_and_healthz(parts):
     """A replica that registers (the path `tinkerd sampler --register-with` takes) is listed by
     GET /internal/v1/samplers/list once the pool's grpc.health.v1 check passes, counts in
-    healthz, and leaves both when it deregisters; the listing wants the service token."""
+    healthz, and leaves both when it deregisters; the listing wants the service token. Those routes
+    are on the internal listener (gateway/listeners.py): a client of its own on the same app."""
     client, trainer, samplers = parts
+    internal = TestClient(Listener(client.app, INTERNAL))
     trainer[2].serving()
     server, address, replica_health = _serve(FakeSampler(), sampler_pb2_grpc.add_SamplerServicer_to_server,
                                              "tinkerd.v1.Sampler")
     auth = {"authorization": f"Bearer {TOKEN}"}
     try:
-        assert client.get("/internal/v1/samplers/list").status_code == 401
-        assert client.get("/internal/v1/samplers/list", headers={"authorization": "Bearer wrong"}).status_code == 401
-        assert client.post("/internal/v1/samplers/register", json={"address": address}, headers=auth).status_code == 200
+        assert internal.get("/internal/v1/samplers/list").status_code == 401
+        assert internal.get("/internal/v1/samplers/list", headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert internal.post("/internal/v1/samplers/register", json={"address": address}, headers=auth).status_code == 200
         replica_health.serving()
         assert _samplers_become(client, "1/3 ok")[0] == 200
-        listed = {m["address"]: m for m in client.get("/internal/v1/samplers/list", headers=auth).json()["samplers"]}
+        listed = {m["address"]: m for m in internal.get("/internal/v1/samplers/list", headers=auth).json()["samplers"]}
         assert listed[address] == {"address": address, "alive": True, "registered": True, "in_flight": 0, "served": 0,
                                    "weight_transport": ""}     # none pushed to it yet
         assert [m["alive"] for a, m in listed.items() if a != address] == [False, False]
-        assert client.post("/internal/v1/samplers/deregister", json={"address": address},
+        assert internal.post("/internal/v1/samplers/deregister", json={"address": address},
                            headers=auth).status_code == 200
         assert _samplers_become(client, "0/2 ok")[0] == 503
     finally:

@@ -90,12 +90,19 @@ def test_compose_command_lines_are_the_services_flags_and_agree():
     assert gateway.trainer == f"{trainer}:{listen[trainer]}"
     assert not gateway.samplers
     sampler, sampler_args = next((name, args) for name, (kind, args) in parsed.items() if kind == "sampler")
-    assert sampler_args.register_with == [f"http://{gateway_name}:{gateway.port}"]
+    # Replicas register at the gateway's internal listener, on the compose network only.
+    assert sampler_args.register_with == [f"http://{gateway_name}:{gateway.internal_port}"]
+    assert gateway.internal_host == "0.0.0.0" and gateway.internal_port != gateway.port
+    assert not any(str(gateway.internal_port) in p for p in services["gateway"]["ports"])
     assert sampler_args.listen.startswith("0.0.0.0:") and sampler_args.advertise_address == ""
     assert int(_interpolate(str(services[sampler]["deploy"]["replicas"]))) >= 2
     assert "container_name" not in services[sampler] and "ports" not in services[sampler]   # scalable
     assert parsed[trainer][1].advertise_host == trainer
     assert gateway.db_url.startswith("postgresql+psycopg://") and "@postgres/" in gateway.db_url
+    # The password is a file, never on the command line (nor in compose's environment).
+    assert re.match(r"postgresql\+psycopg://\w+@", gateway.db_url), gateway.db_url
+    assert gateway.db_password_file == "/run/secrets/db-password" and "db-password" in services["gateway"]["secrets"]
+    assert "PASSWORD" not in str(services["gateway"].get("environment", {}))
     assert "postgres" in services
     # Health checks ask the port the service listens on (python -m tinkerd.health's own flags).
     for name, port in listen.items():
@@ -279,7 +286,12 @@ def test_kubernetes_manifests_render_and_agree_with_the_cli(tmp_path, overlay, c
     assert sampler["spec"]["replicas"] >= 2
     assert "tinkerd-sampler" not in services                  # nobody dials replicas by name
     gateway_service = services["tinkerd-gateway"]["spec"]["ports"][0]
-    assert sampler_args.register_with == [f"http://tinkerd-gateway:{gateway_service['port']}"]
+    internal_service = services["tinkerd-gateway-internal"]["spec"]["ports"][0]
+    # Replicas register at the gateway's internal listener's own Service; https (checked against
+    # the CA) under components/tls: the service token never crosses the network in clear.
+    scheme = "https" if "tls" in components else "http"
+    assert sampler_args.register_with == [f"{scheme}://tinkerd-gateway-internal:{internal_service['port']}"]
+    assert bool(sampler_args.register_ca) == ("tls" in components)
     assert sampler_args.advertise_address == f"10.0.0.7:{_port(sampler_args.listen)}"
     pod_ip = next(e for e in sampler_container["env"] if e["name"] == "POD_IP")
     assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -292,7 +304,19 @@ def test_kubernetes_manifests_render_and_agree_with_the_cli(tmp_path, overlay, c
     assert gateway_args.trainer == f"tinkerd-trainer:{_port(trainer_args.listen)}"
     assert not gateway_args.samplers                          # replicas register themselves
     assert gateway_service["targetPort"] == gateway["ports"][0]["name"]
-    assert gateway["readinessProbe"]["httpGet"] == {"path": HEALTHZ, "port": gateway_args.port}
+    internal_port = next(p for p in gateway["ports"] if p["name"] == internal_service["targetPort"])
+    assert internal_port["containerPort"] == gateway_args.internal_port and gateway_args.internal_host == "0.0.0.0"
+    policy = _of(docs, "NetworkPolicy", "tinkerd-gateway")["spec"]["ingress"]
+    assert [r for r in policy if "from" not in r] == [{"ports": [{"port": gateway_args.port}]}], policy
+    if "tls" in components:
+        assert gateway_args.https_cert and gateway_args.https_key
+        assert gateway["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    # No database URL on the command line: the gateway reads TINKERD_DB_URL from the Secret.
+    assert gateway_args.db_url is None
+    db_env = next(e for e in gateway["env"] if e["name"] == "TINKERD_DB_URL")
+    assert db_env["valueFrom"]["secretKeyRef"] == {"name": "tinkerd-db", "key": "url"}
+    probe = {k: v for k, v in gateway["readinessProbe"]["httpGet"].items() if k != "scheme"}
+    assert probe == {"path": HEALTHZ, "port": gateway_args.port}
     assert gateway["livenessProbe"]["tcpSocket"]["port"] == gateway_args.port
     assert gateway["ports"][0]["containerPort"] == gateway_args.port
     assert ("tinkerd-postgres" in services) == ("external-database" not in components)
