@@ -168,6 +168,16 @@ def gateway(tmp_path):
         yield types.SimpleNamespace(api=api, trainer=trainer, sampler=sampler, settings=settings)
 
 
+def internal_client(client: TestClient) -> TestClient:
+    """The same app as `client`, reached through the internal listener (gateway/listeners.py), on
+    `client`'s event loop (the running backends' gRPC channels belong to it)."""
+    from gateway.listeners import INTERNAL, Listener
+
+    internal = TestClient(Listener(client.app, INTERNAL))
+    internal.portal = client.portal
+    return internal
+
+
 def assert_user_error(response, status: int, *words: str) -> dict:
     body = response.json()
     assert response.status_code == status, body

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from fastapi.testclient import TestClient
-from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, fake_services
+from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, fake_services, internal_client
 from gateway_fakes import gateway  # noqa: F401 - the fixture
 
 from gateway import housekeeping
@@ -162,14 +162,17 @@ def test_concurrent_submissions_on_two_gateways_pass_exactly_the_cap(db_url, tmp
 
 
 def test_noop_future_is_for_admins_and_counts_in_their_queue(gateway):
+    """On the internal listener (gateway/listeners.py), and there for admins only."""
     api = gateway.api
-    r = api.client.post("/internal/noop_future", headers={"X-API-Key": api.api_key})
-    assert r.status_code == 403 and "admins" in r.json()["error"]
+    internal = internal_client(api.client)
+    assert api.client.post("/internal/noop_future").status_code == 404        # not on the public port
+    r = internal.post("/internal/noop_future", headers={"X-API-Key": api.api_key})
+    assert r.status_code == 403 and "admin" in r.json()["error"]
     admin = api.as_user("boss", admin=True)
-    r = api.client.post("/internal/noop_future", headers={"X-API-Key": admin.api_key})
+    r = internal.post("/internal/noop_future", headers={"X-API-Key": admin.api_key})
     assert r.status_code == 200 and admin.result(r.json()).json() == {"type": "noop"}
     gateway.settings.max_queued_per_user = 0
-    r = api.client.post("/internal/noop_future", headers={"X-API-Key": admin.api_key})
+    r = internal.post("/internal/noop_future", headers={"X-API-Key": admin.api_key})
     assert r.status_code == 429 and "--max-queued-per-user" in r.json()["error"] and r.headers["retry-after"]
 
 
