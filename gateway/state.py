@@ -23,6 +23,7 @@ from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
 from gateway.stability import StabilityRecords
 from gateway.tokens import Signer, signing_secret
+from gateway.traces import Traces, session_of
 from tinkerd.rpc import ServiceAuth
 
 # The user a fresh database starts with: `tinkerd up` gives it the first API key, rows made
@@ -54,7 +55,8 @@ class Gateway:
         anonymous = None if settings.auth else Caller(admin.user_id, admin.name, admin.org_id, admin.email,
                                                       True, key_id="")
         authenticator = Authenticator(KeyStore(db), Signer(signing_secret(db), settings.token_ttl_s), anonymous)
-        futures = Futures(db, lease_s=settings.future_lease_s)
+        futures = Futures(db, lease_s=settings.future_lease_s,
+                          traces=Traces(db, per_session=settings.trace_spans_per_session))
         gw = cls(settings, db, Sessions(db, settings), futures, StabilityRecords(db, ttl_s=settings.stability_ttl_s),
                  authenticator, Limits(settings, db))
         return gw
@@ -75,6 +77,10 @@ class Gateway:
         return ServiceAuth.of(self.settings)
 
     @property
+    def traces(self) -> Traces:
+        return self.futures.traces
+
+    @property
     def signer(self) -> Signer:
         return self.authenticator.signer
 
@@ -89,7 +95,8 @@ class Gateway:
                         fingerprint: str) -> protocol.FutureResponse:
         """A future for a model's request, run in seq_id order with the model's other requests;
         a resent (model_id, seq_id) with the same request (`fingerprint`) gets the first one back."""
-        self.limits.check_queue(caller)
+        with self.traces.refusals(session_of(model_id, None), job.kind()):     # a 429 is in the session's trace
+            self.limits.check_queue(caller)
         row = self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
                                   idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id)
         model = self.db.get(ModelRow, model_id)
