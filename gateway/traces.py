@@ -94,6 +94,8 @@ def note(*, service: str | None = None, started: bool = False, tokens_in: int | 
 
 class Traces:
     def __init__(self, db: Database, per_session: int = 10_000):
+        if per_session < 1:
+            raise ValueError(f"--trace-spans-per-session must be at least 1 (got {per_session})")
         self.db = db
         self.per_session = per_session
         self._open: collections.OrderedDict[str, _Span] = collections.OrderedDict()
