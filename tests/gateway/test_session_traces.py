@@ -180,3 +180,9 @@ def test_each_session_keeps_at_most_its_span_budget(make_gateway):
     assert [r.model_id for r in g.gw.traces.of_session(quiet)] == [quiet_model]    # untouched by the other's cap
     trace = _read_trace(_download(api, api.get(f"sessions/{busy}/trace_export").json()["url"]).content)
     assert sum(1 for p in trace.packet if list(p.track_event.categories) == ["request"]) == 5
+
+
+def test_a_span_budget_below_one_is_refused_at_start():
+    from gateway.traces import Traces
+    with pytest.raises(ValueError, match="--trace-spans-per-session must be at least 1"):
+        Traces(db=None, per_session=0)
