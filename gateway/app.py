@@ -35,7 +35,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         gw.backends = Backends(settings, gw.db, gw.service_auth)
         reaper = asyncio.create_task(housekeeping.run_forever(gw))
         leases = asyncio.create_task(gw.futures.keep_leases_forever())   # re-drives a stopped gateway's futures
+        spans = asyncio.create_task(gw.traces.flush_forever())           # request spans to the database
         yield
+        spans.cancel()
         leases.cancel()
         reaper.cancel()
         gw.futures.stop()

@@ -200,6 +200,31 @@ class StabilityRecordRow(Base):
     used: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
 
 
+class TraceSpanRow(Base):
+    """One request of a session as it went through the gateway (gateway/traces.py), or a
+    rate-limit refusal (kind "rate_limited", no request_id): what the console's session panels
+    and the Perfetto trace export are made of. Written once, when the request finished; at most
+    --trace-spans-per-session rows a session (the oldest go first). Times in microseconds
+    since the epoch."""
+    __tablename__ = "trace_spans"
+    # Record order: the per-session cap drops the lowest ids (an index range, not a scan).
+    span_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                         autoincrement=True)
+    session_id: Mapped[str] = mapped_column(String(128))
+    request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    kind: Mapped[str] = mapped_column(String(64))             # the request type, or "rate_limited"
+    model_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    service: Mapped[str] = mapped_column(String(256), default="")    # "trainer", "sampler <address>"
+    status: Mapped[str] = mapped_column(String(16))           # complete | failed | cancelled | refused
+    received_us: Mapped[int] = mapped_column(BigInteger)
+    started_us: Mapped[int | None] = mapped_column(BigInteger, nullable=True)    # NULL: never ran
+    finished_us: Mapped[int] = mapped_column(BigInteger, index=True)     # retention deletes by it
+    tokens_in: Mapped[int] = mapped_column(Integer, default=0)      # trained tokens, or the prompt's
+    tokens_out: Mapped[int] = mapped_column(Integer, default=0)     # sampled tokens
+    detail: Mapped[str] = mapped_column(String(512), default="")    # a refusal's message
+    __table_args__ = (Index("ix_trace_spans_session", "session_id", "span_id"),)
+
+
 @event.listens_for(ModelRow, "after_delete")
 def _delete_step_metrics(_mapper, connection, row: ModelRow) -> None:
     """A run's metrics go with it (no foreign key: SQLite would enforce it only with a pragma)."""

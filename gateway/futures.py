@@ -41,6 +41,7 @@ from gateway.db import Database, FutureRow, now
 from gateway.jobs.base import Job as TypedJob, StoredRequest
 from gateway.future_waits import Waits
 from gateway.model_order import Job, ModelOrder
+from gateway.traces import Traces
 from gateway.errors import error_json
 from tinkerd.errors import ServiceError, UserError, category_for
 
@@ -113,9 +114,10 @@ class Cancelled:
 
 
 class Futures:
-    def __init__(self, db: Database, lease_s: float = 10.0):
+    def __init__(self, db: Database, lease_s: float = 10.0, traces: Traces | None = None):
         self.db = db
         self.lease_s = lease_s
+        self.traces = traces or Traces(db)          # each session's request spans (gateway/traces.py)
         # This process, as the owner of the futures it runs (unique across restarts and hosts).
         self.instance = f"{socket.gethostname()[:32]}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.gateway = None           # what jobs run with (gateway/state.py Gateway), set by bind()
@@ -202,6 +204,7 @@ class Futures:
         self._pending[request_id] = _Pending(asyncio.Event(), model_id, request_type, owner, target)
         self._pending_by_type[request_type] += 1
         self._pending_by_owner[owner, request_type] += 1
+        self.traces.received(request_id, request_type, model_id, target[0] if target else None)
         if seq_id is not None and model_id is not None:
             self.order.put(model_id, seq_id, request_id, job)
         else:
@@ -239,6 +242,7 @@ class Futures:
     async def run(self, request_id: str, job: Job) -> None:
         pending = self._pending.get(request_id)
         tenant = TENANT.set(pending.owner if pending is not None else "")     # whom its trainer calls are for
+        self.traces.started(request_id)
         try:
             content_type, body = await job()
             status = "complete"
@@ -259,6 +263,7 @@ class Futures:
 
     def _finish(self, request_id: str, status: str, content_type: str, body: bytes) -> None:
         pending = self._pending.pop(request_id)
+        self.traces.finished(request_id, "cancelled" if request_id in self._cancelled else status)
         if self.db.finish_future(request_id, status, content_type, body):
             row = FutureRow(request_id=request_id, status=status, content_type=content_type, result=body,
                             owner=pending.owner)

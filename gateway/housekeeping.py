@@ -35,6 +35,7 @@ import shutil
 import grpc
 from sqlalchemy import select
 
+from gateway import traces
 from gateway.checkpoints import delete_expired_checkpoints
 from gateway.db import ModelRow, now
 from gateway.state import Gateway
@@ -87,11 +88,13 @@ async def release_models(gw: Gateway, session_id: str) -> None:
 
 def prune_futures(gw: Gateway) -> int:
     """Deletes futures finished more than --futures-retention-s ago (a later retrieve of one is
-    a 404, as for an unknown id) and forgets idle models' runners; returns the rows deleted."""
+    a 404, as for an unknown id), request spans older than --trace-retention-s, and forgets idle
+    models' runners; returns the futures deleted."""
     deleted = gw.db.delete_finished_futures(now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
     if deleted:
         log.info("deleted %d futures finished over %.0f s ago", deleted, gw.settings.futures_retention_s)
     gw.futures.order.drop_idle()
+    gw.traces.delete_before(traces.now_us() - int(gw.settings.trace_retention_s * 1e6))
     return deleted
 
 

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import select
 
+from gateway import traces
 from gateway.db import Database, SamplerReplicaRow, now
 from tinkerd.errors import UnavailableError
 from tinkerd.rpc import ServiceAuth, aio_channel, deadline_calls
@@ -171,6 +172,7 @@ class SamplerPool:
                     pass
                 continue
             member.in_flight += 1
+            traces.note(service=f"sampler {member.address}", started=True)     # the request's span
             try:
                 reply = await member.stub.Sample(msg)
             except grpc.aio.AioRpcError as e:

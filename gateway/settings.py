@@ -105,6 +105,10 @@ class GatewaySettings(ServiceAuthSettings):
                                                  "(longer than a load balancer's usual 60 s, so it closes first)")
     header_timeout_s: float = setting(30.0, help="a connection whose request headers are not all in this long after "
                                                  "it connected or the request began is closed (slow clients)")
+    trace_spans_per_session: int = setting(10_000, help="request spans kept per session for the console's "
+                                                         "session panels and trace_export (the oldest go first)")
+    trace_retention_s: float = setting(7 * 86400.0, help="request spans (trace_export, the session panels) are "
+                                                         "deleted this long after their request finished")
     rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
                                                 "included; calls wait this long for a restarting service")
 

@@ -24,6 +24,7 @@ from gateway.settings import GatewaySettings
 from gateway.stability import StabilityRecords
 from gateway.signing_keys import KeyRing
 from gateway.tokens import Signer
+from gateway.traces import Traces, session_of
 from tinkerd.rpc import ServiceAuth
 
 # The user a fresh database starts with: `tinkerd up` gives it the first API key, rows made
@@ -56,7 +57,8 @@ class Gateway:
         anonymous = None if settings.auth else Caller(admin.user_id, admin.name, admin.org_id, admin.email,
                                                       True, key_id="")
         authenticator = Authenticator(KeyStore(db), Signer(KeyRing(keys_file), settings.token_ttl_s), anonymous)
-        futures = Futures(db, lease_s=settings.future_lease_s)
+        futures = Futures(db, lease_s=settings.future_lease_s,
+                          traces=Traces(db, per_session=settings.trace_spans_per_session))
         stability = StabilityRecords(db, ttl_s=settings.stability_ttl_s,
                                      max_bytes_per_user=int(settings.stability_mb_per_user * (1 << 20)))
         gw = cls(settings, db, Sessions(db, settings), futures, stability, authenticator, Limits(settings, db))
@@ -78,6 +80,10 @@ class Gateway:
         return ServiceAuth.of(self.settings)
 
     @property
+    def traces(self) -> Traces:
+        return self.futures.traces
+
+    @property
     def signer(self) -> Signer:
         return self.authenticator.signer
 
@@ -92,9 +98,10 @@ class Gateway:
                         fingerprint: str) -> protocol.FutureResponse:
         """A future for a model's request, run in seq_id order with the model's other requests;
         a resent (model_id, seq_id) with the same request (`fingerprint`) gets the first one back."""
-        row = self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
-                                  idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id,
-                                  admit=self.limits.admit_training(caller, job.kind(), model_id))
+        with self.traces.refusals(session_of(model_id, None), job.kind()):     # a 429 is in the session's trace
+            row = self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
+                                      idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id,
+                                      admit=self.limits.admit_training(caller, job.kind(), model_id))
         model = self.db.get(ModelRow, model_id)
         stamp = now()
         if model is not None and (not model.resident or (stamp - aware(model.last_request_time)).total_seconds()

@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, RedirectResponse
 from pydantic import Field
 from sqlalchemy import select
 
-from gateway import step_metrics
+from gateway import session_metrics, step_metrics
 from gateway.auth import CallerDep
 from gateway.checkpoints import iso
 from gateway.db import ModelRow, SamplingSessionRow, SessionRow
@@ -93,6 +93,22 @@ async def sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> dict:
          "training_run_ids": [m.model_id for m in runs if m.session_id == r.session_id],
          "sampler_ids": [s.sampling_session_id for s in samplers if s.session_id == r.session_id]}
         for r in rows]}
+
+
+@api_router.get("/sessions/{session_id}/metrics")
+async def session_panels(session_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
+    """The session page's panels (gateway/session_metrics.py) from its request spans
+    (gateway/traces.py): in-flight samples, training utilization, tokens per second, step times,
+    latency percentiles and rate-limit refusals."""
+    if not mine(caller, await asyncio.to_thread(gw.db.get, SessionRow, session_id)):
+        raise NotFoundError(f"unknown session {session_id!r}")
+
+    def read():
+        gw.traces.flush()           # this gateway's finished spans, in now
+        return gw.traces.of_session(session_id), gw.traces.samples_in_flight(session_id, caller.user_id)
+    spans, in_flight = await asyncio.to_thread(read)
+    return {"session_id": session_id, "span_budget": gw.settings.trace_spans_per_session,
+            **session_metrics.panels(spans, in_flight)}
 
 
 @api_router.get("/sampling_sessions")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway import audit, convert, metrics, step_metrics
+from gateway import audit, convert, metrics, step_metrics, traces
 from gateway.db import ModelRow
 from gateway.jobs.base import Job, Owner, Result, json_body
 from tinkerd.v1 import trainer_pb2
@@ -55,6 +55,7 @@ class ForwardBackward(Job):
     async def run(self, gw) -> Result:
         reply = await gw.trainer.ForwardBackward(self.message)
         metrics.trained(self.message)
+        traces.note(tokens_in=sum(len(d.tokens) for d in self.message.data))
         step_metrics.record(gw.db, self.message, reply)
         return "application/x-protobuf", convert.forward_backward_output(reply)
 

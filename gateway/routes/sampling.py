@@ -61,7 +61,8 @@ async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
     session = gw.sessions.live_sampling_session(caller, body.sampling_session_id)
     convert.check_sample(body, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
     msg = convert.sample_request(body, session.snapshot_id, session.snapshot_path)
-    gw.limits.check_samples(caller)
+    with gw.traces.refusals(session.session_id, "sample"):       # a 429 is in the session's trace
+        gw.limits.check_samples(caller)
     gw.sessions.used(session)
     record_for = session.session_id if body.record_stability_info else None
     msg.request_id = new_request_id()      # the future's id (a resend gets the first one's back)

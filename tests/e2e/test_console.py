@@ -1,12 +1,15 @@
 """The web console in a real headless browser (Chromium from the system packages, driven by
 selenium) against the shared `tinkerd up`: a user trains a run through the SDK, logs in to the
-console with their key, finds the run, sees its loss curve drawn with a point per step, does not
-see another user's run, publishes and unpublishes a checkpoint, and samples their snapshot in the
-playground. A screenshot of the run's page is saved in the test's tmp_path."""
+console with their key, finds the run, sees its loss curve drawn with a point per step and its
+constant learning rate as a labelled value, does not see another user's run, publishes and
+unpublishes a checkpoint, samples their snapshot in the playground, and opens their session's page:
+the four panels of hosted Tinker (in-flight samples, training utilization, tokens per second, step
+time) and a trace export whose link is a Perfetto trace. Screenshots are saved in the test's tmp_path."""
 
 from __future__ import annotations
 
 import shutil
+import urllib.request
 
 import pytest
 import tinker
@@ -15,6 +18,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
 from tinker import types
+
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pf
 
 from conftest import sft_data
 from launcher import keys
@@ -58,6 +63,10 @@ def test_a_user_sees_their_run_and_its_loss_curve_in_the_console(stack, tiny_mod
         losses.append(tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     snapshot = tc.save_weights_for_sampler("console").result().path
+    prompt = types.ModelInput.from_ints(tc.get_tokenizer().encode("the console"))
+    sampled = service.create_sampling_client(model_path=snapshot).sample(   # in the session's panels
+        prompt, 2, types.SamplingParams(max_tokens=4)).result()
+    assert sampled.sequences
     others_run = tinker.ServiceClient(base_url=stack.url, api_key=other_key).create_lora_training_client(
         base_model=tiny_model_dir, rank=4).model_id
 
@@ -79,8 +88,17 @@ def test_a_user_sees_their_run_and_its_loss_curve_in_the_console(stack, tiny_mod
     assert [int(p.get_attribute("data-step")) for p in points] == list(range(1, STEPS + 1))
     assert [float(p.get_attribute("data-value")) for p in points] == pytest.approx(losses, rel=1e-6)
     assert len(curve.find_element(By.CSS_SELECTOR, "polyline.line").get_attribute("points").split()) == STEPS
-    for metric in ("loss:mean", "learning_rate", "tokens:sum"):
-        assert len(browser.find_elements(By.CSS_SELECTOR, f'svg.chart[data-metric="{metric}"] circle.point')) == STEPS
+    assert len(browser.find_elements(By.CSS_SELECTOR, 'svg.chart[data-metric="loss:mean"] circle.point')) == STEPS
+    # The learning rate and the tokens per step never changed: each is drawn as its value, not as a
+    # flat line on a "0.01 ... 0.01" axis.
+    for metric, value in (("learning_rate", 1e-2), ("tokens:sum", None)):
+        const = browser.find_element(By.CSS_SELECTOR, f'svg.chart[data-metric="{metric}"]')
+        assert const.get_attribute("data-constant") == "true", metric
+        assert value is None or float(const.get_attribute("data-value")) == pytest.approx(value)
+        assert const.find_element(By.CSS_SELECTOR, "text.value").text == (
+            "0.01" if value else str(int(float(const.get_attribute("data-value")))))
+        assert f"constant, {STEPS} point(s): step 1 to step {STEPS}" in const.text
+        assert not const.find_elements(By.CSS_SELECTOR, "polyline, circle.point")
     browser.save_screenshot(str(tmp_path / "console-run.png"))
     assert (tmp_path / "console-run.png").stat().st_size > 10_000
 
@@ -108,3 +126,37 @@ def test_a_user_sees_their_run_and_its_loss_curve_in_the_console(stack, tiny_mod
     samples = browser.find_elements(By.CSS_SELECTOR, "#pg-output .sample")
     assert samples and "token(s), stopped by" in samples[0].text, browser.find_element(By.ID, "pg-output").text
     browser.save_screenshot(str(tmp_path / "console-playground.png"))
+
+    # The session's page: the four panels, each with what this session did.
+    session_id = tc.model_id.rpartition(":train:")[0]
+    browser.get(f"{stack.url}/console#/sessions")
+    wait.until(ec.presence_of_element_located((By.LINK_TEXT, session_id))).click()
+    panels = wait.until(ec.presence_of_element_located((By.ID, "session-panels")))
+    names = [p.get_attribute("data-panel") for p in panels.find_elements(By.CSS_SELECTOR, ".panel")]
+    assert names == ["in-flight-samples", "training-utilization", "tokens-per-second", "step-time"]
+
+    def panel(name):
+        return browser.find_element(By.CSS_SELECTOR, f'.panel[data-panel="{name}"]')
+    assert panel("in-flight-samples").find_element(By.CSS_SELECTOR, ".summary").text == "0 now"
+    assert panel("in-flight-samples").find_elements(By.CSS_SELECTOR, 'svg.chart[data-metric="samples in flight"]')
+    assert "% of the time" in panel("training-utilization").text
+    assert [c.get_attribute("data-metric") for c in panel("tokens-per-second").find_elements(By.CSS_SELECTOR, "svg.chart")] \
+        == ["training tokens/s", "generation tokens/s", "prefill tokens/s"]
+    steps = panel("step-time").find_element(By.CSS_SELECTOR, f'svg.chart[data-metric="step time, {tc.model_id}"]')
+    drawn = steps.find_elements(By.CSS_SELECTOR, "circle.point")
+    assert [int(p.get_attribute("data-step")) for p in drawn] == list(range(1, STEPS + 1)) or (
+        steps.get_attribute("data-constant") == "true" and f"{STEPS} point(s)" in steps.text)
+    assert all(float(p.get_attribute("data-value")) > 0 for p in drawn)
+    latency = browser.find_element(By.ID, "latency-table")
+    assert {r.get_attribute("data-kind") for r in latency.find_elements(By.CSS_SELECTOR, "tbody tr")} >= {
+        "create_model", "forward_backward", "optim_step", "save_weights_for_sampler"}
+    browser.save_screenshot(str(tmp_path / "console-session.png"))
+
+    # Its trace: the button's link, fetched without a key, is a Perfetto trace of the session's requests.
+    browser.find_element(By.ID, "export-trace").click()
+    link = wait.until(ec.presence_of_element_located((By.ID, "trace-link"))).get_attribute("href")
+    with urllib.request.urlopen(link, timeout=30) as got:
+        trace = pf.Trace.FromString(got.read())
+    kinds = sorted(p.track_event.name for p in trace.packet if p.HasField("track_event") and
+                   p.track_event.type == pf.TrackEvent.TYPE_SLICE_BEGIN and list(p.track_event.categories) == ["request"])
+    assert kinds.count("forward_backward") == STEPS and kinds.count("optim_step") == STEPS

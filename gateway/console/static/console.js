@@ -163,11 +163,27 @@ function svg(tag, attrs, text) {
 
 function fmt(v) { return Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-3) ? v.toExponential(2) : +v.toFixed(4); }
 
-// A line chart of [step, value] points: an inline SVG, a polyline and a circle.point per step.
-function chart(name, points) {
+// A metric that never changed: its value, labelled, instead of a flat line on an axis from v to v.
+function constantChart(name, points, W, H, xLabel, unit) {
+  const xs = points.map(p => p[0]), v = points[0][1];
+  const g = svg("svg", { class: "chart constant", "data-metric": name, "data-constant": "true", "data-value": v,
+                         width: W, height: H, viewBox: `0 0 ${W} ${H}` });
+  g.append(svg("text", { x: 12, y: 15, "font-weight": "bold" }, name));
+  g.append(svg("text", { class: "value", x: W / 2, y: H / 2 + 6, "text-anchor": "middle" }, `${fmt(v)}${unit || ""}`));
+  const span = xs.length > 1 ? `${xLabel(Math.min(...xs))} to ${xLabel(Math.max(...xs))}` : xLabel(xs[0]);
+  g.append(svg("text", { x: W / 2, y: H / 2 + 30, "text-anchor": "middle" },
+               `constant, ${points.length} point(s): ${span}`));
+  return g;
+}
+
+// A line chart of [x, value] points (x: the step, unless `xLabel` says otherwise): an inline SVG,
+// a polyline and a circle.point per point; a constant metric is drawn as its value (constantChart).
+function chart(name, points, xLabel, unit) {
   const W = 420, H = 220, L = 58, R = 12, T = 24, B = 30;
+  xLabel = xLabel || (x => `step ${x}`);
   const xs = points.map(p => p[0]), ys = points.map(p => p[1]);
   const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+  if (y0 === y1) return constantChart(name, points, W, H, xLabel, unit);
   const sx = x => L + (x1 === x0 ? (W - L - R) / 2 : (x - x0) / (x1 - x0) * (W - L - R));
   const sy = y => T + (y1 === y0 ? (H - T - B) / 2 : (1 - (y - y0) / (y1 - y0)) * (H - T - B));
   const g = svg("svg", { class: "chart", "data-metric": name, width: W, height: H, viewBox: `0 0 ${W} ${H}` });
@@ -176,13 +192,13 @@ function chart(name, points) {
   g.append(svg("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }));
   g.append(svg("text", { x: L - 4, y: T + 4, "text-anchor": "end" }, fmt(y1)));
   g.append(svg("text", { x: L - 4, y: H - B, "text-anchor": "end" }, fmt(y0)));
-  g.append(svg("text", { x: L, y: H - 10 }, `step ${x0}`));
-  g.append(svg("text", { x: W - R, y: H - 10, "text-anchor": "end" }, `step ${x1}`));
+  g.append(svg("text", { x: L, y: H - 10 }, xLabel(x0)));
+  g.append(svg("text", { x: W - R, y: H - 10, "text-anchor": "end" }, xLabel(x1)));
   g.append(svg("polyline", { class: "line", points: points.map(p => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ") }));
   // A dot per step while they can be told apart; a long run gets the line alone.
   for (const [x, y] of points.length <= 400 ? points : []) {
     const dot = svg("circle", { class: "point", cx: sx(x).toFixed(1), cy: sy(y).toFixed(1), r: 3, "data-step": x, "data-value": y });
-    dot.append(svg("title", {}, `step ${x}: ${y}`));
+    dot.append(svg("title", {}, `${xLabel(x)}: ${y}`));
     g.append(dot);
   }
   return g;
@@ -232,7 +248,8 @@ async function checkpointsPage() {
 
 async function sessionsPage() {
   const data = await api("GET", "/api/v1/console/sessions?limit=1000");
-  const rows = data.sessions.map(s => el("tr", {}, el("td", { class: "mono" }, s.session_id),
+  const rows = data.sessions.map(s => el("tr", { "data-session-id": s.session_id },
+    el("td", {}, el("a", { href: `#/sessions/${encodeURIComponent(s.session_id)}`, class: "mono" }, s.session_id)),
     el("td", {}, when(s.created_at)), el("td", {}, when(s.last_heartbeat)), el("td", {}, s.closed ? "closed" : "open"),
     el("td", {}, s.tags.join(", ")), el("td", {}, s.training_run_ids.map(id => el("div", {}, runLink(id)))),
     el("td", { class: "mono" }, s.sampler_ids.map(id => el("div", {}, id)))));
@@ -253,6 +270,62 @@ async function snapshotsPage() {
   show(el("h1", {}, "Sampler snapshots"),
        table(["Snapshot", "Size", "Saved", "Expires", "Published", ""], rows, { id: "snapshots-table" }),
        el("h2", {}, "Sampling sessions"), table(["Sampling session", "Samples from", "Created"], sessRows));
+}
+
+// ---- a session: the hosted console's four panels, step times, latency, trace export ----------
+
+function seconds(x) { return x >= 3600 ? `${(x / 3600).toFixed(1)} h` : x >= 60 ? `${(x / 60).toFixed(1)} min` : `${+x.toFixed(1)} s`; }
+
+function panel(id, title, summary, ...body) {
+  return el("div", { class: "panel", "data-panel": id }, el("h3", {}, title), el("p", { class: "summary" }, summary), ...body);
+}
+
+// A series over the session's time (x: seconds since its first request), or a note if empty.
+function timeChart(name, points, unit) {
+  return points.length ? chart(name, points, x => `+${seconds(x)}`, unit) : el("p", { class: "muted" }, "no data yet");
+}
+
+async function exportTrace(sessionId, out) {
+  out.replaceChildren(el("span", { class: "muted" }, "building the trace..."));
+  try {
+    const r = await api("GET", `/api/v1/sessions/${encodeURIComponent(sessionId)}/trace_export`);
+    out.replaceChildren(el("a", { id: "trace-link", href: r.url, download: `${sessionId}.pftrace` }, `${sessionId}.pftrace`),
+                        " (open it in ui.perfetto.dev; the link works for an hour, without a key)");
+  } catch (e) { out.replaceChildren(failure(e)); }
+}
+
+async function sessionPage(sessionId) {
+  const m = await api("GET", `/api/v1/console/sessions/${encodeURIComponent(sessionId)}/metrics`);
+  const tok = m.tokens_per_s, util = m.training_utilization, inflight = m.in_flight_samples;
+  const mean = pts => pts.length ? pts.reduce((a, p) => a + p[1], 0) / pts.length : 0;
+  const latencyRows = Object.entries(m.latency).map(([kind, v]) => el("tr", { "data-kind": kind },
+    el("td", {}, kind), el("td", {}, v.count), el("td", {}, seconds(v.p50_s)), el("td", {}, seconds(v.p90_s)),
+    el("td", {}, seconds(v.p99_s)), el("td", {}, seconds(v.max_s))));
+  const refusals = m.rate_limit_events.map(e => el("tr", {}, el("td", {}, new Date(e.at_us / 1000).toLocaleString()),
+                                                 el("td", {}, e.detail)));
+  const traceOut = el("span", { id: "trace-out" });
+  show(el("h1", {}, "Session ", el("span", { class: "mono", id: "session-id" }, m.session_id)),
+       el("p", {}, `${m.requests} request(s) recorded (up to ${m.span_budget} kept), ${m.rate_limited} rate-limit ` +
+                   `refusal(s)` + (m.bucket_s ? `; each point is ${seconds(m.bucket_s)}` : ""), " ",
+          el("button", { id: "refresh", onclick: () => route_() }, "Refresh"), " ",
+          el("button", { id: "export-trace", onclick: () => exportTrace(m.session_id, traceOut) }, "Export trace (.pftrace)"),
+          " ", traceOut),
+       el("div", { class: "panels", id: "session-panels" },
+          panel("in-flight-samples", "In-flight sample requests", `${inflight.now} now`,
+                timeChart("samples in flight", inflight.series)),
+          panel("training-utilization", "Training utilization", `${(100 * util.mean).toFixed(1)}% of the time`,
+                timeChart("trainer busy (fraction)", util.series)),
+          panel("tokens-per-second", "Tokens per second",
+                `training ${fmt(mean(tok.training))}, generation ${fmt(mean(tok.generation))}, prefill ${fmt(mean(tok.prefill))} (mean)`,
+                timeChart("training tokens/s", tok.training), timeChart("generation tokens/s", tok.generation),
+                timeChart("prefill tokens/s", tok.prefill)),
+          panel("step-time", "Step time", m.step_times.length ? `${m.step_times.length} training run(s)` : "no optimizer steps yet",
+                m.step_times.map(r => chart(`step time, ${r.model_id}`, r.points, undefined, " s")))),
+       el("h2", {}, "Latency, received to finished"),
+       table(["Request", "Count", "p50", "p90", "p99", "max"], latencyRows, { id: "latency-table" }),
+       el("h2", {}, "Rate-limit refusals (latest 50)"),
+       table(["At", "Refusal"], refusals.length ? refusals : [el("tr", {}, el("td", { colspan: 2, class: "muted" }, "none"))],
+             { id: "refusals-table" }));
 }
 
 let queueTimer = null;
@@ -387,7 +460,8 @@ async function route_() {
   const [, page, ...rest] = (location.hash || "#/runs").split("/");
   const arg = rest.length ? decodeURIComponent(rest.join("/")) : "";
   for (const a of document.querySelectorAll("#nav a")) a.classList.toggle("active", a.getAttribute("href") === `#/${page}`);
-  const pages = { runs: () => arg ? runPage(arg) : runsPage(), checkpoints: checkpointsPage, sessions: sessionsPage,
+  const pages = { runs: () => arg ? runPage(arg) : runsPage(), checkpoints: checkpointsPage,
+                  sessions: () => arg ? sessionPage(arg) : sessionsPage(),
                   snapshots: snapshotsPage, queue: queuePage, playground: () => playgroundPage(arg) };
   try {
     await (pages[page] || runsPage)();
