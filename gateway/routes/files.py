@@ -27,6 +27,16 @@ _REFUSED = "this download link is unknown, has expired or no longer grants acces
 def _authorized(request: Request, gw: Gateway, signed_path: str, row: CheckpointRow | None) -> Caller:
     """The user whose URL this is, if it is still good for `row`; else a 404 (one answer for every
     reason, so a link reveals nothing about the checkpoint)."""
+    expires, signer = url_signer(request, gw)
+    grant = row is not None and signer is not None and checkpoints.download_grant(
+        row, signed_path, expires, signer.user_id, signer.key_id)
+    if not grant or not signed_for(request, gw, grant):
+        raise NotFoundError(_REFUSED)
+    return signer
+
+
+def url_signer(request: Request, gw: Gateway) -> tuple[int, Caller | None]:
+    """(expiry, the user whose API key made the URL, if that key is still valid) of a signed URL."""
     query = request.query_params
     try:
         expires = int(query.get("expires", ""))
@@ -37,11 +47,12 @@ def _authorized(request: Request, gw: Gateway, signed_path: str, row: Checkpoint
         signer = gw.authenticator.keys.caller_for_key_id(signer_key_id) if _KEY_ID.match(signer_key_id) else None
     else:
         signer = gw.authenticator.anonymous          # made with --no-auth
-    grant = row is not None and signer is not None and checkpoints.download_grant(
-        row, signed_path, expires, signer.user_id, signer_key_id)
-    if not grant or not gw.signer.url_valid(grant, query.get("kid", ""), query.get("signature", "")):
-        raise NotFoundError(_REFUSED)
-    return signer
+    return expires, signer
+
+
+def signed_for(request: Request, gw: Gateway, grant) -> bool:
+    """Whether the URL's signature is good for `grant` (rebuilt from the state now)."""
+    return gw.signer.url_valid(grant, request.query_params.get("kid", ""), request.query_params.get("signature", ""))
 
 
 def _downloaded(gw: Gateway, signer: Caller, row: CheckpointRow, what: str) -> None:

@@ -15,10 +15,13 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway import pftrace
+from gateway import pftrace, public_url
 from gateway.auth import CallerDep
-from gateway.db import SessionRow
+from gateway.db import SessionRow, aware
+from gateway.keys import Caller
+from gateway.routes.files import signed_for, url_signer
 from gateway.state import Gateway, GatewayDep
+from gateway.tokens import DownloadGrant
 from gateway.traces import now_us
 from tinkerd.errors import NotFoundError
 
@@ -38,26 +41,30 @@ async def flushed(gw: Gateway) -> None:
 
 @router.get("/api/v1/sessions/{session_id}/trace_export")
 async def trace_export(session_id: str, request: Request, caller: CallerDep, gw: GatewayDep) -> dict:
-    gw.sessions.session(caller, session_id)        # another user's session is a 404 like a missing one
+    session = gw.sessions.session(caller, session_id)     # another user's session is a 404 like a missing one
     await flushed(gw)
     path = trace_path(session_id, now_us())
-    expires = int(time.time()) + URL_LIFETIME_S
-    base = str(request.base_url).rstrip("/")
-    url = f"{base}{path}?expires={expires}&signature={gw.signer.url_signature(path, expires)}"
+    grant = _grant(session, path, int(time.time()) + URL_LIFETIME_S, caller)
+    url = f"{public_url.base_url(request, gw.settings)}{path}?{gw.signer.url_query(grant)}"
     return {"status": "ready", "url": url, "error": None}
+
+
+def _grant(session: SessionRow, path: str, expires: int, signer: Caller) -> DownloadGrant:
+    """What a trace URL vouches for (gateway/tokens.py), rebuilt at download from the session as it
+    is then: the owner's own, made with an API key that is still valid (revoking it ends the URL)."""
+    created = session.created_at and aware(session.created_at)
+    return DownloadGrant(path, expires, signer.key_id, f"{created:%Y%m%dT%H%M%S.%f}" if created else "-",
+                         session.owner or "", "owner")
 
 
 @router.get("/files/session_traces/{session_id}/{until_us}.pftrace")
 async def trace_file(session_id: str, until_us: int, request: Request, gw: GatewayDep) -> Response:
-    try:
-        expires = int(request.query_params.get("expires", ""))
-    except ValueError:
-        expires = 0
-    if not gw.signer.url_valid(trace_path(session_id, until_us), expires, request.query_params.get("signature", "")):
+    expires, signer = url_signer(request, gw)
+    session = await asyncio.to_thread(gw.db.get, SessionRow, session_id)
+    if session is None or signer is None or session.owner != signer.user_id or not signed_for(
+            request, gw, _grant(session, trace_path(session_id, until_us), expires, signer)):
         raise NotFoundError("this download link is unknown or has expired; call export_session_trace again")
     spans = await asyncio.to_thread(gw.traces.of_session, session_id, until_us)
-    if not spans and await asyncio.to_thread(gw.db.get, SessionRow, session_id) is None:
-        raise NotFoundError(f"unknown session {session_id}")
     body = await asyncio.to_thread(pftrace.build, session_id, spans)
     return Response(body, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{session_id}.pftrace"'})
