@@ -145,7 +145,7 @@ def test_bad_input_gets_clear_user_errors_and_service_keeps_working(service, bas
                                loss_fn_inputs={"target_tokens": t[1:-2], "weights": [1.0] * (len(t) - 3)})
     with pytest.raises(tinker.BadRequestError, match=f"leading dimension {len(t) - 1}") as e:    # refused at the edge
         tc.forward_backward([wrong_length], "cross_entropy").result()
-    assert "target_tokens" in str(e.value) and "the number of input tokens" in str(e.value)
+    assert "loss_fn_inputs" in str(e.value) and "the number of input tokens" in str(e.value)
 
     out_of_vocab = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 10**6]),
                                loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3})
