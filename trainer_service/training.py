@@ -99,10 +99,12 @@ def _on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[st
 
 def _inputs_on_device(data: list[DatumInput], device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Every datum's loss inputs on the device (floats as float32): one copy per key, split into
-    per-datum views, when the datums agree on keys, dtypes and per-token shapes; else per datum."""
+    per-datum views, when the datums agree on keys, dtypes and per-token shapes and every input is
+    per token (a custom loss's rank-0 input is one value per datum); else per datum."""
     first = data[0].loss_fn_inputs
     form = {k: (v.dtype, v.shape[1:]) for k, v in first.items()}
-    if any(v.dim() == 0 or v.shape[0] != len(d.tokens) for d in data for v in d.loss_fn_inputs.values()) or any({k: (v.dtype, v.shape[1:]) for k, v in d.loss_fn_inputs.items()} != form for d in data):
+    per_token = all(v.dim() > 0 and v.shape[0] == len(d.tokens) for d in data for v in d.loss_fn_inputs.values())
+    if not per_token or any({k: (v.dtype, v.shape[1:]) for k, v in d.loss_fn_inputs.items()} != form for d in data):
         return [_on_device(d.loss_fn_inputs, device) for d in data]
     lengths = [len(d.tokens) for d in data]
     joined = _on_device({k: torch.cat([d.loss_fn_inputs[k] for d in data]) for k in first}, device)

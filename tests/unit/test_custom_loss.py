@@ -64,7 +64,8 @@ def test_the_built_loss_matches_the_sdks_traced_module(fn, ranks, make):
         ours.backward()
         assert torch.equal(ours.detach(), theirs.detach())
         assert (ours_lp.grad - theirs_lp.grad).abs().max() <= 1e-6
-        assert {k: float(v.detach()) for k, v in our_metrics.items()} == {k: float(v.detach()) for k, v in theirs_metrics.items()}
+        assert ({k: float(v.detach()) for k, v in our_metrics.items()}
+                == {k: float(v.detach()) for k, v in theirs_metrics.items()})
     assert sorted(built.metric_keys) == sorted(theirs_metrics)
 
 
