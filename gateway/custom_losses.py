@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from gateway.db import CustomLossRow
 from gateway.keys import Caller
@@ -39,12 +39,8 @@ def loss_id_of(session_id: str, seq_id: int) -> str:
 
 
 def check(body: CreateCustomLossRequest) -> custom_loss.LossSpec:
-    """The upload, checked; what this server cannot run (logprobs of 2-D target tokens) is refused too."""
-    spec = custom_loss.parse(body.name, body.inputs, body.graph)
-    if spec.inputs[0][1] != 1:
-        raise UserError("create_custom_loss: logprobs must have rank 1 ([T]): this server computes one logprob "
-                        "per target token (target_tokens of shape [T])")
-    return spec
+    """The upload, checked (ops, arities, references, sizes, shapes)."""
+    return custom_loss.parse(body.name, body.inputs, body.graph)
 
 
 def check_room(db, session_id: str) -> None:
@@ -84,3 +80,11 @@ def _check_datum(spec: custom_loss.LossSpec, i: int, inputs: dict[str, np.ndarra
         if actual != rank:
             raise UserError(f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(value.shape)}, but custom loss "
                             f"{spec.name!r} declared {name} with rank {rank}")
+
+
+def forget_session(db, session_id: str) -> int:
+    """A closed session's losses: no model of it can train again, so they go (returns how many)."""
+    with db.session() as s:
+        deleted = s.execute(delete(CustomLossRow).where(CustomLossRow.session_id == session_id)).rowcount
+        s.commit()
+    return deleted

@@ -20,6 +20,7 @@ import math
 import re
 from typing import Any
 
+from tinkerd import custom_loss_shapes
 from tinkerd.errors import UserError
 
 MAX_NODES = 512                 # torch.fx nodes of one loss (a PPO or DPO loss takes 10 to 30)
@@ -169,8 +170,10 @@ def parse(name: Any, inputs: Any, graph: Any) -> LossSpec:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     if len(canonical) > MAX_GRAPH_BYTES:
         _fail(f"the graph is {len(canonical)} bytes as JSON; at most {MAX_GRAPH_BYTES}")
-    return LossSpec(name, parsed_inputs, tuple(nodes), metric_keys, canonical,
+    spec = LossSpec(name, parsed_inputs, tuple(nodes), metric_keys, canonical,
                     hashlib.sha256(canonical.encode()).hexdigest())
+    custom_loss_shapes.infer(spec)
+    return spec
 
 
 def from_canonical(canonical: str) -> LossSpec:
@@ -201,8 +204,9 @@ def _inputs(inputs: Any) -> tuple[tuple[str, int], ...]:
         out.append((name, rank))
     if out[0][0] != "logprobs":
         _fail(f"the first input must be logprobs, got {out[0][0]!r}")
-    if out[0][1] == 0:
-        _fail("logprobs has rank 1 ([T]) or 2 ([T, K])")
+    if out[0][1] != 1:
+        _fail(f"logprobs must have rank 1 ([T]), got {out[0][1]}: tinkerd computes one logprob per target token "
+              f"(target_tokens of shape [T])")
     names = [n for n, _ in out]
     if len(set(names)) != len(names):
         _fail(f"inputs name a parameter twice: {names}")

@@ -83,9 +83,6 @@ class CompiledLoss:
             if rank == 0 and value.numel() != 1:
                 raise UserError(f"datum {i}: loss_fn_inputs[{name!r}] holds {value.numel()} values; custom "
                                 f"loss {self.name!r} declared it a scalar (rank 0)")
-        if self.spec.inputs[0][1] != 1:
-            raise UserError(f"custom loss {self.name!r} declared logprobs with rank {self.spec.inputs[0][1]}; "
-                            f"this server's logprobs are [T] (rank 1), one per target token")
 
     def arguments(self, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The graph's inputs in order: rank-0 inputs as 0-d tensors, as the client's to_torch gives them."""
@@ -116,7 +113,7 @@ class CompiledLoss:
             call_args = [self._value(a, values) for a in node.args]
             call_kwargs = {k: self._value(v, values) for k, v in node.kwargs.items()}
             fn = FUNCTIONS[node.target] if node.op == "call_function" else METHODS[node.target]
-            _guard_python_numbers(node, call_args)
+            _guard_python_values(node, call_args)
             if node.target == "torch.tensor":      # a constant, made where the inputs are
                 call_kwargs["device"] = args[0].device
             try:
@@ -163,11 +160,25 @@ class CompiledLoss:
         return loss, metrics
 
 
-def _guard_python_numbers(node, args: list) -> None:
-    """Python-number arithmetic (on shapes, say) is exact: `n ** huge` would take the CPU for good."""
-    if node.target in ("operator.pow", "torch.pow", "pow") and len(args) == 2 and all(
+def _guard_python_values(node, args: list) -> None:
+    """Operators on Python values are Python's: exact integers (`n ** huge` would take the CPU for
+    good) and sequence repetition and concatenation (`[1] * 2**40`, or `x + x` doubling node after
+    node, would take the memory). Powers of integers keep small exponents; operators on strings are
+    refused, and no list or tuple an operator makes may exceed spec_mod.MAX_CONSTANT_ITEMS."""
+    if node.op != "call_function" or not node.target.startswith("operator.") or node.target == "operator.getitem":
+        return
+    if any(isinstance(a, str) for a in args):
+        raise UserError(f"node {node.name}: {node.target} of a string")
+    if node.target == "operator.pow" and len(args) == 2 and all(
             isinstance(a, int) and not isinstance(a, bool) for a in args) and abs(args[1]) > 64:
         raise UserError(f"node {node.name}: integer power with exponent {args[1]} (at most 64)")
+    sequences = [a for a in args if isinstance(a, (list, tuple))]      # torch.Size is a tuple
+    if sequences:
+        counts = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+        items = sum(len(a) for a in sequences) * max([1, *(abs(c) for c in counts)])
+        if items > spec_mod.MAX_CONSTANT_ITEMS:
+            raise UserError(f"node {node.name}: {node.target} would make a sequence of {items} items; at most "
+                            f"{spec_mod.MAX_CONSTANT_ITEMS}")
 
 
 def _check_size(name: str, node, out: Any, limit: int | None) -> None:

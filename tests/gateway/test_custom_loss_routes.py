@@ -7,6 +7,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from sqlalchemy import select
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 from gateway import tinker_wire_pb2 as tw
@@ -138,6 +139,11 @@ BAD_GRAPHS = [
     (_with(lambda b: b["inputs"].__setitem__(1, {"name": "old_logprobs", "rank": 5})), ["rank 5"]),
     (_with(lambda b: _nodes(b).pop()), ["last node must be its output"]),
     (_with(lambda b: _nodes(b)[-1]["args"].__setitem__(0, {"ref": "exp"})), ["must return (loss, metrics)"]),
+    # shapes: every datum would hit these
+    (_with(lambda b: b["inputs"].__setitem__(1, {"name": "old_logprobs", "rank": 2})),
+     ["node sub (operator.sub): shapes [T] and [T, K] do not broadcast"]),
+    (_with(lambda b: _nodes(b)[-1]["args"][0]["tuple"].__setitem__(0, {"ref": "exp"})),
+     ["returns a loss of shape [T]; it must be a scalar"]),
     # constants that are not data
     (_with(lambda b: _node(b, "clamp")["args"].__setitem__(1, {"pickle": "gASV"})), ["unknown argument kind 'pickle'"]),
     (_with(lambda b: _node(b, "clamp")["args"].__setitem__(1, {"device": "cuda:0"})), ["device argument"]),
@@ -165,3 +171,21 @@ def test_unknown_session_and_per_session_cap(gateway, monkeypatch):
     session = api.session()
     api.result(api.post("create_custom_loss", upload(session)).json())
     assert_user_error(api.post("create_custom_loss", upload(session, seq=1)), 400, "the most one session may (1)")
+
+
+def test_a_closed_sessions_losses_are_deleted(gateway):
+    import time
+
+    from gateway.db import CustomLossRow
+    api = gateway.api
+    session = api.session()
+    api.model(session)
+    loss_id = api.result(api.post("create_custom_loss", upload(session)).json()).json()["loss_id"]
+    db = api.client.app.state.gateway.db
+    assert db.get(CustomLossRow, loss_id) is not None
+    assert api.post(f"sessions/{session}/finish", {}).status_code == 200
+    deadline = time.monotonic() + 10
+    while db.select(select(CustomLossRow.loss_id).where(CustomLossRow.session_id == session)):
+        assert time.monotonic() < deadline, "the closed session's losses are still stored"
+        time.sleep(0.05)
+    assert_user_error(api.post("create_custom_loss", upload(session, seq=1)), 400, "closed")

@@ -85,12 +85,12 @@ def _built(fn, ranks) -> CompiledLoss:
     return CompiledLoss(_spec(fn, ranks)[1])
 
 
-def test_a_shape_mismatch_is_a_user_error_naming_the_node():
-    def bad(logprobs, table):
-        return (logprobs * table).sum(), {}          # [T] * [T, K] broadcasts T against K
-    built = _built(bad, {"logprobs": 1, "table": 2})
+def test_a_shape_mismatch_only_a_datum_shows_is_a_user_error_naming_the_node():
+    def bad(logprobs, weights):
+        return (logprobs[1:] * weights).sum(), {}    # [T - 1] * [T]: not known until it runs
+    built = _built(bad, {"logprobs": 1, "weights": 1})
     with pytest.raises(UserError, match=r"node mul \(operator.mul\) failed"):
-        built.run([torch.zeros(4), torch.zeros(4, 3)])
+        built.run([torch.zeros(4), torch.zeros(4)])
 
 
 def test_an_intermediate_past_the_size_cap_is_refused_before_it_is_made():
@@ -112,7 +112,7 @@ def test_python_integer_blowups_are_refused():
 
 def test_a_loss_that_is_not_a_scalar_is_refused():
     def per_token(logprobs):
-        return -logprobs, {}
+        return -logprobs[1:], {}                     # a slice: its shape is not inferred at create
     with pytest.raises(UserError, match="scalar loss"):
         _built(per_token, {"logprobs": 1}).run([torch.zeros(3)])
 
@@ -137,3 +137,57 @@ def test_built_once_per_model_and_loss():
         losses.get("m1", "", "")
     with pytest.raises(UserError, match="not allowed"):
         losses.get("m1", "s:loss:1", spec.canonical.replace('"torch.exp"', '"torch.load"'))
+
+
+def _handmade(nodes: list[dict], inputs=(("logprobs", 1),)) -> CompiledLoss:
+    """A graph as a client could send it without the SDK's tracer."""
+    output = {"op": "output", "name": "output", "target": "output",
+              "args": [{"tuple": [{"ref": "loss"}, {"dict": {}}]}], "kwargs": {}}
+    placeholders = [{"op": "placeholder", "name": n, "target": n, "args": [], "kwargs": {}} for n, _ in inputs]
+    graph = {"format": 1, "nodes": placeholders + nodes + [output]}
+    return CompiledLoss(spec_mod.parse("handmade", [{"name": n, "rank": r} for n, r in inputs], graph))
+
+
+def _call(name, target, *args):
+    return {"op": "call_function", "name": name, "target": target, "args": list(args), "kwargs": {}}
+
+
+def test_sequence_blowups_are_refused():
+    doubling = [_call("x0", "operator.mul", {"tuple": [1, 2]}, 1)]
+    doubling += [_call(f"x{i}", "operator.add", {"ref": f"x{i - 1}"}, {"ref": f"x{i - 1}"}) for i in range(1, 40)]
+    doubling.append(_call("loss", "torch.sum", {"ref": "logprobs"}))
+    with pytest.raises(UserError, match=r"node x10: operator.add would make a sequence of 2048 items"):
+        _handmade(doubling).run([torch.zeros(3)])
+    repeat = [_call("big", "operator.mul", {"tuple": [0]}, 2**40), _call("loss", "torch.sum", {"ref": "logprobs"})]
+    with pytest.raises(UserError, match="sequence of 1099511627776 items"):
+        _handmade(repeat).run([torch.zeros(3)])
+    text = [_call("big", "operator.mul", "ab", 2**40), _call("loss", "torch.sum", {"ref": "logprobs"})]
+    with pytest.raises(UserError, match="operator.mul of a string"):
+        _handmade(text).run([torch.zeros(3)])
+
+
+def test_shape_mismatches_and_non_scalar_losses_are_refused_when_created():
+    def mismatch(logprobs, table):
+        return (logprobs * table).sum(), {}          # [T] * [T, K]: T against K
+    with pytest.raises(UserError, match=r"node mul \(operator.mul\): shapes \[T\] and \[T, K\] do not broadcast"):
+        _spec(mismatch, {"logprobs": 1, "table": 2})
+
+    def per_token(logprobs, weights):
+        return -(logprobs * weights), {}
+    with pytest.raises(UserError, match=r"returns a loss of shape \[T\]; it must be a scalar"):
+        _spec(per_token, {"logprobs": 1, "weights": 1})
+
+    def vector_metric(logprobs):
+        return -logprobs.sum(), {"custom/lp:sum": logprobs}
+    with pytest.raises(UserError, match=r"metric 'custom/lp:sum' has shape \[T\]"):
+        _spec(vector_metric, {"logprobs": 1})
+
+    def bad_dim(logprobs):
+        return logprobs.sum(dim=1), {}
+    with pytest.raises(UserError, match=r"dim 1 is out of range for shape \[T\]"):
+        _spec(bad_dim, {"logprobs": 1})
+
+    def fine(logprobs, table, scale):                # broadcasts right: [T, K] * [T, 1] * []
+        weighted = table * logprobs.unsqueeze(-1) * scale
+        return weighted.sum(dim=-1).mean() / logprobs.shape[0], {"custom/k:mean": table.sum(1, keepdim=True).mean()}
+    _spec(fine, {"logprobs": 1, "table": 2, "scale": 0})
