@@ -124,6 +124,7 @@ class ForwardBackward:
     loss_fn_config: dict[str, float]
     forward_only: bool
     data: list[DatumArrays]
+    loss_id: str | None = None         # loss_fn "custom": loss_fn_config's text "loss_id" (gateway/custom_losses.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +232,9 @@ def decode_forward_backward(msg: tw.ForwardBackwardRequest) -> ForwardBackward:
     bad = [k for k, v in config.items() if not math.isfinite(v)]
     if bad:
         raise UserError(f"loss_fn_config[{bad[0]!r}] is {config[bad[0]]}; numbers must be finite")
+    loss_id = msg.loss_fn_config_v2["loss_id"].text if "loss_id" in msg.loss_fn_config_v2 else None
     return ForwardBackward(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only,
-                           [_datum(d, i) for i, d in enumerate(msg.data)])
+                           [_datum(d, i) for i, d in enumerate(msg.data)], loss_id)
 
 
 def _datum(datum: tw.Datum, i: int) -> DatumArrays:

@@ -225,6 +225,19 @@ class TraceSpanRow(Base):
     __table_args__ = (Index("ix_trace_spans_session", "session_id", "span_id"),)
 
 
+class CustomLossRow(Base):
+    """A server-side custom loss (gateway/custom_losses.py): its checked graph, stored so that any
+    gateway can send it with the session's forward_backward requests."""
+    __tablename__ = "custom_losses"
+    loss_id: Mapped[str] = mapped_column(String(256), primary_key=True)     # "<session_id>:loss:<seq>"
+    session_id: Mapped[str] = mapped_column(String(128), index=True)       # only its models may use it
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    name: Mapped[str] = mapped_column(String(128))
+    spec_json: Mapped[str] = mapped_column(Text)                            # tinkerd/custom_loss.py LossSpec
+    digest: Mapped[str] = mapped_column(String(64))                         # its SHA-256
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
 @event.listens_for(ModelRow, "after_delete")
 def _delete_step_metrics(_mapper, connection, row: ModelRow) -> None:
     """A run's metrics go with it (no foreign key: SQLite would enforce it only with a pragma)."""

@@ -35,7 +35,7 @@ import shutil
 import grpc
 from sqlalchemy import select
 
-from gateway import traces
+from gateway import custom_losses, traces
 from gateway.checkpoints import delete_expired_checkpoints
 from gateway.db import ModelRow, now
 from gateway.state import Gateway
@@ -83,6 +83,7 @@ async def release_models(gw: Gateway, session_id: str) -> None:
             continue
         gw.futures.order.forget(model_id)       # the trainer deleted its durable state
         gw.db.touch(ModelRow, model_id, resident=False)
+    custom_losses.forget_session(gw.db, session_id)      # its models' requests have run: none needs them
     log.info("session %s closed; its models are released", session_id)
 
 

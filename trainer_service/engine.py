@@ -30,6 +30,7 @@ from trainer_service import adapter_snapshot, checkpoints, fp32_gemm, training
 from trainer_service.durable import DurableModels
 from trainer_service.deepspeed_setup import (deepspeed_config, effective_zero_stage,  # noqa: F401 - public here
                                              init_distributed_once)
+from trainer_service.custom_loss import Losses
 from trainer_service.losses import get_loss
 from trainer_service.lora import LoraSpec
 from trainer_service.metrics import EVICTIONS, RELOADS
@@ -78,6 +79,7 @@ class TrainerEngine:
         # no two models may run (or be added, removed, exported) at the same time.
         self._lock = threading.RLock()
         self.ranks = Ranks(self._lock)
+        self.custom_losses = Losses()
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -267,11 +269,21 @@ class TrainerEngine:
 
     @collective
     def forward_backward(self, model_id: str, data: list[training.DatumInput], loss_fn: str,
-                         loss_fn_config: dict[str, float], *, forward_only: bool):
-        """Returns (per-datum outputs, metrics). Gradients accumulate until optim_step."""
-        loss_impl = get_loss(loss_fn)
+                         loss_fn_config: dict[str, float], *, forward_only: bool,
+                         custom_loss: tuple[str, str] | None = None):
+        """Returns (per-datum outputs, metrics). Gradients accumulate until optim_step.
+        `custom_loss`: (loss id, its checked spec as JSON) for loss_fn "custom" (custom_loss.py)."""
+        scalar_keys: frozenset[str] = frozenset()
+        if loss_fn == "custom":
+            loss_impl = self.custom_losses.get(model_id, *(custom_loss or ("", "")))
+            scalar_keys = frozenset(name for name, rank in loss_impl.spec.inputs[1:] if rank == 0)
+        else:
+            loss_impl = get_loss(loss_fn)
         training.validate(data, vocab_size=self.vocab_size, max_positions=self.max_positions,
-                          max_batch_tokens=self.max_batch_tokens)
+                          max_batch_tokens=self.max_batch_tokens, scalar_keys=scalar_keys)
+        if loss_fn == "custom":
+            for i, d in enumerate(data):
+                loss_impl.check_datum(i, d.loss_fn_inputs, len(d.tokens))
         with self._lock:
             model = self.get(model_id)
             shares = self.ranks.share(data)       # data parallel: this rank's part of the batch
@@ -280,7 +292,10 @@ class TrainerEngine:
                                                          forward_only=forward_only, device=self.device,
                                                          ranks=self.ranks.world)
             model.pending_grads = model.pending_grads or not forward_only
-            return self.ranks.gather_outputs(data, shares, outputs, metrics)
+            outputs, metrics = self.ranks.gather_outputs(data, shares, outputs, metrics)
+            if loss_fn == "custom":      # ":mean" metrics came as sums over the datums (and ranks)
+                metrics = {k: v / len(data) if k.endswith(":mean") else v for k, v in metrics.items()}
+            return outputs, metrics
 
     @collective
     def optim_step(self, model_id: str, adam: training.AdamParams, *, seq: int | None = None) -> dict[str, float]:

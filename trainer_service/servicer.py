@@ -203,9 +203,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         data = [convert.datum(d, i) for i, d in enumerate(request.data)]
         kind = "forward" if request.forward_only else "forward_backward"
         with metrics.STEP_SECONDS.labels(kind).time():
+            custom = ((request.custom_loss.loss_id, request.custom_loss.spec_json)
+                      if request.HasField("custom_loss") else None)
             outputs, loss_metrics = self.engine.forward_backward(request.model_id, data, request.loss_fn,
                                                                  dict(request.loss_fn_config),
-                                                                 forward_only=request.forward_only)
+                                                                 forward_only=request.forward_only,
+                                                                 custom_loss=custom)
         metrics.TOKENS.labels(kind).inc(metrics.tokens_of(data))
         if not request.forward_only:
             self.durable.record(request.model_id, request.seq_id, "forward_backward")

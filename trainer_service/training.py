@@ -25,6 +25,7 @@ import torch
 
 from tinkerd.adam import ADAM_MAX
 from tinkerd.errors import UserError
+from trainer_service.custom_loss import CompiledLoss
 from trainer_service.registry import LoraModel
 
 
@@ -48,7 +49,9 @@ class AdamParams:
     grad_clip_norm: float  # 0: no clipping
 
 
-def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int, max_batch_tokens: int) -> None:
+def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int, max_batch_tokens: int,
+             scalar_keys: frozenset[str] = frozenset()) -> None:
+    """`scalar_keys`: loss inputs of one value per datum (a custom loss's rank-0 inputs), not per token."""
     if not data:
         raise UserError("forward_backward needs at least one datum")
     longest = max(len(d.tokens) for d in data)
@@ -66,6 +69,8 @@ def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int, max
         if bad:
             raise UserError(f"datum {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         for key, t in d.loss_fn_inputs.items():
+            if key in scalar_keys:
+                continue
             if t.dim() == 0 or t.shape[0] != n:
                 raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(t.shape)}, "
                                 f"expected leading dimension {n} (the number of input tokens)")
@@ -103,10 +108,12 @@ def _on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[st
 
 def _inputs_on_device(data: list[DatumInput], device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Every datum's loss inputs on the device (floats as float32): one copy per key, split into
-    per-datum views, when the datums agree on keys, dtypes and per-token shapes; else per datum."""
+    per-datum views, when the datums agree on keys, dtypes and per-token shapes and every input is
+    per token (a custom loss's rank-0 input is one value per datum); else per datum."""
     first = data[0].loss_fn_inputs
     form = {k: (v.dtype, v.shape[1:]) for k, v in first.items()}
-    if any({k: (v.dtype, v.shape[1:]) for k, v in d.loss_fn_inputs.items()} != form for d in data):
+    per_token = all(v.dim() > 0 and v.shape[0] == len(d.tokens) for d in data for v in d.loss_fn_inputs.values())
+    if not per_token or any({k: (v.dtype, v.shape[1:]) for k, v in d.loss_fn_inputs.items()} != form for d in data):
         return [_on_device(d.loss_fn_inputs, device) for d in data]
     lengths = [len(d.tokens) for d in data]
     joined = _on_device({k: torch.cat([d.loss_fn_inputs[k] for d in data]) for k in first}, device)
@@ -124,13 +131,47 @@ def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, lengths: list[i
 
 
 def _to_host(logprobs: list[torch.Tensor], losses: list[torch.Tensor],
-             total: torch.Tensor) -> tuple[list[dict[str, torch.Tensor]], float]:
-    """Per-datum outputs and the loss sum, in one device-to-host copy."""
+             scalars: torch.Tensor) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Per-datum outputs and the 1-D `scalars` (the loss sum first), in one device-to-host copy."""
     lengths = [len(t) for t in logprobs]
-    flat = torch.cat([*logprobs, *losses, total.view(1)]).detach().float().cpu()
-    parts = flat.split([*lengths, *lengths, 1])
+    flat = torch.cat([*logprobs, *losses, scalars.reshape(-1)]).detach().float().cpu()
+    parts = flat.split([*lengths, *lengths, scalars.numel()])
     n = len(lengths)
-    return [{"logprobs": parts[i], "elementwise_loss": parts[n + i]} for i in range(n)], float(parts[-1])
+    return [{"logprobs": parts[i], "elementwise_loss": parts[n + i]} for i in range(n)], parts[-1].tolist()
+
+
+def _custom_losses(loss: CompiledLoss, logprobs: list[torch.Tensor], inputs: list[dict[str, torch.Tensor]]):
+    """A server-side custom loss, as forward_backward_custom computes it on the client, in one pass:
+    per datum, the loss of detached logprobs and its gradient g = dloss/dlogprobs; the model then
+    backpropagates sum(logprobs * g) (the client's second call: cross_entropy with weights -g),
+    whose gradient is the loss's. Returns the per-token surrogate (the client's elementwise_loss),
+    its total, and the scalars [loss sum, surrogate sum, metrics...] (":mean" metrics summed here,
+    divided by the batch's datums once the ranks' sums are in: engine.py)."""
+    per_token, values, metric_sums = [], [], {k: [] for k in loss.metric_keys}
+    for lp, datum_inputs in zip(logprobs, inputs):
+        leaf = lp.detach().requires_grad_(True)
+        with torch.enable_grad():
+            value, metrics = loss.run(loss.arguments(leaf, datum_inputs))
+            if value.requires_grad:
+                grad, = torch.autograd.grad(value, leaf, allow_unused=True)
+            else:
+                grad = None
+        grad = torch.zeros_like(leaf) if grad is None else grad.to(lp.dtype)
+        per_token.append(lp * grad)
+        values.append(value.detach().float())
+        for key, metric in metrics.items():
+            metric_sums[key].append(metric.detach().float().reshape(()))
+    total = logprobs[0].new_zeros((), dtype=torch.float32)
+    for term in per_token:     # summed datum by datum, in order, as always
+        total = total + term.sum()
+    scalars = torch.stack([torch.stack(values).sum(), total.detach(),
+                           *(torch.stack(metric_sums[k]).sum() for k in loss.metric_keys)])
+    return per_token, total, scalars
+
+
+def custom_metric_names(loss: CompiledLoss) -> list[str]:
+    """The metrics of a custom loss's forward_backward, in the order of its scalars."""
+    return ["loss:sum", "surrogate_loss:sum", *loss.metric_keys]
 
 
 def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_config: dict[str, float], *,
@@ -139,12 +180,13 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
     With `ranks` > 1, `data` is this rank's share of the batch (ranks.py): DeepSpeed averages
     gradients over ranks and the loss is a sum, so this rank's part is scaled by `ranks`."""
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+    custom = isinstance(loss_impl, CompiledLoss)
     if not data:     # a share left empty: the same forward (and backward) collectives as the others
         with grad_ctx:
             empty = _closing_loss(model, 3, device)
         if not forward_only:
             model.engine.backward(empty, scale_wrt_gas=False)
-        return [], {"loss:sum": 0.0}
+        return [], dict.fromkeys(custom_metric_names(loss_impl) if custom else ["loss:sum"], 0.0)
     ids, mask, targets = _batch(data, device)
     with grad_ctx:
         logits = model.engine(ids, mask)
@@ -152,16 +194,21 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
             logits = logits.float()
         logprobs = _token_logprobs(logits, targets, [len(d.tokens) for d in data])
         inputs = _inputs_on_device(data, device)
-        losses = [loss_impl(lp, datum_inputs, loss_fn_config) for lp, datum_inputs in zip(logprobs, inputs)]
-        total = logits.new_zeros((), dtype=torch.float32)
-        for per_token in losses:     # summed datum by datum, in order, as always
-            total = total + per_token.sum()
+        if custom:
+            losses, total, scalars = _custom_losses(loss_impl, logprobs, inputs)
+        else:
+            losses = [loss_impl(lp, datum_inputs, loss_fn_config) for lp, datum_inputs in zip(logprobs, inputs)]
+            total = logits.new_zeros((), dtype=torch.float32)
+            for per_token in losses:     # summed datum by datum, in order, as always
+                total = total + per_token.sum()
+            scalars = total.view(1)
     if not forward_only:
         model.engine.backward(total * ranks if ranks > 1 else total, scale_wrt_gas=False)
-    outputs, loss_sum = _to_host(logprobs, losses, total)
-    if not forward_only and not math.isfinite(loss_sum):
+    outputs, sums = _to_host(logprobs, losses, scalars)
+    if not forward_only and not math.isfinite(sums[0]):
         model.nonfinite_loss = True      # optim_step skips the step these gradients belong to
-    return outputs, {"loss:sum": loss_sum}
+    names = custom_metric_names(loss_impl) if custom else ["loss:sum"]
+    return outputs, dict(zip(names, sums))
 
 
 def check_adam(adam: AdamParams) -> None:

@@ -23,9 +23,11 @@ router = APIRouter(prefix="/api/v1")
 # With auth on, the SDK exchanges its API key for a JWT (routes/identity.py) and whoami works.
 # sample_use_retrieve_futures: SDK >= 0.28 polls one retrieve_futures per sampling session in
 # place of one retrieve_future per sample (routes/futures.py); older SDKs ignore it.
+# custom_loss_server_side: SDK >= 0.36 uploads create_custom_loss's traced loss and runs it here by
+# its loss id in one forward_backward (routes/custom_losses.py, gateway/custom_losses.py).
 CLIENT_CONFIG = {"use_pyqwest_transport": False, "proto_compress_fwdbwd": True,
                  "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": True,
-                 "custom_loss_server_side": False, "sample_join_sampling_session": False}
+                 "custom_loss_server_side": True, "sample_join_sampling_session": False}
 
 
 @router.post("/client/config")

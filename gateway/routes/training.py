@@ -7,7 +7,7 @@ import os
 
 from fastapi import APIRouter, Request
 
-from gateway import convert
+from gateway import convert, custom_losses
 from gateway.auth import CallerDep
 from gateway.db import ModelRow
 from gateway.futures import fingerprint
@@ -68,7 +68,11 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
     convert.check_forward_backward(fb, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
     if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
         gw.stability.apply(fb, model.session_id)
-    job = ForwardBackward(convert.trainer_request(fb))
+    msg = convert.trainer_request(fb)
+    if fb.loss_fn == "custom":      # a create_custom_loss graph, run on the trainer by its loss id
+        msg.custom_loss.CopyFrom(custom_losses.for_forward_backward(gw.db, caller, model.session_id, fb.loss_id,
+                                                                    fb.data))
+    job = ForwardBackward(msg)
     return gw.submit_training(caller, fb.model_id, fb.seq_id, job, fingerprint(job.kind(), raw))
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import typing
 
 from gateway.jobs.base import Job, Owner, StoredRequest
+from gateway.jobs.custom_losses import CreateCustomLoss
 from gateway.jobs.sampling import Sample
 from gateway.jobs.service import Noop, UnloadModel
 from gateway.jobs.table import JOB_CLASSES, JOBS
@@ -37,6 +38,10 @@ def _examples() -> list[Job]:
         Sample(sampler_pb2.SampleRequest(request_id="r2")),
         UnloadModel("s:train:0"),
         Noop(),
+        CreateCustomLoss("s:loss:0", "s", OWNER, "ppo", '{"name": "ppo"}', "ab" * 32),
+        ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+            model_id="s:train:0", seq_id=8, loss_fn="custom",
+            custom_loss=trainer_pb2.CustomLoss(loss_id="s:loss:0", spec_json='{"name": "ppo"}'))),
     ]
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tinkerd.v1 import common_pb2 as tinkerd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tinkerd/v1/trainer.proto\x12\ntinkerd.v1\x1a\x17tinkerd/v1/common.proto\"=\n\rCheckpointRef\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xc4\x01\n\x12\x43reateModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12+\n\x0blora_config\x18\x02 \x01(\x0b\x32\x16.tinkerd.v1.LoraConfig\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x32\n\x0fload_checkpoint\x18\x06 \x01(\x0b\x32\x19.tinkerd.v1.CheckpointRef\x12\x16\n\x0eload_optimizer\x18\x05 \x01(\x08J\x04\x08\x04\x10\x05R\tload_from\"\x92\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12+\n\x0blora_config\x18\x03 \x01(\x0b\x32\x16.tinkerd.v1.LoraConfig\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nnum_params\x18\x05 \x01(\x03\x12\x10\n\x08resident\x18\x06 \x01(\x08\"&\n\x12\x44\x65leteModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"&\n\x13\x44\x65leteModelResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x85\x02\n\x16\x46orwardBackwardRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x0f\n\x07loss_fn\x18\x03 \x01(\t\x12L\n\x0eloss_fn_config\x18\x04 \x03(\x0b\x32\x34.tinkerd.v1.ForwardBackwardRequest.LossFnConfigEntry\x12\x1f\n\x04\x64\x61ta\x18\x05 \x03(\x0b\x32\x11.tinkerd.v1.Datum\x12\x14\n\x0c\x66orward_only\x18\x06 \x01(\x08\x1a\x33\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x88\x01\n\x0b\x44\x61tumOutput\x12\x35\n\x07outputs\x18\x01 \x03(\x0b\x32$.tinkerd.v1.DatumOutput.OutputsEntry\x1a\x42\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.tinkerd.v1.Tensor:\x02\x38\x01\"\xb6\x01\n\x17\x46orwardBackwardResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.tinkerd.v1.DatumOutput\x12\x41\n\x07metrics\x18\x02 \x03(\x0b\x32\x30.tinkerd.v1.ForwardBackwardResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"a\n\x10OptimStepRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12+\n\x0b\x61\x64\x61m_params\x18\x03 \x01(\x0b\x32\x16.tinkerd.v1.AdamParams\"\x80\x01\n\x11OptimStepResponse\x12;\n\x07metrics\x18\x01 \x03(\x0b\x32*.tinkerd.v1.OptimStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa6\x01\n\x12PushWeightsRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x19\n\x11sampler_addresses\x18\x04 \x03(\t\x12\x0f\n\x07persist\x18\x06 \x01(\x08\x12\x1a\n\x12\x63opy_in_background\x18\x07 \x01(\x08J\x04\x08\x05\x10\x06R\x0bpersist_dir\"\x92\x02\n\x13PushWeightsResponse\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x05\x12\x16\n\x0egather_seconds\x18\x04 \x01(\x01\x12\x16\n\x0estream_seconds\x18\x05 \x01(\x01\x12\x16\n\x0epersisted_path\x18\x06 \x01(\t\x12\x43\n\ntransports\x18\x07 \x03(\x0b\x32/.tinkerd.v1.PushWeightsResponse.TransportsEntry\x1a\x31\n\x0fTransportsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"y\n\x10SaveStateRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x16\n\x0ewith_optimizer\x18\x04 \x01(\x08\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\tJ\x04\x08\x03\x10\x04R\tdirectory\":\n\x11SaveStateResponse\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"7\n\x12UnloadModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\tJ\x04\x08\x02\x10\x03R\tdirectory\"(\n\x13UnloadModelResponse\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x13\n\x11QueueStateRequest\"\x87\x01\n\nQueueState\x12\x16\n\x0erunning_tenant\x18\x01 \x01(\t\x12\x32\n\x06queued\x18\x02 \x03(\x0b\x32\".tinkerd.v1.QueueState.QueuedEntry\x1a-\n\x0bQueuedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x32\xb8\x05\n\x07Trainer\x12\x44\n\x0b\x43reateModel\x12\x1e.tinkerd.v1.CreateModelRequest\x1a\x15.tinkerd.v1.ModelInfo\x12N\n\x0b\x44\x65leteModel\x12\x1e.tinkerd.v1.DeleteModelRequest\x1a\x1f.tinkerd.v1.DeleteModelResponse\x12Z\n\x0f\x46orwardBackward\x12\".tinkerd.v1.ForwardBackwardRequest\x1a#.tinkerd.v1.ForwardBackwardResponse\x12H\n\tOptimStep\x12\x1c.tinkerd.v1.OptimStepRequest\x1a\x1d.tinkerd.v1.OptimStepResponse\x12N\n\x0bPushWeights\x12\x1e.tinkerd.v1.PushWeightsRequest\x1a\x1f.tinkerd.v1.PushWeightsResponse\x12H\n\tSaveState\x12\x1c.tinkerd.v1.SaveStateRequest\x1a\x1d.tinkerd.v1.SaveStateResponse\x12N\n\x0bUnloadModel\x12\x1e.tinkerd.v1.UnloadModelRequest\x1a\x1f.tinkerd.v1.UnloadModelResponse\x12\x46\n\rGetQueueState\x12\x1d.tinkerd.v1.QueueStateRequest\x1a\x16.tinkerd.v1.QueueState\x12?\n\x06Health\x12\x19.tinkerd.v1.HealthRequest\x1a\x1a.tinkerd.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tinkerd/v1/trainer.proto\x12\ntinkerd.v1\x1a\x17tinkerd/v1/common.proto\"=\n\rCheckpointRef\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xc4\x01\n\x12\x43reateModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12+\n\x0blora_config\x18\x02 \x01(\x0b\x32\x16.tinkerd.v1.LoraConfig\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x32\n\x0fload_checkpoint\x18\x06 \x01(\x0b\x32\x19.tinkerd.v1.CheckpointRef\x12\x16\n\x0eload_optimizer\x18\x05 \x01(\x08J\x04\x08\x04\x10\x05R\tload_from\"\x92\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12+\n\x0blora_config\x18\x03 \x01(\x0b\x32\x16.tinkerd.v1.LoraConfig\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nnum_params\x18\x05 \x01(\x03\x12\x10\n\x08resident\x18\x06 \x01(\x08\"&\n\x12\x44\x65leteModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"&\n\x13\x44\x65leteModelResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\xb2\x02\n\x16\x46orwardBackwardRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x0f\n\x07loss_fn\x18\x03 \x01(\t\x12L\n\x0eloss_fn_config\x18\x04 \x03(\x0b\x32\x34.tinkerd.v1.ForwardBackwardRequest.LossFnConfigEntry\x12\x1f\n\x04\x64\x61ta\x18\x05 \x03(\x0b\x32\x11.tinkerd.v1.Datum\x12\x14\n\x0c\x66orward_only\x18\x06 \x01(\x08\x12+\n\x0b\x63ustom_loss\x18\x07 \x01(\x0b\x32\x16.tinkerd.v1.CustomLoss\x1a\x33\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"0\n\nCustomLoss\x12\x0f\n\x07loss_id\x18\x01 \x01(\t\x12\x11\n\tspec_json\x18\x02 \x01(\t\"\x88\x01\n\x0b\x44\x61tumOutput\x12\x35\n\x07outputs\x18\x01 \x03(\x0b\x32$.tinkerd.v1.DatumOutput.OutputsEntry\x1a\x42\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.tinkerd.v1.Tensor:\x02\x38\x01\"\xb6\x01\n\x17\x46orwardBackwardResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.tinkerd.v1.DatumOutput\x12\x41\n\x07metrics\x18\x02 \x03(\x0b\x32\x30.tinkerd.v1.ForwardBackwardResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"a\n\x10OptimStepRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12+\n\x0b\x61\x64\x61m_params\x18\x03 \x01(\x0b\x32\x16.tinkerd.v1.AdamParams\"\x80\x01\n\x11OptimStepResponse\x12;\n\x07metrics\x18\x01 \x03(\x0b\x32*.tinkerd.v1.OptimStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa6\x01\n\x12PushWeightsRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x19\n\x11sampler_addresses\x18\x04 \x03(\t\x12\x0f\n\x07persist\x18\x06 \x01(\x08\x12\x1a\n\x12\x63opy_in_background\x18\x07 \x01(\x08J\x04\x08\x05\x10\x06R\x0bpersist_dir\"\x92\x02\n\x13PushWeightsResponse\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x05\x12\x16\n\x0egather_seconds\x18\x04 \x01(\x01\x12\x16\n\x0estream_seconds\x18\x05 \x01(\x01\x12\x16\n\x0epersisted_path\x18\x06 \x01(\t\x12\x43\n\ntransports\x18\x07 \x03(\x0b\x32/.tinkerd.v1.PushWeightsResponse.TransportsEntry\x1a\x31\n\x0fTransportsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"y\n\x10SaveStateRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x16\n\x0ewith_optimizer\x18\x04 \x01(\x08\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\tJ\x04\x08\x03\x10\x04R\tdirectory\":\n\x11SaveStateResponse\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"7\n\x12UnloadModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\tJ\x04\x08\x02\x10\x03R\tdirectory\"(\n\x13UnloadModelResponse\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x13\n\x11QueueStateRequest\"\x87\x01\n\nQueueState\x12\x16\n\x0erunning_tenant\x18\x01 \x01(\t\x12\x32\n\x06queued\x18\x02 \x03(\x0b\x32\".tinkerd.v1.QueueState.QueuedEntry\x1a-\n\x0bQueuedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x32\xb8\x05\n\x07Trainer\x12\x44\n\x0b\x43reateModel\x12\x1e.tinkerd.v1.CreateModelRequest\x1a\x15.tinkerd.v1.ModelInfo\x12N\n\x0b\x44\x65leteModel\x12\x1e.tinkerd.v1.DeleteModelRequest\x1a\x1f.tinkerd.v1.DeleteModelResponse\x12Z\n\x0f\x46orwardBackward\x12\".tinkerd.v1.ForwardBackwardRequest\x1a#.tinkerd.v1.ForwardBackwardResponse\x12H\n\tOptimStep\x12\x1c.tinkerd.v1.OptimStepRequest\x1a\x1d.tinkerd.v1.OptimStepResponse\x12N\n\x0bPushWeights\x12\x1e.tinkerd.v1.PushWeightsRequest\x1a\x1f.tinkerd.v1.PushWeightsResponse\x12H\n\tSaveState\x12\x1c.tinkerd.v1.SaveStateRequest\x1a\x1d.tinkerd.v1.SaveStateResponse\x12N\n\x0bUnloadModel\x12\x1e.tinkerd.v1.UnloadModelRequest\x1a\x1f.tinkerd.v1.UnloadModelResponse\x12\x46\n\rGetQueueState\x12\x1d.tinkerd.v1.QueueStateRequest\x1a\x16.tinkerd.v1.QueueState\x12?\n\x06Health\x12\x19.tinkerd.v1.HealthRequest\x1a\x1a.tinkerd.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,43 +55,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETEMODELRESPONSE']._serialized_start=516
   _globals['_DELETEMODELRESPONSE']._serialized_end=554
   _globals['_FORWARDBACKWARDREQUEST']._serialized_start=557
-  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=818
-  _globals['_FORWARDBACKWARDREQUEST_LOSSFNCONFIGENTRY']._serialized_start=767
-  _globals['_FORWARDBACKWARDREQUEST_LOSSFNCONFIGENTRY']._serialized_end=818
-  _globals['_DATUMOUTPUT']._serialized_start=821
-  _globals['_DATUMOUTPUT']._serialized_end=957
-  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_start=891
-  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_end=957
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=960
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=1142
-  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_start=1096
-  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_end=1142
-  _globals['_OPTIMSTEPREQUEST']._serialized_start=1144
-  _globals['_OPTIMSTEPREQUEST']._serialized_end=1241
-  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1244
-  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1372
-  _globals['_OPTIMSTEPRESPONSE_METRICSENTRY']._serialized_start=1096
-  _globals['_OPTIMSTEPRESPONSE_METRICSENTRY']._serialized_end=1142
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1375
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1541
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1544
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1818
-  _globals['_PUSHWEIGHTSRESPONSE_TRANSPORTSENTRY']._serialized_start=1769
-  _globals['_PUSHWEIGHTSRESPONSE_TRANSPORTSENTRY']._serialized_end=1818
-  _globals['_SAVESTATEREQUEST']._serialized_start=1820
-  _globals['_SAVESTATEREQUEST']._serialized_end=1941
-  _globals['_SAVESTATERESPONSE']._serialized_start=1943
-  _globals['_SAVESTATERESPONSE']._serialized_end=2001
-  _globals['_UNLOADMODELREQUEST']._serialized_start=2003
-  _globals['_UNLOADMODELREQUEST']._serialized_end=2058
-  _globals['_UNLOADMODELRESPONSE']._serialized_start=2060
-  _globals['_UNLOADMODELRESPONSE']._serialized_end=2100
-  _globals['_QUEUESTATEREQUEST']._serialized_start=2102
-  _globals['_QUEUESTATEREQUEST']._serialized_end=2121
-  _globals['_QUEUESTATE']._serialized_start=2124
-  _globals['_QUEUESTATE']._serialized_end=2259
-  _globals['_QUEUESTATE_QUEUEDENTRY']._serialized_start=2214
-  _globals['_QUEUESTATE_QUEUEDENTRY']._serialized_end=2259
-  _globals['_TRAINER']._serialized_start=2262
-  _globals['_TRAINER']._serialized_end=2958
+  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=863
+  _globals['_FORWARDBACKWARDREQUEST_LOSSFNCONFIGENTRY']._serialized_start=812
+  _globals['_FORWARDBACKWARDREQUEST_LOSSFNCONFIGENTRY']._serialized_end=863
+  _globals['_CUSTOMLOSS']._serialized_start=865
+  _globals['_CUSTOMLOSS']._serialized_end=913
+  _globals['_DATUMOUTPUT']._serialized_start=916
+  _globals['_DATUMOUTPUT']._serialized_end=1052
+  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_start=986
+  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_end=1052
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=1055
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=1237
+  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_start=1191
+  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_end=1237
+  _globals['_OPTIMSTEPREQUEST']._serialized_start=1239
+  _globals['_OPTIMSTEPREQUEST']._serialized_end=1336
+  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1339
+  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1467
+  _globals['_OPTIMSTEPRESPONSE_METRICSENTRY']._serialized_start=1191
+  _globals['_OPTIMSTEPRESPONSE_METRICSENTRY']._serialized_end=1237
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1470
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1636
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1639
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1913
+  _globals['_PUSHWEIGHTSRESPONSE_TRANSPORTSENTRY']._serialized_start=1864
+  _globals['_PUSHWEIGHTSRESPONSE_TRANSPORTSENTRY']._serialized_end=1913
+  _globals['_SAVESTATEREQUEST']._serialized_start=1915
+  _globals['_SAVESTATEREQUEST']._serialized_end=2036
+  _globals['_SAVESTATERESPONSE']._serialized_start=2038
+  _globals['_SAVESTATERESPONSE']._serialized_end=2096
+  _globals['_UNLOADMODELREQUEST']._serialized_start=2098
+  _globals['_UNLOADMODELREQUEST']._serialized_end=2153
+  _globals['_UNLOADMODELRESPONSE']._serialized_start=2155
+  _globals['_UNLOADMODELRESPONSE']._serialized_end=2195
+  _globals['_QUEUESTATEREQUEST']._serialized_start=2197
+  _globals['_QUEUESTATEREQUEST']._serialized_end=2216
+  _globals['_QUEUESTATE']._serialized_start=2219
+  _globals['_QUEUESTATE']._serialized_end=2354
+  _globals['_QUEUESTATE_QUEUEDENTRY']._serialized_start=2309
+  _globals['_QUEUESTATE_QUEUEDENTRY']._serialized_end=2354
+  _globals['_TRAINER']._serialized_start=2357
+  _globals['_TRAINER']._serialized_end=3053
 # @@protoc_insertion_point(module_scope)

@@ -60,7 +60,7 @@ class DeleteModelResponse(_message.Message):
     def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id", "loss_fn", "loss_fn_config", "data", "forward_only")
+    __slots__ = ("model_id", "seq_id", "loss_fn", "loss_fn_config", "data", "forward_only", "custom_loss")
     class LossFnConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,13 +74,23 @@ class ForwardBackwardRequest(_message.Message):
     LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
     loss_fn: str
     loss_fn_config: _containers.ScalarMap[str, float]
     data: _containers.RepeatedCompositeFieldContainer[_common_pb2.Datum]
     forward_only: bool
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., data: _Optional[_Iterable[_Union[_common_pb2.Datum, _Mapping]]] = ..., forward_only: _Optional[bool] = ...) -> None: ...
+    custom_loss: CustomLoss
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., data: _Optional[_Iterable[_Union[_common_pb2.Datum, _Mapping]]] = ..., forward_only: _Optional[bool] = ..., custom_loss: _Optional[_Union[CustomLoss, _Mapping]] = ...) -> None: ...
+
+class CustomLoss(_message.Message):
+    __slots__ = ("loss_id", "spec_json")
+    LOSS_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    loss_id: str
+    spec_json: str
+    def __init__(self, loss_id: _Optional[str] = ..., spec_json: _Optional[str] = ...) -> None: ...
 
 class DatumOutput(_message.Message):
     __slots__ = ("outputs",)
