@@ -29,7 +29,7 @@ async def create_custom_loss(body: CreateCustomLossRequest, caller: CallerDep, g
     elif existing.digest != spec.digest:
         raise UserError(f"custom_loss_seq_id {body.custom_loss_seq_id} of session {session_id} was already used "
                         f"for another loss; every create_custom_loss needs its own custom_loss_seq_id")
-    gw.limits.check_queue(caller)
     job = CreateCustomLoss(loss_id, session_id, Owner.of(caller), spec.name, spec.canonical, spec.digest)
-    row = gw.futures.submit(job, owner=caller.user_id, fingerprint=spec.digest, idempotency_key=f"{loss_id}#0")
+    row = gw.futures.submit(job, owner=caller.user_id, fingerprint=spec.digest, idempotency_key=f"{loss_id}#0",
+                            admit=gw.limits.admit_queued(caller))     # counted with it, like other queued work
     return FutureResponse(request_id=row.request_id)

@@ -7,6 +7,11 @@ class Aborted(Exception):
 
 
 class Context:
+    """A gRPC servicer context with no call metadata (no tenant named: the session is the tenant)."""
+
+    def invocation_metadata(self):
+        return ()
+
     def abort(self, code, details):
         self.code, self.details = code, details
         raise Aborted(details)
