@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import weakref
 from typing import Iterator
 
 from gateway import checkpoints
 from gateway.checkpoints import Member, bytes_member, file_member
 from gateway.db import CheckpointRow
+from gateway.limits import OverLimit
 from tinkerd import merged_export
 
 FORMATS = ("peft", "merged")
@@ -62,8 +65,45 @@ def merged_plan(base_model_dir: str, row: CheckpointRow) -> merged_export.Plan:
     return merged_export.plan(base_model_dir, row.directory)
 
 
+# Merging takes the gateway's CPU and, per download, a few ROWS_BYTES blocks of memory: at most
+# this many are made at once on a gateway; another download meanwhile is a 429 (retry shortly).
+MAX_MERGED_EXPORTS = 2
+_merging: weakref.WeakSet = weakref.WeakSet()    # their streams: one dropped unread frees its place
+_merging_lock = threading.Lock()
+
+
 def merged_archive(base_model_dir: str, row: CheckpointRow) -> tuple[int, Iterator[bytes]]:
     plan = merged_plan(base_model_dir, row)
+    with _merging_lock:
+        if len(_merging) >= MAX_MERGED_EXPORTS:
+            raise OverLimit(f"{len(_merging)} merged exports are being made on this gateway (the limit is "
+                            f"{MAX_MERGED_EXPORTS}); retry when one has finished", retry_after_s=30)
+        size, chunks = _merged_tar(base_model_dir, plan, row)
+        stream = _Merging(chunks)
+        _merging.add(stream)
+    return size, stream
+
+
+class _Merging:
+    """A merged archive's chunks, counted among those being made until they end (sent, failed,
+    or dropped unread: then the WeakSet forgets it)."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks = chunks
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            return next(self._chunks)
+        except BaseException:
+            with _merging_lock:
+                _merging.discard(self)
+            raise
+
+
+def _merged_tar(base_model_dir: str, plan: merged_export.Plan, row: CheckpointRow) -> tuple[int, Iterator[bytes]]:
     mtime = _mtime(row)
     config = json.dumps(plan.config, indent=2).encode()
     members = [bytes_member("config.json", config, mtime),

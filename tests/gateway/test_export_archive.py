@@ -158,3 +158,31 @@ def test_plan_refuses_what_it_cannot_merge(tmp_path):
     (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"\xff" * 8 + b"{")
     with pytest.raises(UserError, match="cannot read the safetensors file"):
         merged_export.plan(str(tmp_path / "base"), str(tmp_path / "adapter"))
+
+
+def test_merged_exports_at_once_are_capped_with_a_429(gateway, tmp_path, monkeypatch):
+    """Merging takes the gateway's CPU: beyond MAX_MERGED_EXPORTS in progress a download is a 429
+    with Retry-After; a finished one, or one dropped unread, frees its place."""
+    from gateway import export
+
+    monkeypatch.setattr(export, "MAX_MERGED_EXPORTS", 1)
+    _adapter(_base(gateway.settings.base_model, tied=False), tmp_path / "adapter")
+    model_id, directory = _saved(gateway)
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy(tmp_path / "adapter" / f, os.path.join(directory, f))
+    row = gateway.api.client.app.state.gateway.db.get(CheckpointRow, f"tinker://{model_id}/weights/c")
+
+    _, held = export.merged_archive(gateway.settings.base_model, row)     # one in progress
+    next(held)
+    redirect = gateway.api.get(f"training_runs/{model_id}/checkpoints/weights/c/archive",
+                               params={"format": "merged"}, follow_redirects=False)
+    url = urllib.parse.urlsplit(redirect.headers["location"])
+    busy = gateway.api.client.get(f"{url.path}?{url.query}")
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "30"
+    assert "the limit is 1" in busy.json()["error"]
+    for _ in held:            # it finishes
+        pass
+    assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200
+    _, dropped = export.merged_archive(gateway.settings.base_model, row)
+    del dropped               # never read
+    assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200
