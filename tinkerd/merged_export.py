@@ -133,8 +133,12 @@ def _base_weights(base_model_dir: str) -> dict[str, tuple[str, dict]]:
     files = sorted(f for f in os.listdir(base_model_dir) if f.endswith(".safetensors"))
     if not files:       # e.g. PyTorch .bin weights only
         raise UserError("the base model has no .safetensors weights to merge into")
-    return {name: (os.path.join(base_model_dir, f), info)
-            for f in files for name, info in read_header(os.path.join(base_model_dir, f)).items()}
+    weights = {name: (os.path.join(base_model_dir, f), info)
+               for f in files for name, info in read_header(os.path.join(base_model_dir, f)).items()}
+    if odd := sorted(n for n, (_, info) in weights.items() if info.get("dtype") not in _ITEMSIZE):
+        raise UserError(f"the base weight {odd[0]} has dtype {weights[odd[0]][1].get('dtype')}, which this "
+                        f"export does not handle (it handles {', '.join(_ITEMSIZE)})")
+    return weights
 
 
 def plan(base_model_dir: str, adapter_dir: str) -> Plan:
@@ -170,7 +174,7 @@ def plan(base_model_dir: str, adapter_dir: str) -> Plan:
         if i is None:
             raise UserError(f"the adapter's module {module!r} has no weight {module}.weight in the base model")
         t = tensors[i]
-        if t.dtype not in ("F32", "BF16", "F16") or t.shape != (b[0], a[1]):
+        if t.dtype not in ("F32", "BF16", "F16") or t.shape != (b[0], a[1]) or a[0] != b[1]:
             raise UserError(f"the adapter's module {module!r} ({b[0]}x{a[1]}) does not fit the base weight "
                             f"{t.name} ({'x'.join(map(str, t.shape))} {t.dtype})")
         tensors[i] = dataclasses.replace(t, module=module)
@@ -190,6 +194,8 @@ def weights_chunks(p: Plan) -> Iterator[bytes]:
     with safe_open(adapter, framework="pt") as lora:
         for t in p.tensors:
             with safe_open(t.file, framework="pt") as f:
+                if t.num_bytes == 0:
+                    continue
                 if t.module is None and len(t.shape) < 2:
                     yield _raw(f.get_tensor(t.source))
                     continue

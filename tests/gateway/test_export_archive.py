@@ -155,6 +155,10 @@ def test_plan_refuses_what_it_cannot_merge(tmp_path):
         with pytest.raises(UserError, match=words):
             merged_export.plan(str(tmp_path / "base"), str(tmp_path / "adapter"))
     config_path.write_text(json.dumps(config))
+    from safetensors.torch import save_file
+    save_file({"scale": torch.zeros(2, dtype=torch.float8_e4m3fn)}, str(tmp_path / "base" / "extra.safetensors"))
+    with pytest.raises(UserError, match="dtype F8_E4M3, which this export does not handle"):
+        merged_export.plan(str(tmp_path / "base"), str(tmp_path / "adapter"))
     (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"\xff" * 8 + b"{")
     with pytest.raises(UserError, match="cannot read the safetensors file"):
         merged_export.plan(str(tmp_path / "base"), str(tmp_path / "adapter"))
