@@ -17,7 +17,7 @@ import os
 import shutil
 import tarfile
 import urllib.parse
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from sqlalchemy import select
 
@@ -98,7 +98,7 @@ def bytes_member(name: str, data: bytes, mtime: int = 0) -> Member:
     return Member(name, len(data), lambda: iter((data,)), mtime)
 
 
-def archive(directory: str, extra: list[Member] = ()) -> tuple[int, Iterator[bytes]]:
+def archive(directory: str, extra: Sequence[Member] = ()) -> tuple[int, Iterator[bytes]]:
     """(size in bytes, chunks) of an uncompressed tar of the checkpoint's files at its root, plus
     `extra` and the completion marker, made as it is sent (no copy on disk, no whole file in memory)."""
     members = [file_member(os.path.join(directory, rel), rel)
