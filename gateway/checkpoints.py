@@ -9,6 +9,7 @@ gateway serves over plain GET). Checkpoint ids contain a slash, run ids colons.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -16,7 +17,7 @@ import os
 import shutil
 import tarfile
 import urllib.parse
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 from sqlalchemy import select
 
@@ -60,10 +61,14 @@ def download_path(run_id: str, checkpoint_id: str, relative: str) -> str:
     return urllib.parse.quote(f"/files/{run_id}/{checkpoint_id}/{relative}")
 
 
-def archive_path(run_id: str, checkpoint_id: str) -> str:
-    """The URL path of a checkpoint's tar archive (SDKs up to 0.35: get_checkpoint_archive_url):
-    what its download URL signs and what the files route checks."""
-    return urllib.parse.quote(f"/files/{run_id}/{checkpoint_id}/archive.tar")
+ARCHIVE_FILES = {"peft": "archive.tar", "merged": "merged.tar"}
+
+
+def archive_path(run_id: str, checkpoint_id: str, format: str = "peft") -> str:
+    """The URL path of a checkpoint's tar archive (SDKs up to 0.35: get_checkpoint_archive_url),
+    as trained (`peft`) or merged into the base model (`merged`, gateway/export.py): what its
+    download URL signs and what the files route checks."""
+    return urllib.parse.quote(f"/files/{run_id}/{checkpoint_id}/{ARCHIVE_FILES[format]}")
 
 
 def download_grant(row: CheckpointRow, path: str, expires: int, user_id: str, key_id: str) -> DownloadGrant | None:
@@ -85,32 +90,61 @@ COMPLETE_MARKER = "checkpoint_complete"
 _BLOCK = 512
 
 
-def archive(directory: str) -> tuple[int, Iterator[bytes]]:
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One file of an archive: its name, size, and its bytes as they are sent."""
+    name: str
+    size: int
+    chunks: Callable[[], Iterator[bytes]]
+    mtime: int = 0          # its source's: the same checkpoint downloads as the same bytes
+
+
+def file_member(path: str, name: str) -> Member:
+    def chunks() -> Iterator[bytes]:
+        with open(path, "rb") as f:      # checkpoint files never change
+            while chunk := f.read(1 << 20):
+                yield chunk
+    stat = os.stat(path)
+    return Member(name, stat.st_size, chunks, int(stat.st_mtime))
+
+
+def bytes_member(name: str, data: bytes, mtime: int = 0) -> Member:
+    return Member(name, len(data), lambda: iter((data,)), mtime)
+
+
+def archive(directory: str, extra: Sequence[Member] = ()) -> tuple[int, Iterator[bytes]]:
     """(size in bytes, chunks) of an uncompressed tar of the checkpoint's files at its root, plus
-    the completion marker, made as it is sent (no copy on disk, no whole file in memory)."""
-    entries = []
-    for rel in sorted(os.path.relpath(os.path.join(root, f), directory)
-                      for root, _, names in os.walk(directory) for f in names):
-        if rel == COMPLETE_MARKER:
-            continue
-        info = tarfile.TarInfo(rel)
-        stat = os.stat(os.path.join(directory, rel))
-        info.size, info.mtime, info.mode = stat.st_size, int(stat.st_mtime), 0o644
-        entries.append((rel, info.tobuf(tarfile.PAX_FORMAT), info.size))
-    marker = tarfile.TarInfo(COMPLETE_MARKER)
-    entries.append(("", marker.tobuf(tarfile.PAX_FORMAT), 0))
-    size = sum(len(header) + n + (-n % _BLOCK) for _, header, n in entries) + 2 * _BLOCK
+    `extra` and the completion marker, made as it is sent (no copy on disk, no whole file in memory)."""
+    members = [file_member(os.path.join(directory, rel), rel)
+               for rel in sorted(os.path.relpath(os.path.join(root, f), directory)
+                                 for root, _, names in os.walk(directory) for f in names)
+               if rel != COMPLETE_MARKER]
+    return tar([*members, *extra, bytes_member(COMPLETE_MARKER, b"")])
+
+
+def tar(members: list[Member]) -> tuple[int, Iterator[bytes]]:
+    """(size, chunks) of an uncompressed tar of `members`. A member whose bytes come out another
+    size than it said ends the stream with an error (a short, broken download, never a tar
+    whose files are silently wrong)."""
+    headers = []
+    for m in members:
+        info = tarfile.TarInfo(m.name)
+        info.size, info.mtime, info.mode = m.size, m.mtime, 0o644
+        headers.append(info.tobuf(tarfile.PAX_FORMAT))
+    size = sum(len(h) + m.size + (-m.size % _BLOCK) for h, m in zip(headers, members)) + 2 * _BLOCK
 
     def chunks() -> Iterator[bytes]:
-        for rel, header, n in entries:
+        for header, m in zip(headers, members):
             yield header
-            if rel:
-                with open(os.path.join(directory, rel), "rb") as f:   # checkpoint files never change
-                    left = n
-                    while left > 0 and (chunk := f.read(min(left, 1 << 20))):
-                        left -= len(chunk)
-                        yield chunk
-            yield b"\0" * (-n % _BLOCK)
+            sent = 0
+            for chunk in m.chunks():
+                sent += len(chunk)
+                if sent > m.size:
+                    break
+                yield chunk
+            if sent != m.size:
+                raise RuntimeError(f"archive member {m.name} came out {sent} bytes, not {m.size}")
+            yield b"\0" * (-m.size % _BLOCK)
         yield b"\0" * (2 * _BLOCK)
     return size, chunks()
 

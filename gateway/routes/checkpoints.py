@@ -10,13 +10,13 @@ import hashlib
 import os
 import time
 import uuid
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 from sqlalchemy import select
 
-from gateway import audit, checkpoints, public_url
+from gateway import audit, checkpoints, export, public_url
 from gateway.auth import CallerDep
 from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, aware
 from gateway.keys import Caller
@@ -142,17 +142,20 @@ async def external_urls(run_id: str, checkpoint_id: str, request: Request, calle
 
 
 @router.get(_CHECKPOINT + "/archive")
-async def archive_url(run_id: str, checkpoint_id: str, request: Request, caller: CallerDep,
-                      gw: GatewayDep) -> RedirectResponse:
+async def archive_url(run_id: str, checkpoint_id: str, request: Request, caller: CallerDep, gw: GatewayDep,
+                      format: Annotated[Literal[export.FORMATS], Query()] = "peft") -> RedirectResponse:
     """SDKs up to 0.35 (RestClient.get_checkpoint_archive_url*, `tinker checkpoint download`): a
     302 to a signed URL of the checkpoint's files as one tar, with the link's expiry in `Expires`
-    (the SDK reads the redirect without following it)."""
+    (the SDK reads the redirect without following it). `?format=merged`: the adapter merged into
+    the base model instead (gateway/export.py), checked here so that what cannot be merged is a 400."""
     row = _checkpoint(gw, caller, run_id, checkpoint_id, change=False)
     if row.checkpoint_type not in ("training", "sampler"):
         raise UserError(f"{row.tinker_path} is an external_weights checkpoint: download its files with "
                         f"get_external_weights_urls")
+    if format == "merged":
+        export.merged_plan(gw.settings.base_model, row)
     expires = _url_expiry(row)
-    url = _signed_url(gw, request, caller, row, checkpoints.archive_path(run_id, checkpoint_id), expires)
+    url = _signed_url(gw, request, caller, row, checkpoints.archive_path(run_id, checkpoint_id, format), expires)
     audit.read_by_other_user(gw.db, caller, row, "archive_url")
     return RedirectResponse(url, status_code=302, headers={"Expires": email.utils.formatdate(expires, usegmt=True)})
 

@@ -13,7 +13,7 @@ import re
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, StreamingResponse
 
-from gateway import audit, checkpoints
+from gateway import audit, checkpoints, export
 from gateway.db import CheckpointRow
 from gateway.keys import Caller
 from gateway.state import Gateway, GatewayDep
@@ -73,16 +73,35 @@ async def get_file(run_id: str, name: str, relative: str, request: Request, gw: 
     return FileResponse(path)
 
 
-@router.get("/files/{run_id}/{kind}/{name}/archive.tar")
-async def get_archive(run_id: str, kind: str, name: str, request: Request, gw: GatewayDep) -> StreamingResponse:
-    # Registered after get_file: an external_weights file named archive.tar is that file.
+def _archived(request: Request, gw, run_id: str, kind: str, name: str, format: str) -> CheckpointRow:
     if kind not in ("weights", "sampler_weights"):
         raise NotFoundError(f"no archive of {kind} checkpoints")
     row = gw.db.get(CheckpointRow, checkpoints.tinker_path(run_id, kind, name))
-    signer = _authorized(request, gw, checkpoints.archive_path(run_id, f"{kind}/{name}"), row)
+    signer = _authorized(request, gw, checkpoints.archive_path(run_id, f"{kind}/{name}", format), row)
     if not os.path.isdir(row.directory):
         raise NotFoundError("the checkpoint's files are gone (deleted since the link was made?)")
-    size, chunks = checkpoints.archive(row.directory)
-    _downloaded(gw, signer, row, "archive.tar")
+    _downloaded(gw, signer, row, "merged.tar" if format == "merged" else "archive.tar")
+    return row
+
+
+def _tar_response(size: int, chunks, filename: str) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="application/x-tar", headers={
-        "Content-Length": str(size), "Content-Disposition": f'attachment; filename="{name}.tar"'})
+        "Content-Length": str(size), "Content-Disposition": f'attachment; filename="{filename}"'})
+
+
+@router.get("/files/{run_id}/{kind}/{name}/archive.tar")
+async def get_archive(run_id: str, kind: str, name: str, request: Request, gw: GatewayDep) -> StreamingResponse:
+    # Registered after get_file: an external_weights file named archive.tar is that file.
+    row = _archived(request, gw, run_id, kind, name, "peft")
+    size, chunks = export.peft_archive(row)
+    return _tar_response(size, chunks, f"{name}.tar")
+
+
+@router.get("/files/{run_id}/{kind}/{name}/merged.tar")
+async def get_merged_archive(run_id: str, kind: str, name: str, request: Request,
+                             gw: GatewayDep) -> StreamingResponse:
+    """The adapter merged into the base model (gateway/export.py); made as it is sent, in
+    starlette's thread pool (a sync iterator), off the event loop."""
+    row = _archived(request, gw, run_id, kind, name, "merged")
+    size, chunks = export.merged_archive(gw.settings.base_model, row)
+    return _tar_response(size, chunks, f"{name}-merged.tar")
