@@ -1,35 +1,30 @@
 """The REST registry the SDK's RestClient reads: training runs, their checkpoints (list,
-publish, ttl, delete, external file URLs, the archive older SDKs download), weights_info,
-copy_weights, sessions."""
+publish, ttl, delete), weights_info, copy_weights, sessions. The signed download links of a
+checkpoint's files are routes/download_links.py."""
 
 from __future__ import annotations
 
-import datetime
-import email.utils
 import hashlib
-import os
-import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import RedirectResponse
 from sqlalchemy import select
 
-from gateway import audit, checkpoints, export, public_url
+from gateway import audit, checkpoints
 from gateway.auth import CallerDep
-from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, aware
+from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow
 from gateway.keys import Caller
 from gateway.sessions import mine
 from gateway.protocol import (CheckpointsResponse, CopyWeightsRequest, CopyWeightsResponse, Cursor,
-                              ExternalWeightsUrlsResponse, Page, SessionResponse, SessionsResponse, SetTtlRequest,
+                              Page, SessionResponse, SessionsResponse, SetTtlRequest,
                               TrainingRun, TrainingRunsResponse, WeightsInfoRequest, WeightsInfoResponse)
 from gateway.state import Gateway, GatewayDep
 from tinkerd.errors import NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1")
 PageDep = Annotated[Page, Query()]
-_CHECKPOINT = "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"
+CHECKPOINT = "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"
 
 
 def _run(gw: Gateway, caller: Caller, run_id: str) -> ModelRow:
@@ -39,7 +34,7 @@ def _run(gw: Gateway, caller: Caller, run_id: str) -> ModelRow:
     return row
 
 
-def _checkpoint(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, *, change: bool) -> CheckpointRow:
+def checkpoint_of(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, *, change: bool) -> CheckpointRow:
     """A checkpoint the caller may read (theirs or published) or, with `change`, that is theirs."""
     row = gw.db.get(CheckpointRow, f"tinker://{run_id}/{checkpoint_id}")
     if row is None or row.model_id != run_id or not (mine(caller, row) or (row.public and not change)):
@@ -98,86 +93,31 @@ async def list_all_checkpoints(request: Request, page: PageDep, caller: CallerDe
 def _update(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, event: str, values: dict,
             **details) -> dict:
     """The owner changes a checkpoint's row; the audit log records it."""
-    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
+    row = checkpoint_of(gw, caller, run_id, checkpoint_id, change=True)
     gw.db.touch(CheckpointRow, row.tinker_path, **values)
     _changed(gw, caller, event, row, **details)
     return {}
 
 
-@router.post(_CHECKPOINT + "/publish")
+@router.post(CHECKPOINT + "/publish")
 async def publish(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
     return _update(gw, caller, run_id, checkpoint_id, "checkpoint_published", {"public": True})
 
 
-@router.delete(_CHECKPOINT + "/publish")
+@router.delete(CHECKPOINT + "/publish")
 async def unpublish(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
     return _update(gw, caller, run_id, checkpoint_id, "checkpoint_unpublished", {"public": False})
 
 
-@router.put(_CHECKPOINT + "/ttl")
+@router.put(CHECKPOINT + "/ttl")
 async def set_ttl(run_id: str, checkpoint_id: str, body: SetTtlRequest, caller: CallerDep, gw: GatewayDep) -> dict:
     return _update(gw, caller, run_id, checkpoint_id, "checkpoint_ttl_set",
                    {"expires_at": checkpoints.expires(body.ttl_seconds)}, ttl_seconds=body.ttl_seconds)
 
 
-# Download links for external weights last this long (or until the checkpoint expires).
-URL_LIFETIME_S = 24 * 3600
-
-
-@router.get(_CHECKPOINT + "/external_weights_urls")
-async def external_urls(run_id: str, checkpoint_id: str, request: Request, caller: CallerDep,
-                        gw: GatewayDep) -> ExternalWeightsUrlsResponse:
-    """Signed URLs: whoever holds one may download that file until it expires, no key needed."""
-    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=False)
-    if row.checkpoint_type != "external":
-        raise UserError(f"{row.tinker_path} is not an external_weights checkpoint")
-    expires = _url_expiry(row)
-    files = sorted(os.path.relpath(os.path.join(root, f), row.directory)
-                   for root, _, names in os.walk(row.directory) for f in names)
-    urls = {f: _signed_url(gw, request, caller, row, checkpoints.download_path(run_id, checkpoint_id, f), expires)
-            for f in files}
-    audit.read_by_other_user(gw.db, caller, row, "external_weights_urls")
-    return ExternalWeightsUrlsResponse(urls=urls, expires=datetime.datetime.fromtimestamp(
-        expires, datetime.timezone.utc).isoformat())
-
-
-@router.get(_CHECKPOINT + "/archive")
-async def archive_url(run_id: str, checkpoint_id: str, request: Request, caller: CallerDep, gw: GatewayDep,
-                      format: Annotated[Literal[export.FORMATS], Query()] = "peft") -> RedirectResponse:
-    """SDKs up to 0.35 (RestClient.get_checkpoint_archive_url*, `tinker checkpoint download`): a
-    302 to a signed URL of the checkpoint's files as one tar, with the link's expiry in `Expires`
-    (the SDK reads the redirect without following it). `?format=merged`: the adapter merged into
-    the base model instead (gateway/export.py), checked here so that what cannot be merged is a 400."""
-    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=False)
-    if row.checkpoint_type not in ("training", "sampler"):
-        raise UserError(f"{row.tinker_path} is an external_weights checkpoint: download its files with "
-                        f"get_external_weights_urls")
-    if format == "merged":
-        export.merged_plan(gw.settings.base_model, row)
-    expires = _url_expiry(row)
-    url = _signed_url(gw, request, caller, row, checkpoints.archive_path(run_id, checkpoint_id, format), expires)
-    audit.read_by_other_user(gw.db, caller, row, "archive_url")
-    return RedirectResponse(url, status_code=302, headers={"Expires": email.utils.formatdate(expires, usegmt=True)})
-
-
-def _url_expiry(row: CheckpointRow) -> int:
-    expires = int(time.time()) + URL_LIFETIME_S
-    if row.expires_at is not None:
-        expires = min(expires, int(aware(row.expires_at).timestamp()))
-    return expires
-
-
-def _signed_url(gw: Gateway, request: Request, caller: Caller, row: CheckpointRow, path: str, expires: int) -> str:
-    """Whoever holds it may GET `path` until `expires`, no key needed, while the row and the
-    caller's access to it last (routes/files.py re-checks both)."""
-    base = public_url.base_url(request, gw.settings)
-    grant = checkpoints.download_grant(row, path, expires, caller.user_id, caller.key_id)
-    return f"{base}{path}?{gw.signer.url_query(grant)}"
-
-
-@router.delete(_CHECKPOINT)
+@router.delete(CHECKPOINT)
 async def delete(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
-    row = _checkpoint(gw, caller, run_id, checkpoint_id, change=True)
+    row = checkpoint_of(gw, caller, run_id, checkpoint_id, change=True)
     gw.db.delete(CheckpointRow, row.tinker_path)
     checkpoints.delete_checkpoint_files(row)
     _changed(gw, caller, "checkpoint_deleted", row)
