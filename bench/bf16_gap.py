@@ -10,7 +10,11 @@ cpu_numerics.py), the before column. Targets: mean <= 0.01 and max <= 0.05 nats 
 
 Measured only where the CPU computes bf16 natively (AVX512-BF16/AMX), the CPUs `--dtype auto`
 gives bf16 on: elsewhere a row says it was skipped. The quick run (the smoke test) measures the
-tiny model (2 texts, 2 steps; ~15 s), the full run SmolLM2 (6 texts, 10 steps; ~2.5 min on 2 cores).
+tiny model (2 texts, 2 steps; ~25 s), the full run SmolLM2 (6 texts, 10 steps; ~3 min on 2 cores).
+
+Also the snapshots served from merged weights (merged.py: a hot snapshot, on by default with
+one slot): W + scale * B @ A rounded to bf16, which the trainer's LoRA path cannot match. SmolLM2
+after 10 steps: mean 0.056, max 0.88 nats (untrained, B = 0: the LoRA path's 4e-5 / 0.012).
 On GPUs the sampler's kernels are others (cpu_numerics.py applies to CPU only); not measured here.
 
   python -m bench --only bf16_gap          (SmolLM2 when models/smollm2 exists, and the tiny model)
@@ -93,21 +97,43 @@ def _push(trainer, sampler, model_id: str, snapshot_id: str) -> None:
     sampler.register_snapshot(snapshot_id, tensors, config, "").result(120)
 
 
-def measure(model_dir: str, *, texts: int, steps: int, lr: float = LR, rank: int = RANK) -> dict[str, Gap]:
+def _promoted(sampler, snapshot_id: str, seq: list[int]) -> None:
+    """Asks for the snapshot until the sampler serves it from merged weights (a hot snapshot)."""
+    import time
+
+    from vllm import SamplingParams
+
+    deadline = time.monotonic() + 600
+    while sampler.served_by(snapshot_id) != "merged":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{snapshot_id} was not promoted to merged serving")
+        sampler.generate(seq, SamplingParams(max_tokens=1), 1, snapshot_id).result(600)
+        time.sleep(0.05)
+
+
+def measure(model_dir: str, *, texts: int, steps: int, lr: float = LR, rank: int = RANK,
+            merged: bool = False) -> dict[str, Gap]:
     """Gaps keyed "untrained" / "trained" (cpu_numerics on) and "untrained-before" /
-    "trained-before" (a trainer with transformers' own rounding, trained alike)."""
-    from sampler_service.engine import SamplerEngine
+    "trained-before" (a trainer with transformers' own rounding, trained alike); with `merged`
+    only "untrained-merged" and "trained-merged": the snapshots served from merged weights (merged.py), as the
+    sampler serves a hot one."""
+    from sampler_service.engine import MergedSettings, SamplerEngine
     from trainer_service.engine import TrainerEngine
     from trainer_service.lora import LoraSpec
     from trainer_service.training import AdamParams
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     seqs = _token_ids(model_dir, texts)
-    trainers = {"": TrainerEngine(model_dir, dtype="bfloat16", max_lora_rank=rank),
-                "-before": TrainerEngine(model_dir, dtype="bfloat16", max_lora_rank=rank, match_sampler=False)}
+    trainers = {"": TrainerEngine(model_dir, dtype="bfloat16", max_lora_rank=rank)}
+    if not merged:
+        trainers["-before"] = TrainerEngine(model_dir, dtype="bfloat16", max_lora_rank=rank, match_sampler=False)
     for trainer in trainers.values():
         trainer.create_model("m", LoraSpec(rank=rank, seed=0))
-    sampler = SamplerEngine(model_dir, dtype="bfloat16", max_model_len=256, max_num_seqs=16, max_lora_rank=rank)
+    # Merged serving off unless asked for (the LoRA path is measured); on, every snapshot asked
+    # for is promoted at once.
+    settings = MergedSettings(slots=1, window=1, share=0.5, min_requests=1) if merged else MergedSettings()
+    sampler = SamplerEngine(model_dir, dtype="bfloat16", max_model_len=256, max_num_seqs=16, max_lora_rank=rank,
+                            merged=settings)
     adam = AdamParams(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
     gaps: dict[str, Gap] = {}
     try:
@@ -119,7 +145,12 @@ def measure(model_dir: str, *, texts: int, steps: int, lr: float = LR, rank: int
                         trainer.optim_step("m", adam)
                 snapshot = f"{stage}{suffix}"
                 _push(trainer, sampler, "m", snapshot)
-                gaps[snapshot] = _gap(_trainer_logprobs(trainer, "m", seqs), _sampler_logprobs(sampler, snapshot, seqs))
+                ours = _trainer_logprobs(trainer, "m", seqs)
+                if not merged:
+                    gaps[snapshot] = _gap(ours, _sampler_logprobs(sampler, snapshot, seqs))
+                else:
+                    _promoted(sampler, snapshot, seqs[0])
+                    gaps[f"{stage}-merged"] = _gap(ours, _sampler_logprobs(sampler, snapshot, seqs))
     finally:
         sampler.shutdown()
     return gaps
@@ -139,6 +170,16 @@ def _rows(name: str, model_dir: str, ctx: Context) -> list[Row]:
             Row("bf16_gap", f"{case}: max |Δ logprob|", g.max, None, "nats/token", target=MAX_TARGET,
                 note=f"before: max {before.max:.4f}"),
         ]
+    # Also in the quick run: the merged path's code stays exercised (~10 s on the tiny model).
+    merged = measure(model_dir, texts=texts, steps=steps, merged=True)
+    g = merged["trained-merged"]
+    case = f"{name} bf16: after {steps} SFT steps, a hot snapshot served from merged weights, {g.tokens} tokens"
+    note = ("merged.py rounds W + scale*B@A to bf16 (deltas under half a bf16 step of W vanish); "
+            f"the trainer computes the LoRA path. Untrained (B = 0) merged: mean "
+            f"{merged['untrained-merged'].mean:.2g}, max {merged['untrained-merged'].max:.2g}")
+    rows += [Row("bf16_gap", f"{case}: mean |Δ logprob|", g.mean, None, "nats/token", target=MEAN_TARGET,
+                 note=note),
+             Row("bf16_gap", f"{case}: max |Δ logprob|", g.max, None, "nats/token", target=MAX_TARGET)]
     return rows
 
 
