@@ -166,6 +166,8 @@ def _lora_forward(self, x, *args, **kwargs):
     if scaling != 1:
         b = b * scaling
     h = torch.nn.functional.linear(x.float(), a.float()).to(dtype)
+    if self._tinkerd_widen:       # no native bf16 GEMM: fp32 operands, one rounding (fp32_gemm.py)
+        return result + torch.nn.functional.linear(h.float(), b.float()).to(dtype)
     return result + torch.nn.functional.linear(h, b)
 
 
@@ -174,12 +176,18 @@ def install_lora(peft_model: torch.nn.Module) -> int:
     ones added since the last call: call it after every add_adapter); returns how many."""
     from peft.tuners.lora import Linear as LoraLinear
 
+    from tinkerd import hardware
+
     if not getattr(peft_model.get_base_model(), MARK, False):
         return 0
+    # Without native bf16 math the bf16 matmul by B would take PyTorch's generic loops (its input
+    # gradient against lm_head's B has K = vocabulary size): widened instead, as fp32_gemm does.
+    widen = not hardware.native_bf16(gpu=False)
     count = 0
     for module in peft_model.modules():
         if (type(module) is LoraLinear and module.base_layer.weight.dtype in HALF_DTYPES
                 and getattr(module.forward, "__func__", None) is not _lora_forward):
+            module._tinkerd_widen = widen
             module.forward = types.MethodType(_lora_forward, module)
             count += 1
     return count
