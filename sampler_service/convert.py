@@ -25,9 +25,14 @@ def sampling_params(request: sampler_pb2.SampleRequest):
     prompt_k = None
     if request.prompt_logprobs or request.topk_prompt_logprobs > 0:
         prompt_k = max(request.topk_prompt_logprobs, 0)
+    # top_k=1 is greedy: vLLM's top-k keeps every logit equal to the k-th (logits < kth are
+    # masked), so a tie for the maximum, common among bf16 logits, was sampled at random and n
+    # samples of one top_k=1 request differed (seen on the tiny model, bf16, issue 23); its greedy
+    # path takes the argmax, the same token every time.
+    greedy = p.top_k == 1
     kwargs = dict(
-        n=1, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-        top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed if p.HasField("seed") else None,
+        n=1, max_tokens=p.max_tokens, temperature=0.0 if greedy else p.temperature, top_p=p.top_p,
+        top_k=0 if greedy or p.top_k <= 0 else p.top_k, seed=p.seed if p.HasField("seed") else None,
         logprobs=max(request.topk_sample_logprobs, 0), prompt_logprobs=prompt_k,
         detokenize=p.stop_mode == _Stop.STOP_MODE_STRINGS,
     )

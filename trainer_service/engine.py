@@ -26,7 +26,7 @@ import torch
 
 from tinkerd import dtypes, hardware, weight_stream
 from tinkerd.errors import NotFoundError, UserError
-from trainer_service import adapter_snapshot, checkpoints, fp32_gemm, training
+from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, training
 from trainer_service.durable import DurableModels
 from trainer_service.deepspeed_setup import (deepspeed_config, effective_zero_stage,  # noqa: F401 - public here
                                              init_distributed_once)
@@ -47,10 +47,12 @@ class TrainerEngine:
     def __init__(self, base_model_dir: str, *, zero_stage: int = 2, dtype: str = "float32",
                  max_lora_rank: int = 64, base_model_names: tuple[str, ...] = (),
                  durable: DurableModels | None = None, max_resident: int = 32, keep_zero_stage: bool = False,
-                 max_batch_tokens: int = training.MAX_BATCH_TOKENS):
+                 max_batch_tokens: int = training.MAX_BATCH_TOKENS, match_sampler: bool = True):
         """`keep_zero_stage`: run `zero_stage` as given even on one rank, where stages 1 and 2
         partition nothing (as trainers did before they ran those as stage 0; tests write such
-        checkpoints with it)."""
+        checkpoints with it). `match_sampler`: a 16-bit model on CPU rounds as the sampler's vLLM
+        CPU kernels do (cpu_numerics.py), so both give the same logprobs; False leaves
+        transformers' own rounding (bench/bf16_gap.py measures the difference)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if zero_stage not in (0, 1, 2, 3):
@@ -73,6 +75,8 @@ class TrainerEngine:
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=dtypes.torch_dtype(dtype)).to(self.device)
         base.requires_grad_(False)
         fp32_gemm.install_where_needed(base)
+        if match_sampler:
+            cpu_numerics.install_where_needed(base)
         self.models = ModelRegistry(base, base_model_dir, zero_stage=self.zero_stage, max_lora_rank=max_lora_rank)
         self.peft = self.models.peft
         # One lock for all of it: the PEFT model's active adapter is process-wide state, so

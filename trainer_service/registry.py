@@ -19,6 +19,7 @@ import os
 import torch
 
 from tinkerd.errors import UserError
+from trainer_service import cpu_numerics
 from trainer_service.deepspeed_setup import adapter_engine
 from trainer_service.lora import ACTIVE_MARK, LoraSpec, linear_groups, peft_config
 
@@ -97,6 +98,7 @@ class ModelRegistry:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.peft.add_adapter(name, peft_config(self._linear_groups, spec))
+        cpu_numerics.install_lora(self.peft)      # new LoRA layers round as the sampler's (bf16 on CPU)
         if initial is not None:
             self._load_initial(name, spec, initial)
         named = [(n, p) for n, p in self.peft.named_parameters() if f".{name}." in n]

@@ -84,8 +84,12 @@ def test_bf16_and_fp32_trainers_agree_within_bf16_tolerance(tiny_model_dir):
 # Per position, after training at a high learning rate (issue 23): an AMX machine measured one
 # position off by 1.35 nats on a tiny model while the others were within 0.04, and SmolLM2's base
 # model differs by up to 0.2 nats (the engines' bf16 kernels round differently). Measured here
-# (AVX512-BF16, this test's texts): max 0.03 with the lm_head adapter, 0.002 without.
-MAX_GAP_PER_POSITION, MEAN_GAP = 0.25, 0.05
+# (AVX512-BF16, this test's texts): max 0.03 with the lm_head adapter, 0.002 without; since the
+# trainer rounds as vLLM's CPU kernels do (trainer_service/cpu_numerics.py), issue 23's targets
+# hold where the stack runs on a CPU with native bf16. Elsewhere, the earlier bound: a GPU's vLLM
+# kernels are others, and without native bf16 (--allow-slow-dtype) vLLM's bf16 is emulated (neither measured).
+_MATCHED = hardware.native_bf16(gpu=False) and not torch.cuda.is_available()
+MAX_GAP_PER_POSITION, MEAN_GAP = (0.05, 0.01) if _MATCHED else (0.25, 0.05)
 TEXTS = [TOKENS[0][:10], TOKENS[1], [40, 3, 77, 12, 9, 100, 31, 2, 64, 18, 5]]
 
 
