@@ -36,8 +36,11 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                               "(default: the port it listens on at 127.0.0.1 for a loopback "
                                               "--listen, else at this host's IP as its hostname resolves)")
     # Merged serving of hot snapshots (sampler_service/merged.py has the whole policy).
-    merged_slots: int = setting(1, help="snapshots served from merged weights (W + scale*B@A), each in a vLLM "
-                                        "engine of its own created on its first promotion; 0 turns it off")
+    merged_slots: int = setting(-1, help="snapshots served from merged weights (W + scale*B@A), each in a vLLM "
+                                         "engine of its own created on its first promotion; 0 turns it off; "
+                                         "-1 (default): 1 in float32, 0 in bfloat16/float16, whose merged "
+                                         "weights round small adapter deltas away (logprobs then differ from "
+                                         "the trainer's beyond the bf16 tolerance: docs/multi-tenancy.md)")
     merge_window: int = setting(32, help="merged serving looks at the last N sample requests")
     merge_share: float = setting(0.5, help="a snapshot whose requests asked for at least this share of the "
                                            "window's tokens is served merged; under half of it, through LoRA "

@@ -73,3 +73,19 @@ def test_tinkerd_up_exits_at_start_up_on_cpu_with_tensor_parallel(tmp_path):
     with pytest.raises(SystemExit, match="--tensor-parallel-size 2 needs GPUs"):
         up.up(args)
     assert not os.path.exists(tmp_path / "state")
+
+
+def test_merged_serving_is_on_by_default_in_float32_only():
+    """Merged 16-bit weights round a trained adapter's small deltas away (bench/bf16_gap.py), so
+    by default only a float32 replica serves hot snapshots merged; a number asks for it anyway."""
+    import dataclasses
+
+    from sampler_service import server
+    from sampler_service.settings import SamplerSettings
+
+    base = SamplerSettings(base_model="m")
+    assert base.merged_slots == -1
+    assert server._merged_slots(base, "float32") == 1
+    assert server._merged_slots(base, "bfloat16") == 0 and server._merged_slots(base, "float16") == 0
+    assert server._merged_slots(dataclasses.replace(base, merged_slots=2), "bfloat16") == 2
+    assert server._merged_slots(dataclasses.replace(base, merged_slots=0), "float32") == 0
