@@ -1,9 +1,9 @@
 """The Tinker REST API (as SDK 0.38 speaks it) on top of the Trainer and Sampler gRPC services.
 
 create_app only assembles: the runtime parts (gateway/state.py), authentication
-(gateway/auth.py), body limits (gateway/body_limit.py), the error handlers (gateway/errors.py)
+(gateway/identity/auth.py), body limits (gateway/body_limit.py), the error handlers (gateway/errors.py)
 and the routes (gateway/routes/, one module per concern). Immediate calls answer from the
-database; slow calls become futures (gateway/futures.py) whose jobs call gRPC.
+database; slow calls become futures (gateway/futures/store.py) whose jobs call gRPC.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import logging
 
 from fastapi import FastAPI
 
-from gateway import console, errors, housekeeping, limits, metrics
-from gateway.auth import AuthMiddleware
+from gateway import console, errors, housekeeping, metrics
 from gateway.backends import Backends
 from gateway.body_limit import BodyLimit
+from gateway.identity import limits
+from gateway.identity.auth import AuthMiddleware
 from gateway.jobs.table import JOBS
 from gateway.routes import ROUTERS
 from gateway.settings import GatewaySettings

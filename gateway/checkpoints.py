@@ -21,9 +21,10 @@ from typing import Callable, Iterator, Sequence
 
 from sqlalchemy import select
 
-from gateway import audit, protocol
-from gateway.db import CheckpointRow, Database, ModelRow, UserRow, aware, now
-from gateway.tokens import DownloadGrant
+from gateway import protocol
+from gateway.identity import audit
+from gateway.identity.tokens import DownloadGrant
+from gateway.storage.db import CheckpointRow, Database, ModelRow, UserRow, aware, now
 from tinkerd import paths
 from tinkerd.errors import UserError
 

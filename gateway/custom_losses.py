@@ -16,9 +16,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete, select
 
-from gateway.db import CustomLossRow
-from gateway.keys import Caller
+from gateway.identity.keys import Caller
 from gateway.protocol import Id, SeqId
+from gateway.storage.db import CustomLossRow
 from tinkerd import custom_loss
 from tinkerd.errors import NotFoundError, UserError
 from tinkerd.v1 import trainer_pb2

@@ -12,8 +12,8 @@ from typing import Iterator
 
 from gateway import checkpoints
 from gateway.checkpoints import Member, bytes_member, file_member
-from gateway.db import CheckpointRow
-from gateway.limits import OverLimit
+from gateway.identity.limits import OverLimit
+from gateway.storage.db import CheckpointRow
 from tinkerd import merged_export
 
 FORMATS = ("peft", "merged")

@@ -35,10 +35,11 @@ import shutil
 import grpc
 from sqlalchemy import select
 
-from gateway import custom_losses, traces
+from gateway import custom_losses
 from gateway.checkpoints import delete_expired_checkpoints
-from gateway.db import ModelRow, now
 from gateway.state import Gateway
+from gateway.storage.db import ModelRow, now
+from gateway.traces import spans
 from tinkerd import paths, persisted_copy
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
@@ -95,7 +96,7 @@ def prune_futures(gw: Gateway) -> int:
     if deleted:
         log.info("deleted %d futures finished over %.0f s ago", deleted, gw.settings.futures_retention_s)
     gw.futures.order.drop_idle()
-    gw.traces.delete_before(traces.now_us() - int(gw.settings.trace_retention_s * 1e6))
+    gw.traces.delete_before(spans.now_us() - int(gw.settings.trace_retention_s * 1e6))
     return deleted
 
 

@@ -1,7 +1,7 @@
 """The gateway's two HTTP listeners, one app: the public one (the Tinker API, the console, the
 OpenAI routes, signed downloads) and the internal one (`/internal/`: sampler replicas joining the
 pool; `/metrics`: Prometheus, whose labels name users). Each listener's server wraps the app in
-`Listener`, which stamps the scope; gateway/auth.py answers 404 for a path on the wrong listener,
+`Listener`, which stamps the scope; gateway/identity/auth.py answers 404 for a path on the wrong listener,
 before any credential is looked at. A scope without a stamp (an in-process TestClient on
 create_app) is the public listener's."""
 

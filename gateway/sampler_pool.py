@@ -27,8 +27,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import select
 
-from gateway import traces
-from gateway.db import Database, SamplerReplicaRow, now
+from gateway.storage.db import Database, SamplerReplicaRow, now
+from gateway.traces import spans
 from tinkerd.errors import UnavailableError
 from tinkerd.rpc import ServiceAuth, aio_channel, deadline_calls
 from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc
@@ -172,7 +172,7 @@ class SamplerPool:
                     pass
                 continue
             member.in_flight += 1
-            traces.note(service=f"sampler {member.address}", started=True)     # the request's span
+            spans.note(service=f"sampler {member.address}", started=True)     # the request's span
             try:
                 reply = await member.stub.Sample(msg)
             except grpc.aio.AioRpcError as e:

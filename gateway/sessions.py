@@ -11,9 +11,9 @@ A sampling session over an ephemeral snapshot is deleted once unused long enough
 
 from __future__ import annotations
 
-from gateway.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
-from gateway.keys import Caller
+from gateway.identity.keys import Caller
 from gateway.settings import GatewaySettings
+from gateway.storage.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
 from tinkerd.errors import NotFoundError, UserError
 
 

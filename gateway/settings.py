@@ -41,7 +41,7 @@ class GatewaySettings(ServiceAuthSettings):
     db_password_file: str = setting("", help="file holding the database password, put into the URL (keeps it "
                                              "off the command line)")
     signing_keys_file: str = setting("", help="the keys that sign JWTs and download URLs, newest first "
-                                              "(gateway/signing_keys.py; a mounted Secret, shared by every "
+                                              "(gateway/identity/signing_keys.py; a mounted Secret, shared by every "
                                               "gateway); default <state-dir>/signing-keys, made on first start")
     private_state_dir: bool = setting(True, help="refuse to start unless the state dir is private to this user "
                                                  "(no group or other permission bits: chmod 700 DIR); "

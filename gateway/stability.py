@@ -21,7 +21,7 @@ import numpy as np
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from gateway.db import Database, SessionRow, StabilityRecordRow, now
+from gateway.storage.db import Database, SessionRow, StabilityRecordRow, now
 from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -11,20 +11,21 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy import text
 
-from gateway import protocol, state_dir
-from gateway.auth import Authenticator
+from gateway import protocol
 from gateway.backends import Backends
-from gateway.db import Database, ModelRow, aware, now
-from gateway.futures import Futures
+from gateway.futures.store import Futures
+from gateway.identity.auth import Authenticator
+from gateway.identity.keys import Caller, KeyStore, create_user
+from gateway.identity.limits import Limits
+from gateway.identity.signing_keys import KeyRing
+from gateway.identity.tokens import Signer
 from gateway.jobs.base import Job
-from gateway.keys import Caller, KeyStore, create_user
-from gateway.limits import Limits
 from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
 from gateway.stability import StabilityRecords
-from gateway.signing_keys import KeyRing
-from gateway.tokens import Signer
-from gateway.traces import Traces, session_of
+from gateway.storage import state_dir
+from gateway.storage.db import Database, ModelRow, aware, now
+from gateway.traces.spans import Traces, session_of
 from tinkerd.rpc import ServiceAuth
 
 # The user a fresh database starts with: `tinkerd up` gives it the first API key, rows made

@@ -5,7 +5,7 @@ Every forward_backward, forward and optim_step of a run leaves one small row (St
 metrics the trainer returned ("loss:sum", "step:max", "grad_norm:mean", ...) plus what the
 request itself says (tokens, the weighted-token count, the learning rate). `step` is the
 optimizer step a request belongs to: the forward_backwards before an optim_step share its step.
-A run's jobs run one at a time in seq_id order (gateway/futures.py), so the run's latest row
+A run's jobs run one at a time in seq_id order (gateway/futures/store.py), so the run's latest row
 before a request gives it.
 """
 
@@ -16,7 +16,7 @@ import logging
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from gateway.db import Database, StepMetricRow
+from gateway.storage.db import Database, StepMetricRow
 from tinkerd.tensors import to_numpy
 from tinkerd.v1 import trainer_pb2
 

@@ -20,7 +20,7 @@ if sys.argv[1:2] == ["sampler"]:
     # Before the imports below (seconds of them): the exec starts this process over with tcmalloc.
     reexec_with_tcmalloc()
 
-from gateway.state_dir import PRIVATE_UMASK, StateDirError  # noqa: E402
+from gateway.storage.state_dir import PRIVATE_UMASK, StateDirError  # noqa: E402
 from launcher import keys, up  # noqa: E402
 from tinkerd import settings  # noqa: E402
 
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    os.umask(PRIVATE_UMASK)        # checkpoints, snapshots, logs, the database: owner-only (gateway/state_dir.py)
+    os.umask(PRIVATE_UMASK)  # checkpoints, snapshots, logs, the database: owner-only (gateway/storage/state_dir.py)
     args = build_parser().parse_args(argv)
     args.func(args)
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from gateway import keys, signing_keys
-from gateway import state_dir as private
-from gateway.db import Database
+from gateway.identity import keys, signing_keys
 from gateway.settings import GatewaySettings, database_url
+from gateway.storage import state_dir as private
+from gateway.storage.db import Database
 from tinkerd import settings
 from tinkerd.errors import UserError
 

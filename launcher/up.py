@@ -4,7 +4,7 @@ Its flags are the union of the three services' settings (each written once, in t
 settings.py), less the addresses that `up` wires itself; each child's command line is derived
 from its settings object, so a flag given to `up` always reaches every service that has it.
 
-The state dir must be private (0700, made so if missing; gateway/state_dir.py), and `up` and its
+The state dir must be private (0700, made so if missing; gateway/storage/state_dir.py), and `up` and its
 children write owner-only files (umask 077). Unless given --service-token-file, `up` makes a random service token per state dir
 (`<state-dir>/service-token`, mode 0600) and hands its path to all three children: the gRPC
 calls between them are authenticated by default.
@@ -36,9 +36,9 @@ import time
 import urllib.error
 import urllib.request
 
-from gateway import state_dir
 from gateway.server import check_listeners
 from gateway.settings import GatewaySettings
+from gateway.storage import state_dir
 from launcher import keys
 from sampler_service import server as sampler_server
 from sampler_service.settings import SamplerSettings

@@ -12,14 +12,15 @@ from fastapi.responses import FileResponse, RedirectResponse
 from pydantic import Field
 from sqlalchemy import select
 
-from gateway import session_metrics, step_metrics
-from gateway.auth import CallerDep
+from gateway import step_metrics
 from gateway.checkpoints import iso
-from gateway.db import ModelRow, SamplingSessionRow, SessionRow
+from gateway.identity.auth import CallerDep
+from gateway.openai.tokenizer_work import load, pool
 from gateway.protocol import Page, Request, Token
 from gateway.sessions import mine
 from gateway.state import GatewayDep
-from gateway.tokenizer_work import load, pool
+from gateway.storage.db import ModelRow, SamplingSessionRow, SessionRow
+from gateway.traces import session_metrics
 from tinkerd.errors import NotFoundError, UserError
 
 _STATIC = os.path.join(os.path.dirname(__file__), "static")
@@ -38,7 +39,7 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
 }
 
-# What the queue page counts (gateway/futures.py request types); anything else is "other".
+# What the queue page counts (gateway/futures/store.py request types); anything else is "other".
 QUEUE_TYPES = ("create_model", "forward_backward", "forward", "optim_step", "save_weights",
                "save_sampler_weights", "save_weights_for_sampler", "load_weights", "sample")
 
@@ -97,8 +98,8 @@ async def sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> dict:
 
 @api_router.get("/sessions/{session_id}/metrics")
 async def session_panels(session_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
-    """The session page's panels (gateway/session_metrics.py) from its request spans
-    (gateway/traces.py): in-flight samples, training utilization, tokens per second, step times,
+    """The session page's panels (gateway/traces/session_metrics.py) from its request spans
+    (gateway/traces/spans.py): in-flight samples, training utilization, tokens per second, step times,
     latency percentiles and rate-limit refusals."""
     if not mine(caller, await asyncio.to_thread(gw.db.get, SessionRow, session_id)):
         raise NotFoundError(f"unknown session {session_id!r}")
@@ -155,7 +156,7 @@ async def tokenizer(gw, caller) -> object:
         raise UserError(f"this server's base model has no tokenizer the console can use: {e}") from None
 
 
-# Encoding and decoding run in the tokenizer pool (gateway/tokenizer_work.py), not on the loop.
+# Encoding and decoding run in the tokenizer pool (gateway/openai/tokenizer_work.py), not on the loop.
 @api_router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, caller: CallerDep, gw: GatewayDep) -> dict:
     tok = await tokenizer(gw, caller)

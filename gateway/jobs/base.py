@@ -1,7 +1,7 @@
 """A job is what a future runs: one typed class per request kind, with its own `run`.
 
 Its fields are what the future's row stores, so any gateway can run it again from the row
-(gateway/futures.py re-drives the futures of a gateway that stopped): the gRPC message it sends,
+(gateway/futures/store.py re-drives the futures of a gateway that stopped): the gRPC message it sends,
 serialized as it is, and typed JSON arguments for what the job records once the service answers.
 """
 
@@ -12,7 +12,7 @@ import json
 import typing
 from typing import Any, ClassVar
 
-from gateway.keys import Caller
+from gateway.identity.keys import Caller
 
 
 @dataclasses.dataclass

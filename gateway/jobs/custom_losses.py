@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.db import CustomLossRow
 from gateway.jobs.base import Job, Owner, Result, json_body
+from gateway.storage.db import CustomLossRow
 from tinkerd.errors import UserError
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway import convert, metrics, traces
+from gateway import convert, metrics
 from gateway.jobs.base import Job, Result
+from gateway.traces import spans
 from tinkerd.v1 import sampler_pb2
 
 
@@ -20,7 +21,7 @@ class Sample(Job):
     async def run(self, gw) -> Result:
         reply = await gw.backends.samplers.sample(self.message)
         metrics.sampled(reply)
-        traces.note(tokens_in=len(self.message.prompt_tokens), tokens_out=sum(len(s.tokens) for s in reply.sequences))
+        spans.note(tokens_in=len(self.message.prompt_tokens), tokens_out=sum(len(s.tokens) for s in reply.sequences))
         if self.record_for is not None:
             gw.stability.record_all(self.record_for, {f"{self.message.request_id}:{i}": (seq.tokens, seq.logprobs)
                                                       for i, seq in enumerate(reply.sequences)})

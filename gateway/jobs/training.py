@@ -1,13 +1,15 @@
 """A training run's jobs: create_model, forward / forward_backward, optim_step. They run in the
-model's seq_id order (gateway/futures.py)."""
+model's seq_id order (gateway/futures/store.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from gateway import audit, convert, metrics, step_metrics, traces
-from gateway.db import ModelRow
+from gateway import convert, metrics, step_metrics
+from gateway.identity import audit
 from gateway.jobs.base import Job, Owner, Result, json_body
+from gateway.storage.db import ModelRow
+from gateway.traces import spans
 from tinkerd.v1 import trainer_pb2
 
 
@@ -55,7 +57,7 @@ class ForwardBackward(Job):
     async def run(self, gw) -> Result:
         reply = await gw.trainer.ForwardBackward(self.message)
         metrics.trained(self.message)
-        traces.note(tokens_in=sum(len(d.tokens) for d in self.message.data))
+        spans.note(tokens_in=sum(len(d.tokens) for d in self.message.data))
         step_metrics.record(gw.db, self.message, reply)
         return "application/x-protobuf", convert.forward_backward_output(reply)
 

@@ -7,10 +7,11 @@ import dataclasses
 import datetime
 import time
 
-from gateway import audit, metrics
-from gateway.db import CheckpointRow, SamplingSessionRow, now
+from gateway import metrics
+from gateway.identity import audit
 from gateway.jobs.base import Job, Owner, Result, json_body
 from gateway.jobs.training import NewRun
+from gateway.storage.db import CheckpointRow, SamplingSessionRow, now
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 

@@ -11,11 +11,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import select
 
-from gateway import audit, checkpoints
-from gateway.auth import CallerDep
-from gateway.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow
-from gateway.keys import Caller
+from gateway import checkpoints
+from gateway.identity import audit
+from gateway.identity.auth import CallerDep
+from gateway.identity.keys import Caller
 from gateway.sessions import mine
+from gateway.storage.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow
 from gateway.protocol import (CheckpointsResponse, CopyWeightsRequest, CopyWeightsResponse, Cursor,
                               Page, SessionResponse, SessionsResponse, SetTtlRequest,
                               TrainingRun, TrainingRunsResponse, WeightsInfoRequest, WeightsInfoResponse)

@@ -6,13 +6,13 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from gateway import custom_losses
-from gateway.auth import CallerDep
 from gateway.custom_losses import CreateCustomLossRequest
-from gateway.db import CustomLossRow
+from gateway.identity.auth import CallerDep
 from gateway.jobs.base import Owner
 from gateway.jobs.custom_losses import CreateCustomLoss
 from gateway.protocol import FutureResponse
 from gateway.state import GatewayDep
+from gateway.storage.db import CustomLossRow
 from tinkerd.errors import UserError
 
 router = APIRouter(prefix="/api/v1")

@@ -14,13 +14,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 
-from gateway import audit, checkpoints, export, public_url
-from gateway.auth import CallerDep
-from gateway.db import CheckpointRow, aware
-from gateway.keys import Caller
+from gateway import checkpoints, export, public_url
+from gateway.identity import audit
+from gateway.identity.auth import CallerDep
+from gateway.identity.keys import Caller
 from gateway.protocol import ExternalWeightsUrlsResponse
 from gateway.routes.checkpoints import CHECKPOINT, checkpoint_of
 from gateway.state import Gateway, GatewayDep
+from gateway.storage.db import CheckpointRow, aware
 from tinkerd.errors import UserError
 
 router = APIRouter(prefix="/api/v1")

@@ -13,10 +13,11 @@ import re
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, StreamingResponse
 
-from gateway import audit, checkpoints, export
-from gateway.db import CheckpointRow
-from gateway.keys import Caller
+from gateway import checkpoints, export
+from gateway.identity import audit
+from gateway.identity.keys import Caller
 from gateway.state import Gateway, GatewayDep
+from gateway.storage.db import CheckpointRow
 from tinkerd.errors import NotFoundError
 
 router = APIRouter()

@@ -11,10 +11,10 @@ import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.auth import CallerDep, caller_of
-from gateway.db import FutureRow
 from gateway.errors import error_response
+from gateway.identity.auth import CallerDep, caller_of
 from gateway.jobs.service import Noop
+from gateway.storage.db import FutureRow
 from gateway.protocol import (CancelFutureRequest, CancelFutureResponse, FutureCompletion, FutureResponse,
                               RetrieveFutureRequest, RetrieveFuturesRequest, RetrieveFuturesResponse,
                               TryAgainResponse, parse_json)

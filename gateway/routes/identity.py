@@ -8,9 +8,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from gateway import audit, keys
-from gateway.auth import CallerDep, _credential
 from gateway.errors import error_response
+from gateway.identity import audit, keys
+from gateway.identity.auth import CallerDep, _credential
 from gateway.protocol import AuditEntry, AuditLogResponse, AuditQuery, AuthTokenResponse
 from gateway.state import GatewayDep
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway.auth import CallerDep
-from gateway.futures import fingerprint
+from gateway.futures.store import fingerprint
+from gateway.identity.auth import CallerDep
 from gateway.jobs.service import UnloadModel
 from gateway.protocol import FutureResponse, Id, Request
 from gateway.state import GatewayDep

@@ -4,12 +4,12 @@ hosted Tinker uses (`/oai/api/v1`): GET /models, POST /chat/completions, POST /c
 `model` is a base model name (or alias) or a `tinker://<run>/sampler_weights/<name>` path the
 caller may read (theirs or published; anyone else's is 404, as everywhere). Each request is a
 sample like `asample`'s: the same body checks (gateway/convert.py), the same per-user and server
-limits (gateway/limits.py), a "sample" future in the same scheduler (gateway/futures.py) whose job
+limits (gateway/identity/limits.py), a "sample" future in the same scheduler (gateway/futures/store.py) whose job
 is asample's own (routes/sampling.py), on the same sampler pool. The gateway holds the model's
 tokenizer: it renders chat messages with the tokenizer's chat template and decodes the tokens, in
-the tokenizer pool (gateway/tokenizer_work.py), never on the event loop; a prompt longer than
+the tokenizer pool (gateway/openai/tokenizer_work.py), never on the event loop; a prompt longer than
 `prompt_char_cap` characters is refused before it is encoded. Formats and errors:
-gateway/openai_format.py.
+gateway/openai/format.py.
 
 Streaming (`stream: true`) sends server-sent events in OpenAI's chunk format ending in
 `data: [DONE]`; the sampler's gRPC API returns whole completions, so the chunks (one per
@@ -27,17 +27,17 @@ from sqlalchemy import select
 
 from gateway import convert, protocol
 from gateway import tinker_wire_pb2 as tw
-from gateway.auth import caller_of
-from gateway.db import CheckpointRow
-from gateway.futures import new_request_id
+from gateway.futures.store import new_request_id
+from gateway.identity.auth import caller_of
+from gateway.identity.keys import Caller
 from gateway.jobs.sampling import Sample
-from gateway.keys import Caller
-from gateway.openai_format import (ChatRequest, Choice, CommonRequest, CompletionRequest, OaiError, TokenTexts,
+from gateway.storage.db import CheckpointRow
+from gateway.openai.format import (ChatRequest, Choice, CommonRequest, CompletionRequest, OaiError, TokenTexts,
                                    answer_json, answer_response, chat_logprob, check_logprob_entries,
                                    completion_logprobs, decode_choices, events, json_body, openai_errors, stream,
                                    usage)
+from gateway.openai.tokenizer_work import load, pool, prompt_char_cap
 from gateway.state import Gateway, gateway_of
-from gateway.tokenizer_work import load, pool, prompt_char_cap
 
 router = APIRouter(prefix="/oai/api/v1")
 

@@ -1,6 +1,6 @@
 """Sampler replicas joining and leaving the pool (gateway/sampler_pool.py). Not Tinker: called by
 `tinkerd sampler --register-with URL`, authenticated with the service token that the gRPC calls
-between services use (without one, only from this machine): gateway/auth.py checks it before any
+between services use (without one, only from this machine): gateway/identity/auth.py checks it before any
 route, or any body, is read."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, ValidationError
 
-from gateway.db import SamplerReplicaRow, now
 from gateway.protocol import parse_json
 from gateway.state import GatewayDep
+from gateway.storage.db import SamplerReplicaRow, now
 from tinkerd.errors import UserError
 
 router = APIRouter(prefix="/internal/v1/samplers")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway import audit, convert
-from gateway.auth import CallerDep
-from gateway.db import ModelRow, SamplingSessionRow
-from gateway.futures import fingerprint, new_request_id
+from gateway import convert
+from gateway.futures.store import fingerprint, new_request_id
+from gateway.identity import audit
+from gateway.identity.auth import CallerDep
 from gateway.jobs.sampling import Sample
+from gateway.storage.db import ModelRow, SamplingSessionRow
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
                               GetSamplerResponse, SAMPLING_CLONE_SPAN, SampleRequest)
 from gateway.routes.training import supported_base_model

@@ -6,12 +6,13 @@ import uuid
 
 from fastapi import APIRouter
 
-from gateway import audit, housekeeping
-from gateway.auth import CallerDep
-from gateway.db import SessionRow, now
+from gateway import housekeeping
 from gateway.errors import error_response
+from gateway.identity import audit
+from gateway.identity.auth import CallerDep
 from gateway.protocol import CreateSessionRequest, CreateSessionResponse, SessionHeartbeatRequest
 from gateway.state import GatewayDep
+from gateway.storage.db import SessionRow, now
 
 router = APIRouter(prefix="/api/v1")
 

@@ -1,7 +1,7 @@
 """A session's trace: GET /api/v1/sessions/{id}/trace_export (RestClient.export_session_trace,
 `tinker session export-trace`) answers at once with a signed URL, and that URL (a plain GET, no
 credentials, like a checkpoint archive's) serves the Perfetto trace of the session's requests
-recorded up to the moment of the export (gateway/pftrace.py builds it from gateway/traces.py's
+recorded up to the moment of the export (gateway/traces/pftrace.py builds it from gateway/traces/spans.py's
 rows, at most --trace-spans-per-session of them, so the file's size is bounded).
 
 The SDK polls the export until it is "ready"; a trace is built when downloaded, so it always is.
@@ -15,14 +15,15 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway import pftrace, public_url
-from gateway.auth import CallerDep
-from gateway.db import SessionRow, aware
-from gateway.keys import Caller
+from gateway import public_url
+from gateway.identity.auth import CallerDep
+from gateway.identity.keys import Caller
+from gateway.identity.tokens import DownloadGrant
 from gateway.routes.files import signed_for, url_signer
 from gateway.state import Gateway, GatewayDep
-from gateway.tokens import DownloadGrant
-from gateway.traces import now_us
+from gateway.storage.db import SessionRow, aware
+from gateway.traces import pftrace
+from gateway.traces.spans import now_us
 from tinkerd.errors import NotFoundError
 
 router = APIRouter()
@@ -50,7 +51,7 @@ async def trace_export(session_id: str, request: Request, caller: CallerDep, gw:
 
 
 def _grant(session: SessionRow, path: str, expires: int, signer: Caller) -> DownloadGrant:
-    """What a trace URL vouches for (gateway/tokens.py), rebuilt at download from the session as it
+    """What a trace URL vouches for (gateway/identity/tokens.py), rebuilt at download from the session as it
     is then: the owner's own, made with an API key that is still valid (revoking it ends the URL)."""
     created = session.created_at and aware(session.created_at)
     return DownloadGrant(path, expires, signer.key_id, f"{created:%Y%m%dT%H%M%S.%f}" if created else "-",

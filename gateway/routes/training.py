@@ -1,5 +1,5 @@
 """Training a model: create, get_info, forward_backward (forward), optim_step. Each call that
-does work is a future run in the model's seq_id order (gateway/futures.py)."""
+does work is a future run in the model's seq_id order (gateway/futures/store.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 from fastapi import APIRouter, Request
 
 from gateway import convert, custom_losses
-from gateway.auth import CallerDep
-from gateway.db import ModelRow
-from gateway.futures import fingerprint
+from gateway.futures.store import fingerprint
+from gateway.identity.auth import CallerDep
 from gateway.jobs.base import Owner
 from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimStep
+from gateway.storage.db import ModelRow
 from gateway.protocol import (CreateModelRequest, FutureResponse, GetInfoResponse, ModelData, ModelIdRequest,
                               OptimStepRequest)
 from gateway.state import Gateway, GatewayDep

@@ -7,16 +7,17 @@ import uuid
 
 from fastapi import APIRouter
 
-from gateway import audit, checkpoints
-from gateway.auth import CallerDep
-from gateway.db import CheckpointRow, ModelRow
-from gateway.futures import fingerprint
+from gateway import checkpoints
+from gateway.futures.store import fingerprint
+from gateway.identity import audit
+from gateway.identity.auth import CallerDep
+from gateway.identity.keys import Caller
 from gateway.jobs.base import Owner
 from gateway.jobs.training import NewRun
 from gateway.jobs.weights import LoadWeights, PushWeights, SaveState
-from gateway.keys import Caller
 from gateway.protocol import FutureResponse, LoadWeightsRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest
 from gateway.state import Gateway, GatewayDep
+from gateway.storage.db import CheckpointRow, ModelRow
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 

@@ -32,7 +32,7 @@ MAX_REQUESTS = 6000
 TIMEOUT_S = 15.0            # per request: longer is a hang
 FUTURES_BUDGET_S = 40.0
 # Training seq_ids below this run at once: setup runs one request at this seq_id first, so the
-# model's runner never waits for a gap (gateway/futures.py) behind a refused request's seq_id.
+# model's runner never waits for a gap (gateway/futures/store.py) behind a refused request's seq_id.
 PRIME_SEQ = 2**30          # the SDK's seq_id is an int32
 
 _NAN, _INF = float("nan"), float("inf")

@@ -132,7 +132,7 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
     from launcher.up import service_token_file
 
     state, logs = str(tmp_path / "state"), str(tmp_path / "logs")
-    os.makedirs(state, mode=0o700)       # a state dir is private (gateway/state_dir.py)
+    os.makedirs(state, mode=0o700)       # a state dir is private (gateway/storage/state_dir.py)
     os.makedirs(logs)
     token = service_token_file(state)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",

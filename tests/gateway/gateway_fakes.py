@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway import keys
 from gateway.app import create_app
+from gateway.identity import keys
 from gateway.settings import GatewaySettings
 from tinkerd import paths
 from tinkerd.health import ServiceHealth

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from gateway import tinker_wire_pb2 as tw
-from gateway.db import ModelRow, StepMetricRow
+from gateway.storage.db import ModelRow, StepMetricRow
 from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
 
 PROTOBUF = {"content-type": "application/x-protobuf"}

@@ -176,7 +176,7 @@ def test_unknown_session_and_per_session_cap(gateway, monkeypatch):
 def test_a_closed_sessions_losses_are_deleted(gateway):
     import time
 
-    from gateway.db import CustomLossRow
+    from gateway.storage.db import CustomLossRow
     api = gateway.api
     session = api.session()
     api.model(session)

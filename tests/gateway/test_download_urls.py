@@ -15,10 +15,10 @@ import urllib.parse
 from fastapi.testclient import TestClient
 from gateway_fakes import Api, FakeSampler, FakeTrainer, fake_services, gateway  # noqa: F401 - the fixture
 
-from gateway import audit, keys
 from gateway.app import create_app
 from gateway.checkpoints import delete_expired_checkpoints, download_grant
-from gateway.db import CheckpointRow, now
+from gateway.identity import audit, keys
+from gateway.storage.db import CheckpointRow, now
 
 
 def _today(gw, org: str) -> list:

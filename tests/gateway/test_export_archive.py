@@ -13,7 +13,7 @@ import urllib.parse
 import pytest
 import torch
 
-from gateway.db import CheckpointRow
+from gateway.storage.db import CheckpointRow
 from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
 from tinkerd import merged_export
 from tinkerd.errors import UserError

@@ -11,7 +11,7 @@ import time
 import pytest
 from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
 
-from gateway import keys
+from gateway.identity import keys
 
 
 def _claims(jwt: str) -> dict:
@@ -190,7 +190,7 @@ def test_no_auth_makes_every_caller_the_admin(tmp_path):
 
 def test_metadata_stored_with_nan_before_the_edge_refused_it_lists_as_null(gateway):
     """A database from before the edge checks may hold NaN in user_metadata: lists still answer."""
-    from gateway.db import CheckpointRow
+    from gateway.storage.db import CheckpointRow
 
     api = gateway.api
     model = api.model(api.session())

@@ -1,5 +1,5 @@
 """The gateway's two listeners (gateway/listeners.py) and who may use the internal one
-(gateway/auth.py), on fake backends: /metrics and /internal/ are not on the users' port; on the
+(gateway/identity/auth.py), on fake backends: /metrics and /internal/ are not on the users' port; on the
 internal listener they take the service token or an admin's key, a tenant's key is refused, and
 being on this machine counts for nothing. And the base of the URLs the gateway hands out
 (gateway/public_url.py): --public-url, a --trusted-proxy's forwarded headers, never anyone else's."""
@@ -12,8 +12,8 @@ import urllib.parse
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway import keys
 from gateway.app import create_app
+from gateway.identity import keys
 from gateway.listeners import INTERNAL, Listener
 from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, fake_services
 

@@ -20,12 +20,13 @@ import sqlalchemy
 from fastapi.testclient import TestClient
 from gateway_fakes import gateway  # noqa: F401 - the fixture
 
-from gateway import schema, signing_keys
 from gateway.app import create_app
-from gateway.db import Base, UserRow
+from gateway.identity import signing_keys
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
-from gateway.state_dir import StateDirError
+from gateway.storage import schema
+from gateway.storage.db import Base, UserRow
+from gateway.storage.state_dir import StateDirError
 from launcher import keys as keys_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -160,7 +161,7 @@ def test_a_secret_left_in_an_old_database_is_dropped_and_signs_nothing(tmp_path)
         gw = client.app.state.gateway
         assert "server_secrets" not in sqlalchemy.inspect(gw.db.engine).get_table_names()
         assert not schema.differences(gw.db.engine, Base.metadata)
-        from gateway import keys
+        from gateway.identity import keys
         key, row = keys.create_key(gw.db, keys.create_user(gw.db, "admin", admin=True))
         claims = {"iss": "tinkerd", "sub": "x", "kid": row.key_id, "iat": int(time.time()),
                   "exp": int(time.time()) + 600}

@@ -17,7 +17,7 @@ from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pf
 
 from gateway import tinker_wire_pb2 as tw
 from gateway.app import create_app
-from gateway.db import TraceSpanRow
+from gateway.storage.db import TraceSpanRow
 from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, fake_services
 
 PROTOBUF = {"content-type": "application/x-protobuf"}
@@ -183,6 +183,6 @@ def test_each_session_keeps_at_most_its_span_budget(make_gateway):
 
 
 def test_a_span_budget_below_one_is_refused_at_start():
-    from gateway.traces import Traces
+    from gateway.traces.spans import Traces
     with pytest.raises(ValueError, match="--trace-spans-per-session must be at least 1"):
         Traces(db=None, per_session=0)

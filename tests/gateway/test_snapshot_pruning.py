@@ -11,7 +11,7 @@ import os
 from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
 
 from gateway import housekeeping
-from gateway.db import CheckpointRow, SamplingSessionRow, SessionRow, now
+from gateway.storage.db import CheckpointRow, SamplingSessionRow, SessionRow, now
 
 _PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]}
 

@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from gateway_fakes import Api, FakeTrainer, assert_user_error, fake_services
 from test_futures_routes import HeldSampler, _sample, _sampling_session
 
-from gateway import db as db_module
 from gateway import tinker_wire_pb2 as tw
 from gateway.app import create_app
-from gateway.db import FutureRow
+from gateway.storage import db as db_module
+from gateway.storage.db import FutureRow
 from tinkerd.tensors import to_numpy
 
 PROTOBUF = {"content-type": "application/x-protobuf"}

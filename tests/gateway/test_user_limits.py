@@ -16,10 +16,10 @@ from gateway_fakes import gateway  # noqa: F401 - the fixture
 
 from gateway import housekeeping
 from gateway.app import create_app
-from gateway.db import Database, FutureRow, SessionRow
-from gateway.keys import Caller, create_user
-from gateway.limits import Limits, OverLimit
+from gateway.identity.keys import Caller, create_user
+from gateway.identity.limits import Limits, OverLimit
 from gateway.settings import GatewaySettings
+from gateway.storage.db import Database, FutureRow, SessionRow
 from tinkerd.errors import UserError
 from tinkerd.rpc import TENANT_METADATA
 

@@ -4,8 +4,8 @@ import datetime
 
 from sqlalchemy import select
 
-from gateway.db import CheckpointRow, Database, now
 from gateway.checkpoints import delete_expired_checkpoints
+from gateway.storage.db import CheckpointRow, Database, now
 
 
 def test_expired_checkpoints_go_others_stay(tmp_path):

@@ -2,7 +2,7 @@
 
 import sqlalchemy
 
-from gateway.db import CheckpointRow, Database, ModelRow, UserRow
+from gateway.storage.db import CheckpointRow, Database, ModelRow, UserRow
 
 
 def test_an_old_database_gets_the_new_columns(tmp_path):
@@ -35,7 +35,7 @@ def test_rows_from_before_users_become_the_admins(tmp_path):
     from gateway.state import ADMIN_USER, Gateway
 
     state = tmp_path / "state"
-    state.mkdir(mode=0o700)       # a state dir is private (gateway/state_dir.py)
+    state.mkdir(mode=0o700)       # a state dir is private (gateway/storage/state_dir.py)
     url = f"sqlite:///{state / 'tinkerd.db'}"
     engine = sqlalchemy.create_engine(url)
     with engine.begin() as conn:

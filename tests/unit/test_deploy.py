@@ -342,7 +342,7 @@ def test_the_readme_says_how_to_make_every_secret_the_manifests_use():
 
 
 def test_the_gateway_serves_the_probed_health_path_publicly():
-    from gateway.auth import PUBLIC_PATHS
+    from gateway.identity.auth import PUBLIC_PATHS
     from gateway.routes.service import router
 
     assert HEALTHZ in PUBLIC_PATHS

@@ -6,7 +6,7 @@ import os
 import tarfile
 
 from gateway import checkpoints
-from gateway.openai_format import _cut_at_stop, _pieces
+from gateway.openai.format import _cut_at_stop, _pieces
 from harness.models import build_tokenizer
 
 

@@ -1,12 +1,12 @@
 """Caches of results are bounded in bytes (issue 24 M2): the trainer's reply cache
 (trainer_service/replies.py) per model and in all, where the model holding the most gives up its
-oldest replies first; the gateway's finished futures in memory (gateway/futures.py)."""
+oldest replies first; the gateway's finished futures in memory (gateway/futures/store.py)."""
 
 import numpy as np
 import pytest
 
-from gateway.db import FutureRow
-from gateway.futures import FinishedResults
+from gateway.futures.store import FinishedResults
+from gateway.storage.db import FutureRow
 from tinkerd.errors import UserError
 from tinkerd.tensors import from_numpy
 from tinkerd.v1 import trainer_pb2

@@ -1,11 +1,11 @@
-"""The database schema is migrated (gateway/schema.py): a new database comes up at the newest
-revision, one from before migrations is completed and stamped, and the models in gateway/db.py
+"""The database schema is migrated (gateway/storage/schema.py): a new database comes up at the newest
+revision, one from before migrations is completed and stamped, and the models in gateway/storage/db.py
 never drift from the migrations (a model change without a migration fails here)."""
 
 import sqlalchemy
 
-from gateway import schema
-from gateway.db import Base, Database
+from gateway.storage import schema
+from gateway.storage.db import Base, Database
 
 
 def _revision(url: str) -> str:
@@ -16,7 +16,7 @@ def _revision(url: str) -> str:
 def _head() -> str:
     from alembic.script import ScriptDirectory
 
-    from gateway.schema import _config
+    from gateway.storage.schema import _config
     return ScriptDirectory.from_config(_config(None)).get_current_head()
 
 
@@ -40,7 +40,7 @@ def test_a_database_from_before_migrations_is_completed_and_stamped(tmp_path):
     engine.dispose()
     db = Database(url)
     assert _revision(url) == _head()
-    from gateway.db import SessionRow
+    from gateway.storage.db import SessionRow
     row = db.get(SessionRow, "s1")
     assert row.finished is False and row.owner is None
     missing = [d for d in schema.differences(db.engine, Base.metadata) if d[0] in ("add_table", "add_column")]
@@ -50,8 +50,8 @@ def test_a_database_from_before_migrations_is_completed_and_stamped(tmp_path):
 def test_the_row_cache_stays_bounded_when_rows_are_added_and_never_read(tmp_path, monkeypatch):
     """Each add caches its row for a moment; rows added once and never read again (a sampling
     session per RL step) must not stay in the gateway's memory for good."""
-    from gateway import db as db_module
-    from gateway.db import SamplingSessionRow
+    from gateway.storage import db as db_module
+    from gateway.storage.db import SamplingSessionRow
 
     monkeypatch.setattr(db_module, "_CACHE_SWEEP_AT", 16)
     monkeypatch.setattr(db_module, "CACHE_TTL_S", 0.0)      # every entry expired at once

@@ -1,5 +1,5 @@
-"""The arithmetic behind the session panels and the trace (gateway/session_metrics.py,
-gateway/pftrace.py) on hand-made spans: percentiles, time buckets, step times, lanes."""
+"""The arithmetic behind the session panels and the trace (gateway/traces/session_metrics.py,
+gateway/traces/pftrace.py) on hand-made spans: percentiles, time buckets, step times, lanes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from gateway import pftrace, session_metrics
+from gateway.traces import pftrace, session_metrics
 
 
 def _span(kind, received, started, finished, *, service="trainer", model="s:train:0", tokens_in=0, tokens_out=0,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from gateway.db import Database, SessionRow
 from gateway.stability import Span, StabilityRecords
+from gateway.storage.db import Database, SessionRow
 from tinkerd.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""The tokenizer pool (gateway/tokenizer_work.py): a user's jobs beyond its share wait, so another
+"""The tokenizer pool (gateway/openai/tokenizer_work.py): a user's jobs beyond its share wait, so another
 user's job gets a thread at once; a caller that goes away keeps its slot until its thread is done."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gateway.tokenizer_work import TokenizerPool
+from gateway.openai.tokenizer_work import TokenizerPool
 
 
 def test_one_user_cannot_take_every_thread():

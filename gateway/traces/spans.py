@@ -1,5 +1,5 @@
 """Per-request spans of each session, for the console's session panels and the Perfetto trace
-export (gateway/pftrace.py, GET /api/v1/sessions/{id}/trace_export).
+export (gateway/traces/pftrace.py, GET /api/v1/sessions/{id}/trace_export).
 
 A request of a session (a training run's `<session>:train:<n>` model, or a sampling session's
 `<session>:sample:<n>`) is followed from the moment its future is scheduled (received), through
@@ -27,7 +27,7 @@ import time
 
 from sqlalchemy import delete, func, select, text
 
-from gateway.db import Database, FutureRow, TraceSpanRow
+from gateway.storage.db import Database, FutureRow, TraceSpanRow
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Traces:
         self._buffer: collections.deque[_Span] = collections.deque()
         self.dropped = 0
 
-    # ---- recording (gateway/futures.py calls these) -----------------------------------------
+    # ---- recording (gateway/futures/store.py calls these) -----------------------------------------
 
     def received(self, request_id: str, request_type: str, model_id: str | None,
                  sampling_session_id: str | None) -> None:
@@ -131,8 +131,8 @@ class Traces:
 
     @contextlib.contextmanager
     def refusals(self, session_id: str | None, kind: str):
-        """Records a limit's refusal (gateway/limits.py OverLimit: a 429) of a session's request."""
-        from gateway.limits import OverLimit       # limits imports the db too; keep this module leaf-like
+        """Records a limit's refusal (gateway/identity/limits.py OverLimit: a 429) of a session's request."""
+        from gateway.identity.limits import OverLimit       # limits imports the db too; keep this module leaf-like
         try:
             yield
         except OverLimit as e:

@@ -1,4 +1,4 @@
-"""Trace spans: one row per request of a session (gateway/traces.py), for the console's session
+"""Trace spans: one row per request of a session (gateway/traces/spans.py), for the console's session
 panels and GET /api/v1/sessions/{id}/trace_export (a Perfetto trace).
 
 Revision ID: 0009_trace_spans

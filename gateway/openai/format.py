@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError, field_validator
 from gateway import protocol
 from gateway import tinker_wire_pb2 as tw
 from gateway.errors import _field_errors
-from gateway.limits import OverLimit
+from gateway.identity.limits import OverLimit
 from tinkerd.errors import NotFoundError, UserError
 
 MAX_N = 128                 # OpenAI's own bound on `n`

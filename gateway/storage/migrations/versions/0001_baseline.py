@@ -1,5 +1,5 @@
 """Baseline: the schema as of 2026-11-23, when migrations began (older databases are completed
-and stamped by gateway/schema.py).
+and stamped by gateway/storage/schema.py).
 
 Revision ID: 0001
 Revises: (none)

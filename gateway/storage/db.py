@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from gateway import schema
+from gateway.storage import schema
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class FutureRow(Base):
     claimed_by: Mapped[str | None] = mapped_column(String(64), nullable=True)
     lease_until: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True,
                                                                   index=True)
-    # The per-user limits count pending futures (gateway/limits.py): a partial index holds only
+    # The per-user limits count pending futures (gateway/identity/limits.py): a partial index holds only
     # pending rows, so it stays as small as the queues however many finished rows are kept.
     __table_args__ = (Index("ix_futures_pending", "request_type", "owner",
                             sqlite_where=text("status = 'pending'"), postgresql_where=text("status = 'pending'")),)
@@ -201,7 +201,7 @@ class StabilityRecordRow(Base):
 
 
 class TraceSpanRow(Base):
-    """One request of a session as it went through the gateway (gateway/traces.py), or a
+    """One request of a session as it went through the gateway (gateway/traces/spans.py), or a
     rate-limit refusal (kind "rate_limited", no request_id): what the console's session panels
     and the Perfetto trace export are made of. Written once, when the request finished; at most
     --trace-spans-per-session rows a session (the oldest go first). Times in microseconds
@@ -265,7 +265,7 @@ _PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sa
                                  _FUTURES.owner == bindparam("owner"))
 
 # Requests that make a new training run, and those that write a checkpoint or snapshot to disk:
-# pending ones are counted against the model cap and the checkpoint quota (gateway/limits.py).
+# pending ones are counted against the model cap and the checkpoint quota (gateway/identity/limits.py).
 NEW_RUN_TYPES = ("create_model", "load_weights")
 SAVE_TYPES = ("save_weights", "save_external_weights", "save_weights_for_sampler")
 _MODELS = ModelRow.__table__.c
@@ -428,7 +428,7 @@ class Database:
     @contextlib.contextmanager
     def owner_turn(self, owner: str) -> Iterator[Connection]:
         """A transaction in which one of `owner`'s new rows is written and then their limits are
-        counted with it (gateway/limits.py), one such transaction per user at a time on every
+        counted with it (gateway/identity/limits.py), one such transaction per user at a time on every
         gateway, so a burst cannot pass a limit between a count and an insert. Postgres: a
         per-user advisory lock, held to the commit. SQLite: the insert takes the database's write
         lock (the caller writes before it counts), which every other writer waits for."""

@@ -19,8 +19,8 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from gateway import audit
-from gateway.db import ApiKeyRow, Database, UserRow, now
+from gateway.identity import audit
+from gateway.storage.db import ApiKeyRow, Database, UserRow, now
 from tinkerd.errors import NotFoundError, UserError
 
 AUTH_CACHE_S = 2.0

@@ -1,7 +1,7 @@
-"""What a session's request spans (gateway/traces.py) add up to: the console's session panels
+"""What a session's request spans (gateway/traces/spans.py) add up to: the console's session panels
 (in-flight samples, training utilization, training / generation / prefill tokens per second,
 step times) and the latency percentiles the trace export carries too. Pure functions of the
-rows, so the console and the Perfetto file (gateway/pftrace.py) agree."""
+rows, so the console and the Perfetto file (gateway/traces/pftrace.py) agree."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import datetime
 
 from sqlalchemy import select
 
-from gateway.db import AuditRow, CheckpointRow, Database, UserRow
+from gateway.storage.db import AuditRow, CheckpointRow, Database, UserRow
 
 # event -> the SDK's event_type filter it belongs to
 EVENTS = {"api_key_created": "organizations", "api_key_revoked": "organizations",
@@ -40,7 +40,7 @@ def checkpoint_access(db: Database, event: str, row: CheckpointRow, *, user_id: 
 
 
 def read_by_other_user(db: Database, caller, row: CheckpointRow, via: str) -> None:
-    """Records a read of `row` by `caller` (gateway.keys.Caller) if it is not theirs."""
+    """Records a read of `row` by `caller` (gateway.identity.keys.Caller) if it is not theirs."""
     if row.owner != caller.user_id:
         checkpoint_access(db, "checkpoint_read_by_other_user", row, user_id=caller.user_id,
                           org_id=caller.org_id, via=via)

@@ -1,6 +1,6 @@
 """Futures: every slow Tinker call becomes a row in the database plus a job run in the
 background; `retrieve_future` long-polls on it. A finished sample is also queued for its sampling session's
-retrieve_futures poll (gateway/completions.py), and a pending one can be cancelled.
+retrieve_futures poll (gateway/futures/completions.py), and a pending one can be cancelled.
 
 Any gateway on the database answers any future, and a killed gateway loses none:
 - the row stores the request: its typed job (gateway/jobs/), as JSON arguments plus the serialized
@@ -13,8 +13,8 @@ Any gateway on the database answers any future, and a killed gateway loses none:
   again (its first result was never delivered);
 - a future running elsewhere is waited for by polling its row (POLL_S).
 
-Training jobs of one model run in seq_id order (gateway/model_order.py); samples run concurrently.
-Waiting for a future (the long-poll) and a restarted client's recovery are gateway/future_waits.py.
+Training jobs of one model run in seq_id order (gateway/futures/order.py); samples run concurrently.
+Waiting for a future (the long-poll) and a restarted client's recovery are gateway/futures/waits.py.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from gateway.backends import TENANT
-from gateway.completions import Completions, Target
-from gateway.db import Database, FutureRow, now
-from gateway.jobs.base import Job as TypedJob, StoredRequest
-from gateway.future_waits import Waits
-from gateway.model_order import Job, ModelOrder
-from gateway.traces import Traces
 from gateway.errors import error_json
+from gateway.futures.completions import Completions, Target
+from gateway.futures.order import Job, ModelOrder
+from gateway.futures.waits import Waits
+from gateway.jobs.base import Job as TypedJob, StoredRequest
+from gateway.storage.db import Database, FutureRow, now
+from gateway.traces.spans import Traces
 from tinkerd.errors import ServiceError, UserError, category_for
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class Futures:
     def __init__(self, db: Database, lease_s: float = 10.0, traces: Traces | None = None):
         self.db = db
         self.lease_s = lease_s
-        self.traces = traces or Traces(db)          # each session's request spans (gateway/traces.py)
+        self.traces = traces or Traces(db)          # each session's request spans (gateway/traces/spans.py)
         # This process, as the owner of the futures it runs (unique across restarts and hosts).
         self.instance = f"{socket.gethostname()[:32]}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.gateway = None           # what jobs run with (gateway/state.py Gateway), set by bind()
@@ -160,7 +160,7 @@ class Futures:
         idempotency key and the same request) gets the first one back; the same key with a
         different request is a user error. A sample names its `target`, the sampling session
         (and clone) whose retrieve_futures poll reports it. `admit` checks the owner's limits
-        with the new future counted (gateway/limits.py) and raises to refuse it."""
+        with the new future counted (gateway/identity/limits.py) and raises to refuse it."""
         request_id, request_type, request = request_id or new_request_id(), job.kind(), job.stored()
         extra = {"seq_id": seq_id} if seq_id is not None else {}
         if target is not None:
@@ -284,7 +284,7 @@ class Futures:
     def _job_ended(self, request_id: str, request_type: str, owner: str, _task: asyncio.Task) -> None:
         """A sample's place in this gateway's counts (gateway/metrics.py) is freed when its job's
         task ends; a cancelled one's task is cancelled with it (cancel()). The limits count the
-        database instead (gateway/limits.py), where a cancelled sample is finished at once."""
+        database instead (gateway/identity/limits.py), where a cancelled sample is finished at once."""
         del self._jobs[request_id]
         self._cancelled.discard(request_id)
         self._release(request_type, owner)

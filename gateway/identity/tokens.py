@@ -2,7 +2,7 @@
 (`POST /api/v1/auth/token`; `RestClient.whoami` reads its claims), and download URLs for
 checkpoint files (the SDK's CLI fetches them without credentials).
 
-Both are HMAC-SHA256 under keys derived from the signing keys file (gateway/signing_keys.py), not
+Both are HMAC-SHA256 under keys derived from the signing keys file (gateway/identity/signing_keys.py), not
 from anything in the database, with a different derived key for each use. The JWT's header names
 the signing key (`kid`), so after a rotation the tokens signed by the previous key still verify.
 Comparisons are of bytes: a credential may hold any character (a non-ASCII one is refused, not a 500).
@@ -17,8 +17,8 @@ import hmac
 import json
 import time
 
-from gateway.keys import Caller
-from gateway.signing_keys import KeyRing, SigningKey
+from gateway.identity.keys import Caller
+from gateway.identity.signing_keys import KeyRing, SigningKey
 
 ISSUER = "tinkerd"
 

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from gateway import session_metrics
+from gateway.traces import session_metrics
 
 # TrackEvent.Type and TracePacket.SequenceFlags values of the Perfetto schema.
 SLICE_BEGIN, SLICE_END, INSTANT, COUNTER = 1, 2, 3, 4
@@ -143,7 +143,7 @@ def _summary(latency: dict) -> str:
 
 
 def build(session_id: str, spans: Sequence) -> bytes:
-    """The serialized Trace of the session's spans (TraceSpanRow-like: gateway/db.py)."""
+    """The serialized Trace of the session's spans (TraceSpanRow-like: gateway/storage/db.py)."""
     w = _Writer()
     requests = sorted((s for s in spans if session_metrics.is_request(s)), key=lambda s: (s.received_us, s.span_id))
     refused = [s for s in spans if not session_metrics.is_request(s)]

@@ -1,5 +1,5 @@
 """The signing secret leaves the database: JWTs and download URLs are signed with keys from the
-signing keys file (gateway/signing_keys.py). The old secret is dropped, not moved: the database
+signing keys file (gateway/identity/signing_keys.py). The old secret is dropped, not moved: the database
 was often readable by others, so whoever read it could forge tokens with it.
 
 Revision ID: 0006_signing_key_out_of_db

@@ -1,4 +1,4 @@
-"""Ephemeral snapshots count in the per-user checkpoint quota (gateway/limits.py): a sampling
+"""Ephemeral snapshots count in the per-user checkpoint quota (gateway/identity/limits.py): a sampling
 session made for one records the snapshot's bytes on disk.
 
 Revision ID: 0008_snapshot_bytes

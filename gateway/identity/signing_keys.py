@@ -94,7 +94,7 @@ def create_if_missing(path: str) -> bool:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write("# tinkerd signing keys, newest first (gateway/signing_keys.py)\n" + new_line())
+            f.write("# tinkerd signing keys, newest first (gateway/identity/signing_keys.py)\n" + new_line())
             f.flush()
             os.fsync(f.fileno())
         os.link(tmp, path)
@@ -113,7 +113,7 @@ def rotate(path: str, keep: int = 2) -> str:
     with open(path) as f:
         old = [line for line in f.read().splitlines() if line.split("#", 1)[0].strip()]
     line = new_line()
-    body = "# tinkerd signing keys, newest first (gateway/signing_keys.py)\n" + line + "".join(
+    body = "# tinkerd signing keys, newest first (gateway/identity/signing_keys.py)\n" + line + "".join(
         f"{x}\n" for x in old[:keep - 1])
     _parse(body, path)
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -11,9 +11,9 @@ import time
 
 from sqlalchemy import select
 
-from gateway.completions import Target
-from gateway.db import FutureRow, now
+from gateway.futures.completions import Target
 from gateway.protocol import SAMPLING_CLONE_SPAN
+from gateway.storage.db import FutureRow, now
 
 POLL_S = 0.075             # a future running on another gateway: its row is read this often
 _RECOVER_WINDOW_S = 600.0  # a restarted gateway re-reports samples finished this recently
@@ -22,7 +22,7 @@ _RECOVERED_KEPT = 4096     # sampling sessions recovered already (bounded memory
 
 class Waits:
     def __init__(self, futures):
-        self.futures = futures               # gateway/futures.py Futures: what runs here, results
+        self.futures = futures               # gateway/futures/store.py Futures: what runs here, results
         self._recovered: collections.OrderedDict[Target, None] = collections.OrderedDict()
         self._watched: set[str] = set()      # other gateways' samples a poller here waits for
 

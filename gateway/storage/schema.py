@@ -1,10 +1,10 @@
 """The database schema, brought to the newest revision when a gateway starts: Alembic migrations
-in gateway/migrations/versions/, one per schema change (tests/unit/test_schema.py fails when the
-models in gateway/db.py and the migrations disagree).
+in gateway/storage/migrations/versions/, one per schema change (tests/unit/test_schema.py fails when the
+models in gateway/storage/db.py and the migrations disagree).
 
 A database from before migrations (tables but no alembic_version) is first completed the old
 way -- missing tables made, missing columns added -- and then stamped at the newest revision.
-The models' MetaData comes in as an argument: gateway/db.py calls this module, never the reverse.
+The models' MetaData comes in as an argument: gateway/storage/db.py calls this module, never the reverse.
 Several gateways starting at once on one Postgres take turns (a transaction-scoped advisory lock).
 """
 
@@ -24,7 +24,7 @@ _LOCK_KEY = 0x74696E6B   # "tink": the advisory lock migrations take on Postgres
 def _config(connection: Connection):
     from alembic.config import Config
 
-    from gateway import migrations
+    from gateway.storage import migrations
 
     config = Config()
     config.set_main_option("script_location", os.path.dirname(migrations.__file__))
@@ -33,7 +33,7 @@ def _config(connection: Connection):
 
 
 def upgrade(engine: Engine, metadata: MetaData) -> None:
-    """The database at the newest revision; `metadata` (gateway/db.py's models) completes a
+    """The database at the newest revision; `metadata` (gateway/storage/db.py's models) completes a
     database from before migrations."""
     from alembic import command
     from alembic.runtime.migration import MigrationContext
@@ -77,7 +77,7 @@ def _complete_legacy(conn: Connection, metadata: MetaData) -> list[str]:
 
 
 def differences(engine: Engine, metadata: MetaData) -> list:
-    """What the models (`metadata`, gateway/db.py's) have that the migrated database lacks, or the reverse."""
+    """What the models (`metadata`, gateway/storage/db.py's) have that the migrated database lacks, or the reverse."""
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 

@@ -5,7 +5,7 @@ open, checkpoint bytes on disk) is a 400 that says what to do and names the flag
 
 Every limit is counted in the database, so it holds across all the gateways on it: a user at
 the limit on one gateway is at it on every other. Pending futures are counted through a
-partial index that holds only pending rows (gateway/db.py ix_futures_pending).
+partial index that holds only pending rows (gateway/storage/db.py ix_futures_pending).
 
 What a request adds is counted with it: the future (or session) is inserted, the user's total
 counted in the same transaction, and the insert rolled back if that is over a limit
@@ -22,10 +22,10 @@ from typing import Callable
 from fastapi import Request
 from sqlalchemy.engine import Connection
 
-from gateway.db import NEW_RUN_TYPES, SAVE_TYPES, Database
 from gateway.errors import error_response
-from gateway.keys import Caller
+from gateway.identity.keys import Caller
 from gateway.settings import GatewaySettings
+from gateway.storage.db import NEW_RUN_TYPES, SAVE_TYPES, Database
 from tinkerd.errors import UserError
 
 RETRY_AFTER_S = 2

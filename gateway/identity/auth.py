@@ -24,8 +24,8 @@ from fastapi import Depends, Request
 
 from gateway import listeners
 from gateway.errors import error_body
-from gateway.keys import Caller, KeyStore
-from gateway.tokens import Signer
+from gateway.identity.keys import Caller, KeyStore
+from gateway.identity.tokens import Signer
 
 # Reachable without a credential: health probes, metrics scrapes (on the internal listener only),
 # downloads that carry their own signature, and the console's page and files (no data: its script

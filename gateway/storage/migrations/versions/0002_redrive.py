@@ -1,6 +1,6 @@
 """Futures store what re-drives them: the request itself (its arguments and the serialized gRPC
 message) and which gateway runs it until when (a lease the owner renews). A pending future whose
-lease lapsed is taken over by another gateway (gateway/futures.py).
+lease lapsed is taken over by another gateway (gateway/futures/store.py).
 
 Revision ID: 0002_redrive
 Revises: 0001

@@ -1,7 +1,7 @@
 """Pruning and per-user limits across gateways: sampling sessions record when they were last
 used (an ephemeral snapshot unused long enough is deleted, gateway/housekeeping.py), and a
 partial index on the pending futures lets every gateway count a user's queue from the database
-(gateway/limits.py).
+(gateway/identity/limits.py).
 
 Revision ID: 0004_prune_limits
 Revises: 0003_step_metrics

@@ -15,7 +15,7 @@ import stat
 
 from sqlalchemy.engine import make_url
 
-from gateway import signing_keys
+from gateway.identity import signing_keys
 from tinkerd.errors import UserError
 
 PRIVATE_UMASK = 0o077

@@ -1,1 +1,0 @@
-"""The gateway database's schema history (Alembic): gateway/schema.py runs it at start-up."""
