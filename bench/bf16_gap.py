@@ -12,8 +12,8 @@ Measured only where the CPU computes bf16 natively (AVX512-BF16/AMX), the CPUs `
 gives bf16 on: elsewhere a row says it was skipped. The quick run (the smoke test) measures the
 tiny model (2 texts, 2 steps; ~25 s), the full run SmolLM2 (6 texts, 10 steps; ~3 min on 2 cores).
 
-Also the snapshots served from merged weights (merged.py: a hot snapshot, on by default with
-one slot): W + scale * B @ A rounded to bf16, which the trainer's LoRA path cannot match. SmolLM2
+Also the snapshots served from merged weights (merged.py: a hot snapshot; by default only in
+float32 since these numbers): W + scale * B @ A rounded to bf16, which the trainer's LoRA path cannot match. SmolLM2
 after 10 steps: mean 0.056, max 0.88 nats (untrained, B = 0: the LoRA path's 4e-5 / 0.012).
 On GPUs the sampler's kernels are others (cpu_numerics.py applies to CPU only); not measured here.
 

@@ -164,8 +164,10 @@ def parse_forward_backward(body: bytes) -> tw.ForwardBackwardRequest:
 def check_cost(msg: tw.ForwardBackwardRequest, budget: Budget) -> None:
     """From shapes alone: every loss_fn_input has one row per input token (as the trainer
     requires), their dense elements in all stay within budget.max_elements, and the padded batch
-    within budget.max_batch_tokens."""
+    within budget.max_batch_tokens. A custom loss may also take one value per datum (its rank-0
+    inputs, shape [] or [1]; gateway/custom_losses.py checks each input's rank against the loss)."""
     total, longest = 0, 0
+    per_datum_values = msg.loss_fn == "custom"
     for i, datum in enumerate(msg.data):
         n = _token_count(datum, i)
         longest = max(longest, n)
@@ -176,6 +178,9 @@ def check_cost(msg: tw.ForwardBackwardRequest, budget: Budget) -> None:
                 raise UserError(f"{where}: negative dimension in shape {shape}")
             if not t.HasField("sparse_csr"):
                 shape = shape or [len(t.dense) // _itemsize(t, where)]     # no shape: 1-D
+            if per_datum_values and len(shape) <= 1 and math.prod(shape) == 1:
+                total += 1
+                continue
             if not shape or shape[0] != n:
                 raise UserError(f"{where} has shape {shape}, expected leading dimension {n} (the number of "
                                 f"input tokens)")

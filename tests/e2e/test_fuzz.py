@@ -22,6 +22,7 @@ import pytest
 import zstandard
 
 from gateway import tinker_wire_pb2 as tw
+from gateway.listeners import is_internal_path
 from gateway.routes import ROUTERS
 
 pytestmark = pytest.mark.e2e
@@ -357,6 +358,9 @@ def _fuzz(http: httpx.Client, fuzzer: Fuzzer) -> tuple[collections.Counter, list
             counts[status] += 1
             if not isinstance(status, int) or status >= 500:
                 failures.append(f"{status}: {_describe(req)} -> {r.text[:300] if r is not None else ''}")
+            elif is_internal_path(path):      # the internal listener's (gateway/listeners.py): never here
+                if status != 404:
+                    failures.append(f"an internal route answered {status} on the public port: {_describe(req)}")
             elif bad_key and status != 401 and not path.startswith(PUBLIC):
                 failures.append(f"a bad credential got {status}: {_describe(req)}")
             elif status == 200 and b'"request_id"' in r.content[:200]:

@@ -17,13 +17,10 @@ PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdk_probe.py")
 
 @pytest.fixture(scope="module")
 def postgres_url(tmp_path_factory):
-    import pgserver
+    from harness.postgres import postgres
 
-    server = pgserver.get_server(tmp_path_factory.mktemp("pg"), cleanup_mode="stop")
-    server.psql("CREATE DATABASE tinkerd;")
-    # postgresql://postgres:@/postgres?host=<socket dir>  ->  the psycopg driver, our database
-    yield re.sub(r"^postgresql://(.*)/postgres\?", r"postgresql+psycopg://\1/tinkerd?", server.get_uri())
-    server.cleanup()
+    with postgres(tmp_path_factory.mktemp("pg"), "tinkerd") as url:
+        yield url
 
 
 def test_gateway_on_postgres_survives_a_restart(postgres_url, tiny_model_dir, tmp_path, start_stack):

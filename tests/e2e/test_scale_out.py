@@ -28,6 +28,8 @@ import time
 import numpy as np
 import pytest
 
+from harness.postgres import postgres
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ITERATIONS = 4
@@ -100,13 +102,6 @@ def _follower_pid(torchrun_pid: int) -> int:
     raise AssertionError("the trainer has no rank 1")
 
 
-def _postgres(tmp_path):
-    """PostgreSQL in a temporary directory (unix socket): the server and the gateways' URL."""
-    import pgserver
-
-    server = pgserver.get_server(tmp_path / "pg", cleanup_mode="stop")
-    server.psql("CREATE DATABASE tinkerd;")
-    return server, re.sub(r"^postgresql://(.*)/postgres\?", r"postgresql+psycopg://\1/tinkerd?", server.get_uri())
 
 
 def _rl_batch(sample_result, prompt: list[int]) -> list:
@@ -151,13 +146,13 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
                               internal_urls[0], "--register-with", internal_urls[1]], logs, env)
 
     services: list[Service] = []
-    postgres = None
+    database = contextlib.ExitStack()
     try:
         services.append(trainer := Service("trainer", [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
             "launcher.cli", "trainer", *common, *exact, "--listen", f"127.0.0.1:{trainer_port}"], logs, env))
         services += (first := replica("replica-1")), (second := replica("replica-2"))
-        postgres, db_url = _postgres(tmp_path)       # while the others start
+        db_url = database.enter_context(postgres(tmp_path / "pg", "tinkerd"))       # while the others start
         gateways = [Service(f"gateway-{i + 1}", [
             *tinkerd, "gateway", *common, "--trainer", f"127.0.0.1:{trainer_port}", "--port", str(port),
             "--internal-port", str(internal), "--db-url", db_url, "--no-auth", "--future-lease-s", str(LEASE_S)],
@@ -249,5 +244,4 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
     finally:
         for s in services:
             s.kill()
-        if postgres is not None:
-            postgres.cleanup()
+        database.close()

@@ -140,13 +140,11 @@ def db_url(request, tmp_path_factory):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('db')}/tinkerd.db"
         return
-    import re
+    pytest.importorskip("pgserver")
+    from harness.postgres import postgres
 
-    pgserver = pytest.importorskip("pgserver")
-    server = pgserver.get_server(tmp_path_factory.mktemp("pg"), cleanup_mode="stop")
-    server.psql("CREATE DATABASE limits;")
-    yield re.sub(r"^postgresql://(.*)/postgres\?", r"postgresql+psycopg://\1/limits?", server.get_uri())
-    server.cleanup()
+    with postgres(tmp_path_factory.mktemp("pg"), "limits") as url:
+        yield url
 
 
 @pytest.mark.parametrize("request_type, cap, flag, refusal", [("create_model", 4, "--max-models-per-user", UserError),

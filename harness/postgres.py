@@ -1,0 +1,50 @@
+"""PostgreSQL for the tests (the `pgserver` wheel) in a temporary directory, unix socket only.
+
+The server is started by a small child process of its own, not by the test process: running as
+root, pgserver starts initdb under another uid, which Python can only do by fork(), and a pytest
+worker that has run vLLM and DeepSpeed in-process holds gigabytes that fork() must be able to
+commit (it failed with ENOMEM in the suite while stacks ran beside it).
+
+    with postgres(directory, "tinkerd") as url:     # a SQLAlchemy URL (psycopg) of a new database
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def postgres(directory, database: str) -> Iterator[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "harness.postgres", str(directory), database],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        uri = proc.stdout.readline().strip()
+        if not uri.startswith("postgresql://"):
+            raise RuntimeError(f"pgserver did not start (exit {proc.wait(timeout=60)})")
+        # postgresql://postgres:@/postgres?host=<socket dir>  ->  the psycopg driver, `database`
+        yield re.sub(r"^postgresql://(.*)/postgres\?", rf"postgresql+psycopg://\1/{database}?", uri)
+    finally:
+        proc.stdin.close()            # the child stops the server and exits
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _serve(directory: str, database: str) -> None:
+    import pgserver
+
+    server = pgserver.get_server(directory, cleanup_mode="stop")
+    server.psql(f"CREATE DATABASE {database};")
+    print(server.get_uri(), flush=True)
+    sys.stdin.read()                  # until the parent closes it
+    server.cleanup()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], sys.argv[2])
