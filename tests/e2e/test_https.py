@@ -11,7 +11,9 @@ import datetime
 import http.client
 import ipaddress
 import io
+import os
 import ssl
+import subprocess
 import tarfile
 import urllib.error
 import urllib.parse
@@ -27,6 +29,7 @@ from cryptography.x509.oid import NameOID
 
 from conftest import sft_data
 from harness.stack import sampler_pool
+from sdk_venvs import sdk_python
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +55,11 @@ def self_signed(directory) -> tuple[str, str]:
     return str(cert_path), str(key_path)
 
 
+# What an SDK 0.35 user runs: RestClient.get_checkpoint_archive_url_from_tinker_path(path).url
+ARCHIVE_URL_035 = ("import sys, tinker; rest = tinker.ServiceClient(base_url=sys.argv[1]).create_rest_client(); "
+                   "print(rest.get_checkpoint_archive_url_from_tinker_path(sys.argv[2]).result().url)")
+
+
 def test_the_sdk_trains_and_downloads_a_checkpoint_over_https(start_stack, tiny_model_dir, tmp_path, monkeypatch):
     import tinker
 
@@ -74,14 +82,21 @@ def test_the_sdk_trains_and_downloads_a_checkpoint_over_https(start_stack, tiny_
                              headers={"X-API-Key": stack.api_key}, verify=ssl.create_default_context(cafile=cert))
         assert redirect.status_code == 302, redirect.text
         archive = redirect.headers["location"]
-        for url in (archive, *urls):
+        # ... and SDK 0.35 itself, pointed at https:// with the CA in SSL_CERT_FILE (0.38 has no such method).
+        out = subprocess.run([sdk_python("0.35.0", torch=False), "-c", ARCHIVE_URL_035, stack.url, path],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "SSL_CERT_FILE": cert, "TINKER_API_KEY": stack.api_key})
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        sdk_archive = out.stdout.strip().splitlines()[-1]
+        for url in (archive, sdk_archive, *urls):
             parts = urllib.parse.urlsplit(url)
             assert parts.scheme == "https" and parts.netloc == urllib.parse.urlsplit(stack.url).netloc, url
 
         context = ssl.create_default_context(cafile=cert)
-        with urllib.request.urlopen(archive, timeout=30, context=context) as r:
-            with tarfile.open(fileobj=io.BytesIO(r.read())) as tar:
-                assert "adapter_model.safetensors" in tar.getnames()
+        for url in (archive, sdk_archive):
+            with urllib.request.urlopen(url, timeout=30, context=context) as r:
+                with tarfile.open(fileobj=io.BytesIO(r.read())) as tar:
+                    assert "adapter_model.safetensors" in tar.getnames()
         with urllib.request.urlopen(urls[0], timeout=30, context=context) as r:
             assert r.read()
         # Without the CA (public CAs only: OpenSSL's defaults would read SSL_CERT_FILE) the download is
