@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 from typing import Annotated
@@ -13,19 +14,21 @@ from sqlalchemy import text
 
 from gateway import protocol
 from gateway.backends import Backends
-from gateway.futures.store import Futures
+from gateway.futures.store import Futures, fingerprint
 from gateway.identity.auth import Authenticator
 from gateway.identity.keys import Caller, KeyStore, create_user
 from gateway.identity.limits import Limits
 from gateway.identity.signing_keys import KeyRing
 from gateway.identity.tokens import Signer
 from gateway.jobs.base import Job
+from gateway.jobs.training import Refused
 from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
 from gateway.stability import StabilityRecords
 from gateway.storage import state_dir
 from gateway.storage.db import Database, ModelRow, aware, now
 from gateway.traces.spans import Traces, session_of
+from tinkerd.errors import NotFoundError, ServiceError, UserError
 from tinkerd.rpc import ServiceAuth
 
 # The user a fresh database starts with: `tinkerd up` gives it the first API key, rows made
@@ -94,6 +97,21 @@ class Gateway:
         exists now), and submit_training answers it with the first one's future, or refuses it if
         its content differs."""
         return self.db.future_type_by_key(f"{model_id}#{seq_id}") == kind
+
+    @contextlib.contextmanager
+    def refusing(self, caller: Caller, model_id: str, seq_id: int):
+        """Checks of a model's request (model_id, seq_id) run inside: a user error they raise still
+        answers the client at once, and the seq_id is recorded as refused in the model's order
+        (jobs/training.py Refused), so the model's next request does not wait for it."""
+        try:
+            yield
+        except UserError as e:
+            if not isinstance(e, NotFoundError) and not self.is_resend("refused", model_id, seq_id):
+                with contextlib.suppress(ServiceError):       # over a limit: the gap timeout covers it
+                    self.futures.submit(Refused(model_id, seq_id, str(e)), owner=caller.user_id,
+                                        fingerprint=fingerprint("refused", str(e)),
+                                        idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id)
+            raise
 
     def submit_training(self, caller: Caller, model_id: str, seq_id: int, job: Job,
                         fingerprint: str) -> protocol.FutureResponse:

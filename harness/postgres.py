@@ -40,6 +40,10 @@ def _serve(directory: str, database: str) -> None:
     import pgserver
 
     server = pgserver.get_server(directory, cleanup_mode="stop")
+    # A throwaway server: commits need not wait for the disk (each request commits several times).
+    server.psql("ALTER SYSTEM SET synchronous_commit = off;")
+    server.psql("ALTER SYSTEM SET fsync = off;")
+    server.psql("SELECT pg_reload_conf();")
     server.psql(f"CREATE DATABASE {database};")
     print(server.get_uri(), flush=True)
     sys.stdin.read()                  # until the parent closes it

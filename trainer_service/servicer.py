@@ -190,6 +190,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.UnloadModelResponse(directory=directory)
 
     @rpc_boundary
+    def SkipSeq(self, request, context):
+        """A seq_id refused at the gateway: taken in its turn and marked as not applied, so the
+        next seq_id does not wait out the gap timeout for it (seq_order.py)."""
+        self.order.wait_turn(request.model_id, request.seq_id)
+        self.order.executed(request.model_id, request.seq_id, applied=False)
+        return trainer_pb2.SkipSeqResponse()
+
+    @rpc_boundary
     def GetQueueState(self, request, context):
         snap = self.scheduler.snapshot()
         return trainer_pb2.QueueState(running_tenant=snap.running or "", queued=snap.queued)

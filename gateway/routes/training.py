@@ -63,15 +63,16 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
                              gw.settings.max_body_bytes)
     msg = convert.parse_forward_backward(raw)
     model = gw.sessions.live_model(caller, msg.model_id)     # before any array is made for it
-    convert.check_cost(msg, convert.Budget.of(gw.settings))   # from shapes: nothing expanded yet
-    fb = convert.decode_forward_backward(msg)
-    convert.check_forward_backward(fb, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
-    if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
-        gw.stability.apply(fb, model.session_id)
-    msg = convert.trainer_request(fb)
-    if fb.loss_fn == "custom":      # a create_custom_loss graph, run on the trainer by its loss id
-        msg.custom_loss.CopyFrom(custom_losses.for_forward_backward(gw.db, caller, model.session_id, fb.loss_id,
-                                                                    fb.data))
+    with gw.refusing(caller, msg.model_id, msg.seq_id):
+        convert.check_cost(msg, convert.Budget.of(gw.settings))   # from shapes: nothing expanded yet
+        fb = convert.decode_forward_backward(msg)
+        convert.check_forward_backward(fb, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
+        if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
+            gw.stability.apply(fb, model.session_id)
+        msg = convert.trainer_request(fb)
+        if fb.loss_fn == "custom":      # a create_custom_loss graph, run on the trainer by its loss id
+            msg.custom_loss.CopyFrom(custom_losses.for_forward_backward(gw.db, caller, model.session_id,
+                                                                        fb.loss_id, fb.data))
     job = ForwardBackward(msg)
     return gw.submit_training(caller, fb.model_id, fb.seq_id, job, fingerprint(job.kind(), raw))
 
@@ -79,7 +80,8 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
 @router.post("/optim_step")
 async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     gw.sessions.live_model(caller, body.model_id)
-    msg = trainer_pb2.OptimStepRequest(model_id=body.model_id, seq_id=body.seq_id,
-                                       adam_params=convert.adam_params(body.params))
+    with gw.refusing(caller, body.model_id, body.seq_id):
+        msg = trainer_pb2.OptimStepRequest(model_id=body.model_id, seq_id=body.seq_id,
+                                           adam_params=convert.adam_params(body.params))
     return gw.submit_training(caller, body.model_id, body.seq_id, OptimStep(msg),
                               fingerprint("optim_step", body.model_dump_json()))

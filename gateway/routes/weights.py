@@ -28,17 +28,18 @@ router = APIRouter(prefix="/api/v1")
 async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: CallerDep,
                                    gw: GatewayDep) -> FutureResponse:
     model = gw.sessions.live_model(caller, body.model_id)
-    expires_at = checkpoints.expires(body.ttl_seconds)
     # Where the snapshot is recorded once the samplers hold it: a named sampler checkpoint
     # (`path`), or an ephemeral sampling session.
     path = sampling_session_id = None
     resend = gw.is_resend("save_weights_for_sampler", body.model_id, body.seq_id)
-    if body.path is not None:
-        path = checkpoints.tinker_path(body.model_id, "sampler_weights", checkpoints.checkpoint_name(body.path))
-        if not resend and gw.db.get(CheckpointRow, path) is not None:
-            raise UserError(f"checkpoint {path} already exists")
-    else:
-        sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
+    with gw.refusing(caller, body.model_id, body.seq_id):
+        expires_at = checkpoints.expires(body.ttl_seconds)
+        if body.path is not None:
+            path = checkpoints.tinker_path(body.model_id, "sampler_weights", checkpoints.checkpoint_name(body.path))
+            if not resend and gw.db.get(CheckpointRow, path) is not None:
+                raise UserError(f"checkpoint {path} already exists")
+        else:
+            sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     push = trainer_pb2.PushWeightsRequest(
         model_id=body.model_id, seq_id=body.seq_id, snapshot_id=f"{body.model_id}@{body.seq_id}-{uuid.uuid4().hex[:8]}",
         persist=True, copy_in_background=body.path is None)   # a named checkpoint's files exist when it is listed
@@ -64,12 +65,13 @@ async def save_weights_external(body: SaveWeightsRequest, caller: CallerDep, gw:
 def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str, *, with_optimizer: bool,
                 response_type: str) -> FutureResponse:
     gw.sessions.live_model(caller, body.model_id)
-    name = checkpoints.checkpoint_name(body.path)
-    path = checkpoints.tinker_path(body.model_id, kind, name)
-    if not gw.is_resend(f"save_{kind}", body.model_id, body.seq_id) and gw.db.get(CheckpointRow, path) is not None \
-            and not body.overwrite:
-        raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
-    expires_at = checkpoints.expires(body.ttl_seconds)
+    with gw.refusing(caller, body.model_id, body.seq_id):
+        name = checkpoints.checkpoint_name(body.path)
+        path = checkpoints.tinker_path(body.model_id, kind, name)
+        if not gw.is_resend(f"save_{kind}", body.model_id, body.seq_id) and \
+                gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
+            raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
+        expires_at = checkpoints.expires(body.ttl_seconds)
     save = trainer_pb2.SaveStateRequest(model_id=body.model_id, seq_id=body.seq_id, kind=kind, name=name,
                                         with_optimizer=with_optimizer)
     job = SaveState(save, Owner.of(caller), path, checkpoints.KINDS[kind],

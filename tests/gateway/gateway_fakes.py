@@ -76,6 +76,10 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
         self._got("UnloadModel", request)
         return trainer_pb2.UnloadModelResponse(directory=paths.model_dir(self.state_dir, request.model_id))
 
+    def SkipSeq(self, request, context):
+        self._got("SkipSeq", request)
+        return trainer_pb2.SkipSeqResponse()
+
     def GetQueueState(self, request, context):
         return trainer_pb2.QueueState()
 

@@ -93,3 +93,28 @@ def test_a_closed_session_refuses_training_and_its_heartbeat_is_410(gateway):
     assert api.post(f"sessions/{session}/finish", {}).status_code == 200
     assert_user_error(api.post("session_heartbeat", {"session_id": session}), 410)
     assert_user_error(api.post("optim_step", {"model_id": model_id, "seq_id": 1}), 400, "closed")
+
+
+def test_a_request_refused_at_the_edge_leaves_no_gap_in_the_models_order(gateway):
+    """The SDK gave the refused request a seq_id: it is recorded as refused (the trainer told by
+    SkipSeq), so the next request runs at once instead of waiting out the gap timeout twice
+    (this gateway's runner, then the trainer's order: 10 s each)."""
+    import time
+
+    api = gateway.api
+    model_id = api.model(api.session())
+    headers = {"content-type": "application/x-protobuf"}
+    bad = tw.ForwardBackwardRequest(model_id=model_id, seq_id=1, loss_fn="cross_entropy")
+    bad.ParseFromString(_fwdbwd_body(model_id, 1, [5, 6, 7]))
+    weights = bad.data[0].loss_fn_inputs["weights"]          # 2 values for 3 tokens
+    weights.dtype, weights.dense = tw.DTYPE_FLOAT32, np.asarray([1, 1], "<f4").tobytes()
+    refused = api.client.post("/api/v1/forward_backward", content=bad.SerializeToString(), headers=headers)
+    assert_user_error(refused, 400, "leading dimension 3")
+    t0 = time.monotonic()
+    step = api.post("optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.1}})
+    assert api.result(step.json()).status_code == 200
+    assert time.monotonic() - t0 < 5, "the next request waited for the refused seq_id"
+    assert [(r.model_id, r.seq_id) for r in gateway.trainer.of("SkipSeq")] == [(model_id, 1)]
+    # A resend of the refused request is refused again, the same way.
+    again = api.client.post("/api/v1/forward_backward", content=bad.SerializeToString(), headers=headers)
+    assert_user_error(again, 400, "leading dimension 3")

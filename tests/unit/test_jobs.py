@@ -12,7 +12,7 @@ from gateway.jobs.custom_losses import CreateCustomLoss
 from gateway.jobs.sampling import Sample
 from gateway.jobs.service import Noop, UnloadModel
 from gateway.jobs.table import JOB_CLASSES, JOBS
-from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimStep
+from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimStep, Refused
 from gateway.jobs.weights import LoadWeights, PushWeights, SaveState
 from tinkerd.v1 import sampler_pb2, trainer_pb2
 
@@ -27,6 +27,7 @@ def _examples() -> list[Job]:
         ForwardBackward(fb),
         ForwardBackward(trainer_pb2.ForwardBackwardRequest(model_id="s:train:0", seq_id=4, forward_only=True)),
         OptimStep(trainer_pb2.OptimStepRequest(model_id="s:train:0", seq_id=5)),
+        Refused("s:train:0", 6, "datum 0: loss_fn_inputs['weights'] has shape [3], expected leading dimension 4"),
         PushWeights(trainer_pb2.PushWeightsRequest(model_id="s:train:0", seq_id=6, snapshot_id="x"), OWNER, "s",
                     "tiny", None, "s:sample:1", None),
         SaveState(trainer_pb2.SaveStateRequest(model_id="s:train:0", seq_id=7, kind="external_weights", name="a"),
@@ -54,7 +55,7 @@ def test_every_job_comes_back_from_its_stored_form():
         again = JOBS[job.kind()].from_stored(StoredRequest(stored.args, stored.body))
         assert again == job, job
     assert ForwardBackward(trainer_pb2.ForwardBackwardRequest(forward_only=True)).kind() == "forward"
-    assert examples[5].kind() == "save_external_weights"
+    assert examples[6].kind() == "save_external_weights"
 
 
 def test_job_arguments_are_typed():

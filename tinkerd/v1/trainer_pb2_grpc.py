@@ -70,6 +70,11 @@ class TrainerStub:
                 request_serializer=tinkerd_dot_v1_dot_trainer__pb2.UnloadModelRequest.SerializeToString,
                 response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.UnloadModelResponse.FromString,
                 _registered_method=True)
+        self.SkipSeq = channel.unary_unary(
+                '/tinkerd.v1.Trainer/SkipSeq',
+                request_serializer=tinkerd_dot_v1_dot_trainer__pb2.SkipSeqRequest.SerializeToString,
+                response_deserializer=tinkerd_dot_v1_dot_trainer__pb2.SkipSeqResponse.FromString,
+                _registered_method=True)
         self.GetQueueState = channel.unary_unary(
                 '/tinkerd.v1.Trainer/GetQueueState',
                 request_serializer=tinkerd_dot_v1_dot_trainer__pb2.QueueStateRequest.SerializeToString,
@@ -138,6 +143,14 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SkipSeq(self, request, context):
+        """A model's seq_id that the gateway refused before sending it here (bad input): the model's
+        later requests need not wait for it. Returns once every lower seq_id has run; applies nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetQueueState(self, request, context):
         """Who is running and queued in the fair scheduler (tenant = the user named in the call's
         x-tinkerd-tenant metadata, else the session id of the model id).
@@ -189,6 +202,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.UnloadModel,
                     request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.UnloadModelRequest.FromString,
                     response_serializer=tinkerd_dot_v1_dot_trainer__pb2.UnloadModelResponse.SerializeToString,
+            ),
+            'SkipSeq': grpc.unary_unary_rpc_method_handler(
+                    servicer.SkipSeq,
+                    request_deserializer=tinkerd_dot_v1_dot_trainer__pb2.SkipSeqRequest.FromString,
+                    response_serializer=tinkerd_dot_v1_dot_trainer__pb2.SkipSeqResponse.SerializeToString,
             ),
             'GetQueueState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetQueueState,
@@ -390,6 +408,33 @@ class Trainer:
             '/tinkerd.v1.Trainer/UnloadModel',
             tinkerd_dot_v1_dot_trainer__pb2.UnloadModelRequest.SerializeToString,
             tinkerd_dot_v1_dot_trainer__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SkipSeq(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tinkerd.v1.Trainer/SkipSeq',
+            tinkerd_dot_v1_dot_trainer__pb2.SkipSeqRequest.SerializeToString,
+            tinkerd_dot_v1_dot_trainer__pb2.SkipSeqResponse.FromString,
             options,
             channel_credentials,
             insecure,
