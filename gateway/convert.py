@@ -213,16 +213,7 @@ def _token_count(datum: tw.Datum, i: int) -> int:
 
 def _itemsize(t: tw.Tensor, where: str) -> int:
     """Bytes per value of a dense tensor, whose bytes must be a whole number of them."""
-    if t.dtype == tw.DTYPE_BFLOAT16:
-        size = 2
-    else:
-        try:
-            numpy_dtype = dtypes.by_wire_name(tw.DType.Name(t.dtype)).numpy
-        except ValueError:                # unknown to the table or to the SDK's enum
-            numpy_dtype = None
-        if numpy_dtype is None:
-            raise UserError(f"{where}: unsupported dtype {t.dtype}")
-        size = np.dtype(numpy_dtype).itemsize
+    size = 2 if t.dtype == tw.DTYPE_BFLOAT16 else np.dtype(_numpy_dtype(t, where)).itemsize
     if len(t.dense) % size:
         raise UserError(f"{where}: {len(t.dense)} bytes are not a whole number of {size}-byte values")
     return size
@@ -265,13 +256,18 @@ def _values(t: tw.Tensor, where: str) -> np.ndarray:
     raw = t.dense if t.HasField("dense") else t.sparse_csr.values
     if t.dtype == tw.DTYPE_BFLOAT16:      # numpy has no bfloat16: widen to float32
         return (_frombuffer(raw, "<u2", where).astype(np.uint32) << 16).view(np.float32)
+    return _frombuffer(raw, _numpy_dtype(t, where), where)
+
+
+def _numpy_dtype(t: tw.Tensor, where: str):
+    """The numpy dtype of a wire tensor's values (not bfloat16: numpy has none)."""
     try:
         numpy_dtype = dtypes.by_wire_name(tw.DType.Name(t.dtype)).numpy
     except ValueError:                    # unknown to the table or to the SDK's enum
         numpy_dtype = None
     if numpy_dtype is None:
         raise UserError(f"{where}: unsupported dtype {t.dtype}")
-    return _frombuffer(raw, numpy_dtype, where)
+    return numpy_dtype
 
 
 def _tensor(t: tw.Tensor, where: str) -> np.ndarray:

@@ -12,28 +12,15 @@ import numpy as np
 import pytest
 import tinker
 import torch
-import torch.nn.functional as F
 from tinker import types
 
 from conftest import sft_data
+from loss_examples import dpo_loss, ppo_loss
 
 pytestmark = pytest.mark.e2e
 
 TEXTS = ["the cat sat on a mat and the dog ran to the red ball", "one two three four five",
          "the red ball and the cat", "a dog and a cat"]
-
-
-def dpo_loss(logprobs, ref_logprobs, sign):
-    """Per datum: the chosen (sign 1) or rejected (sign -1) side of a DPO pair's log-ratio."""
-    margin = sign * (logprobs.sum() - ref_logprobs.sum())
-    loss = -F.logsigmoid(0.5 * margin)
-    return loss, {"custom/margin:mean": margin.detach(), "custom/dpo:sum": loss}
-
-
-def ppo_loss(logprobs, old_logprobs, advantages):
-    ratio = torch.exp(logprobs - old_logprobs)
-    loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, 0.9, 1.1) * advantages).sum()
-    return loss, {"custom/ratio:mean": ratio.mean()}
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ after an optimizer step, the same adapter (fp32, within 1e-5)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tinker import types
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 from tinker.lib.public_interfaces.training_client import TrainingClient
@@ -14,18 +13,7 @@ from tinkerd import custom_loss as spec_mod
 from tinkerd.errors import UserError
 from trainer_service.engine import AdamParams, DatumInput, TrainerEngine
 from trainer_service.lora import LoraSpec
-
-
-def dpo_loss(logprobs, ref_logprobs, sign):
-    margin = sign * (logprobs.sum() - ref_logprobs.sum())
-    loss = -F.logsigmoid(0.5 * margin)
-    return loss, {"custom/margin:mean": margin.detach(), "custom/dpo:sum": loss}
-
-
-def ppo_loss(logprobs, old_logprobs, advantages):
-    ratio = torch.exp(logprobs - old_logprobs)
-    loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, 0.9, 1.1) * advantages).sum()
-    return loss, {"custom/ratio:mean": ratio.mean()}
+from loss_examples import dpo_loss, ppo_loss
 
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25], [30, 31, 32, 33]]
