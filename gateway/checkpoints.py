@@ -80,9 +80,13 @@ def download_grant(row: CheckpointRow, path: str, expires: int, user_id: str, ke
     access = "owner" if row.owner == user_id else "public" if row.public else None
     if access is None:
         return None
-    created = row.created_at and aware(row.created_at)
-    generation = f"{created:%Y%m%dT%H%M%S.%f}" if created else "-"
-    return DownloadGrant(path, expires, key_id, generation, row.owner or "", access)
+    return DownloadGrant(path, expires, key_id, generation(row.created_at), row.owner or "", access)
+
+
+def generation(created_at) -> str:
+    """A row's generation in a download grant: its creation time (a row made again has another)."""
+    created = created_at and aware(created_at)
+    return f"{created:%Y%m%dT%H%M%S.%f}" if created else "-"
 
 
 # The file the SDK's `tinker checkpoint` CLI (<= 0.35) insists on finding in an archive. Our

@@ -106,8 +106,10 @@ class Gateway:
         try:
             yield
         except UserError as e:
-            if not isinstance(e, NotFoundError) and not self.is_resend("refused", model_id, seq_id):
-                with contextlib.suppress(ServiceError):       # over a limit: the gap timeout covers it
+            if not isinstance(e, NotFoundError):
+                # A resend of this refusal gets the first one back (submit's idempotency); a seq_id
+                # some other request holds already is refused by submit, and needs no record.
+                with contextlib.suppress(ServiceError):
                     self.futures.submit(Refused(model_id, seq_id, str(e)), owner=caller.user_id,
                                         fingerprint=fingerprint("refused", str(e)),
                                         idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id)

@@ -15,13 +15,13 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway import public_url
+from gateway import checkpoints, public_url
 from gateway.identity.auth import CallerDep
 from gateway.identity.keys import Caller
 from gateway.identity.tokens import DownloadGrant
 from gateway.routes.files import signed_for, url_signer
 from gateway.state import Gateway, GatewayDep
-from gateway.storage.db import SessionRow, aware
+from gateway.storage.db import SessionRow
 from gateway.traces import pftrace
 from gateway.traces.spans import now_us
 from tinkerd.errors import NotFoundError
@@ -53,8 +53,7 @@ async def trace_export(session_id: str, request: Request, caller: CallerDep, gw:
 def _grant(session: SessionRow, path: str, expires: int, signer: Caller) -> DownloadGrant:
     """What a trace URL vouches for (gateway/identity/tokens.py), rebuilt at download from the session as it
     is then: the owner's own, made with an API key that is still valid (revoking it ends the URL)."""
-    created = session.created_at and aware(session.created_at)
-    return DownloadGrant(path, expires, signer.key_id, f"{created:%Y%m%dT%H%M%S.%f}" if created else "-",
+    return DownloadGrant(path, expires, signer.key_id, checkpoints.generation(session.created_at),
                          session.owner or "", "owner")
 
 
