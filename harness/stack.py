@@ -32,6 +32,10 @@ def _new_key(state, extra_args: tuple[str, ...], user: str = "admin") -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+# A user's Ctrl-C: `tinkerd up` gives each service 15 s, and an idle stack stops in about 1 s.
+STOP_WITHIN_S = 20.0
+
+
 @contextlib.contextmanager
 def running_stack(model_dir: str, state, *extra_args: str):
     """`tinkerd up` on `model_dir`; yields a Stack and stops it after. While it runs,
@@ -66,8 +70,10 @@ def running_stack(model_dir: str, state, *extra_args: str):
         api_key = _new_key(state, extra_args)
     previous_key = os.environ.get("TINKER_API_KEY")
     os.environ["TINKER_API_KEY"] = api_key or "tml-no-auth"
+    body_failed = True
     try:
         yield Stack(url, str(state), time.monotonic() - t0, proc.pid, api_key, internal_url)
+        body_failed = False
     finally:
         if previous_key is None:
             os.environ.pop("TINKER_API_KEY", None)
@@ -75,9 +81,14 @@ def running_stack(model_dir: str, state, *extra_args: str):
             os.environ["TINKER_API_KEY"] = previous_key
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=STOP_WITHIN_S)
         except subprocess.TimeoutExpired:
+            import psutil
+            for child in psutil.Process(proc.pid).children(recursive=True):   # no orphans left serving
+                child.kill()
             proc.kill()
+            if not body_failed:         # else the body's own failure is the one to see
+                raise AssertionError(f"`tinkerd up` did not stop within {STOP_WITHIN_S:.0f} s of SIGTERM") from None
 
 
 def service_pids(root_pid: int) -> dict[str, int]:

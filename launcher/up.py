@@ -323,12 +323,15 @@ def up(args: argparse.Namespace) -> None:
     args.internal_port = args.internal_port or _free_port()
     procs: dict[str, subprocess.Popen] = {}
 
-    def stop(*_, code: int = 0):
-        _stop_all(procs)
-        raise SystemExit(code)
+    def on_signal(*_):
+        # Only unwinds: the stopping happens below, once whatever ran has let go. (Stopping here,
+        # inside a Popen.poll() that holds its child's wait lock, waited 15 s per child for it.)
+        _ignore_stop_signals()
+        raise SystemExit(0)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 1
     try:
         api_key = keys.first_admin_key(args.state_dir, args.db_url, args.db_password_file) if args.auth else None
         # Written at once: a stack that fails to start must not lose the only copy of the key.
@@ -352,6 +355,14 @@ def up(args: argparse.Namespace) -> None:
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr, flush=True)
-        stop(code=e.code if isinstance(e.code, int) else 1)
-    except BaseException:
-        stop(code=1)
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        _ignore_stop_signals()
+        _stop_all(procs)
+    raise SystemExit(code)
+
+
+def _ignore_stop_signals() -> None:
+    """Once stopping, a second Ctrl-C or SIGTERM does not cut the children's shutdown short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

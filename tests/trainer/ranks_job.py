@@ -65,16 +65,22 @@ def save_load_unload(engine: TrainerEngine, state_dir: str, data: list[DatumInpu
     return out
 
 
-def main(model_dir: str, stage: str, state_dir: str, out_path: str) -> None:
-    engine = TrainerEngine(model_dir, zero_stage=int(stage), durable=DurableModels(state_dir))
-    if not engine.ranks.leader:
-        engine.ranks.follow(engine)
-        return
+def results(engine: TrainerEngine, state_dir: str) -> dict[str, torch.Tensor]:
+    """Everything the test compares, from rank 0 (or a one-rank engine in the test's process)."""
     data = batch()
     out = {"world": torch.tensor(engine.ranks.world)}
     for loss in sorted(LOSSES):
         out.update({f"{loss}.{k}": v for k, v in train(engine, loss, data).items()})
     out.update({f"reload.{k}": v for k, v in save_load_unload(engine, state_dir, data).items()})
+    return out
+
+
+def main(model_dir: str, stage: str, state_dir: str, out_path: str) -> None:
+    engine = TrainerEngine(model_dir, zero_stage=int(stage), durable=DurableModels(state_dir))
+    if not engine.ranks.leader:
+        engine.ranks.follow(engine)
+        return
+    out = results(engine, state_dir)
     engine.ranks.stop()
     torch.save(out, out_path)
 

@@ -30,6 +30,27 @@ def job(tiny_model_dir: str, tmp_path, world: int, stage: int) -> dict[str, torc
     return torch.load(out, weights_only=True)
 
 
+_ONE_RANK: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def one_rank(tiny_model_dir: str, tmp_path, stage: int) -> dict[str, torch.Tensor]:
+    """The W=1 reference, computed in this process (a one-rank engine, as test_engine.py runs):
+    a torchrun job of one rank adds only its imports. Stages 0 and 2 are one computation on one
+    rank (ZeRO-2 partitions nothing there and runs as stage 0), so they share it."""
+    from ranks_job import results
+    from trainer_service.deepspeed_setup import effective_zero_stage
+    from trainer_service.durable import DurableModels
+    from trainer_service.engine import TrainerEngine
+
+    stage = effective_zero_stage(stage, 1)
+    if stage not in _ONE_RANK:
+        state = tmp_path / "state-1"
+        state.mkdir()
+        engine = TrainerEngine(tiny_model_dir, zero_stage=stage, durable=DurableModels(str(state)))
+        _ONE_RANK[stage] = results(engine, str(state))
+    return {k: v.clone() for k, v in _ONE_RANK[stage].items()}
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_two_ranks_compute_what_one_does(tiny_model_dir, tmp_path, stage):
     """Per-datum logprobs and losses, loss sums and gradient norms of every call, and the adapter
@@ -37,7 +58,7 @@ def test_two_ranks_compute_what_one_does(tiny_model_dir, tmp_path, stage):
     leaves a rank without data), for every loss: W=2 equals W=1 within 1e-5 (fp32). Then a full
     checkpoint loaded into a copy, the copy unloaded and reloaded on its next use: it trains on
     exactly like the original, on 2 ranks as on 1."""
-    one, two = job(tiny_model_dir, tmp_path, 1, stage), job(tiny_model_dir, tmp_path, 2, stage)
+    one, two = one_rank(tiny_model_dir, tmp_path, stage), job(tiny_model_dir, tmp_path, 2, stage)
     assert int(one.pop("world")) == 1 and int(two.pop("world")) == 2
     assert one.keys() == two.keys()
     from trainer_service.losses import LOSSES
