@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from tinkerd.process import exit_after_shutdown
 from trainer_service.durable import DurableModels
 from trainer_service.engine import AdamParams, DatumInput, TrainerEngine
 from trainer_service.losses import LOSSES
@@ -77,12 +78,13 @@ def results(engine: TrainerEngine, state_dir: str) -> dict[str, torch.Tensor]:
 
 def main(model_dir: str, stage: str, state_dir: str, out_path: str) -> None:
     engine = TrainerEngine(model_dir, zero_stage=int(stage), durable=DurableModels(state_dir))
-    if not engine.ranks.leader:
+    if engine.ranks.leader:
+        out = results(engine, state_dir)
+        engine.ranks.stop()
+        torch.save(out, out_path)
+    else:
         engine.ranks.follow(engine)
-        return
-    out = results(engine, state_dir)
-    engine.ranks.stop()
-    torch.save(out, out_path)
+    exit_after_shutdown()          # as `tinkerd trainer` ends (trainer_service/ranks.py: _leave_job)
 
 
 if __name__ == "__main__":
