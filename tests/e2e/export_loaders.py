@@ -1,7 +1,10 @@
 """Loads an exported checkpoint the way a user elsewhere would, with nothing of tinkerd, and
 prints the per-position logprobs of each prompt's tokens as JSON (the last stdout line).
 
-    python export_loaders.py LOADER BASE_DIR EXPORT_DIR PROMPTS_JSON
+    python export_loaders.py JOBS_JSON PROMPTS_JSON      JOBS: [[LOADER, BASE_DIR, EXPORT_DIR], ...]
+
+Several loads share one process (transformers' first, then vLLM's, each engine freed before the
+next): a process start with vLLM's imports costs more than the loads themselves.
 
 LOADER: `peft` (PeftModel.from_pretrained over the base), `vllm-lora` (vanilla vLLM's LoRA path:
 LLM(enable_lora=True) + LoRARequest), `hf-merged` and `vllm-merged` (the merged export as a plain
@@ -55,11 +58,22 @@ def _vllm(model_dir: str, adapter_dir: str | None, prompts: list[list[int]], *,
     groups = [prompts] if batched else [[p] for p in prompts]
     results = [r for group in groups for r in llm.generate([{"prompt_token_ids": p} for p in group], params,
                                                            lora_request=request, use_tqdm=False)]
+    del llm
+    _free_vllm()
     return [[entry[token].logprob for token, entry in zip(p[1:], r.prompt_logprobs[1:])]
             for p, r in zip(prompts, results)]
 
 
-def main(loader: str, base_dir: str, export_dir: str, prompts: list[list[int]]) -> list[list[float]]:
+def _free_vllm() -> None:
+    """The engine's memory and its process-wide group released, so the next LLM() starts afresh."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    cleanup_dist_env_and_memory()
+    gc.collect()
+
+
+def load(loader: str, base_dir: str, export_dir: str, prompts: list[list[int]]) -> list[list[float]]:
     if loader == "peft":
         return _transformers(base_dir, export_dir, prompts)
     if loader == "hf-merged":
@@ -73,5 +87,11 @@ def main(loader: str, base_dir: str, export_dir: str, prompts: list[list[int]]) 
     raise SystemExit(f"unknown loader {loader!r}")
 
 
+def main(jobs: list[list[str]], prompts: list[list[int]]) -> list[list[list[float]]]:
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i][0].startswith("vllm"))     # transformers first
+    results: dict[int, list[list[float]]] = {i: load(*jobs[i], prompts) for i in order}
+    return [results[i] for i in range(len(jobs))]
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))))
+    print(json.dumps(main(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))

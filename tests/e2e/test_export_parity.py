@@ -48,12 +48,14 @@ def _download(stack, tinker_path: str, out: pathlib.Path, **params) -> pathlib.P
     return out
 
 
-def _load(loader: str, base_dir: str, export_dir: pathlib.Path, prompts: list[list[int]]) -> list[np.ndarray]:
+def _load(jobs: list[tuple[str, object, object]], prompts: list[list[int]]) -> list[list[np.ndarray]]:
+    """Each (loader, base dir, export dir)'s logprobs of the prompts, all loaded in one subprocess."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run([sys.executable, str(LOADERS), loader, base_dir, str(export_dir), json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=str(export_dir))
+    jobs_json = json.dumps([[loader, str(base), str(export)] for loader, base, export in jobs])
+    done = subprocess.run([sys.executable, str(LOADERS), jobs_json, json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=str(LOADERS.parent))
     assert done.returncode == 0, done.stderr[-4000:]
-    return [np.array(lp) for lp in json.loads(done.stdout.strip().splitlines()[-1])]
+    return [[np.array(lp) for lp in job] for job in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 def _worst(got: list[np.ndarray], expected: list[np.ndarray]) -> float:
@@ -94,17 +96,21 @@ def test_the_archive_loads_unchanged_in_peft_and_vanilla_vllm(stack, tiny_model_
     state_dir = _download(stack, state_path, tmp_path / "state")
     assert "?format=merged" in (sampler_dir / "TINKERD_EXPORT.md").read_text()    # it trains lm_head
     assert "lm_head" in json.loads((sampler_dir / "adapter_config.json").read_text())["target_modules"]
-    assert _worst(_load("peft", tiny_model_dir, sampler_dir, prompts), expected) < FP32_TOL
-    assert _worst(_load("peft", tiny_model_dir, state_dir, prompts), expected) < FP32_TOL
-    assert _worst(_load("vllm-lora", tiny_model_dir, sampler_dir, prompts), expected) < FP32_TOL
+    peft_sampler, peft_state, vllm_lora = _load([("peft", tiny_model_dir, sampler_dir), ("peft", tiny_model_dir, state_dir),
+                                                 ("vllm-lora", tiny_model_dir, sampler_dir)], prompts)
+    assert _worst(peft_sampler, expected) < FP32_TOL
+    assert _worst(peft_state, expected) < FP32_TOL
+    assert _worst(vllm_lora, expected) < FP32_TOL
 
 
 def test_the_merged_archive_loads_as_a_plain_model(stack, tiny_model_dir, trained, tmp_path):
     sampler_path, _, prompts, expected = trained
     merged = _download(stack, sampler_path, tmp_path / "merged", format="merged")
     assert "Why a merged export" in (merged / "TINKERD_EXPORT.md").read_text()
-    assert _worst(_load("hf-merged", tiny_model_dir, merged, prompts), expected) < FP32_TOL
-    assert _worst(_load("vllm-merged", tiny_model_dir, merged, prompts), expected) < FP32_TOL
+    hf_merged, vllm_merged = _load([("hf-merged", tiny_model_dir, merged), ("vllm-merged", tiny_model_dir, merged)],
+                                   prompts)
+    assert _worst(hf_merged, expected) < FP32_TOL
+    assert _worst(vllm_merged, expected) < FP32_TOL
 
 
 def _tied_copy(model_dir: str, out: pathlib.Path) -> pathlib.Path:
@@ -142,9 +148,10 @@ def test_a_tied_base_takes_the_lm_head_adapter_and_its_merged_export(tiny_model_
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is False
 
     prompts = [[5, 17, 300, 42, 9, 88, 120, 7], [11, 12, 13, 14, 15, 16], [900, 4, 60, 61, 62, 63, 64, 65, 66]]
-    expected = _load("peft", str(base), adapter, prompts)
-    assert _worst(_load("vllm-lora", str(base), adapter, prompts), expected) < FP32_TOL
-    assert _worst(_load("vllm-merged", str(base), tmp_path / "merged", prompts), expected) < FP32_TOL
+    expected, vllm_lora, vllm_merged = _load([("peft", base, adapter), ("vllm-lora", base, adapter),
+                                              ("vllm-merged", base, tmp_path / "merged")], prompts)
+    assert _worst(vllm_lora, expected) < FP32_TOL
+    assert _worst(vllm_merged, expected) < FP32_TOL
 
 
 SMOLLM2 = REPO / "models" / "smollm2"
@@ -161,6 +168,8 @@ def test_smollm2_tied_bf16_base(start_stack, tmp_path):
         adapter = _download(smol, sampler_path, tmp_path / "adapter")
         merged = _download(smol, sampler_path, tmp_path / "merged", format="merged")
     assert json.loads((merged / "config.json").read_text())["tie_word_embeddings"] is False
-    assert _worst(_load("peft", str(SMOLLM2), adapter, prompts), expected) < FP32_TOL
-    assert _worst(_load("vllm-lora", str(SMOLLM2), adapter, prompts), expected) < FP32_TOL
-    assert _worst(_load("vllm-merged", str(SMOLLM2), merged, prompts), expected) < 0.1
+    peft, vllm_lora, vllm_merged = _load([("peft", SMOLLM2, adapter), ("vllm-lora", SMOLLM2, adapter),
+                                          ("vllm-merged", SMOLLM2, merged)], prompts)
+    assert _worst(peft, expected) < FP32_TOL
+    assert _worst(vllm_lora, expected) < FP32_TOL
+    assert _worst(vllm_merged, expected) < 0.1
