@@ -4,7 +4,7 @@ Kept within byte budgets, not counts: one forward_backward's reply holds two flo
 (up to megabytes). Each model keeps its latest replies up to PER_MODEL_BYTES (at least its newest
 one, and at most _REPLIES_KEPT_PER_MODEL), and all models together up to TOTAL_BYTES, where the
 model holding the most gives up its oldest first: one busy model cannot push out everyone's. A
-resend whose reply was dropped is refused, not re-executed (servicer.py, seq_order.py).
+resend whose reply was dropped is refused, not re-executed (ledger.py, seq_order.py).
 """
 
 from __future__ import annotations

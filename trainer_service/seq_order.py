@@ -13,7 +13,7 @@ A model's order starts at 1 once it is made here (seq 0 is its creation); a mode
 did not make (it came back from disk after a restart) starts at the first seq_id it sees.
 
 A seq_id below the next one that this process saw execute, arriving again once its reply left the
-reply cache (a re-drive after many later requests), is refused by the servicer instead of applied
+reply cache (a re-drive after many later requests), is refused by the ledger instead of applied
 twice: wait_turn() tells it so. Seq_ids skipped by the gap timeout, and requests that failed,
 were not applied; those may still run late.
 """

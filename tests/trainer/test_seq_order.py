@@ -85,7 +85,7 @@ def test_the_servicer_runs_out_of_order_requests_in_seq_order_once(tiny_model_di
         lambda: _fb(trainer, "s:train:0", 2, shift=1), lambda: _fb(trainer, "s:train:0", 1)])
     assert ran == [("fb", 1), ("fb", 2)]
     assert fb2_copy == fb2
-    assert trainer.order.next_of("s:train:0") == 4
+    assert trainer.ledger.order.next_of("s:train:0") == 4
     assert trainer.engine.get("s:train:0").step == 1
 
 
@@ -124,7 +124,7 @@ def test_a_re_drive_whose_reply_was_dropped_is_refused_not_applied_twice(tiny_mo
     from trainer_service.replies import ReplyCache
 
     trainer = _trainer(tiny_model_dir, tmp_path)
-    trainer.replies = ReplyCache(per_model_bytes=1)      # keeps only each model's newest reply
+    trainer.ledger.replies = ReplyCache(per_model_bytes=1)      # keeps only each model's newest reply
     _create(trainer, "s:train:0")
     ran = []
     real = trainer._forward_backward
