@@ -16,5 +16,6 @@ if [ "$#" -gt 0 ]; then
 fi
 status=0
 "${pytest[@]}" -n 2 -m "not serial" || status=$?
-"${pytest[@]}" -m serial || status=$?
+# Only the files that mark tests serial: collecting all ~100 files again took ~8 s of the ~45.
+"${pytest[@]}" -m serial $(grep -rl "mark.serial" tests --include='test_*.py') || status=$?
 exit "$status"
