@@ -323,14 +323,7 @@ def up(args: argparse.Namespace) -> None:
     args.internal_port = args.internal_port or _free_port()
     procs: dict[str, subprocess.Popen] = {}
 
-    def on_signal(*_):
-        # Only unwinds: the stopping happens below, once whatever ran has let go. (Stopping here,
-        # inside a Popen.poll() that holds its child's wait lock, waited 15 s per child for it.)
-        _ignore_stop_signals()
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    unwind_on_stop_signals()
     code = 1
     try:
         api_key = keys.first_admin_key(args.state_dir, args.db_url, args.db_password_file) if args.auth else None
@@ -360,6 +353,18 @@ def up(args: argparse.Namespace) -> None:
         _ignore_stop_signals()
         _stop_all(procs)
     raise SystemExit(code)
+
+
+def unwind_on_stop_signals() -> None:
+    """Ctrl-C and SIGTERM raise SystemExit wherever the main thread is; `up` stops the children
+    once that has unwound. (Stopping them inside the handler, when the signal landed in a
+    Popen.poll() that held its child's wait lock, waited 15 s per child for that lock.)"""
+    def on_signal(*_):
+        _ignore_stop_signals()
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 def _ignore_stop_signals() -> None:
