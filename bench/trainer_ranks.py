@@ -87,7 +87,7 @@ def run(ctx: Context) -> list[Row]:
 
 
 if __name__ == "__main__":
-    from tinkerd.process import exit_after_shutdown
+    from tinkerd.process import exit_now
 
     job(sys.argv[1], int(sys.argv[2]), sys.argv[3])
-    exit_after_shutdown()          # as `tinkerd trainer` ends (trainer_service/ranks.py: _leave_job)
+    exit_now()          # as `tinkerd trainer` ends (trainer_service/ranks.py: _leave_job)

@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from tinkerd.process import exit_after_shutdown, reexec_with_tcmalloc
+from tinkerd.process import exit_now, reexec_with_tcmalloc
 
 if sys.argv[1:2] == ["sampler"]:
     # Before the imports below (seconds of them): the exec starts this process over with tcmalloc.
@@ -37,7 +37,7 @@ def _run_service(args: argparse.Namespace) -> None:
         importlib.import_module(SERVICES[args.command][0]).serve(service_settings)
     except StateDirError as e:                 # a message that says what to fix, not a traceback
         raise SystemExit(f"tinkerd {args.command}: {e}") from None
-    exit_after_shutdown()
+    exit_now()
 
 
 def make_tiny_model(args: argparse.Namespace) -> None:

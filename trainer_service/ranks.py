@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tinkerd.errors import UnavailableError, UserError
+from tinkerd.process import exit_now
 from trainer_service.lora import LoraSpec
 from trainer_service.training import AdamParams, DatumInput
 
@@ -185,7 +186,7 @@ class Ranks:
             log.error("trainer job broken: %s; exiting in %.0f s", reason, EXIT_AFTER_S)
             for tell in self.on_broken:
                 tell(reason)
-            threading.Timer(EXIT_AFTER_S, _exit_now).start()
+            threading.Timer(EXIT_AFTER_S, exit_now, args=(1,)).start()
         return UnavailableError(f"the trainer job lost a rank or diverged ({reason}); it is being restarted")
 
     def _heartbeat(self) -> None:
@@ -213,7 +214,7 @@ class Ranks:
                 method, args, kwargs, self._on_disk = decode(self._receive())
             except Exception as e:  # noqa: BLE001
                 log.error("rank %d lost rank 0 (%s); exiting", self.rank, e)
-                _exit_now()
+                exit_now(1)
             if method == _STOP:
                 _leave_job()
                 return
@@ -222,10 +223,10 @@ class Ranks:
                 agreed = self._outcomes_agree(status)
             except Exception as e:  # noqa: BLE001
                 log.error("rank %d: the job failed during %s (%s); exiting", self.rank, method, e)
-                _exit_now()
+                exit_now(1)
             if not agreed:
                 log.error("rank %d ended %s differently from rank 0; exiting", self.rank, method)
-                _exit_now()
+                exit_now(1)
 
     def _run(self, engine, method: str, args: list, kwargs: dict) -> int:
         if method == _PING:
@@ -368,7 +369,7 @@ def collective(method):
 
 def _leave_job() -> None:
     """The process groups destroyed, as torch asks of a process done with them. The process then
-    ends without the interpreter's teardown (tinkerd.process.exit_after_shutdown): left to it,
+    ends without the interpreter's teardown (tinkerd.process.exit_now): left to it,
     gloo's leftovers are torn down during finalization and the process may abort (SIGABRT,
     "terminate called without an active exception"; about once in 12 clean 2-rank jobs, and
     still under load with the groups destroyed)."""
@@ -376,6 +377,3 @@ def _leave_job() -> None:
         dist.destroy_process_group()
 
 
-def _exit_now() -> None:
-    logging.shutdown()
-    os._exit(1)

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from tinkerd.process import exit_after_shutdown
+from tinkerd.process import exit_now
 from trainer_service.durable import DurableModels
 from trainer_service.engine import AdamParams, DatumInput, TrainerEngine
 from trainer_service.losses import LOSSES
@@ -84,7 +84,7 @@ def main(model_dir: str, stage: str, state_dir: str, out_path: str) -> None:
         torch.save(out, out_path)
     else:
         engine.ranks.follow(engine)
-    exit_after_shutdown()          # as `tinkerd trainer` ends (trainer_service/ranks.py: _leave_job)
+    exit_now()          # as `tinkerd trainer` ends (trainer_service/ranks.py: _leave_job)
 
 
 if __name__ == "__main__":
