@@ -83,14 +83,6 @@ class ReplyCache:
     def bytes(self) -> int:
         return self._bytes
 
-    def once(self, model_id: str, seq_id: int, kind: str, compute):
-        """The stored reply for (model_id, seq_id), else `compute()`'s, stored."""
-        cached = self.get(model_id, seq_id, kind)
-        if cached is None:
-            cached = compute()
-            self.put(model_id, seq_id, kind, cached)
-        return cached
-
     def forget(self, model_id: str) -> None:
         with self._lock:
             replies = self._by_model.pop(model_id, None)
