@@ -106,6 +106,15 @@ for f in flood:
 """
 
 
+def _forward_backwards_answered(stack) -> float:
+    """The gateway's count of answered forward_backward requests (its /metrics, internal listener)."""
+    import httpx
+
+    text = httpx.get(f"{stack.internal_url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tinkerd_gateway_requests_total{") and 'route="/api/v1/forward_backward"' in line)
+
+
 @pytest.mark.serial
 def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys):
     """Tenant F (another user, its own process) floods the trainer through 4 models at once;
@@ -134,12 +143,17 @@ def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys
     victim_steps(2)                                   # warm
     alone = statistics.median(victim_steps(12))
     flooder_key = keys.new_key(keys.open_database(stack.state_dir, None), "flooder")
+    answered_before = _forward_backwards_answered(stack)
     flooder = subprocess.Popen([sys.executable, "-c", FLOODER % (CORPORA[1],), stack.url, tiny_model_dir],
                                stdout=subprocess.PIPE, text=True, env={**os.environ, "TINKER_API_KEY": flooder_key})
     assert flooder.stdout.readline().strip() == "flooding"
     # Let its 640 requests reach the server: while the SDK and the gateway take them in, the
-    # victim's steps also wait for CPU (2 cores), which is not what this measures.
-    time.sleep(4.0)
+    # victim's steps also wait for CPU (2 cores), which is not what this measures. (A fixed 4 s
+    # wait was sometimes short: the victim's first steps took ~300 ms each, then ~60.)
+    deadline = time.monotonic() + 120
+    while _forward_backwards_answered(stack) < answered_before + 640:
+        assert time.monotonic() < deadline and flooder.poll() is None, "the flood never reached the gateway"
+        time.sleep(0.2)
     during = victim_steps(16)
     still_flooding = flooder.poll() is None
     assert flooder.wait(timeout=300) == 0
