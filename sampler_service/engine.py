@@ -63,11 +63,28 @@ class MergedSettings:
 
 
 def engine_args(model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024, max_num_seqs: int = 64,
-                tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, seed: int = 0) -> dict:
+                tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, kv_cache_mib: int = 0,
+                seed: int = 0) -> dict:
     """vLLM EngineArgs of every engine of a replica (LoRA and merged ones); LoRA options aside."""
-    return dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
+    args = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
                 max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
                 gpu_memory_utilization=gpu_memory_utilization)
+    if kv_cache_mib < 0:
+        raise UserError(f"--kv-cache-mib must be 0 (the default size) or a size in MiB, got {kv_cache_mib}")
+    if kv_cache_mib:
+        args["kv_cache_memory_bytes"] = kv_cache_mib << 20
+    return args
+
+
+def size_cpu_kv_cache(kv_cache_mib: int) -> None:
+    """On CPU, vLLM sizes the KV cache from VLLM_CPU_KVCACHE_SPACE (whole GiB) over the engine
+    argument when the variable is set: an explicit --kv-cache-mib must win, and without one the
+    cache is 1 GiB unless the variable says otherwise."""
+    if kv_cache_mib:
+        if os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) is not None:
+            log.info("--kv-cache-mib %d is used instead of VLLM_CPU_KVCACHE_SPACE", kv_cache_mib)
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def check_parallelism(tensor_parallel_size: int, gpu_count: int) -> None:
@@ -94,14 +111,15 @@ class SamplerEngine:
     def __init__(self, model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024,
                  max_loras: int = 4, max_cpu_loras: int = 64, max_lora_rank: int = 64,
                  max_num_seqs: int = 64, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
-                 seed: int = 0, merged: MergedSettings = MergedSettings()):
+                 kv_cache_mib: int = 0, seed: int = 0, merged: MergedSettings = MergedSettings()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        size_cpu_kv_cache(kv_cache_mib)
 
         self.model_dir = model_dir
         self._engine_args = engine_args(model_dir, dtype=dtype, max_model_len=max_model_len,
                                         max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
-                                        gpu_memory_utilization=gpu_memory_utilization, seed=seed)
+                                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_mib=kv_cache_mib,
+                                        seed=seed)
         self._engine = self._new_engine(
             enable_lora=True, max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
             worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension")

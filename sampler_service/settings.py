@@ -27,6 +27,10 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
     gpu_memory_utilization: float = setting(0.9, help="share of each GPU's memory the engine may take for weights "
                                                       "and KV cache (vLLM's --gpu-memory-utilization); on CPU the "
                                                       "KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead")
+    kv_cache_mib: int = setting(0, help="the engine's KV cache in MiB (vLLM's --kv-cache-memory-bytes; each merged "
+                                        "slot's engine has one too); 0: VLLM_CPU_KVCACHE_SPACE GiB on CPU (1 "
+                                        "unless set), what --gpu-memory-utilization leaves on a GPU. A CPU engine "
+                                        "zeroes its cache at start (~3 s per GiB on a 2-core VM)")
     register_with: list[str] = setting([], help="URL of a gateway's internal listener (its --internal-port) to "
                                                 "join the sampler pool of (repeatable); the replica heart-beats "
                                                 "there with the service token and leaves on a clean stop")

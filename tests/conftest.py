@@ -63,11 +63,18 @@ def tiny_model_dir(tmp_path_factory) -> str:
 # CPUs with AMX or AVX512-BF16 (and on GPUs), so every stack a test starts names its dtype, and
 # bf16 is tested on its own terms (tests/trainer/test_bf16_training.py).
 EXACT_DTYPE = ("--dtype", "float32")
+# A CPU sampler zeroes its whole KV cache at start: the default 1 GiB costs ~3 s of CPU per
+# engine on this 2-core VM, and the tiny model's longest batch (64 sequences x 1,024 tokens)
+# needs 32 MiB of it.
+TINY_KV_CACHE = ("--kv-cache-mib", "64")
+TINY_KV_CACHE_MIB = int(TINY_KV_CACHE[1])
 
 
 def exact_unless_named(flags: tuple[str, ...]) -> tuple[str, ...]:
-    """`flags`, with `--dtype float32` added unless they name a dtype."""
-    return flags if "--dtype" in flags else (*flags, *EXACT_DTYPE)
+    """`flags`, with `--dtype float32` added unless they name a dtype, and the tiny model's KV
+    cache unless they size one."""
+    flags = flags if "--dtype" in flags else (*flags, *EXACT_DTYPE)
+    return flags if "--kv-cache-mib" in flags else (*flags, *TINY_KV_CACHE)
 
 
 def stack_in_float32(model_dir: str, state, *flags: str):

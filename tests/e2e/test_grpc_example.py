@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from conftest import TINY_KV_CACHE
 from tinkerd import health
 from tinkerd.rpc import ServiceAuth
 
@@ -27,7 +28,8 @@ def _start(name: str, model_dir: str, state: pathlib.Path, token_file: str) -> s
     return subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", name, "--base-model", model_dir, "--state-dir", str(state),
          "--service-token-file", token_file, "--metrics-port", "0",
-         *(("--dtype", "float32") if name != "gateway" else ())],     # exact trainer = sampler (conftest.py)
+         *(("--dtype", "float32") if name != "gateway" else ()),      # exact trainer = sampler (conftest.py)
+         *(TINY_KV_CACHE if name == "sampler" else ())],
         stdout=subprocess.PIPE, stderr=open(state / f"{name}.log", "ab"), text=True, start_new_session=True)
 
 

@@ -17,7 +17,7 @@ import pytest
 import tinker
 from tinker import types
 
-from conftest import sft_data
+from conftest import TINY_KV_CACHE, sft_data
 from harness.stack import sampler_pool
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,7 @@ class Replica:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launcher.cli", "sampler", "--base-model", model_dir, "--state-dir", state,
              "--service-token-file", os.path.join(state, "service-token"), "--register-with", stack.internal_url,
-             "--max-model-len", "1024", "--dtype", "float32"],     # the stack's dtype (conftest.py)
+             "--max-model-len", "1024", "--dtype", "float32", *TINY_KV_CACHE],     # as the stack's (conftest.py)
             stdout=subprocess.PIPE, stderr=open(os.path.join(state, "logs", f"replica-{id(self)}.log"), "ab"),
             text=True, start_new_session=True)
         for line in self.proc.stdout:

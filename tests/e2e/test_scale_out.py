@@ -28,6 +28,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import TINY_KV_CACHE
 from harness.postgres import postgres
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -142,7 +143,7 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
     exact = ["--dtype", "float32"]           # trainer = sampler exactly (conftest.py)
 
     def replica(name: str) -> Service:
-        return Service(name, [*tinkerd, "sampler", *common, *exact, "--merged-slots", "0", "--register-with",
+        return Service(name, [*tinkerd, "sampler", *common, *exact, *TINY_KV_CACHE, "--merged-slots", "0", "--register-with",
                               internal_urls[0], "--register-with", internal_urls[1]], logs, env)
 
     services: list[Service] = []

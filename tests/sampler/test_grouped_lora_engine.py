@@ -10,7 +10,9 @@ import os
 import pytest
 import torch
 
+from conftest import TINY_KV_CACHE_MIB
 from harness.models import build_lora_adapter
+from sampler_service.engine import size_cpu_kv_cache
 
 TOL = 1e-4
 PROMPTS = [[5, 17, 300, 42, 9, 88, 120, 7], [11, 12, 13, 14, 15, 16], [900, 4, 60, 61, 62, 63, 64, 65, 66],
@@ -20,7 +22,7 @@ PROMPTS = [[5, 17, 300, 42, 9, 88, 120, 7], [11, 12, 13, 14, 15, 16], [900, 4, 6
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tmp_path_factory):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    size_cpu_kv_cache(TINY_KV_CACHE_MIB)
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
@@ -29,6 +31,7 @@ def engine(tiny_model_dir, tmp_path_factory):
                 for r in (8, 16, 64)}
     llm = LLM(model=tiny_model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
               enable_lora=True, max_lora_rank=64, max_loras=4, max_num_seqs=16,
+              kv_cache_memory_bytes=TINY_KV_CACHE_MIB << 20,
               worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension")
     llm.collective_rpc("tinkerd_install_lora_fixes")
     yield llm, requests

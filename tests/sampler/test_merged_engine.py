@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from conftest import TINY_KV_CACHE_MIB
 from harness.models import build_lora_adapter
 from sampler_service.merged import read_adapter
 
@@ -33,7 +34,7 @@ def adapters(adapter_dirs):
 
 def _engine(model_dir: str, dtype: str, **merged):
     from sampler_service.engine import MergedSettings, SamplerEngine
-    return SamplerEngine(model_dir, dtype=dtype, max_model_len=256, max_num_seqs=16,
+    return SamplerEngine(model_dir, dtype=dtype, max_model_len=256, max_num_seqs=16, kv_cache_mib=TINY_KV_CACHE_MIB,
                          merged=MergedSettings(**merged))
 
 

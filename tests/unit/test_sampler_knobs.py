@@ -1,6 +1,6 @@
-"""vLLM's scale knobs (--tensor-parallel-size, --gpu-memory-utilization, --max-num-seqs) reach the
-engine: from `tinkerd sampler`'s flags (and `tinkerd up`'s, through each replica's command line)
-to the real vllm.EngineArgs the replica's engine is built from. The engine itself is not started
+"""vLLM's scale knobs (--tensor-parallel-size, --gpu-memory-utilization, --max-num-seqs,
+--kv-cache-mib) reach the engine: from `tinkerd sampler`'s flags (and `tinkerd up`'s, through each
+replica's command line) to the real vllm.EngineArgs the replica's engine is built from. The engine itself is not started
 (that is what every e2e test does): its constructor is stopped once it has the EngineArgs. A
 tensor-parallel size this machine cannot run ends `tinkerd sampler` and `tinkerd up` at once,
 with the reason."""
@@ -13,7 +13,8 @@ import pytest
 from launcher import cli, up
 from tinkerd import settings
 
-KNOBS = ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.55", "--max-num-seqs", "12"]
+KNOBS = ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.55", "--max-num-seqs", "12",
+         "--kv-cache-mib", "48"]
 
 
 class _Built(Exception):
@@ -47,6 +48,8 @@ def test_the_sampler_flags_reach_vllms_engine_args(monkeypatch, tmp_path):
     assert isinstance(engine_args, EngineArgs)
     assert (engine_args.tensor_parallel_size, engine_args.gpu_memory_utilization, engine_args.max_num_seqs) == \
         (2, 0.55, 12)
+    # The KV cache's size: vLLM would take VLLM_CPU_KVCACHE_SPACE's whole GiB over it on CPU.
+    assert engine_args.kv_cache_memory_bytes == 48 << 20 and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     assert engine_args.model == str(tmp_path) and engine_args.enable_lora
 
 
