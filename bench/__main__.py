@@ -95,7 +95,7 @@ def run_here(ctx: Context, names: list[str]) -> tuple[list[Row], list[str]]:
     rows and notes in the order of `names`."""
     got: dict[str, tuple[list[Row], list[str]]] = {}
     flags = [f for n in names for f in getattr(importlib.import_module(f"bench.{n}"), "QUICK_STACK_FLAGS", ())]
-    ctx.shared = SharedStack(ctx.models["tiny"], new_dir(ctx, "shared"), tuple(flags))
+    ctx.shared = SharedStack(ctx.models["tiny"], new_dir(ctx, "shared"), ctx.stack_flags(ctx.models["tiny"], tuple(flags)))
     try:
         for name in sorted(names, key=lambda n: DEEPSPEED_FIRST.index(n) if n in DEEPSPEED_FIRST else len(names)):
             t0 = time.monotonic()

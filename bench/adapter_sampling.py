@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from bench.common import Context, Row, new_dir, rss_mib
+from bench.common import Context, Row, new_dir, raw_kv_cache, rss_mib
 
 PROMPT_LEN, MAX_TOKENS, N_SEQS, RANKS = 16, 64, 8, (8, 32)
 
@@ -35,12 +35,12 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(5, 1000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(n)]
 
 
-def _engine(model_dir: str, max_lora_rank: int = 0, max_loras: int = 0):
+def _engine(model_dir: str, max_lora_rank: int = 0, max_loras: int = 0, kv_cache_mib: int = 0):
     """vllm.LLM as the sampler configures it; LoRA off when max_loras is 0."""
     from vllm import LLM
     lora = dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=max_loras) if max_loras else {}
     return LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=64,
-               seed=0, **lora)
+               seed=0, **lora, **raw_kv_cache(kv_cache_mib))
 
 
 def _ops(grouped: bool) -> None:
@@ -71,11 +71,11 @@ def _runner(llm, grouped: bool, prompts, max_tokens: int, adapter: str, seen: di
     return run
 
 
-def measure(model_dir: str, adapter: str, rank: int, prompts, max_tokens: int, rounds: int) -> tuple[dict, dict]:
+def measure(model_dir: str, adapter: str, rank: int, prompts, max_tokens: int, rounds: int,
+            kv_cache_mib: int = 0) -> tuple[dict, dict]:
     """Median tokens/s of raw, vllm-64 and ours-64 (rounds in turn), and each one's greedy tokens."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    raw, ours = _engine(model_dir, rank, 1), _engine(model_dir, 64, 4)
+    raw, ours = _engine(model_dir, rank, 1, kv_cache_mib), _engine(model_dir, 64, 4, kv_cache_mib)
     seen: dict = {}
     runs = {"raw": _runner(raw, False, prompts, max_tokens, adapter, seen, "raw"),
             "vllm-64": _runner(ours, False, prompts, max_tokens, adapter, seen, "vllm-64"),
@@ -95,7 +95,7 @@ def _rows(name: str, model_dir: str, ctx: Context, rank: int) -> list[Row]:
 
     adapter = str(build_lora_adapter(model_dir, new_dir(ctx, f"adapter-{name}-r{rank}"), rank=rank))
     n, max_tokens = (2, 8) if ctx.quick else (N_SEQS, MAX_TOKENS)
-    tps, seen = measure(model_dir, adapter, rank, _prompts(n), max_tokens, ctx.iters(3, 1))
+    tps, seen = measure(model_dir, adapter, rank, _prompts(n), max_tokens, ctx.iters(3, 1), ctx.kv_cache_mib(model_dir))
     same = "identical" if seen["ours-64"] == seen["vllm-64"] == seen["raw"] else "DIFFER"
     case = f"{name}: rank-{rank} adapter, {n}x{max_tokens} tokens, max_lora_rank 64 / max_loras 4"
     return [
@@ -107,7 +107,8 @@ def _rows(name: str, model_dir: str, ctx: Context, rank: int) -> list[Row]:
     ]
 
 
-def measure_merged(model_dir: str, adapters: list[str], prompts, max_tokens: int, rounds: int) -> dict:
+def measure_merged(model_dir: str, adapters: list[str], prompts, max_tokens: int, rounds: int,
+                   kv_cache_mib: int = 0) -> dict:
     """Tokens/s of a promoted snapshot through SamplerEngine and of raw vLLM on the base model
     (medians of alternating rounds), the promotion and re-merge latencies, RSS and greedy tokens."""
     from vllm import SamplingParams
@@ -116,7 +117,7 @@ def measure_merged(model_dir: str, adapters: list[str], prompts, max_tokens: int
     from sampler_service.merged import read_adapter
 
     rss0 = rss_mib(os.getpid())
-    ours = SamplerEngine(model_dir, dtype="float32", max_model_len=1024, max_num_seqs=64,
+    ours = SamplerEngine(model_dir, dtype="float32", max_model_len=1024, max_num_seqs=64, kv_cache_mib=kv_cache_mib,
                          merged=MergedSettings(slots=1, window=1, share=0.5, min_requests=1))
     rss_lora = rss_mib(os.getpid())
     for i, path in enumerate(adapters):
@@ -135,7 +136,7 @@ def measure_merged(model_dir: str, adapters: list[str], prompts, max_tokens: int
     rss_merged = rss_mib(os.getpid())
     remerge = promote("s1") if len(adapters) > 1 else float("nan")
     hot = f"s{len(adapters) - 1}"
-    raw = _engine(model_dir)
+    raw = _engine(model_dir, kv_cache_mib=kv_cache_mib)
     inputs = [{"prompt_token_ids": p} for p in prompts]
 
     def run_ours() -> float:
@@ -174,7 +175,7 @@ def _merged_rows(name: str, model_dir: str, ctx: Context) -> list[Row]:
     adapters = [str(build_lora_adapter(model_dir, new_dir(ctx, f"adapter-{name}-merged{i}"), rank=8, seed=i))
                 for i in range(2)]
     n, max_tokens = (2, 8) if ctx.quick else (N_SEQS, MAX_TOKENS)
-    r = measure_merged(model_dir, adapters, _prompts(n), max_tokens, ctx.iters(3, 1))
+    r = measure_merged(model_dir, adapters, _prompts(n), max_tokens, ctx.iters(3, 1), ctx.kv_cache_mib(model_dir))
     return [Row("adapter_sampling", f"{name}: hot rank-8 snapshot served merged, {n}x{max_tokens} tokens",
                 r["merged"], r["raw"], "tok/s", ratio=r["merged"] / r["raw"], target=">= 0.9",
                 note=(f"raw: vLLM without LoRA on the base model; promotion {r['promote_s']:.1f} s (slot engine "

@@ -112,7 +112,7 @@ def _promoted(sampler, snapshot_id: str, seq: list[int]) -> None:
 
 
 def measure(model_dir: str, *, texts: int, steps: int, lr: float = LR, rank: int = RANK,
-            merged: bool = False) -> dict[str, Gap]:
+            merged: bool = False, kv_cache_mib: int = 0) -> dict[str, Gap]:
     """Gaps keyed "untrained" / "trained" (cpu_numerics on) and "untrained-before" /
     "trained-before" (a trainer with transformers' own rounding, trained alike); with `merged`
     only "untrained-merged" and "trained-merged": the snapshots served from merged weights (merged.py), as the
@@ -133,6 +133,7 @@ def measure(model_dir: str, *, texts: int, steps: int, lr: float = LR, rank: int
     # for is promoted at once.
     settings = MergedSettings(slots=1, window=1, share=0.5, min_requests=1) if merged else MergedSettings()
     sampler = SamplerEngine(model_dir, dtype="bfloat16", max_model_len=256, max_num_seqs=16, max_lora_rank=rank,
+                            kv_cache_mib=kv_cache_mib,
                             merged=settings)
     adam = AdamParams(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
     gaps: dict[str, Gap] = {}
@@ -158,7 +159,7 @@ def measure(model_dir: str, *, texts: int, steps: int, lr: float = LR, rank: int
 
 def _rows(name: str, model_dir: str, ctx: Context) -> list[Row]:
     texts, steps = (2, 2) if ctx.quick else (len(TEXTS), STEPS)
-    gaps = measure(model_dir, texts=texts, steps=steps)
+    gaps = measure(model_dir, texts=texts, steps=steps, kv_cache_mib=ctx.kv_cache_mib(model_dir))
     rows = []
     for stage, what in (("untrained", "untrained rank-16 adapter (the base model)"),
                         ("trained", f"after {steps} SFT steps at lr {LR:g}")):
@@ -171,7 +172,7 @@ def _rows(name: str, model_dir: str, ctx: Context) -> list[Row]:
                 note=f"before: max {before.max:.4f}"),
         ]
     # Also in the quick run: the merged path's code stays exercised (~10 s on the tiny model).
-    merged = measure(model_dir, texts=texts, steps=steps, merged=True)
+    merged = measure(model_dir, texts=texts, steps=steps, merged=True, kv_cache_mib=ctx.kv_cache_mib(model_dir))
     g = merged["trained-merged"]
     case = f"{name} bf16: after {steps} SFT steps, a hot snapshot served from merged weights, {g.tokens} tokens"
     note = ("merged.py rounds W + scale*B@A to bf16 (deltas under half a bf16 step of W vanish); "

@@ -65,6 +65,12 @@ class SharedStack:
         self._exit.close()
 
 
+# The quick run's engines on the tiny model, ours and raw vLLM alike, size their KV cache for it
+# (its longest batch, 64 x 1,024 tokens, needs 32 MiB): a CPU engine zeroes the whole cache at
+# start, and the default 1 GiB costs 4-6 s of CPU per engine on 2 cores.
+QUICK_TINY_KV_CACHE_MIB = 64
+
+
 @dataclasses.dataclass
 class Context:
     quick: bool                     # a few iterations, for the smoke test
@@ -75,11 +81,29 @@ class Context:
     def iters(self, full: int, quick: int = 2) -> int:
         return quick if self.quick else full
 
+    def kv_cache_mib(self, model_dir: str) -> int:
+        """The KV cache of every engine on `model_dir` in this run, in MiB (0: the default, 1 GiB on CPU)."""
+        return QUICK_TINY_KV_CACHE_MIB if self.quick and model_dir == self.models.get("tiny") else 0
+
+    def stack_flags(self, model_dir: str, flags: tuple[str, ...]) -> tuple[str, ...]:
+        """`flags` of a `tinkerd up` on `model_dir`, with this run's KV cache unless they size one."""
+        mib = self.kv_cache_mib(model_dir)
+        return flags if not mib or "--kv-cache-mib" in flags else (*flags, "--kv-cache-mib", str(mib))
+
+
+def raw_kv_cache(kv_cache_mib: int) -> dict:
+    """vllm.LLM's arguments for a KV cache of `kv_cache_mib` (0: the default), sized as our sampler sizes it."""
+    from sampler_service.engine import size_cpu_kv_cache
+
+    size_cpu_kv_cache(kv_cache_mib)
+    return {"kv_cache_memory_bytes": kv_cache_mib << 20} if kv_cache_mib else {}
+
 
 @contextlib.contextmanager
 def tinkerd_up(ctx: Context, name: str, model_dir: str, *flags: str) -> Iterator[Stack]:
     """`tinkerd up` on `model_dir` with `flags` in a fresh state dir, stopped after; in the quick
     run the shared stack instead when it has every flag asked for."""
+    flags = ctx.stack_flags(model_dir, flags)
     if ctx.shared is not None and ctx.shared.serves(model_dir, flags):
         yield ctx.shared.get()
         return

@@ -70,8 +70,10 @@ def measure(ctx: Context, name: str, model_dir: str, prompts: list[list[int]],
         run = api_generate(stack.url, model_dir, prompts, MAX_TOKENS)
         run()                                                         # warm-up
         one = [run() for _ in range(rounds)]
-        # The quick run's shared stack is fp32 whatever `auto` is here: the replica runs what it runs.
-        proc, address = _join(stack, model_dir, *(SharedStack.DTYPE if ctx.shared is not None else ()))
+        # The quick run's shared stack is fp32 whatever `auto` is here: the replica runs what it runs,
+        # with the run's KV cache.
+        proc, address = _join(stack, model_dir, *ctx.stack_flags(
+            model_dir, SharedStack.DTYPE if ctx.shared is not None else ()))
         try:
             run()                                                     # the new replica's warm-up
             before = {a: m["served"] for a, m in sampler_pool(stack).items()}

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from bench.common import Context, Row, alternately, tinkerd_up
+from bench.common import Context, Row, alternately, raw_kv_cache, tinkerd_up
 
 PROMPT_LEN, MAX_TOKENS = 16, 32
 
@@ -24,13 +24,13 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(5, 1000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(n)]
 
 
-def raw_generate(model_dir: str, prompts: list[list[int]]):
+def raw_generate(model_dir: str, prompts: list[list[int]], kv_cache_mib: int = 0):
     """vllm.LLM in this process; returns a function that generates all prompts, giving tokens/s."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=64, seed=0)
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=64, seed=0,
+              **raw_kv_cache(kv_cache_mib))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
 
@@ -62,7 +62,8 @@ def side_by_side(ctx: Context, name: str, model_dir: str, prompts: list[list[int
     """(ours, raw) median tokens/s, rounds alternating so machine noise hits both alike (the idle
     side waits: the stack's sampler blocks on its inbox, the raw engine is not called)."""
     with tinkerd_up(ctx, f"sampling-{name}", model_dir) as stack:
-        return alternately(api_generate(stack.url, model_dir, prompts), raw_generate(model_dir, prompts), rounds)
+        return alternately(api_generate(stack.url, model_dir, prompts),
+                           raw_generate(model_dir, prompts, ctx.kv_cache_mib(model_dir)), rounds)
 
 
 NOTES = [

@@ -98,8 +98,7 @@ def _rows(ctx: Context, name: str, model: str) -> list[Row]:
         save_s = save_and_client()
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        llm = adapter_sampling._engine(model, RANK, 1)
+        llm = adapter_sampling._engine(model, RANK, 1, ctx.kv_cache_mib(model))
         raw_sample = adapter_sampling._runner(llm, False, [prompt] * n, max_tokens, _persisted_adapter(stack.state_dir, model_id),
                                               {}, "raw", temperature=1.0)
         tokens: list[int] = []
