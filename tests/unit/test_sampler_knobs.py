@@ -92,3 +92,15 @@ def test_merged_serving_is_on_by_default_in_float32_only():
     assert server._merged_slots(base, "bfloat16") == 0 and server._merged_slots(base, "float16") == 0
     assert server._merged_slots(dataclasses.replace(base, merged_slots=2), "bfloat16") == 2
     assert server._merged_slots(dataclasses.replace(base, merged_slots=0), "float32") == 0
+
+
+def test_tinkerd_up_checks_one_rank_without_importing_torch():
+    """`tinkerd up` checks the size before it starts anything; the default, 1, runs anywhere, and
+    importing torch to count GPUs cost every `tinkerd up` ~2.5 s of CPU before its children started."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from launcher import up; up.sampler_server.check_parallelism_or_exit(1); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
