@@ -1,16 +1,107 @@
-"""Should forward_backward of several models run as one pass? The measurement that decides.
+"""Should forward_backward of several models run as one pass? The measurements that decide.
 
-On the trainer engine in this process: two models' forward_backward calls of B sequences each,
-run one after the other (what tinkerd does), against one forward_backward of all 2B sequences
-(the best one mixed-adapter pass could do: same tokens, one pass, no per-adapter grouping).
-The ratio is the most batching across models could gain.
+1. Upper bound, on the trainer engine in this process: two models' forward_backward calls of B
+   sequences each, run one after the other (what tinkerd does), against one forward_backward of
+   all 2B sequences (the best one mixed-adapter pass could do: same tokens, one pass, no
+   per-adapter grouping). The ratio is the most batching across models could gain.
+2. A prototype of the design that would make aggregate throughput grow with tenants: K tenants'
+   micro-batches in one base forward/backward, every targeted Linear of the base model wrapped
+   in `RowLora` (the frozen Linear once over all rows, then each tenant's rows through its own
+   A and B: segments, as multi-LoRA serving does for sampling). K passes of B sequences against
+   one pass of K*B, the same modules either way; each tenant's gradients from the joint pass are
+   checked against its own pass. Not the engine: no DeepSpeed, no optimizer (each tenant's AdamW
+   would still step on its own), fp32 only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from bench.common import Context, Row, median_time
+from bench.common import Context, Row, in_turn, median_time, seconds
+
+TENANTS = (2, 4, 8)
+BATCH, LENGTH, RANK = 4, 64, 16
+
+
+class RowLora(torch.nn.Module):
+    """A frozen Linear and `tenants` LoRA adapters; the rows of the batch in `segments[i] =
+    (tenant, first, end)` go through that tenant's adapter (the segments object is shared by
+    every layer of the model and set before each pass)."""
+
+    def __init__(self, base: torch.nn.Linear, tenants: int, rank: int, scale: float, segments: list,
+                 generator: torch.Generator):
+        super().__init__()
+        self.base, self.scale, self.segments = base, scale, segments
+        # B is random too (not PEFT's zeros), so that every A gets a gradient to compare
+        self.lora_a = torch.nn.ParameterList(
+            torch.nn.Parameter(0.01 * torch.randn(rank, base.in_features, generator=generator))
+            for _ in range(tenants))
+        self.lora_b = torch.nn.ParameterList(
+            torch.nn.Parameter(0.01 * torch.randn(base.out_features, rank, generator=generator))
+            for _ in range(tenants))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = torch.cat([(x[first:end] @ self.lora_a[k].T) @ self.lora_b[k].T
+                           for k, first, end in self.segments])
+        return self.base(x) + self.scale * delta
+
+
+def row_lora_model(model_dir: str, tenants: int) -> tuple[torch.nn.Module, list]:
+    """The base model with every Linear tinkerd targets by default (attention, MLP, lm_head)
+    wrapped in RowLora; returns it and the segments list its layers share."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer_service.lora import LORA_ALPHA, linear_groups
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.requires_grad_(False)
+    targets = {leaf for leaves in linear_groups(model).values() for leaf in leaves}
+    segments, generator = [], torch.Generator().manual_seed(0)
+    for qualified, module in list(model.named_modules()):
+        parent, _, leaf = qualified.rpartition(".")
+        if isinstance(module, torch.nn.Linear) and leaf in targets:
+            wrapped = RowLora(module, tenants, RANK, LORA_ALPHA / RANK, segments, generator)
+            setattr(model.get_submodule(parent) if parent else model, leaf, wrapped)
+    return model, segments
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def prototype_row(name: str, model_dir: str, tenants: int, rounds: int) -> Row:
+    model, segments = row_lora_model(model_dir, tenants)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, min(1000, model.config.vocab_size), (tenants * BATCH, LENGTH + 1), generator=gen)
+    ids, targets = tokens[:, :-1], tokens[:, 1:]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def separate():
+        for k in range(tenants):
+            rows = slice(k * BATCH, (k + 1) * BATCH)
+            segments[:] = [(k, 0, BATCH)]
+            _loss(model, ids[rows], targets[rows]).backward()
+
+    def joint():
+        segments[:] = [(k, k * BATCH, (k + 1) * BATCH) for k in range(tenants)]
+        _loss(model, ids, targets).backward()
+
+    def grads_after(run) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        run()
+        return [p.grad.clone() for p in params]
+
+    worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                for a, b in zip(grads_after(separate), grads_after(joint)))
+    t_separate, t_joint = in_turn([lambda: seconds(separate), lambda: seconds(joint)], rounds)
+    gain = t_separate / t_joint
+    return Row("batching", f"{name}: prototype, {tenants} tenants x {BATCH}x{LENGTH} tokens, rank {RANK}, "
+                           f"one pass with per-row LoRA vs a pass per tenant (forward + backward)",
+               1e3 * t_joint, 1e3 * t_separate, "ms", ratio=gain,
+               note=f"aggregate tokens/s x{gain:.2f}; each tenant's gradients as from its own pass within "
+                    f"{worst:.1e} of their largest (float32 summation order)")
 
 
 def run(ctx: Context) -> list[Row]:
@@ -47,4 +138,6 @@ def run(ctx: Context) -> list[Row]:
         for m in ("a", "b"):
             engine.delete_model(m)
         del engine
+        for tenants in (TENANTS[:1] if ctx.quick else TENANTS):
+            rows.append(prototype_row(name, model, tenants, ctx.iters(5 if name == "tiny" else 3, 1)))
     return rows

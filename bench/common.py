@@ -146,7 +146,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def check(ratio: float, target: str) -> bool:
     op, value = target.split()
-    return ratio >= float(value) if op == ">=" else ratio <= float(value)
+    return {">=": ratio >= float(value), ">": ratio > float(value), "<=": ratio <= float(value)}[op]
 
 
 def tiny_model(work_dir: str) -> str:

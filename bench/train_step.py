@@ -1,10 +1,13 @@
-"""Training step through the API vs the raw DeepSpeed engine, in fp32 and bf16.
+"""Training step through the API vs the raw DeepSpeed engine and plain PyTorch, in fp32 and bf16.
 
-Ours: warm forward_backward + optim_step through the SDK against `tinkerd up --dtype D`.
+Ours: warm forward_backward + optim_step through the SDK against `tinkerd up --dtype D`, one
+step at a time (submitted, then waited for), and PIPELINED steps submitted at once, as a client
+that does not wait for each step's metrics does (per step).
 Raw: in this process, the same model in the same dtype with the same LoRA (PEFT; its weights fp32
 as PEFT keeps them, as in tinkerd) under a DeepSpeed ZeRO-2 engine with torch AdamW, on the same
 batch: forward, cross-entropy sum, engine.backward, engine.step; PyTorch's own kernels.
-Measured alternately, step by step, so noise on this shared machine hits both alike. The trainer
+Plain: the same LoRA with no DeepSpeed, torch AdamW (bench/trainer_only.plain_step).
+Measured in turn, step by step, so noise on this shared machine hits all alike. The trainer
 is alone on the machine here (the sampler idles), so both get every core (issue 14): the stack
 through OMP_NUM_THREADS, the raw engine through torch.set_num_threads.
 """
@@ -15,10 +18,11 @@ import os
 
 import torch
 
-from bench.common import Context, Row, alternately, seconds, tinkerd_up
+from bench.common import Context, Row, in_turn, seconds, tinkerd_up
 
 RANK = 16
 BATCH, LENGTH = 4, 64
+PIPELINED = 4       # steps submitted at once
 THREADS = os.cpu_count() or 1
 DTYPES = ("float32", "bfloat16")
 
@@ -57,7 +61,20 @@ def raw_step(model_dir: str, sequences: list[list[int]], dtype: str = "float32",
     return step
 
 
-def api_step(url: str, model_dir: str, sequences: list[list[int]]):
+def plain_step(model_dir: str, sequences: list[list[int]], dtype: str):
+    """Plain PyTorch + PEFT's step on the same model, batch and LoRA (no DeepSpeed)."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.trainer_only import Setup, plain_step as step_of
+
+    setup = Setup(device="cuda" if torch.cuda.is_available() else "cpu", dtype=dtype, batch=BATCH, length=LENGTH,
+                  rank=RANK)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(setup.device)
+    return step_of(base, sequences, setup)
+
+
+def api_steps(url: str, model_dir: str, sequences: list[list[int]]):
+    """(one step, then wait; PIPELINED steps submitted at once, then wait for all) through the SDK."""
     import tinker
     from tinker import types
 
@@ -72,7 +89,14 @@ def api_step(url: str, model_dir: str, sequences: list[list[int]]):
         op = tc.optim_step(adam)
         fb.result()
         op.result()
-    return step
+
+    def pipelined():
+        futures = []
+        for _ in range(PIPELINED):
+            futures += [tc.forward_backward(data, "cross_entropy"), tc.optim_step(adam)]
+        for future in futures:
+            future.result()
+    return step, pipelined
 
 
 def dtype_flags(dtype: str) -> tuple[str, ...]:
@@ -89,12 +113,15 @@ def use_threads(n: int) -> None:
 
 
 def side_by_side(ctx: Context, name: str, model_dir: str, sequences: list[list[int]], iters: int,
-                 dtype: str = "float32", warmup: int = 2) -> tuple[float, float]:
-    """(ours, raw) median seconds, measured alternately so both see the same machine: the raw
-    engine runs in this process while the idle stack waits (~3% of a core), and the other way."""
+                 dtype: str = "float32", warmup: int = 2) -> tuple[float, float, float, float]:
+    """Median seconds per step of (ours one at a time, ours pipelined, raw DeepSpeed, plain),
+    measured in turn so all see the same machine: the raw engines run in this process while the
+    idle stack waits (~3% of a core), and the other way."""
     with tinkerd_up(ctx, f"train-{name}-{dtype}", model_dir, *dtype_flags(dtype)) as stack:
-        ours_step, raw = api_step(stack.url, model_dir, sequences), raw_step(model_dir, sequences, dtype)
-        return alternately(lambda: seconds(ours_step), lambda: seconds(raw), iters, warmup=warmup)
+        one, pipelined = api_steps(stack.url, model_dir, sequences)
+        raw, plain = raw_step(model_dir, sequences, dtype), plain_step(model_dir, sequences, dtype)
+        return tuple(in_turn([lambda: seconds(one), lambda: seconds(pipelined) / PIPELINED,
+                              lambda: seconds(raw), lambda: seconds(plain)], iters, warmup))
 
 
 NOTES = [
@@ -117,15 +144,20 @@ NOTES = [
 ]
 
 
-def _row(ctx: Context, name: str, model: str, dtype: str) -> Row:
+def _rows(ctx: Context, name: str, model: str, dtype: str) -> list[Row]:
     from transformers import AutoConfig
 
     sequences = _batch(AutoConfig.from_pretrained(model).vocab_size)
     slow_raw = dtype != "float32" and name != "tiny"        # raw bf16 SmolLM2: ~1 min a step on AVX2
     iters = ctx.iters(2 if slow_raw else 15 if name == "tiny" else 8)
-    ours, raw = side_by_side(ctx, name, model, sequences, iters, dtype, warmup=1 if slow_raw else 2)
-    return Row("train_step", f"{name} {dtype}: fwd_bwd+optim, {BATCH}x{LENGTH} tokens, rank {RANK}, {THREADS} threads",
-               1e3 * ours, 1e3 * raw, "ms", ratio=raw / ours, target=">= 0.9")
+    one, pipelined, raw, plain = side_by_side(ctx, name, model, sequences, iters, dtype,
+                                              warmup=1 if slow_raw else 2)
+    case = f"{name} {dtype}: fwd_bwd+optim, {BATCH}x{LENGTH} tokens, rank {RANK}, {THREADS} threads"
+    return [Row("train_step", case, 1e3 * one, 1e3 * raw, "ms", ratio=raw / one, target=">= 0.9"),
+            Row("train_step", f"{case}; raw = plain PyTorch + PEFT", 1e3 * one, 1e3 * plain, "ms",
+                ratio=plain / one, target=">= 0.9"),
+            Row("train_step", f"{case}; {PIPELINED} steps submitted at once, per step (raw = one at a time)",
+                1e3 * pipelined, 1e3 * one, "ms", ratio=one / pipelined, target=">= 1")]
 
 
 def run(ctx: Context) -> list[Row]:
@@ -133,4 +165,4 @@ def run(ctx: Context) -> list[Row]:
     # The smoke run (--quick) skips bf16: the same code path with another dtype, and a second stack
     # start; tests/trainer/test_bf16_training.py trains in bf16 in CI.
     dtypes = DTYPES[:1] if ctx.quick else DTYPES
-    return [_row(ctx, name, model, dtype) for name, model in ctx.models.items() for dtype in dtypes]
+    return [row for name, model in ctx.models.items() for dtype in dtypes for row in _rows(ctx, name, model, dtype)]

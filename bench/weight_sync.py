@@ -7,6 +7,9 @@
 2. Adapter sync latency through the SDK: `save_weights_and_get_sampling_client()` for a rank-8
    and a rank-32 adapter (gather under ZeRO, announce over gRPC, stream, register in vLLM),
    the time a user waits before sampling the new weights.
+3. The transport, same host (full run only: a second stack): a rank-32 adapter's sync through a
+   stack that picks shared memory (the default on one host) against one told to use gloo
+   (`--weight-transport gloo`), syncs taken in turn.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 
 import torch
 
-from bench.common import Context, Row, tinkerd_up
+from bench.common import Context, Row, in_turn, tinkerd_up
 from tinkerd import weight_stream
 
 CHUNK_BYTES = 16 << 20     # staging chunks: small enough that packing the first one costs little
@@ -97,28 +100,64 @@ def phases_ms(state_dir: str, model_id: str, skip: int = 1) -> dict[str, float]:
     return out
 
 
-def adapter_sync_ms(ctx: Context, name: str, model_dir: str, ranks: tuple[int, ...],
-                    trials: int) -> dict[int, tuple[float, dict[str, float]]]:
-    """Per rank: the median ms a user waits, and the median of each push phase."""
+def _trained_client(stack, model_dir: str, rank: int):
+    """A training client of a `rank` adapter after one step, its first sync done (it forms the link)."""
     import tinker
     from tinker import types
 
+    service = tinker.ServiceClient(base_url=stack.url, api_key=stack.api_key)    # two stacks may be up
+    tc = service.create_lora_training_client(base_model=model_dir, rank=rank, seed=0).result()
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+                        loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    tc.save_weights_and_get_sampling_client().result()
+    return tc
+
+
+def _sync_seconds(tc) -> float:
+    t0 = time.perf_counter()
+    tc.save_weights_and_get_sampling_client().result()
+    return time.perf_counter() - t0
+
+
+def adapter_sync_ms(ctx: Context, name: str, model_dir: str, ranks: tuple[int, ...],
+                    trials: int) -> dict[int, tuple[float, dict[str, float]]]:
+    """Per rank: the median ms a user waits, and the median of each push phase."""
     out = {}
     with tinkerd_up(ctx, f"sync-{name}", model_dir) as stack:
-        service = tinker.ServiceClient(base_url=stack.url)
         for rank in ranks:
-            tc = service.create_lora_training_client(base_model=model_dir, rank=rank, seed=0).result()
-            datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
-                                loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
-            tc.forward_backward([datum], "cross_entropy").result()
-            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-            times = []
-            for i in range(trials + 1):
-                t0 = time.perf_counter()
-                tc.save_weights_and_get_sampling_client().result()
-                times.append(time.perf_counter() - t0)
-            out[rank] = 1e3 * statistics.median(times[1:]), phases_ms(stack.state_dir, tc.model_id)
+            tc = _trained_client(stack, model_dir, rank)
+            ms = 1e3 * statistics.median(_sync_seconds(tc) for _ in range(trials))
+            out[rank] = ms, phases_ms(stack.state_dir, tc.model_id)
     return out
+
+
+TRANSPORT_RANK = 32
+PAUSE_S = 0.5       # between syncs: each one's persisted copy is written after its reply, at nice 10
+
+
+def transport_row(ctx: Context, name: str, model_dir: str, trials: int) -> Row:
+    """A rank-32 adapter's sync over shared memory (chosen by itself) against gloo (forced), two
+    stacks on the same cores, one sync of each in turn."""
+    from harness.stack import sampler_pool
+
+    with tinkerd_up(ctx, f"shm-{name}", model_dir) as shm, \
+            tinkerd_up(ctx, f"gloo-{name}", model_dir, "--weight-transport", "gloo") as gloo:
+        clients = [_trained_client(stack, model_dir, TRANSPORT_RANK) for stack in (shm, gloo)]
+        chosen = [{m["weight_transport"] for m in sampler_pool(stack).values()} for stack in (shm, gloo)]
+        assert chosen == [{"shm"}, {"gloo"}], chosen
+
+        def measure(tc):
+            return lambda: (time.sleep(PAUSE_S), _sync_seconds(tc))[1]
+
+        ours, raw = in_turn([measure(tc) for tc in clients], trials)
+        phases = [phases_ms(stack.state_dir, tc.model_id) for stack, tc in zip((shm, gloo), clients)]
+    note = "; ".join(f"{t}: send {p.get('send', 0):.0f} ms, commit {p.get('commit', 0):.0f} ms"
+                     for t, p in zip(("shm", "gloo"), phases))
+    return Row("weight_sync", f"{name}: rank-{TRANSPORT_RANK} adapter sync, shared memory vs gloo on one host "
+                              f"(syncs {PAUSE_S} s apart)",
+               1e3 * ours, 1e3 * raw, "ms", ratio=raw / ours, target="> 1", note=note)
 
 
 NOTES = [
@@ -148,4 +187,6 @@ def run(ctx: Context) -> list[Row]:
             note = "median ms: " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
             rows.append(Row("weight_sync", f"{name}: rank-{rank} adapter, save_weights_and_get_sampling_client",
                             ms, None, "ms", target="<= 100" if (name == "smollm2" and rank == 32) else "", note=note))
+        if not ctx.quick:
+            rows.append(transport_row(ctx, name, model, ctx.iters(15)))
     return rows

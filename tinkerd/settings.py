@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...]
             kwargs["default"] = default
             if default not in (None, []):
                 kwargs["help"] += f" (default: {default})"
+        if field.metadata.get("choices"):
+            kwargs["choices"] = field.metadata["choices"]
         if kind is list:
             kwargs["action"] = "append"      # onto None, not onto the shared default list
             kwargs["default"] = None
@@ -70,8 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...]
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = kind
-            if field.metadata.get("choices"):
-                kwargs["choices"] = field.metadata["choices"]
         parser.add_argument(flag_name(field), **kwargs)
 
 

@@ -38,7 +38,7 @@ def serve(s: TrainerSettings) -> None:
     metrics.RESIDENT_MODELS.set_function(lambda: len(engine.models.ids()))
     serve_metrics(s, s.listen, "trainer")
     servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
-                               auth=auth)
+                               auth=auth, weight_transports=s.weight_transports)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     health = ServiceHealth(server, "tinkerd.v1.Trainer")
     engine.ranks.on_broken.append(health.broken)       # a lost rank: NOT_SERVING at once

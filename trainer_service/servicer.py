@@ -15,7 +15,7 @@ import os
 import threading
 import time
 
-from tinkerd import paths
+from tinkerd import paths, weight_transport
 from tinkerd.errors import UserError
 from tinkerd.rpc import ServiceAuth, rpc_boundary
 from tinkerd.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
@@ -35,14 +35,15 @@ SAVE_KINDS = ("weights", "external_weights")
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, engine: TrainerEngine, *, state_dir: str, advertise_host: str = "127.0.0.1",
                  transfer_timeout_s: float = 120.0, auth: ServiceAuth = ServiceAuth(),
-                 durable_interval_s: float = 10.0):
+                 durable_interval_s: float = 10.0, weight_transports: list[str] | tuple[str, ...] = ()):
         self.engine = engine
         self.state_dir = os.path.abspath(state_dir)
         if engine.durable is None:
             engine.attach_durable(DurableModels(self.state_dir, durable_interval_s))
         self.ledger = Ledger(engine.durable)
         self.scheduler = FairScheduler()
-        self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth, device=engine.device)
+        self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth, device=engine.device,
+                                   transports=weight_transports or weight_transport.PREFERENCE)
         threading.Thread(target=self._write_when_idle, name="durable-writer", daemon=True).start()
 
     def _fair(self, model_id: str, fn, context=None):

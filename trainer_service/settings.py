@@ -8,6 +8,7 @@ from tinkerd.hardware import WeightsDtypeSettings
 from tinkerd.metrics import MetricsSettings
 from tinkerd.rpc import ServerAuthSettings
 from tinkerd.settings import setting
+from tinkerd.weight_transport import PREFERENCE
 
 
 @dataclasses.dataclass
@@ -30,3 +31,8 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                                   "times the vocabulary): more is a 400")
     max_resident_models: int = setting(32, help="models kept in memory; the least recently used others wait "
                                                 "on disk and reload on their next use")
+    weight_transports: list[str] = setting([], flag="weight-transport", choices=list(PREFERENCE),
+                                           help="a way weights may travel to a sampler replica, repeatable "
+                                                "(default: all; each replica gets the cheapest both ends can "
+                                                "use: cuda_ipc, nccl, shm, gloo); e.g. gloo where containers "
+                                                "share a host name but not /dev/shm")

@@ -45,3 +45,12 @@ def test_defaults_are_the_dataclass_defaults():
         for field in dataclasses.fields(cls):
             if field.name not in up.WIRED[name] and field.name != "base_model":
                 assert getattr(built, field.name) == settings.default_of(field), (name, field.name)
+
+
+def test_a_repeatable_setting_with_choices_reaches_the_trainer_and_refuses_others(capsys):
+    trainer = up.child_argv(_up_args("--weight-transport", "gloo", "--weight-transport", "shm"), "trainer")
+    parsed = cli.build_parser().parse_args(trainer)
+    assert settings.from_args(up.CHILDREN["trainer"], parsed).weight_transports == ["gloo", "shm"]
+    with pytest.raises(SystemExit):
+        _up_args("--weight-transport", "tcp")
+    assert "invalid choice: 'tcp'" in capsys.readouterr().err
