@@ -28,6 +28,7 @@ from tinkerd import dtypes, hardware, weight_stream
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, training
 from trainer_service.durable import DurableModels
+from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES
 from trainer_service.deepspeed_setup import (deepspeed_config, effective_zero_stage,  # noqa: F401 - public here
                                              init_distributed_once)
 from trainer_service.custom_loss import Losses
@@ -47,12 +48,14 @@ class TrainerEngine:
     def __init__(self, base_model_dir: str, *, zero_stage: int = 2, dtype: str = "float32",
                  max_lora_rank: int = 64, base_model_names: tuple[str, ...] = (),
                  durable: DurableModels | None = None, max_resident: int = 32, keep_zero_stage: bool = False,
-                 max_batch_tokens: int = training.MAX_BATCH_TOKENS, match_sampler: bool = True):
+                 max_batch_tokens: int = training.MAX_BATCH_TOKENS, match_sampler: bool = True,
+                 max_logits_mib: int = DEFAULT_MAX_LOGITS_BYTES >> 20):
         """`keep_zero_stage`: run `zero_stage` as given even on one rank, where stages 1 and 2
         partition nothing (as trainers did before they ran those as stage 0; tests write such
         checkpoints with it). `match_sampler`: a 16-bit model on CPU rounds as the sampler's vLLM
         CPU kernels do (cpu_numerics.py), so both give the same logprobs; False leaves
-        transformers' own rounding (bench/bf16_gap.py measures the difference)."""
+        transformers' own rounding (bench/bf16_gap.py measures the difference). `max_logits_mib`:
+        the fp32 logits a forward_backward holds at once; more go in recomputed chunks (logprobs.py)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if zero_stage not in (0, 1, 2, 3):
@@ -68,6 +71,7 @@ class TrainerEngine:
         self.durable = durable
         self.max_resident = max_resident
         self.max_batch_tokens = max_batch_tokens
+        self.max_logits_bytes = max_logits_mib << 20
         self.device = hardware.default_device()
         config = AutoConfig.from_pretrained(base_model_dir)
         self.vocab_size = config.vocab_size
@@ -294,7 +298,8 @@ class TrainerEngine:
             mine = [data[i] for i in shares[self.ranks.rank]]
             outputs, metrics = training.forward_backward(model, mine, loss_impl, loss_fn_config,
                                                          forward_only=forward_only, device=self.device,
-                                                         ranks=self.ranks.world)
+                                                         ranks=self.ranks.world, zero_stage=self.zero_stage,
+                                                         max_logits_bytes=self.max_logits_bytes)
             model.pending_grads = model.pending_grads or not forward_only
             outputs, metrics = self.ranks.gather_outputs(data, shares, outputs, metrics)
             if loss_fn == "custom":      # ":mean" metrics came as sums over the datums (and ranks)

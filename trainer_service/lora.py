@@ -9,6 +9,8 @@ import torch
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from trainer_service.logprobs import token_logprobs
+
 # Attribute on the shared PEFT model: the `_Active` adapter AdapterModule last activated (None
 # after adapters were added or removed: then the next activation is PEFT's full set_adapter).
 ACTIVE_MARK = "_tinkerd_active_adapter"
@@ -95,6 +97,13 @@ class AdapterModule(torch.nn.Module):
             self._peft_model.base_model.active_adapter = self.adapter_name
         setattr(self._peft_model, ACTIVE_MARK, _Active(self.adapter_name, params, layers))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None, lengths: list[int] | None = None, **budget):
+        """The logits; with `targets` (and the rows' `lengths`), their log-probabilities instead
+        (logprobs.py; `budget`: its keywords), computed inside this forward so that ZeRO-3's
+        gathered parameters serve the unembedding too."""
         self.activate()
-        return self._peft_model(input_ids=input_ids, attention_mask=attention_mask).logits
+        if targets is None:
+            return self._peft_model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return token_logprobs(self._peft_model.get_base_model(), input_ids, attention_mask, targets, lengths,
+                              **budget)

@@ -29,6 +29,10 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
     max_batch_tokens: int = setting(1 << 17, help="a forward_backward's datums x its longest datum (the trainer "
                                                   "pads every datum to the longest; its memory grows with this "
                                                   "times the vocabulary): more is a 400")
+    max_logits_mib: int = setting(1024, help="fp32 logits a forward_backward holds at once (batch tokens x "
+                                             "vocabulary x 4 bytes); a larger batch goes through the unembedding "
+                                             "in chunks recomputed in the backward: bounded memory for one more "
+                                             "lm_head forward")
     max_resident_models: int = setting(32, help="models kept in memory; the least recently used others wait "
                                                 "on disk and reload on their next use")
     weight_transports: list[str] = setting([], flag="weight-transport", choices=list(PREFERENCE),

@@ -26,6 +26,7 @@ import torch
 from tinkerd.adam import ADAM_MAX
 from tinkerd.errors import UserError
 from trainer_service.custom_loss import CompiledLoss
+from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES, IGNORED
 from trainer_service.registry import LoraModel
 
 
@@ -99,9 +100,6 @@ def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device) if padded else None, targets.to(device)
 
 
-IGNORED = -100      # cross_entropy's ignore_index: padding positions
-
-
 def _on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, torch.float32) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
 
@@ -119,15 +117,6 @@ def _inputs_on_device(data: list[DatumInput], device: torch.device) -> list[dict
     joined = _on_device({k: torch.cat([d.loss_fn_inputs[k] for d in data]) for k in first}, device)
     split = {k: v.split(lengths) for k, v in joined.items()}
     return [{k: split[k][i] for k in first} for i in range(len(data))]
-
-
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    """log p(target) of every datum's tokens: one cross-entropy over the whole batch (padding
-    ignored), then per-datum views."""
-    lp = -torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                            reduction="none", ignore_index=IGNORED)
-    lp = lp.view(targets.shape)
-    return [lp[i, :n] for i, n in enumerate(lengths)]
 
 
 def _to_host(logprobs: list[torch.Tensor], losses: list[torch.Tensor],
@@ -175,10 +164,12 @@ def custom_metric_names(loss: CompiledLoss) -> list[str]:
 
 
 def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_config: dict[str, float], *,
-                     forward_only: bool, device: torch.device, ranks: int = 1):
+                     forward_only: bool, device: torch.device, ranks: int = 1, zero_stage: int = 0,
+                     max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES):
     """Returns (per-datum outputs, metrics). Gradients accumulate until optim_step.
     With `ranks` > 1, `data` is this rank's share of the batch (ranks.py): DeepSpeed averages
-    gradients over ranks and the loss is a sum, so this rank's part is scaled by `ranks`."""
+    gradients over ranks and the loss is a sum, so this rank's part is scaled by `ranks`.
+    `max_logits_bytes`: the fp32 logits held at once (logprobs.py)."""
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     custom = isinstance(loss_impl, CompiledLoss)
     if not data:     # a share left empty: the same forward (and backward) collectives as the others
@@ -189,16 +180,16 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
         return [], dict.fromkeys(custom_metric_names(loss_impl) if custom else ["loss:sum"], 0.0)
     ids, mask, targets = _batch(data, device)
     with grad_ctx:
-        logits = model.engine(ids, mask)
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        logprobs = _token_logprobs(logits, targets, [len(d.tokens) for d in data])
+        lengths = [len(d.tokens) for d in data]
+        lp = model.engine(ids, mask, targets=targets, lengths=lengths, max_logits_bytes=max_logits_bytes,
+                          recompute=zero_stage != 3)
+        logprobs = [lp[i, :n] for i, n in enumerate(lengths)]
         inputs = _inputs_on_device(data, device)
         if custom:
             losses, total, scalars = _custom_losses(loss_impl, logprobs, inputs)
         else:
             losses = [loss_impl(lp, datum_inputs, loss_fn_config) for lp, datum_inputs in zip(logprobs, inputs)]
-            total = logits.new_zeros((), dtype=torch.float32)
+            total = lp.new_zeros((), dtype=torch.float32)
             for per_token in losses:     # summed datum by datum, in order, as always
                 total = total + per_token.sum()
             scalars = total.view(1)

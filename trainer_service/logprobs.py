@@ -1,0 +1,67 @@
+"""log p(target) of every token of a batch, without the batch's full logits where the model allows.
+
+The plain way (a CausalLM's forward, then a cross-entropy over [batch, longest, vocabulary]
+logits) computes the unembedding for padding too, and holds fp32 logits of the whole batch,
+plus their gradient in the backward: 8 x 512 tokens x 49,152 (SmolLM2) is 805 MB, x 128,256
+(Llama 3) 2.1 GB. For the model types whose CausalLM forward is just `lm_head(model(...))`:
+- only the positions that have a target (padding is IGNORED) go through lm_head;
+- when their logits would exceed `max_logits_bytes`, they go in chunks, each chunk's logits
+  recomputed in the backward instead of kept (torch.utils.checkpoint): memory bounded by one
+  chunk, for one more lm_head forward per chunk. Under ZeRO-3 the parameters are gathered only
+  during the module's forward, so there the chunks are kept, not recomputed.
+Each position's value is the same either way: the same lm_head row product and a log-softmax
+over its own row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+IGNORED = -100      # cross_entropy's ignore_index: padding positions
+# CausalLM forwards that are exactly lm_head(hidden) (no soft-capping or logit scale, as Gemma 2/3
+# and Cohere have): their hidden states may be unembedded here, position by position.
+PLAIN_HEADS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+DEFAULT_MAX_LOGITS_BYTES = 1 << 30
+
+
+def _lp(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = lm_head(hidden)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+
+
+def token_logprobs(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   targets: torch.Tensor, lengths: list[int], *, max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES,
+                   recompute: bool = True) -> torch.Tensor:
+    """[batch, longest] fp32 log-probabilities of `targets` (0 where padded: IGNORED, and beyond
+    each row's `lengths`). `causal_lm`: the transformers CausalLM (PEFT's layers in it);
+    `attention_mask`: None when no row is padded; `recompute`: chunks may be recomputed in the
+    backward (not under ZeRO-3)."""
+    if causal_lm.config.model_type not in PLAIN_HEADS:
+        logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        lp = -torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
+                                                ignore_index=IGNORED)
+        return lp.view(targets.shape)
+    hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    rows, wanted = hidden.flatten(0, 1), targets.flatten()
+    where = None
+    if attention_mask is not None:      # the real positions only, found on the host (no device sync)
+        longest = targets.shape[1]
+        where = torch.cat([torch.arange(i * longest, i * longest + n) for i, n in enumerate(lengths)])
+        where = where.to(rows.device)
+        rows, wanted = rows.index_select(0, where), wanted.index_select(0, where)
+    chunk = max(1, max_logits_bytes // (4 * causal_lm.config.vocab_size))
+    if rows.shape[0] <= chunk:
+        lp = _lp(causal_lm.lm_head, rows, wanted)
+    else:
+        again = torch.is_grad_enabled() and recompute
+        lp = torch.cat([checkpoint(_lp, causal_lm.lm_head, rows[i:i + chunk], wanted[i:i + chunk], use_reentrant=False)
+                        if again else _lp(causal_lm.lm_head, rows[i:i + chunk], wanted[i:i + chunk])
+                        for i in range(0, rows.shape[0], chunk)])
+    if where is not None:
+        lp = lp.new_zeros(targets.numel()).index_copy(0, where, lp)
+    return lp.view(targets.shape)
