@@ -27,8 +27,8 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                                    "last write is older than this (0: every step); also written "
                                                    "when the trainer is idle, and on unload")
     max_batch_tokens: int = setting(1 << 17, help="a forward_backward's datums x its longest datum (the trainer "
-                                                  "pads every datum to the longest; its memory grows with this "
-                                                  "times the vocabulary): more is a 400")
+                                                  "pads every datum to the longest; its activations grow with "
+                                                  "this): more is a 400")
     max_logits_mib: int = setting(1024, help="fp32 logits a forward_backward holds at once (batch tokens x "
                                              "vocabulary x 4 bytes); a larger batch goes through the unembedding "
                                              "in chunks recomputed in the backward: bounded memory for one more "
