@@ -33,27 +33,23 @@ def _lp(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -
 
 
 def token_logprobs(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   targets: torch.Tensor, lengths: list[int], *, max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES,
-                   recompute: bool = True) -> torch.Tensor:
-    """[batch, longest] fp32 log-probabilities of `targets` (0 where padded: IGNORED, and beyond
-    each row's `lengths`). `causal_lm`: the transformers CausalLM (PEFT's layers in it);
-    `attention_mask`: None when no row is padded; `recompute`: chunks may be recomputed in the
-    backward (not under ZeRO-3)."""
+                   targets: torch.Tensor, real: torch.Tensor | None = None, *,
+                   max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES, recompute: bool = True) -> torch.Tensor:
+    """The fp32 log-probabilities of the real tokens' `targets`, flat, datum after datum.
+    `causal_lm`: the transformers CausalLM (PEFT's layers in it); `real`: the flat positions of
+    the real tokens in [batch, longest] (None: every position); `recompute`: chunks may be
+    recomputed in the backward (not under ZeRO-3)."""
     if causal_lm.config.model_type not in PLAIN_HEADS:
         logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         if logits.dtype != torch.float32:
             logits = logits.float()
         lp = -torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
                                                 ignore_index=IGNORED)
-        return lp.view(targets.shape)
+        return lp if real is None else lp.index_select(0, real)
     hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     rows, wanted = hidden.flatten(0, 1), targets.flatten()
-    where = None
-    if attention_mask is not None:      # the real positions only, found on the host (no device sync)
-        longest = targets.shape[1]
-        where = torch.cat([torch.arange(i * longest, i * longest + n) for i, n in enumerate(lengths)])
-        where = where.to(rows.device)
-        rows, wanted = rows.index_select(0, where), wanted.index_select(0, where)
+    if real is not None:        # the real positions only (found on the host: no device sync)
+        rows, wanted = rows.index_select(0, real), wanted.index_select(0, real)
     chunk = max(1, max_logits_bytes // (4 * causal_lm.config.vocab_size))
     if rows.shape[0] <= chunk:
         lp = _lp(causal_lm.lm_head, rows, wanted)
@@ -62,6 +58,4 @@ def token_logprobs(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attentio
         lp = torch.cat([checkpoint(_lp, causal_lm.lm_head, rows[i:i + chunk], wanted[i:i + chunk], use_reentrant=False)
                         if again else _lp(causal_lm.lm_head, rows[i:i + chunk], wanted[i:i + chunk])
                         for i in range(0, rows.shape[0], chunk)])
-    if where is not None:
-        lp = lp.new_zeros(targets.numel()).index_copy(0, where, lp)
-    return lp.view(targets.shape)
+    return lp

@@ -98,12 +98,11 @@ class AdapterModule(torch.nn.Module):
         setattr(self._peft_model, ACTIVE_MARK, _Active(self.adapter_name, params, layers))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None, lengths: list[int] | None = None, **budget):
-        """The logits; with `targets` (and the rows' `lengths`), their log-probabilities instead
-        (logprobs.py; `budget`: its keywords), computed inside this forward so that ZeRO-3's
-        gathered parameters serve the unembedding too."""
+                targets: torch.Tensor | None = None, **how):
+        """The logits; with `targets`, their log-probabilities instead (logprobs.py; `how`: its
+        keywords), computed inside this forward so that ZeRO-3's gathered parameters serve the
+        unembedding too."""
         self.activate()
         if targets is None:
             return self._peft_model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return token_logprobs(self._peft_model.get_base_model(), input_ids, attention_mask, targets, lengths,
-                              **budget)
+        return token_logprobs(self._peft_model.get_base_model(), input_ids, attention_mask, targets, **how)

@@ -105,6 +105,11 @@ LOSSES: dict[str, LossFn] = {
 }
 
 
+# Per-token losses: each token's loss depends on that token's inputs only, so one call over the
+# whole batch's tokens gives each token what a call per datum would (gspo's ratio is per sequence).
+ELEMENTWISE = frozenset({cross_entropy, importance_sampling, ppo, cispo, dro, stable_reinforce})
+
+
 def get_loss(name: str) -> LossFn:
     if name not in LOSSES:
         raise UserError(f"unknown or unsupported loss_fn {name!r}; supported: {sorted(LOSSES)}")

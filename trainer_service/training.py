@@ -27,6 +27,7 @@ from tinkerd.adam import ADAM_MAX
 from tinkerd.errors import UserError
 from trainer_service.custom_loss import CompiledLoss
 from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES, IGNORED
+from trainer_service.losses import ELEMENTWISE
 from trainer_service.registry import LoraModel
 
 
@@ -80,43 +81,65 @@ def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int, max
             raise UserError(f"datum {i}: loss_fn_inputs needs 'target_tokens'")
         if targets.dim() != 1:
             raise UserError(f"datum {i}: target_tokens must be 1-D, got shape {list(targets.shape)}")
-        if ((targets < 0) | (targets >= vocab_size)).any():
-            raise UserError(f"datum {i}: a target token is outside the vocabulary [0, {vocab_size})")
+        if targets.is_floating_point() or targets.is_complex():
+            raise UserError(f"datum {i}: target_tokens must be integers, got {targets.dtype}")
+    targets = torch.cat([d.loss_fn_inputs["target_tokens"] for d in data])     # one check for the batch
+    if ((targets < 0) | (targets >= vocab_size)).any():
+        for i, d in enumerate(data):        # which datum, for the message
+            t = d.loss_fn_inputs["target_tokens"]
+            if ((t < 0) | (t >= vocab_size)).any():
+                raise UserError(f"datum {i}: a target token is outside the vocabulary [0, {vocab_size})")
 
 
-def _batch(data: list[DatumInput], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Right-padded input ids, their attention mask, and the target tokens (IGNORED where padded).
-    No mask where nothing is padded: attention is then plainly causal, which transformers would
-    otherwise find out by reading the mask back from the device (a synchronization)."""
+@dataclasses.dataclass
+class _Batch:
+    ids: torch.Tensor                   # [datums, longest], right-padded
+    mask: torch.Tensor | None           # None where nothing is padded
+    targets: torch.Tensor               # IGNORED where padded
+    real: torch.Tensor | None           # flat positions of the real tokens (None: all)
+
+
+def _batch(data: list[DatumInput], device: torch.device) -> _Batch:
+    """The batch, built on the host in a few ops whatever the number of datums. No mask where
+    nothing is padded: attention is then plainly causal, which transformers would otherwise find
+    out by reading the mask back from the device (a synchronization)."""
     lengths = [len(d.tokens) for d in data]
-    ids = torch.zeros(len(data), max(lengths), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    targets = torch.full_like(ids, IGNORED)
-    for i, d in enumerate(data):
-        ids[i, :lengths[i]] = torch.tensor(d.tokens)
-        mask[i, :lengths[i]] = 1
-        targets[i, :lengths[i]] = d.loss_fn_inputs["target_tokens"]
-    padded = min(lengths) < max(lengths)
-    return ids.to(device), mask.to(device) if padded else None, targets.to(device)
+    longest = max(lengths)
+    targets = torch.cat([d.loss_fn_inputs["target_tokens"] for d in data]).long()
+    if min(lengths) == longest:
+        ids = torch.tensor([list(d.tokens) for d in data])
+        return _Batch(ids.to(device), None, targets.view(len(data), longest).to(device), None)
+    ids = torch.tensor([list(d.tokens) + [0] * (longest - n) for d, n in zip(data, lengths)])
+    mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths])
+    real = mask.view(-1).nonzero().squeeze(1)
+    padded_targets = torch.full((len(data) * longest,), IGNORED, dtype=torch.long).index_copy(0, real, targets)
+    return _Batch(ids.to(device), mask.to(device), padded_targets.view(len(data), longest).to(device),
+                  real.to(device))
 
 
 def _on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, torch.float32) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
 
 
-def _inputs_on_device(data: list[DatumInput], device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """Every datum's loss inputs on the device (floats as float32): one copy per key, split into
-    per-datum views, when the datums agree on keys, dtypes and per-token shapes and every input is
-    per token (a custom loss's rank-0 input is one value per datum); else per datum."""
+def _joined_inputs(data: list[DatumInput], device: torch.device) -> dict[str, torch.Tensor] | None:
+    """Every datum's loss inputs on the device (floats as float32), each key one tensor over the
+    batch's tokens in datum order: when the datums agree on keys, dtypes and per-token shapes and
+    every input is per token (a custom loss's rank-0 input is one value per datum); else None."""
     first = data[0].loss_fn_inputs
     form = {k: (v.dtype, v.shape[1:]) for k, v in first.items()}
     per_token = all(v.dim() > 0 and v.shape[0] == len(d.tokens) for d in data for v in d.loss_fn_inputs.values())
     if not per_token or any({k: (v.dtype, v.shape[1:]) for k, v in d.loss_fn_inputs.items()} != form for d in data):
+        return None
+    return _on_device({k: torch.cat([d.loss_fn_inputs[k] for d in data]) for k in first}, device)
+
+
+def _inputs_on_device(data: list[DatumInput], joined: dict[str, torch.Tensor] | None,
+                      device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Every datum's loss inputs on the device: views of `joined`, else one copy per datum."""
+    if joined is None:
         return [_on_device(d.loss_fn_inputs, device) for d in data]
-    lengths = [len(d.tokens) for d in data]
-    joined = _on_device({k: torch.cat([d.loss_fn_inputs[k] for d in data]) for k in first}, device)
-    split = {k: v.split(lengths) for k, v in joined.items()}
-    return [{k: split[k][i] for k in first} for i in range(len(data))]
+    split = {k: v.split([len(d.tokens) for d in data]) for k, v in joined.items()}
+    return [{k: split[k][i] for k in joined} for i in range(len(data))]
 
 
 def _to_host(logprobs: list[torch.Tensor], losses: list[torch.Tensor],
@@ -178,19 +201,27 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
         if not forward_only:
             model.engine.backward(empty, scale_wrt_gas=False)
         return [], dict.fromkeys(custom_metric_names(loss_impl) if custom else ["loss:sum"], 0.0)
-    ids, mask, targets = _batch(data, device)
+    batch = _batch(data, device)
     with grad_ctx:
         lengths = [len(d.tokens) for d in data]
-        lp = model.engine(ids, mask, targets=targets, lengths=lengths, max_logits_bytes=max_logits_bytes,
-                          recompute=zero_stage != 3)
-        logprobs = [lp[i, :n] for i, n in enumerate(lengths)]
-        inputs = _inputs_on_device(data, device)
+        lp = model.engine(batch.ids, batch.mask, targets=batch.targets, real=batch.real,
+                          max_logits_bytes=max_logits_bytes, recompute=zero_stage != 3)    # flat, datum by datum
+        logprobs = list(lp.split(lengths))
+        joined = _joined_inputs(data, device)
         if custom:
-            losses, total, scalars = _custom_losses(loss_impl, logprobs, inputs)
+            losses, total, scalars = _custom_losses(loss_impl, logprobs, _inputs_on_device(data, joined, device))
+        elif joined is not None and loss_impl in ELEMENTWISE:
+            # One call over the batch's tokens: a few ops, not a few per datum (an RL batch has 100+
+            # datums, and on a GPU each op is a launch). Each token's loss is the same formula on
+            # the same values; loss:sum is summed in another order.
+            per_token = loss_impl(lp, joined, loss_fn_config)
+            losses, total = list(per_token.split(lengths)), per_token.sum()
+            scalars = total.view(1)
         else:
+            inputs = _inputs_on_device(data, joined, device)
             losses = [loss_impl(lp, datum_inputs, loss_fn_config) for lp, datum_inputs in zip(logprobs, inputs)]
             total = lp.new_zeros((), dtype=torch.float32)
-            for per_token in losses:     # summed datum by datum, in order, as always
+            for per_token in losses:     # summed datum by datum, in order
                 total = total + per_token.sum()
             scalars = total.view(1)
     if not forward_only:
