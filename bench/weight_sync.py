@@ -19,6 +19,7 @@ import os
 import re
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -148,10 +149,13 @@ def transport_row(ctx: Context, name: str, model_dir: str, trials: int) -> Row:
         chosen = [{m["weight_transport"] for m in sampler_pool(stack).values()} for stack in (shm, gloo)]
         assert chosen == [{"shm"}, {"gloo"}], chosen
 
-        def measure(tc):
-            return lambda: (time.sleep(PAUSE_S), _sync_seconds(tc))[1]
+        def paused_sync(tc) -> Callable[[], float]:
+            def sync() -> float:
+                time.sleep(PAUSE_S)
+                return _sync_seconds(tc)
+            return sync
 
-        ours, raw = in_turn([measure(tc) for tc in clients], trials)
+        ours, raw = in_turn([paused_sync(tc) for tc in clients], trials)
         phases = [phases_ms(stack.state_dir, tc.model_id) for stack, tc in zip((shm, gloo), clients)]
     note = "; ".join(f"{t}: send {p.get('send', 0):.0f} ms, commit {p.get('commit', 0):.0f} ms"
                      for t, p in zip(("shm", "gloo"), phases))

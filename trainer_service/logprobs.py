@@ -4,7 +4,7 @@ The plain way (a CausalLM's forward, then a cross-entropy over [batch, longest, 
 logits) computes the unembedding for padding too, and holds fp32 logits of the whole batch,
 plus their gradient in the backward: 8 x 512 tokens x 49,152 (SmolLM2) is 805 MB, x 128,256
 (Llama 3) 2.1 GB. For the model types whose CausalLM forward is just `lm_head(model(...))`:
-- only the positions that have a target (padding is IGNORED) go through lm_head;
+- only the real positions (not the padding) go through lm_head;
 - when their logits would exceed `max_logits_bytes`, they go in chunks, each chunk's logits
   recomputed in the backward instead of kept (torch.utils.checkpoint): memory bounded by one
   chunk, for one more lm_head forward per chunk. Under ZeRO-3 the parameters are gathered only
@@ -18,18 +18,31 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-IGNORED = -100      # cross_entropy's ignore_index: padding positions
 # CausalLM forwards that are exactly lm_head(hidden) (no soft-capping or logit scale, as Gemma 2/3
 # and Cohere have): their hidden states may be unembedded here, position by position.
 PLAIN_HEADS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 DEFAULT_MAX_LOGITS_BYTES = 1 << 30
 
 
-def _lp(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = lm_head(hidden)
+def _of_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) of each row of [positions, vocabulary] logits, in fp32."""
     if logits.dtype != torch.float32:
         logits = logits.float()
     return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+
+
+def _lp(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _of_logits(lm_head(hidden), targets)
+
+
+def _real_rows(per_position: torch.Tensor, targets: torch.Tensor,
+               real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, longest, ...] and its targets as rows of the real positions only (found on the
+    host: no device sync)."""
+    rows, wanted = per_position.flatten(0, 1), targets.flatten()
+    if real is None:
+        return rows, wanted
+    return rows.index_select(0, real), wanted.index_select(0, real)
 
 
 def token_logprobs(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -41,15 +54,9 @@ def token_logprobs(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attentio
     recomputed in the backward (not under ZeRO-3)."""
     if causal_lm.config.model_type not in PLAIN_HEADS:
         logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        lp = -torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
-                                                ignore_index=IGNORED)
-        return lp if real is None else lp.index_select(0, real)
+        return _of_logits(*_real_rows(logits, targets, real))
     hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    rows, wanted = hidden.flatten(0, 1), targets.flatten()
-    if real is not None:        # the real positions only (found on the host: no device sync)
-        rows, wanted = rows.index_select(0, real), wanted.index_select(0, real)
+    rows, wanted = _real_rows(hidden, targets, real)
     chunk = max(1, max_logits_bytes // (4 * causal_lm.config.vocab_size))
     if rows.shape[0] <= chunk:
         lp = _lp(causal_lm.lm_head, rows, wanted)

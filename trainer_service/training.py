@@ -26,7 +26,7 @@ import torch
 from tinkerd.adam import ADAM_MAX
 from tinkerd.errors import UserError
 from trainer_service.custom_loss import CompiledLoss
-from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES, IGNORED
+from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES
 from trainer_service.losses import ELEMENTWISE
 from trainer_service.registry import LoraModel
 
@@ -91,8 +91,12 @@ def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int, max
                 raise UserError(f"datum {i}: a target token is outside the vocabulary [0, {vocab_size})")
 
 
+IGNORED = -100      # cross_entropy's ignore_index: padding positions
+
+
 @dataclasses.dataclass
 class _Batch:
+    lengths: list[int]                  # each datum's tokens
     ids: torch.Tensor                   # [datums, longest], right-padded
     mask: torch.Tensor | None           # None where nothing is padded
     targets: torch.Tensor               # IGNORED where padded
@@ -108,12 +112,12 @@ def _batch(data: list[DatumInput], device: torch.device) -> _Batch:
     targets = torch.cat([d.loss_fn_inputs["target_tokens"] for d in data]).long()
     if min(lengths) == longest:
         ids = torch.tensor([list(d.tokens) for d in data])
-        return _Batch(ids.to(device), None, targets.view(len(data), longest).to(device), None)
+        return _Batch(lengths, ids.to(device), None, targets.view(len(data), longest).to(device), None)
     ids = torch.tensor([list(d.tokens) + [0] * (longest - n) for d, n in zip(data, lengths)])
     mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths])
     real = mask.view(-1).nonzero().squeeze(1)
     padded_targets = torch.full((len(data) * longest,), IGNORED, dtype=torch.long).index_copy(0, real, targets)
-    return _Batch(ids.to(device), mask.to(device), padded_targets.view(len(data), longest).to(device),
+    return _Batch(lengths, ids.to(device), mask.to(device), padded_targets.view(len(data), longest).to(device),
                   real.to(device))
 
 
@@ -133,12 +137,12 @@ def _joined_inputs(data: list[DatumInput], device: torch.device) -> dict[str, to
     return _on_device({k: torch.cat([d.loss_fn_inputs[k] for d in data]) for k in first}, device)
 
 
-def _inputs_on_device(data: list[DatumInput], joined: dict[str, torch.Tensor] | None,
+def _inputs_on_device(data: list[DatumInput], lengths: list[int], joined: dict[str, torch.Tensor] | None,
                       device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Every datum's loss inputs on the device: views of `joined`, else one copy per datum."""
     if joined is None:
         return [_on_device(d.loss_fn_inputs, device) for d in data]
-    split = {k: v.split([len(d.tokens) for d in data]) for k, v in joined.items()}
+    split = {k: v.split(lengths) for k, v in joined.items()}
     return [{k: split[k][i] for k in joined} for i in range(len(data))]
 
 
@@ -203,13 +207,13 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
         return [], dict.fromkeys(custom_metric_names(loss_impl) if custom else ["loss:sum"], 0.0)
     batch = _batch(data, device)
     with grad_ctx:
-        lengths = [len(d.tokens) for d in data]
+        lengths = batch.lengths
         lp = model.engine(batch.ids, batch.mask, targets=batch.targets, real=batch.real,
                           max_logits_bytes=max_logits_bytes, recompute=zero_stage != 3)    # flat, datum by datum
         logprobs = list(lp.split(lengths))
         joined = _joined_inputs(data, device)
         if custom:
-            losses, total, scalars = _custom_losses(loss_impl, logprobs, _inputs_on_device(data, joined, device))
+            losses, total, scalars = _custom_losses(loss_impl, logprobs, _inputs_on_device(data, lengths, joined, device))
         elif joined is not None and loss_impl in ELEMENTWISE:
             # One call over the batch's tokens: a few ops, not a few per datum (an RL batch has 100+
             # datums, and on a GPU each op is a launch). Each token's loss is the same formula on
@@ -218,8 +222,9 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
             losses, total = list(per_token.split(lengths)), per_token.sum()
             scalars = total.view(1)
         else:
-            inputs = _inputs_on_device(data, joined, device)
-            losses = [loss_impl(lp, datum_inputs, loss_fn_config) for lp, datum_inputs in zip(logprobs, inputs)]
+            inputs = _inputs_on_device(data, lengths, joined, device)
+            losses = [loss_impl(datum_lp, datum_inputs, loss_fn_config)
+                      for datum_lp, datum_inputs in zip(logprobs, inputs)]
             total = lp.new_zeros((), dtype=torch.float32)
             for per_token in losses:     # summed datum by datum, in order
                 total = total + per_token.sum()
