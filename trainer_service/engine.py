@@ -26,7 +26,7 @@ import torch
 
 from tinkerd import dtypes, hardware, weight_stream
 from tinkerd.errors import NotFoundError, UserError
-from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, training
+from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, microbatches, training
 from trainer_service.durable import DurableModels
 from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES
 from trainer_service.deepspeed_setup import (deepspeed_config, effective_zero_stage,  # noqa: F401 - public here
@@ -49,13 +49,15 @@ class TrainerEngine:
                  max_lora_rank: int = 64, base_model_names: tuple[str, ...] = (),
                  durable: DurableModels | None = None, max_resident: int = 32, keep_zero_stage: bool = False,
                  max_batch_tokens: int = training.MAX_BATCH_TOKENS, match_sampler: bool = True,
-                 max_logits_mib: int = DEFAULT_MAX_LOGITS_BYTES >> 20):
+                 max_logits_mib: int = DEFAULT_MAX_LOGITS_BYTES >> 20, activation_mib: int = 0):
         """`keep_zero_stage`: run `zero_stage` as given even on one rank, where stages 1 and 2
         partition nothing (as trainers did before they ran those as stage 0; tests write such
         checkpoints with it). `match_sampler`: a 16-bit model on CPU rounds as the sampler's vLLM
         CPU kernels do (cpu_numerics.py), so both give the same logprobs; False leaves
         transformers' own rounding (bench/bf16_gap.py measures the difference). `max_logits_mib`:
-        the fp32 logits a forward_backward holds at once; more go in recomputed chunks (logprobs.py)."""
+        the fp32 logits a forward_backward holds at once; more go in recomputed chunks (logprobs.py).
+        `activation_mib`: the activations a forward_backward keeps for its backward at once; a larger
+        batch goes in micro-batches (microbatches.py; 0: a share of the device's memory)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if zero_stage not in (0, 1, 2, 3):
@@ -88,6 +90,14 @@ class TrainerEngine:
         self._lock = threading.RLock()
         self.ranks = Ranks(self._lock)
         self.custom_losses = Losses()
+        self.activation_budget = (activation_mib << 20) or microbatches.default_budget_bytes(self.device)
+        with self.models.costliest_adapter():
+            self.token_cost = microbatches.measure(base, self.device, recompute=self.zero_stage != 3)
+        log.info("a padded token keeps %.1f KiB of activations for the backward (+%.0f bytes per position of the "
+                 "longest datum; a rank-%d adapter on every target): --activation-mib %d holds %d tokens of "
+                 "512-token datums a micro-batch", self.token_cost.fixed / 1024, self.token_cost.per_position,
+                 max_lora_rank, self.activation_budget >> 20,
+                 self.token_cost.tokens_within(self.activation_budget, 512))
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -296,10 +306,16 @@ class TrainerEngine:
             model = self.get(model_id)
             shares = self.ranks.share(data)       # data parallel: this rank's part of the batch
             mine = [data[i] for i in shares[self.ranks.rank]]
+            # Micro-batches only where a backward keeps activations; every rank knows every share's.
+            plans = [[list(range(len(share)))] if share else [] for share in shares] if forward_only else \
+                [microbatches.plan([len(data[i].tokens) for i in share], self.token_cost, self.activation_budget)
+                 for share in shares]
             outputs, metrics = training.forward_backward(model, mine, loss_impl, loss_fn_config,
                                                          forward_only=forward_only, device=self.device,
                                                          ranks=self.ranks.world, zero_stage=self.zero_stage,
-                                                         max_logits_bytes=self.max_logits_bytes)
+                                                         max_logits_bytes=self.max_logits_bytes,
+                                                         groups=plans[self.ranks.rank],
+                                                         steps=max(1, *map(len, plans)))
             model.pending_grads = model.pending_grads or not forward_only
             outputs, metrics = self.ranks.gather_outputs(data, shares, outputs, metrics)
             if loss_fn == "custom":      # ":mean" metrics came as sums over the datums (and ranks)

@@ -12,6 +12,7 @@ Bookkeeping only and not thread-safe: TrainerEngine calls it under its one lock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -110,6 +111,23 @@ class ModelRegistry:
         self._models[model_id] = model
         log.info("created %s (adapter %s, rank %d, %d params)", model_id, name, spec.rank, num_params(model))
         return model
+
+    @contextlib.contextmanager
+    def costliest_adapter(self):
+        """The costliest adapter this trainer accepts (the largest rank, every target module),
+        active for a measurement (microbatches.py) and gone after; no RNG drawn from."""
+        name, before = "_probe", list(self.peft.base_model.active_adapters)
+        setattr(self.peft, ACTIVE_MARK, None)
+        with torch.random.fork_rng(devices=[]):
+            self.peft.add_adapter(name, peft_config(self._linear_groups, LoraSpec(self.max_lora_rank, 0)))
+        cpu_numerics.install_lora(self.peft)
+        try:
+            self.peft.base_model.set_adapter(name)
+            yield
+        finally:
+            self.peft.base_model.set_adapter(before)
+            self.peft.base_model.delete_adapter(name)
+            setattr(self.peft, ACTIVE_MARK, None)
 
     def _load_initial(self, name: str, spec: LoraSpec, initial: dict[str, torch.Tensor]) -> None:
         from peft import set_peft_model_state_dict

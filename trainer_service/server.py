@@ -30,7 +30,7 @@ def serve(s: TrainerSettings) -> None:
                            max_lora_rank=s.max_lora_rank, base_model_names=tuple(s.aliases),
                            durable=DurableModels(state_dir, s.durable_interval_s),
                            max_resident=s.max_resident_models, max_batch_tokens=s.max_batch_tokens,
-                           max_logits_mib=s.max_logits_mib)
+                           max_logits_mib=s.max_logits_mib, activation_mib=s.activation_mib)
     if not engine.ranks.leader:
         engine.ranks.follow(engine)        # until rank 0 stops; losing it exits non-zero
         return

@@ -27,12 +27,16 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                                    "last write is older than this (0: every step); also written "
                                                    "when the trainer is idle, and on unload")
     max_batch_tokens: int = setting(1 << 17, help="a forward_backward's datums x its longest datum (the trainer "
-                                                  "pads every datum to the longest; its activations grow with "
-                                                  "this): more is a 400")
+                                                  "pads every datum to the longest): more is a 400")
     max_logits_mib: int = setting(1024, help="fp32 logits a forward_backward holds at once (batch tokens x "
                                              "vocabulary x 4 bytes); a larger batch goes through the unembedding "
                                              "in chunks recomputed in the backward: bounded memory for one more "
                                              "lm_head forward")
+    activation_mib: int = setting(0, help="activations a forward_backward keeps for its backward at once (measured "
+                                          "per token at start-up); a larger batch goes through forward and backward "
+                                          "in micro-batches whose gradients add up; the step's peak is about "
+                                          "twice this (0: a quarter of the GPU's memory, a sixteenth of the "
+                                          "host's)")
     max_resident_models: int = setting(32, help="models kept in memory; the least recently used others wait "
                                                 "on disk and reload on their next use")
     weight_transports: list[str] = setting([], flag="weight-transport", choices=list(PREFERENCE),

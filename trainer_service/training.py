@@ -192,19 +192,49 @@ def custom_metric_names(loss: CompiledLoss) -> list[str]:
 
 def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_config: dict[str, float], *,
                      forward_only: bool, device: torch.device, ranks: int = 1, zero_stage: int = 0,
-                     max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES):
+                     max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES, groups: list[list[int]] | None = None,
+                     steps: int = 1):
     """Returns (per-datum outputs, metrics). Gradients accumulate until optim_step.
-    With `ranks` > 1, `data` is this rank's share of the batch (ranks.py): DeepSpeed averages
-    gradients over ranks and the loss is a sum, so this rank's part is scaled by `ranks`.
+    `groups`: the micro-batches (indices into `data`; default all in one, microbatches.py), each
+    through forward and backward in turn; `steps`: the micro-steps every rank takes (the most
+    groups of any rank's share), a share with fewer taking empty ones, so that ZeRO's collectives
+    pair up. With `ranks` > 1, `data` is this rank's share of the batch (ranks.py): DeepSpeed
+    averages gradients over ranks and the loss is a sum, so this rank's part is scaled by `ranks`.
     `max_logits_bytes`: the fp32 logits held at once (logprobs.py)."""
-    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     custom = isinstance(loss_impl, CompiledLoss)
-    if not data:     # a share left empty: the same forward (and backward) collectives as the others
+    names = custom_metric_names(loss_impl) if custom else ["loss:sum"]
+    if groups is None:
+        groups = [list(range(len(data)))] if data else []
+    logprobs: list[torch.Tensor | None] = [None] * len(data)
+    losses: list[torch.Tensor | None] = [None] * len(data)
+    scalars = []
+    for group in groups:
+        group_logprobs, group_losses, group_scalars = _micro_step(
+            model, [data[i] for i in group], loss_impl, loss_fn_config, forward_only=forward_only, device=device,
+            ranks=ranks, zero_stage=zero_stage, max_logits_bytes=max_logits_bytes)
+        for i, lp, loss in zip(group, group_logprobs, group_losses):
+            logprobs[i], losses[i] = lp, loss
+        scalars.append(group_scalars)
+    for _ in range(steps - len(groups)):     # a share with fewer micro-batches: the same collectives
+        grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx:
             empty = _closing_loss(model, 3, device)
         if not forward_only:
             model.engine.backward(empty, scale_wrt_gas=False)
-        return [], dict.fromkeys(custom_metric_names(loss_impl) if custom else ["loss:sum"], 0.0)
+    if not data:
+        return [], dict.fromkeys(names, 0.0)
+    outputs, sums = _to_host(logprobs, losses, torch.stack(scalars).sum(0) if len(scalars) > 1 else scalars[0])
+    if not forward_only and not math.isfinite(sums[0]):
+        model.nonfinite_loss = True      # optim_step skips the step these gradients belong to
+    return outputs, dict(zip(names, sums))
+
+
+def _micro_step(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_config: dict[str, float], *,
+                forward_only: bool, device: torch.device, ranks: int, zero_stage: int, max_logits_bytes: int):
+    """Forward and backward of one micro-batch: its per-datum logprobs and per-token losses
+    (detached, on the device) and its scalars (the loss sum first)."""
+    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+    custom = isinstance(loss_impl, CompiledLoss)
     batch = _batch(data, device)
     with grad_ctx:
         lengths = batch.lengths
@@ -231,11 +261,7 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
             scalars = total.view(1)
     if not forward_only:
         model.engine.backward(total * ranks if ranks > 1 else total, scale_wrt_gas=False)
-    outputs, sums = _to_host(logprobs, losses, scalars)
-    if not forward_only and not math.isfinite(sums[0]):
-        model.nonfinite_loss = True      # optim_step skips the step these gradients belong to
-    names = custom_metric_names(loss_impl) if custom else ["loss:sum"]
-    return outputs, dict(zip(names, sums))
+    return [t.detach() for t in logprobs], [t.detach() for t in losses], scalars.detach().float()
 
 
 def check_adam(adam: AdamParams) -> None:

@@ -39,10 +39,10 @@ def test_chunked_and_unpadded_logprobs_equal_the_full_logits_and_train_alike(tin
     # Padded (uneven lengths) and unpadded batches; 1 MiB holds 256 positions of the tiny model's
     # 1,024-token vocabulary, so the 300+ positions below go in chunks.
     batches = [_batch([90, 64, 120, 33]), _batch([80, 80, 80, 80], seed=1), _batch([7, 150, 150], seed=2)]
-    unembedded, unembed = [], logprobs._lp
+    chunked = TrainerEngine(tiny_model_dir, zero_stage=stage, max_logits_mib=1)
+    unembedded, unembed = [], logprobs._lp       # counted from here (not the start-up's probe, microbatches.py)
     monkeypatch.setattr(logprobs, "_lp", lambda head, rows, targets: unembedded.append(len(rows)) or
                         unembed(head, rows, targets))
-    chunked = TrainerEngine(tiny_model_dir, zero_stage=stage, max_logits_mib=1)
     chunked.create_model("m", LoraSpec(rank=8, seed=0))
     got, got_adapter = _train(chunked, "m", batches)
     del chunked

@@ -55,7 +55,8 @@ def one_rank(tiny_model_dir: str, tmp_path, stage: int) -> dict[str, torch.Tenso
 def test_two_ranks_compute_what_one_does(tiny_model_dir, tmp_path, stage):
     """Per-datum logprobs and losses, loss sums and gradient norms of every call, and the adapter
     after three optim steps (one of them from two calls, one of those a single datum, which
-    leaves a rank without data), for every loss: W=2 equals W=1 within 1e-5 (fp32). Then a full
+    leaves a rank without data), for every loss: W=2 equals W=1 within 1e-5 (fp32), W=2 in
+    micro-batches (2 on one rank, 3 on the other: ranks_job.py), W=1 in one pass. Then a full
     checkpoint loaded into a copy, the copy unloaded and reloaded on its next use: it trains on
     exactly like the original, on 2 ranks as on 1."""
     one, two = one_rank(tiny_model_dir, tmp_path, stage), job(tiny_model_dir, tmp_path, 2, stage)
