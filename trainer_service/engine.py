@@ -26,7 +26,7 @@ import torch
 
 from tinkerd import dtypes, hardware, weight_stream
 from tinkerd.errors import NotFoundError, UserError
-from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, microbatches, training
+from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, microbatches, prefix_tree, training
 from trainer_service.durable import DurableModels
 from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES
 from trainer_service.deepspeed_setup import (deepspeed_config, effective_zero_stage,  # noqa: F401 - public here
@@ -78,6 +78,7 @@ class TrainerEngine:
         config = AutoConfig.from_pretrained(base_model_dir)
         self.vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 20)
+        self.packable = prefix_tree.packable(config)
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=dtypes.torch_dtype(dtype)).to(self.device)
         base.requires_grad_(False)
         fp32_gemm.install_where_needed(base)
@@ -308,19 +309,24 @@ class TrainerEngine:
             mine = [data[i] for i in shares[self.ranks.rank]]
             # Micro-batches only where a backward keeps activations; every rank knows every share's.
             plans = [[list(range(len(share)))] if share else [] for share in shares] if forward_only else \
-                [microbatches.plan([len(data[i].tokens) for i in share], self.token_cost, self.activation_budget)
-                 for share in shares]
+                [self._micro_batches([data[i] for i in share]) for share in shares]
             outputs, metrics = training.forward_backward(model, mine, loss_impl, loss_fn_config,
                                                          forward_only=forward_only, device=self.device,
                                                          ranks=self.ranks.world, zero_stage=self.zero_stage,
                                                          max_logits_bytes=self.max_logits_bytes,
                                                          groups=plans[self.ranks.rank],
-                                                         steps=max(1, *map(len, plans)))
+                                                         steps=max(1, *map(len, plans)), packable=self.packable)
             model.pending_grads = model.pending_grads or not forward_only
             outputs, metrics = self.ranks.gather_outputs(data, shares, outputs, metrics)
             if loss_fn == "custom":      # ":mean" metrics came as sums over the datums (and ranks)
                 metrics = {k: v / len(data) if k.endswith(":mean") else v for k, v in metrics.items()}
             return outputs, metrics
+
+    def _micro_batches(self, data: list[training.DatumInput]) -> list[list[int]]:
+        """Where datums may go as token trees, split in token order, so that datums sharing a
+        prefix stay together (the plan's padded cost over-counts them: it bounds them too)."""
+        order = sorted(range(len(data)), key=lambda i: data[i].tokens) if self.packable else None
+        return microbatches.plan([len(d.tokens) for d in data], self.token_cost, self.activation_budget, order)
 
     @collective
     def optim_step(self, model_id: str, adam: training.AdamParams, *, seq: int | None = None) -> dict[str, float]:

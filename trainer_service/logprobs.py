@@ -38,8 +38,11 @@ def _lp(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -
 def _real_rows(per_position: torch.Tensor, targets: torch.Tensor,
                real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """[batch, longest, ...] and its targets as rows of the real positions only (found on the
-    host: no device sync)."""
-    rows, wanted = per_position.flatten(0, 1), targets.flatten()
+    host: no device sync). 1-D `targets` are already one per entry of `real` (a packed batch's)."""
+    rows = per_position.flatten(0, 1)
+    if targets.dim() == 1:
+        return rows.index_select(0, real), targets
+    wanted = targets.flatten()
     if real is None:
         return rows, wanted
     return rows.index_select(0, real), wanted.index_select(0, real)
@@ -47,15 +50,21 @@ def _real_rows(per_position: torch.Tensor, targets: torch.Tensor,
 
 def token_logprobs(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    targets: torch.Tensor, real: torch.Tensor | None = None, *,
+                   position_ids: torch.Tensor | None = None, expand: torch.Tensor | None = None,
                    max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES, recompute: bool = True) -> torch.Tensor:
     """The fp32 log-probabilities of the real tokens' `targets`, flat, datum after datum.
     `causal_lm`: the transformers CausalLM (PEFT's layers in it); `real`: the flat positions of
     the real tokens in [batch, longest] (None: every position); `recompute`: chunks may be
-    recomputed in the backward (not under ZeRO-3)."""
+    recomputed in the backward (not under ZeRO-3). A batch packed as token trees
+    (prefix_tree.py) also gives `position_ids` and a 4-D mask; its `real` are the distinct
+    (position, target) pairs to unembed, `targets` theirs (1-D), and `expand` every datum
+    token's entry among them."""
     if causal_lm.config.model_type not in PLAIN_HEADS:
-        logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).logits
         return _of_logits(*_real_rows(logits, targets, real))
-    hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False).last_hidden_state
     rows, wanted = _real_rows(hidden, targets, real)
     chunk = max(1, max_logits_bytes // (4 * causal_lm.config.vocab_size))
     if rows.shape[0] <= chunk:
@@ -65,4 +74,4 @@ def token_logprobs(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attentio
         lp = torch.cat([checkpoint(_lp, causal_lm.lm_head, rows[i:i + chunk], wanted[i:i + chunk], use_reentrant=False)
                         if again else _lp(causal_lm.lm_head, rows[i:i + chunk], wanted[i:i + chunk])
                         for i in range(0, rows.shape[0], chunk)])
-    return lp
+    return lp if expand is None else lp.index_select(0, expand)

@@ -94,19 +94,22 @@ def measure(causal_lm: torch.nn.Module, device: torch.device, *, recompute: bool
     return TokenCost(fixed=math.ceil(fixed * (1 + MARGIN)), per_position=per_position * (1 + MARGIN))
 
 
-def plan(lengths: list[int], cost: TokenCost, budget_bytes: int) -> list[list[int]]:
+def plan(lengths: list[int], cost: TokenCost, budget_bytes: int, order: list[int] | None = None) -> list[list[int]]:
     """The datums (indices into `lengths`) in micro-batches, each padded to its longest within
     `budget_bytes`: all in one, in their order, where the batch fits (a forward_backward as it
-    always was); else longest first, as many to a group as fit, which also pads less. A datum
-    that alone exceeds the budget goes alone."""
+    always was); else in `order`, by default longest first (which pads least), as many to a group
+    as fit. A datum that alone exceeds the budget goes alone."""
     if not lengths:
         return []
     if cost.of(len(lengths), max(lengths)) <= budget_bytes:
         return [list(range(len(lengths)))]
     groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if groups and cost.of(len(groups[-1]) + 1, lengths[groups[-1][0]]) <= budget_bytes:
+    longest = 0
+    for i in order if order is not None else sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if groups and cost.of(len(groups[-1]) + 1, max(longest, lengths[i])) <= budget_bytes:
             groups[-1].append(i)
+            longest = max(longest, lengths[i])
         else:
             groups.append([i])
+            longest = lengths[i]
     return groups

@@ -25,6 +25,7 @@ import torch
 
 from tinkerd.adam import ADAM_MAX
 from tinkerd.errors import UserError
+from trainer_service import prefix_tree
 from trainer_service.custom_loss import CompiledLoss
 from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES
 from trainer_service.losses import ELEMENTWISE
@@ -97,28 +98,33 @@ IGNORED = -100      # cross_entropy's ignore_index: padding positions
 @dataclasses.dataclass
 class _Batch:
     lengths: list[int]                  # each datum's tokens
-    ids: torch.Tensor                   # [datums, longest], right-padded
-    mask: torch.Tensor | None           # None where nothing is padded
-    targets: torch.Tensor               # IGNORED where padded
-    real: torch.Tensor | None           # flat positions of the real tokens (None: all)
+    ids: torch.Tensor                   # [datums, longest], right-padded; or [rows, longest row], packed
+    mask: torch.Tensor | None           # None where nothing is padded; 4-D where packed
+    how: dict[str, torch.Tensor]        # logprobs.token_logprobs' targets and where they are
 
 
-def _batch(data: list[DatumInput], device: torch.device) -> _Batch:
+def _batch(data: list[DatumInput], device: torch.device, packable: bool = False) -> _Batch:
     """The batch, built on the host in a few ops whatever the number of datums. No mask where
     nothing is padded: attention is then plainly causal, which transformers would otherwise find
-    out by reading the mask back from the device (a synchronization)."""
+    out by reading the mask back from the device (a synchronization). `packable`: datums that
+    share prefixes (an RL batch's rollouts of one prompt) may go as token trees (prefix_tree.py)."""
     lengths = [len(d.tokens) for d in data]
     longest = max(lengths)
     targets = torch.cat([d.loss_fn_inputs["target_tokens"] for d in data]).long()
+    packed = prefix_tree.pack([list(d.tokens) for d in data], targets) if packable and len(data) > 1 else None
+    if packed is not None:
+        return _Batch(lengths, packed.ids.to(device), packed.mask.to(device),
+                      {"targets": packed.targets.to(device), "real": packed.unembed.to(device),
+                       "position_ids": packed.positions.to(device), "expand": packed.expand.to(device)})
     if min(lengths) == longest:
         ids = torch.tensor([list(d.tokens) for d in data])
-        return _Batch(lengths, ids.to(device), None, targets.view(len(data), longest).to(device), None)
+        return _Batch(lengths, ids.to(device), None, {"targets": targets.view(len(data), longest).to(device)})
     ids = torch.tensor([list(d.tokens) + [0] * (longest - n) for d, n in zip(data, lengths)])
     mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths])
     real = mask.view(-1).nonzero().squeeze(1)
     padded_targets = torch.full((len(data) * longest,), IGNORED, dtype=torch.long).index_copy(0, real, targets)
-    return _Batch(lengths, ids.to(device), mask.to(device), padded_targets.view(len(data), longest).to(device),
-                  real.to(device))
+    return _Batch(lengths, ids.to(device), mask.to(device),
+                  {"targets": padded_targets.view(len(data), longest).to(device), "real": real.to(device)})
 
 
 def _on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -193,14 +199,15 @@ def custom_metric_names(loss: CompiledLoss) -> list[str]:
 def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_config: dict[str, float], *,
                      forward_only: bool, device: torch.device, ranks: int = 1, zero_stage: int = 0,
                      max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES, groups: list[list[int]] | None = None,
-                     steps: int = 1):
+                     steps: int = 1, packable: bool = False):
     """Returns (per-datum outputs, metrics). Gradients accumulate until optim_step.
     `groups`: the micro-batches (indices into `data`; default all in one, microbatches.py), each
     through forward and backward in turn; `steps`: the micro-steps every rank takes (the most
     groups of any rank's share), a share with fewer taking empty ones, so that ZeRO's collectives
     pair up. With `ranks` > 1, `data` is this rank's share of the batch (ranks.py): DeepSpeed
     averages gradients over ranks and the loss is a sum, so this rank's part is scaled by `ranks`.
-    `max_logits_bytes`: the fp32 logits held at once (logprobs.py)."""
+    `max_logits_bytes`: the fp32 logits held at once (logprobs.py). `packable`: the model allows
+    datums that share prefixes to go as token trees (prefix_tree.py)."""
     custom = isinstance(loss_impl, CompiledLoss)
     names = custom_metric_names(loss_impl) if custom else ["loss:sum"]
     if groups is None:
@@ -211,7 +218,7 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
     for group in groups:
         group_logprobs, group_losses, group_scalars = _micro_step(
             model, [data[i] for i in group], loss_impl, loss_fn_config, forward_only=forward_only, device=device,
-            ranks=ranks, zero_stage=zero_stage, max_logits_bytes=max_logits_bytes)
+            ranks=ranks, zero_stage=zero_stage, max_logits_bytes=max_logits_bytes, packable=packable)
         for i, lp, loss in zip(group, group_logprobs, group_losses):
             logprobs[i], losses[i] = lp, loss
         scalars.append(group_scalars)
@@ -230,16 +237,17 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
 
 
 def _micro_step(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_config: dict[str, float], *,
-                forward_only: bool, device: torch.device, ranks: int, zero_stage: int, max_logits_bytes: int):
+                forward_only: bool, device: torch.device, ranks: int, zero_stage: int, max_logits_bytes: int,
+                packable: bool):
     """Forward and backward of one micro-batch: its per-datum logprobs and per-token losses
     (detached, on the device) and its scalars (the loss sum first)."""
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     custom = isinstance(loss_impl, CompiledLoss)
-    batch = _batch(data, device)
+    batch = _batch(data, device, packable)
     with grad_ctx:
         lengths = batch.lengths
-        lp = model.engine(batch.ids, batch.mask, targets=batch.targets, real=batch.real,
-                          max_logits_bytes=max_logits_bytes, recompute=zero_stage != 3)    # flat, datum by datum
+        lp = model.engine(batch.ids, batch.mask, **batch.how, max_logits_bytes=max_logits_bytes,
+                          recompute=zero_stage != 3)    # flat, datum by datum
         logprobs = list(lp.split(lengths))
         joined = _joined_inputs(data, device)
         if custom:

@@ -101,8 +101,8 @@ def test_a_batch_over_the_budget_trains_as_one_pass_would(engines, monkeypatch, 
     whole, split = engines
     want = _train(whole, loss_fn)
     shapes, build = [], training._batch
-    monkeypatch.setattr(training, "_batch", lambda data, device: shapes.append(
-        (len(data), max(len(d.tokens) for d in data))) or build(data, device))
+    monkeypatch.setattr(training, "_batch", lambda data, device, packable: shapes.append(
+        (len(data), max(len(d.tokens) for d in data))) or build(data, device, packable))
     got = _train(split, loss_fn)
 
     backward_shapes = shapes[:-1]      # the last: the forward-only call, one pass

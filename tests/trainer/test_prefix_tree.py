@@ -1,0 +1,132 @@
+"""Datums that share prefixes (an RL batch's rollouts of one prompt) go through the model as token
+trees, each shared token once (trainer_service/prefix_tree.py), and train exactly as padded
+datums do: the same logprobs per position, losses, metrics and gradients, for every kind of loss,
+in micro-batches too, at ZeRO-2 and ZeRO-3."""
+
+import pytest
+import torch
+
+from trainer_service import prefix_tree, training
+from trainer_service.engine import AdamParams, DatumInput, TrainerEngine
+from trainer_service.lora import LoraSpec
+
+ADAM = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+
+
+def _rollouts(groups: int, per_group: int, seed: int) -> list[DatumInput]:
+    """`groups` prompts (a common few-shot opening, then each its own question) x `per_group`
+    sampled continuations, as the cookbook's RL datums: tokens = prompt + completion[:-1]."""
+    gen = torch.Generator().manual_seed(seed)
+    opening = torch.randint(3, 1000, (9,), generator=gen).tolist()
+    data = []
+    for _ in range(groups):
+        prompt = opening + torch.randint(3, 1000, (int(torch.randint(4, 20, (1,), generator=gen)),),
+                                         generator=gen).tolist()
+        for _ in range(per_group):
+            completion = torch.randint(3, 1000, (int(torch.randint(2, 12, (1,), generator=gen)),),
+                                       generator=gen).tolist()
+            sequence = prompt + completion
+            n = len(sequence) - 1
+            data.append(DatumInput(sequence[:-1], {
+                "target_tokens": torch.tensor(sequence[1:]), "weights": torch.rand(n, generator=gen),
+                "logprobs": -5 * torch.rand(n, generator=gen), "advantages": torch.randn(n, generator=gen)}))
+    return data
+
+
+def test_a_group_s_prompt_is_one_path_of_the_tree():
+    data = _rollouts(3, 4, seed=0)
+    tokens = [d.tokens for d in data]
+    targets = torch.cat([d.loss_fn_inputs["target_tokens"] for d in data])
+    packed = prefix_tree.pack(tokens, targets)
+    assert packed is not None
+    assert packed.ids.shape[0] == 1                  # 12 short datums: one row
+    # nodes: the opening once, each prompt's question once, every completion's own tokens
+    row = packed.ids[0]
+    flat_targets = packed.targets[packed.expand]
+    assert torch.equal(flat_targets, targets)        # every datum token finds its own target
+    width = packed.ids.shape[1]
+    start = 0
+    for d in data:
+        n = len(d.tokens)
+        at = packed.unembed[packed.expand[start:start + n]]          # its positions, in order
+        start += n
+        assert at.div(width, rounding_mode="floor").unique().numel() == 1
+        nodes = at % width
+        assert row[nodes].tolist() == d.tokens                       # its tokens, along its path
+        assert packed.positions[0, nodes].tolist() == list(range(n))  # at their depths
+        for j, node in enumerate(nodes.tolist()):                    # attending to its own path only
+            assert packed.mask[0, 0, node].nonzero().squeeze(1).tolist() == sorted(nodes[:j + 1].tolist())
+    assert len(set(packed.unembed.tolist())) < len(targets) * 0.6   # shared positions unembedded once
+
+
+def test_datums_that_share_nothing_go_padded_as_before():
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (30, 7, 18, 25)]
+    targets = torch.randint(3, 1000, (80,), generator=gen)
+    assert prefix_tree.pack(tokens, targets) is None          # padding alone: left as it was
+    same = [tokens[0]] * 4                                     # four copies: one path
+    assert prefix_tree.pack(same, torch.randint(3, 1000, (120,), generator=gen)).ids.shape == (1, 30)
+    prefix = [tokens[0], tokens[0][:10], tokens[0][:20]]       # datums that are others' prefixes
+    packed = prefix_tree.pack(prefix, torch.randint(3, 1000, (60,), generator=gen))
+    assert packed.ids.shape == (1, 30)
+
+
+def _train(engine: TrainerEngine, model_id: str, loss_fn: str) -> dict:
+    engine.create_model(model_id, LoraSpec(rank=8, seed=5))
+    seen = {}
+    for step in range(2):
+        data = _rollouts(4, 6, seed=step)
+        outputs, metrics = engine.forward_backward(model_id, data, loss_fn, {}, forward_only=False)
+        seen[f"{step}.loss"] = metrics["loss:sum"]
+        seen[f"{step}.logprobs"] = [o["logprobs"] for o in outputs]
+        seen[f"{step}.losses"] = [o["elementwise_loss"] for o in outputs]
+        seen[f"{step}.gradient"] = torch.cat([p.grad.flatten() for p in engine.get(model_id).params]) \
+            if engine.zero_stage != 3 else None
+        seen[f"{step}.grad_norm"] = engine.optim_step(model_id, ADAM)["grad_norm:mean"]
+    outputs, _ = engine.forward_backward(model_id, _rollouts(4, 6, seed=7), "cross_entropy", {}, forward_only=True)
+    seen["final.logprobs"] = [o["logprobs"] for o in outputs]
+    return seen
+
+
+@pytest.mark.parametrize("stage, loss_fn", [(2, "importance_sampling"), (2, "gspo"), (2, "cross_entropy"),
+                                            (3, "ppo")])
+def test_rollouts_as_trees_train_as_padded_datums_do(tiny_model_dir, monkeypatch, stage, loss_fn):
+    padded = TrainerEngine(tiny_model_dir, zero_stage=stage)
+    padded.packable = False
+    want = _train(padded, "m", loss_fn)
+    del padded
+
+    trees = TrainerEngine(tiny_model_dir, zero_stage=stage)
+    assert trees.packable                                    # a Llama: its own head, no sliding window
+    trees.activation_budget = 150 * trees.token_cost.fixed   # and in micro-batches: groups kept together
+    packed, pack = [], prefix_tree.pack
+    monkeypatch.setattr(prefix_tree, "pack", lambda *a, **k: packed.append(pack(*a, **k)) or packed[-1])
+    got = _train(trees, "m", loss_fn)
+    trees_ = [p for p in packed if p is not None]       # (a micro-batch of two datums may not pay)
+    assert len(packed) >= 8 and len(trees_) >= 0.75 * len(packed), [p is not None for p in packed]
+    assert sum(p.ids.numel() for p in trees_) < 0.6 * sum(p.expand.numel() for p in trees_)  # positions: < 60%
+
+    for key, value in want.items():
+        if value is None:
+            continue
+        if key.endswith("gradient"):
+            assert (got[key] - value).abs().max() <= 1e-5 * value.abs().max(), key
+        elif isinstance(value, list):
+            assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got[key], value)), key
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+
+
+def test_a_padded_sft_batch_is_untouched(tiny_model_dir, monkeypatch):
+    """No shared prefixes: the batch goes padded, as before (bit for bit the same path)."""
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2)
+    engine.create_model("m", LoraSpec(rank=4, seed=1))
+    built = []
+    build = training._batch
+    monkeypatch.setattr(training, "_batch", lambda data, device, packable: built.append(
+        build(data, device, packable)) or built[-1])
+    gen = torch.Generator().manual_seed(3)
+    data = [DatumInput(torch.randint(3, 1000, (n,), generator=gen).tolist(),
+                       {"target_tokens": torch.randint(3, 1000, (n,), generator=gen)}) for n in (12, 30, 7)]
+    engine.forward_backward("m", data, "cross_entropy", {}, forward_only=False)
+    assert built[0].ids.shape == (3, 30) and "position_ids" not in built[0].how
