@@ -26,6 +26,10 @@ it is a lower bound on the step; each row says which fraction of it it reaches.
 --tenants: the engine alone against an engine holding 31 more models (TENANTS in all) stepping
 one of them, and round-robin over all of them. The resident case activates its adapter before
 the clock starts, as in the steady state of one model stepping on (the switch is round-robin's).
+--group G --prompt P: RL rollouts, every G sequences sharing their first P tokens (a GRPO batch:
+one prompt sampled G times); the engine packs them as token trees (trainer_service/prefix_tree.py)
+and the added row "engine, padded" runs without. The FLOP bound still counts every token: a
+shared prompt computed once can go under it.
 --profile: torch.profiler over 3 engine and 3 plain steps: top ops by self CPU and CUDA time,
 kernels per step.
 
@@ -81,6 +85,8 @@ class Setup:
     tenants: int = 0                # models on the multi-tenant engine; 0: no tenant rows
     skip_raw: bool = False          # no DeepSpeed row (8b: three 16 GB bases and a step's activations crowd 80 GB)
     profile: bool = False
+    group: int = 1                  # >1: rollouts, each `group` datums sharing their first `prompt` tokens
+    prompt: int = 0
 
     @property
     def tokens(self) -> int:
@@ -154,9 +160,14 @@ def build_model(setup: Setup, out_dir: str) -> torch.nn.Module:
 
 
 def random_batch(setup: Setup, vocab: int) -> list[list[int]]:
-    """`batch` sequences of length + 1 tokens: inputs are the first `length`, targets the last."""
+    """`batch` sequences of length + 1 tokens: inputs are the first `length`, targets the last.
+    With `group` > 1, RL rollouts: every `group` sequences share their first `prompt` tokens."""
     gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab, (setup.batch, setup.length + 1), generator=gen).tolist()
+    sequences = torch.randint(0, vocab, (setup.batch, setup.length + 1), generator=gen)
+    if setup.group > 1:
+        for start in range(0, setup.batch, setup.group):
+            sequences[start:start + setup.group, :setup.prompt] = sequences[start, :setup.prompt]
+    return sequences.tolist()
 
 
 def linear_params(model: torch.nn.Module) -> int:
@@ -231,6 +242,18 @@ def new_engine(model_dir: str, setup: Setup, model_ids: list[str]):
 
 def engine_step(engine, model_ids: list[str], sequences: list[list[int]], setup: Setup) -> Callable[[], float]:
     """One step as the servicer runs it, on the next of `model_ids` each call (round-robin)."""
+    return _engine_step(engine, model_ids, sequences, setup)
+
+
+def padded_engine_step(model_dir: str, sequences: list[list[int]], setup: Setup) -> Callable[[], float]:
+    """The engine with prefix sharing off (trainer_service/prefix_tree.py): every datum padded."""
+    engine = new_engine(model_dir, setup, ["padded"])
+    engine.packable = False
+    return _engine_step(engine, ["padded"], sequences, setup)
+
+
+def _engine_step(engine, model_ids: list[str], sequences: list[list[int]], setup: Setup) -> Callable[[], float]:
+    """The step of engine_step (and padded_engine_step)."""
     from trainer_service.training import DatumInput
 
     data = [DatumInput(s[:-1], {"target_tokens": torch.tensor(s[1:]), "weights": torch.ones(setup.length)})
@@ -291,6 +314,8 @@ def main_rows(base: torch.nn.Module, engine, model_dir: str, sequences: list[lis
     if not setup.skip_raw:
         timed["deepspeed"] = Timed(raw_deepspeed_step(model_dir, sequences, setup), setup.tokens, cuda)
     timed["engine"] = Timed(engine_step(engine, ["alone"], sequences, setup), setup.tokens, cuda)
+    if setup.group > 1:
+        timed["engine, padded"] = Timed(padded_engine_step(model_dir, sequences, setup), setup.tokens, cuda)
     rows = take_in_turn(timed, setup, bound_ms)
     if setup.profile:
         for name in ("engine", "plain"):
@@ -320,7 +345,8 @@ def ratios(rows: list[StepRow]) -> list[dict]:
     ms = {r.name: r.ms for r in rows}
     wanted = [("plain / engine", "plain", "engine", ENGINE_TARGET),
               ("plain / deepspeed", "plain", "deepspeed", ""),
-              ("deepspeed / engine", "deepspeed", "engine", "")]
+              ("deepspeed / engine", "deepspeed", "engine", ""),
+              ("(engine, padded) / engine", "engine, padded", "engine", "")]
     tenant_names = [r.name for r in rows if r.name.startswith("engine, ")]
     targets = (RESIDENT_TARGET, ROUND_ROBIN_TARGET)
     wanted += [(f"alone / ({name})", "engine alone", name, target) for name, target in zip(tenant_names, targets)]
@@ -391,6 +417,9 @@ def parse_args(argv=None) -> tuple[Setup, str | None]:
     p.add_argument("--tenants", action="store_true", help=f"add the rows with {TENANTS} models on one engine")
     p.add_argument("--skip-raw", action="store_true", help="leave out the DeepSpeed row (saves one base model)")
     p.add_argument("--profile", action="store_true", help=f"torch.profiler over {PROFILE_STEPS} engine and plain steps")
+    p.add_argument("--group", type=int, default=1, help="RL rollouts: every GROUP sequences share a prompt "
+                                                         "(adds the engine's row with prefix sharing off)")
+    p.add_argument("--prompt", type=int, default=0, help="with --group: the shared prompt's tokens")
     p.add_argument("--json", help="also write the report here")
     a = p.parse_args(argv)
     if a.device == "cpu" and cuda:
@@ -400,7 +429,8 @@ def parse_args(argv=None) -> tuple[Setup, str | None]:
     setup = Setup(device=a.device, shape=a.shape, dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                   batch=a.batch, length=a.length, rank=a.rank,
                   steps=a.steps or (20 if a.device == "cuda" else 5), warmup=a.warmup, learning_rate=a.lr,
-                  tenants=TENANTS if a.tenants else 0, skip_raw=a.skip_raw, profile=a.profile)
+                  tenants=TENANTS if a.tenants else 0, skip_raw=a.skip_raw, profile=a.profile,
+                  group=a.group, prompt=a.prompt)
     return setup, a.json
 
 

@@ -54,6 +54,7 @@ def engine_from(s: SamplerSettings):
                          max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
                          max_num_seqs=s.max_num_seqs, tensor_parallel_size=s.tensor_parallel_size,
                          gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_mib=s.kv_cache_mib,
+                         kv_block_tokens=s.kv_block_tokens,
                          merged=MergedSettings(_merged_slots(s, dtype), s.merge_window, s.merge_share,
                                                s.merge_min_requests))
 

@@ -31,6 +31,9 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                         "slot's engine has one too); 0: VLLM_CPU_KVCACHE_SPACE GiB on CPU (1 "
                                         "unless set), what --gpu-memory-utilization leaves on a GPU. A CPU engine "
                                         "zeroes its cache at start (~3 s per GiB on a 2-core VM)")
+    kv_block_tokens: int = setting(0, help="tokens per KV-cache block (vLLM's --block-size): prefixes are shared "
+                                           "in whole blocks, so an RL group's samples share a prompt only past "
+                                           "one; 0: 32 on CPU (vLLM's CPU default is 128), vLLM's choice on a GPU")
     register_with: list[str] = setting([], help="URL of a gateway's internal listener (its --internal-port) to "
                                                 "join the sampler pool of (repeatable); the replica heart-beats "
                                                 "there with the service token and leaves on a clean stop")

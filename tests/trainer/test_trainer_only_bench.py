@@ -24,6 +24,17 @@ def test_every_row_is_timed_and_plain_and_engine_take_the_same_steps():
                                                   "alone / (engine, round-robin over 2)"}
 
 
+def test_rollouts_sharing_prompts_train_alike_packed_or_padded():
+    """--group: the engine packs rollouts of one prompt as token trees; the padded engine, plain
+    PyTorch and it take the same steps (the same losses)."""
+    setup = Setup(device="cpu", shape="tiny", dtype="float32", batch=8, length=24, rank=4, steps=2, warmup=0,
+                  skip_raw=True, group=4, prompt=16)
+    rows = {r.name: r for r in measure(setup).rows}
+    assert list(rows) == ["plain", "engine", "engine, padded"]
+    assert rows["engine"].losses == pytest.approx(rows["plain"].losses, abs=1e-4)
+    assert rows["engine, padded"].losses == pytest.approx(rows["engine"].losses, abs=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the bench's bf16 rows on a GPU")
 def test_engine_trains_in_bf16_on_cuda_and_starts_where_plain_does():

@@ -1,5 +1,5 @@
 """vLLM's scale knobs (--tensor-parallel-size, --gpu-memory-utilization, --max-num-seqs,
---kv-cache-mib) reach the engine: from `tinkerd sampler`'s flags (and `tinkerd up`'s, through each
+--kv-cache-mib, --kv-block-tokens) reach the engine: from `tinkerd sampler`'s flags (and `tinkerd up`'s, through each
 replica's command line) to the real vllm.EngineArgs the replica's engine is built from. The engine itself is not started
 (that is what every e2e test does): its constructor is stopped once it has the EngineArgs. A
 tensor-parallel size this machine cannot run ends `tinkerd sampler` and `tinkerd up` at once,
@@ -14,7 +14,7 @@ from launcher import cli, up
 from tinkerd import settings
 
 KNOBS = ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.55", "--max-num-seqs", "12",
-         "--kv-cache-mib", "48"]
+         "--kv-cache-mib", "48", "--kv-block-tokens", "64"]
 
 
 class _Built(Exception):
@@ -51,6 +51,22 @@ def test_the_sampler_flags_reach_vllms_engine_args(monkeypatch, tmp_path):
     # The KV cache's size: vLLM would take VLLM_CPU_KVCACHE_SPACE's whole GiB over it on CPU.
     assert engine_args.kv_cache_memory_bytes == 48 << 20 and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     assert engine_args.model == str(tmp_path) and engine_args.enable_lora
+    assert engine_args.block_size == 64
+
+
+def test_a_cpu_engine_pages_its_kv_cache_in_blocks_a_prompt_can_fill(monkeypatch):
+    """vLLM's CPU default (128 tokens) is longer than an RL prompt: no prefix is ever shared."""
+    from sampler_service import engine
+    from tinkerd import hardware
+    from tinkerd.errors import UserError
+
+    monkeypatch.setattr(hardware, "has_gpu", lambda: False)
+    assert engine.engine_args("m")["block_size"] == engine.CPU_KV_BLOCK_TOKENS == 32
+    assert engine.engine_args("m", kv_block_tokens=128)["block_size"] == 128
+    monkeypatch.setattr(hardware, "has_gpu", lambda: True)
+    assert "block_size" not in engine.engine_args("m")          # vLLM's own choice on a GPU
+    with pytest.raises(UserError, match="--kv-block-tokens"):
+        engine.engine_args("m", kv_block_tokens=-1)
 
 
 def test_a_tensor_parallel_size_this_machine_cannot_run_is_refused_with_the_reason():
