@@ -78,9 +78,9 @@ class TrainerEngine:
         config = AutoConfig.from_pretrained(base_model_dir)
         self.vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 20)
-        self.packable = prefix_tree.packable(config)
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=dtypes.torch_dtype(dtype)).to(self.device)
         base.requires_grad_(False)
+        self.packable = prefix_tree.packable(base.config)     # (the loaded model's: its attention is chosen)
         fp32_gemm.install_where_needed(base)
         if match_sampler:
             cpu_numerics.install_where_needed(base)

@@ -11,8 +11,8 @@ Each datum's logprobs are read at the positions of its path; a (position, target
 several datums share is unembedded once. SmolLM2 fp32, that RL batch: 5,888 padded positions ->
 1,664, forward+backward 74 s -> 19-25 s on 2 cores.
 
-Only for the models logprobs.py unembeds itself (PLAIN_HEADS) and without a sliding window
-(which a custom mask would override). A row holds at most max(ROW_TOKENS, longest datum)
+Only for the models logprobs.py unembeds itself (PLAIN_HEADS), without a sliding window (which a
+custom mask would override), under SDPA or eager attention. A row holds at most max(ROW_TOKENS, longest datum)
 positions: attention over a row grows with its square.
 """
 
@@ -42,7 +42,9 @@ def packable(config) -> bool:
     from trainer_service.logprobs import PLAIN_HEADS
 
     sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    return config.model_type in PLAIN_HEADS and not sliding
+    # a 4-D boolean mask is taken as given by these attention implementations (not flash-attention's)
+    return (config.model_type in PLAIN_HEADS and not sliding
+            and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
 
 
 def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = ROW_TOKENS) -> Packing | None:

@@ -289,13 +289,18 @@ class Ranks:
                             f"optimizer state, or run the trainer with {len(saved)} ranks")
 
     def share(self, data: list[DatumInput]) -> list[list[int]]:
-        """Every rank's datums (indices into `data`), balanced by tokens: longest first, each to
-        the rank with the fewest tokens so far. The same on every rank."""
-        loads, shares = [0] * self.world, [[] for _ in range(self.world)]
-        for i in sorted(range(len(data)), key=lambda i: (-len(data[i].tokens), i)):
-            r = min(range(self.world), key=lambda r: (loads[r], r))
+        """Every rank's datums (indices into `data`), balanced by tokens: the datums in token
+        order, cut into `world` runs of about equal tokens, so that datums sharing a prefix (an RL
+        group's rollouts) stay on one rank and share it there (prefix_tree.py); at most
+        world - 1 groups are cut. The same on every rank."""
+        shares: list[list[int]] = [[] for _ in range(self.world)]
+        total, load, r = sum(len(d.tokens) for d in data), 0, 0
+        for i in sorted(range(len(data)), key=lambda i: data[i].tokens):
+            n = len(data[i].tokens)
+            if r < self.world - 1 and shares[r] and load + n / 2 > total * (r + 1) / self.world:
+                r += 1         # this datum's middle would pass the rank's share: the next rank's
             shares[r].append(i)
-            loads[r] += len(data[i].tokens)
+            load += n
         return [sorted(s) for s in shares]
 
     def gather_outputs(self, data: list[DatumInput], shares: list[list[int]], outputs: list[dict],

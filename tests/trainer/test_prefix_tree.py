@@ -130,3 +130,14 @@ def test_a_padded_sft_batch_is_untouched(tiny_model_dir, monkeypatch):
                        {"target_tokens": torch.randint(3, 1000, (n,), generator=gen)}) for n in (12, 30, 7)]
     engine.forward_backward("m", data, "cross_entropy", {}, forward_only=False)
     assert built[0].ids.shape == (3, 30) and "position_ids" not in built[0].how
+
+
+def test_only_models_whose_attention_takes_the_tree_mask_pack():
+    from types import SimpleNamespace as Config
+
+    assert prefix_tree.packable(Config(model_type="llama", _attn_implementation="sdpa"))
+    assert prefix_tree.packable(Config(model_type="qwen2", sliding_window=4096, use_sliding_window=False,
+                                       _attn_implementation="eager"))
+    assert not prefix_tree.packable(Config(model_type="mistral", sliding_window=4096, _attn_implementation="sdpa"))
+    assert not prefix_tree.packable(Config(model_type="llama", _attn_implementation="flash_attention_2"))
+    assert not prefix_tree.packable(Config(model_type="gemma2", _attn_implementation="sdpa"))   # soft-capped head
