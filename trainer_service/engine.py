@@ -80,7 +80,7 @@ class TrainerEngine:
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 20)
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=dtypes.torch_dtype(dtype)).to(self.device)
         base.requires_grad_(False)
-        self.packable = prefix_tree.packable(base.config)     # (the loaded model's: its attention is chosen)
+        self.packable = prefix_tree.packable(base.config, self.dtype)   # (the loaded model's: its attention is set)
         fp32_gemm.install_where_needed(base)
         if match_sampler:
             cpu_numerics.install_where_needed(base)

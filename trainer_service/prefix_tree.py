@@ -11,8 +11,8 @@ Each datum's logprobs are read at the positions of its path; a (position, target
 several datums share is unembedded once. SmolLM2 fp32, that RL batch: 5,888 padded positions ->
 1,664, forward+backward 74 s -> 19-25 s on 2 cores.
 
-Only for the models logprobs.py unembeds itself (PLAIN_HEADS), without a sliding window (which a
-custom mask would override), under SDPA or eager attention. A row holds at most max(ROW_TOKENS, longest datum)
+Only in fp32 (see `packable`), for the models logprobs.py unembeds itself (PLAIN_HEADS), without
+a sliding window (which a custom mask would override), under SDPA or eager attention. A row holds at most max(ROW_TOKENS, longest datum)
 positions: attention over a row grows with its square.
 """
 
@@ -38,8 +38,16 @@ class Packing:
     expand: torch.Tensor         # every datum token's entry in `unembed`, datum after datum
 
 
-def packable(config) -> bool:
+def packable(config, dtype: torch.dtype) -> bool:
+    """Whether this model's batches may go as token trees. Not in 16-bit yet: in bf16 a datum's
+    logprobs in a tree move further from its logprobs alone than padding moves them (SmolLM2,
+    an RL batch of 4 x 8 rollouts, with the sampler's rounding (cpu_numerics.py): tree vs alone
+    mean 0.021 / max 0.24 nats, padded vs alone 0.0026 / 0.18), and RL's importance ratios rest
+    on the trainer matching the sampler, which computes each sequence alone. fp32: 3e-6 / 3e-5."""
     from trainer_service.logprobs import PLAIN_HEADS
+
+    if dtype != torch.float32:
+        return False
 
     sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     # a 4-D boolean mask is taken as given by these attention implementations (not flash-attention's)

@@ -135,9 +135,13 @@ def test_a_padded_sft_batch_is_untouched(tiny_model_dir, monkeypatch):
 def test_only_models_whose_attention_takes_the_tree_mask_pack():
     from types import SimpleNamespace as Config
 
-    assert prefix_tree.packable(Config(model_type="llama", _attn_implementation="sdpa"))
+    f32 = torch.float32
+    assert prefix_tree.packable(Config(model_type="llama", _attn_implementation="sdpa"), f32)
     assert prefix_tree.packable(Config(model_type="qwen2", sliding_window=4096, use_sliding_window=False,
-                                       _attn_implementation="eager"))
-    assert not prefix_tree.packable(Config(model_type="mistral", sliding_window=4096, _attn_implementation="sdpa"))
-    assert not prefix_tree.packable(Config(model_type="llama", _attn_implementation="flash_attention_2"))
-    assert not prefix_tree.packable(Config(model_type="gemma2", _attn_implementation="sdpa"))   # soft-capped head
+                                       _attn_implementation="eager"), f32)
+    assert not prefix_tree.packable(Config(model_type="mistral", sliding_window=4096, _attn_implementation="sdpa"),
+                                    f32)
+    assert not prefix_tree.packable(Config(model_type="llama", _attn_implementation="flash_attention_2"), f32)
+    assert not prefix_tree.packable(Config(model_type="gemma2", _attn_implementation="sdpa"), f32)  # soft-capped
+    # bf16: a tree moves a datum's logprobs from the sampler's further than padding does (packable's note)
+    assert not prefix_tree.packable(Config(model_type="llama", _attn_implementation="sdpa"), torch.bfloat16)
