@@ -240,20 +240,15 @@ def new_engine(model_dir: str, setup: Setup, model_ids: list[str]):
     return engine
 
 
-def engine_step(engine, model_ids: list[str], sequences: list[list[int]], setup: Setup) -> Callable[[], float]:
-    """One step as the servicer runs it, on the next of `model_ids` each call (round-robin)."""
-    return _engine_step(engine, model_ids, sequences, setup)
-
-
 def padded_engine_step(model_dir: str, sequences: list[list[int]], setup: Setup) -> Callable[[], float]:
     """The engine with prefix sharing off (trainer_service/prefix_tree.py): every datum padded."""
     engine = new_engine(model_dir, setup, ["padded"])
     engine.packable = False
-    return _engine_step(engine, ["padded"], sequences, setup)
+    return engine_step(engine, ["padded"], sequences, setup)
 
 
-def _engine_step(engine, model_ids: list[str], sequences: list[list[int]], setup: Setup) -> Callable[[], float]:
-    """The step of engine_step (and padded_engine_step)."""
+def engine_step(engine, model_ids: list[str], sequences: list[list[int]], setup: Setup) -> Callable[[], float]:
+    """One step as the servicer runs it, on the next of `model_ids` each call (round-robin)."""
     from trainer_service.training import DatumInput
 
     data = [DatumInput(s[:-1], {"target_tokens": torch.tensor(s[1:]), "weights": torch.ones(setup.length)})

@@ -31,6 +31,7 @@ import torch
 
 from sampler_service import metrics
 from sampler_service.merged import MergedServing, PromotionPolicy, engine_overrides
+from tinkerd import hardware
 from tinkerd.errors import NotFoundError, UserError
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,6 @@ def engine_args(model_dir: str, *, dtype: str = "auto", max_model_len: int = 102
                 kv_block_tokens: int = 0, seed: int = 0) -> dict:
     """vLLM EngineArgs of every engine of a replica (LoRA and merged ones); LoRA options aside.
     `kv_block_tokens` 0: CPU_KV_BLOCK_TOKENS on CPU, vLLM's own choice on a GPU."""
-    from tinkerd import hardware
-
     args = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
                 max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
                 gpu_memory_utilization=gpu_memory_utilization)

@@ -12,8 +12,8 @@ several datums share is unembedded once. SmolLM2 fp32, that RL batch: 5,888 padd
 1,664, forward+backward 74 s -> 19-25 s on 2 cores.
 
 Only in fp32 (see `packable`), for the models logprobs.py unembeds itself (PLAIN_HEADS), without
-a sliding window (which a custom mask would override), under SDPA or eager attention. A row holds at most max(ROW_TOKENS, longest datum)
-positions: attention over a row grows with its square.
+a sliding window (which a custom mask would override), under SDPA or eager attention. A row
+holds at most max(ROW_TOKENS, longest datum) positions: attention over a row grows with its square.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ def packable(config, dtype: torch.dtype) -> bool:
 
     if dtype != torch.float32:
         return False
-
     sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     # a 4-D boolean mask is taken as given by these attention implementations (not flash-attention's)
     return (config.model_type in PLAIN_HEADS and not sliding

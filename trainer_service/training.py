@@ -223,14 +223,13 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
             logprobs[i], losses[i] = lp, loss
         scalars.append(group_scalars)
     for _ in range(steps - len(groups)):     # a share with fewer micro-batches: the same collectives
-        grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with grad_ctx:
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
             empty = _closing_loss(model, 3, device)
         if not forward_only:
             model.engine.backward(empty, scale_wrt_gas=False)
     if not data:
         return [], dict.fromkeys(names, 0.0)
-    outputs, sums = _to_host(logprobs, losses, torch.stack(scalars).sum(0) if len(scalars) > 1 else scalars[0])
+    outputs, sums = _to_host(logprobs, losses, torch.stack(scalars).sum(0))
     if not forward_only and not math.isfinite(sums[0]):
         model.nonfinite_loss = True      # optim_step skips the step these gradients belong to
     return outputs, dict(zip(names, sums))
