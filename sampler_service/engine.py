@@ -18,6 +18,7 @@ No gRPC here.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -25,6 +26,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 
 import torch
@@ -61,6 +63,15 @@ class MergedSettings:
     window: int = 32
     share: float = 0.5
     min_requests: int = 4
+    wait_s: float = 20.0      # a request for a snapshot a slot is promised to waits this long for it
+
+    def __post_init__(self):
+        if not self.wait_s >= 0:
+            raise UserError(f"--merge-wait-s must be 0 (never wait) or a number of seconds, got {self.wait_s}")
+
+
+# How often the engine thread looks at its parked requests while it has nothing else to do.
+_PARKED_POLL_S = 0.02
 
 
 # vLLM's CPU backend pages its KV cache in 128-token blocks unless told otherwise, and caches
@@ -150,6 +161,8 @@ class SamplerEngine:
         self._inbox: queue.Queue[_Pending] = queue.Queue()
         self._waiting: dict[str, tuple[concurrent.futures.Future, int, list]] = {}
         self._group_engine: dict[str, object] = {}     # request group -> the engine running it
+        self._parked: list[tuple[_Pending, float]] = []  # generate items waiting for a merged slot
+        self._merge_wait_s = merged.wait_s
         self.merged = MergedServing(
             PromotionPolicy(merged.slots, merged.window, merged.share, merged.min_requests), model_dir,
             self._engine.model_config.dtype, self._submit)
@@ -211,12 +224,13 @@ class SamplerEngine:
             self._inbox.put(_Pending("abort", (future,), concurrent.futures.Future()))
 
     def register_snapshot(self, snapshot_id: str, tensors: dict[str, torch.Tensor], adapter_config: dict,
-                          path: str) -> concurrent.futures.Future:
+                          path: str, run: str = "") -> concurrent.futures.Future:
+        """`run`: the training run it is a snapshot of ("" if unknown), for merged serving's succession."""
         if snapshot_id in self._snapshots:
             raise UserError(f"snapshot {snapshot_id!r} already exists; snapshots are immutable")
         self.merged.remember(snapshot_id, tensors, adapter_config)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Pending("register", (snapshot_id, tensors, adapter_config, path), future))
+        self._inbox.put(_Pending("register", (snapshot_id, tensors, adapter_config, path, run), future))
         return future
 
     def num_snapshots(self) -> int:
@@ -256,7 +270,10 @@ class SamplerEngine:
         while not self._stopped.is_set():
             busy = any(e.has_unfinished_requests() for e in self._engines()) or self.merged.busy()
             try:
-                item = self._inbox.get(block=not busy, timeout=None if not busy else 0)
+                if busy:
+                    item = self._inbox.get_nowait()
+                else:
+                    item = self._inbox.get(timeout=_PARKED_POLL_S if self._parked else None)
             except queue.Empty:
                 item = None
             while item is not None:
@@ -266,6 +283,7 @@ class SamplerEngine:
                 except queue.Empty:
                     item = None
             self.merged.finish_merges()            # slots that drained get their new weights
+            self._release_parked()
             for engine in self._engines():
                 if engine.has_unfinished_requests():
                     try:
@@ -297,26 +315,57 @@ class SamplerEngine:
                 item.future.set_exception(e)
 
     def _register(self, item: _Pending) -> None:
-        snapshot_id, tensors, adapter_config, path = item.payload
+        snapshot_id, tensors, adapter_config, path, run = item.payload
         lora_id = next(self._lora_ids)
         self._engine.collective_rpc("tinkerd_add_lora_tensors", args=(lora_id, tensors, adapter_config))
         snap = Snapshot(snapshot_id, lora_id, path or _NO_PATH)
         with self._registry_lock:
             self._snapshots[snapshot_id] = snap
         metrics.SNAPSHOT_LOADS.labels("stream").inc()
+        # Before the reply, so the first request for it (admitted after this) finds its slot promised.
+        self.merged.arrived(snapshot_id, run, path)
         item.future.set_result(snap)
 
     def _add_generate(self, item: _Pending) -> None:
+        snap = item.payload[3]
+        slot = self.merged.route(snap.snapshot_id) if snap else None
+        if slot is None and snap and self._merge_wait_s > 0 and self.merged.policy.promised(snap.snapshot_id):
+            self._parked.append((item, time.monotonic()))      # its merged weights are on their way
+            return
+        self._start(item, slot)
+
+    def _release_parked(self) -> None:
+        """Parked requests go to their slot once it serves their snapshot, or through LoRA when no
+        slot is promised to it any more (refused, demoted) or they waited `merge_wait_s`."""
+        if not self._parked:
+            return
+        now, waiting = time.monotonic(), []
+        released: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        for item, since in self._parked:
+            snapshot_id = item.payload[3].snapshot_id
+            slot = self.merged.route(snapshot_id)
+            if slot is None and self.merged.policy.promised(snapshot_id) and now - since < self._merge_wait_s:
+                waiting.append((item, since))
+                continue
+            self._start(item, slot)
+            metrics.MERGE_WAIT_SECONDS.observe(now - since)
+            released[(snapshot_id, "merged" if slot else "through LoRA")].append(now - since)
+        self._parked = waiting
+        for (snapshot_id, where), waits in released.items():
+            log.info("%d requests for snapshot %s waited up to %.1f s for its merged slot, now run %s",
+                     len(waits), snapshot_id, max(waits), where)
+
+    def _start(self, item: _Pending, slot) -> None:
         from vllm.lora.request import LoRARequest
 
         prompt_tokens, params, num_samples, snap = item.payload
-        slot = self.merged.route(snap.snapshot_id) if snap else None
         if slot is not None:                 # a hot snapshot: its merged weights, no LoRA
             engine, lora = slot.engine, None
             slot.requests += 1
         else:
             engine = self._engine
             lora = LoRARequest(snap.snapshot_id, snap.lora_int_id, snap.path) if snap else None
+        metrics.REQUESTS.labels("merged" if slot else "lora" if snap else "base").inc()
         group = uuid.uuid4().hex
         results: list = [None] * num_samples
         self._waiting[group] = (item.future, num_samples, results)
@@ -331,6 +380,11 @@ class SamplerEngine:
     def _abort(self, future: concurrent.futures.Future) -> None:
         """The group behind `future` out of its engine (generate's item came through the inbox
         first, so it is admitted by now, or already finished)."""
+        parked = next((i for i, (item, _) in enumerate(self._parked) if item.future is future), None)
+        if parked is not None:
+            del self._parked[parked]
+            future.cancel()
+            return
         group = next((g for g, (f, _, _) in self._waiting.items() if f is future), None)
         if group is None:
             return

@@ -13,10 +13,20 @@ place of a merged snapshot that now has a smaller share; a merged snapshot whose
 half of `merge_share` is demoted (its requests go back to the LoRA engine). `merged_slots` caps
 the slots; 0 turns merged serving off.
 
+Succession: a training run's snapshots follow each other, and RL samples each new one right after
+saving it, all of a step's requests at once: by the time a window could see the new snapshot get
+hot, every request was admitted to the LoRA engine (the RL loop of docs/benchmarks.md: "0 requests
+served merged" at each re-merge). So a snapshot that arrives from the run (WeightManifest.model_id)
+whose snapshot a slot holds takes that slot at once, and the run's requests in the window count as
+its own. A request for a snapshot a slot is promised to but does not serve yet waits for the swap
+(up to `merge_wait_s`, then it runs through LoRA): RL's 16 x 8 rollouts of SmolLM2 wait ~3 s for
+the merge and skip ~14 s of LoRA ops.
+
 Consistency: the engine thread (engine.py) routes each request when it admits it, and a slot is
 re-merged only once it has drained: from the moment a re-merge is asked for, the slot takes no
-new request (they go to the LoRA engine, which holds every snapshot), and the weights are swapped
-when its last in-flight request has finished. No request ever sees a half-merged model.
+new request for the snapshot it served (they go to the LoRA engine, which holds every snapshot),
+and the weights are swapped when its last in-flight request has finished. No request ever sees a
+half-merged model.
 
 Cost, measured on SmolLM2-135M fp32 on a shared 2-core CPU (bench/adapter_sampling.py): the
 first promotion takes ~7 s (the slot's engine is created on the engine thread, which serves
@@ -44,6 +54,7 @@ import math
 import os
 import queue
 import threading
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -150,6 +161,8 @@ def _add(weight: torch.Tensor, delta: torch.Tensor | None, dtype: torch.dtype) -
 
 # ---- the policy ---------------------------------------------------------------------------------
 
+_RUNS_KEPT = 1024     # snapshots whose training run the policy remembers (a slot's holder is recent)
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     action: str          # "promote" | "demote"
@@ -168,12 +181,40 @@ class PromotionPolicy:
         self.share, self.min_requests = share, min_requests
         self._window: collections.deque[tuple[str, int]] = collections.deque(maxlen=window)
         self._refused: set[str] = set()
+        self._run_of: collections.OrderedDict[str, str] = collections.OrderedDict()   # newest snapshots' runs
         self._lock = threading.Lock()
 
     def observe(self, snapshot_id: str, tokens: int) -> list[Decision]:
         with self._lock:
             self._window.append((snapshot_id, tokens))
             return self._decide(snapshot_id)
+
+    def arrived(self, snapshot_id: str, run: str) -> list[Decision]:
+        """A new snapshot of training run `run` ("": unknown). Where a slot holds a snapshot of the
+        same run, the new one takes it now, and the run's requests in the window become its own
+        (so the next look at the traffic does not demote it for having had none yet)."""
+        with self._lock:
+            if not run or not self.slots:
+                return []
+            self._run_of[snapshot_id] = run
+            while len(self._run_of) > _RUNS_KEPT:
+                self._run_of.popitem(last=False)
+            held = next((i for i, sid in enumerate(self.slots) if sid and self._run_of.get(sid) == run), None)
+            if held is None or snapshot_id in self._refused:
+                return []
+            previous, self.slots[held] = self.slots[held], snapshot_id
+            self._window = collections.deque(((snapshot_id if sid == previous else sid, tokens)
+                                              for sid, tokens in self._window), maxlen=self._window.maxlen)
+            return [Decision("demote", previous, held), Decision("promote", snapshot_id, held)]
+
+    def holds(self, slot: int, snapshot_id: str) -> bool:
+        with self._lock:
+            return self.slots[slot] == snapshot_id
+
+    def promised(self, snapshot_id: str) -> bool:
+        """A slot is to serve the snapshot (it may not have its weights yet)."""
+        with self._lock:
+            return bool(snapshot_id) and snapshot_id in self.slots
 
     def refuse(self, snapshot_id: str, slot: int) -> None:
         """The snapshot cannot be merged: free its slot and never promote it again."""
@@ -264,9 +305,16 @@ class MergedServing:
                 self._recent.popitem(last=False)
 
     def observe(self, snapshot_id: str, path: str, tokens: int) -> None:
-        if not self.enabled:
-            return
-        for decision in self.policy.observe(snapshot_id, tokens):
+        if self.enabled:
+            self._carry_out(self.policy.observe(snapshot_id, tokens), path)
+
+    def arrived(self, snapshot_id: str, run: str, path: str) -> None:
+        """A snapshot was pushed (its tensors remembered): it succeeds its run's merged one."""
+        if self.enabled:
+            self._carry_out(self.policy.arrived(snapshot_id, run), path)
+
+    def _carry_out(self, decisions: list[Decision], path: str) -> None:
+        for decision in decisions:
             with self._lock:
                 if self._thread is None:          # started by the first promotion
                     self._thread = threading.Thread(target=self._merger, name="merger", daemon=True)
@@ -281,11 +329,16 @@ class MergedServing:
     def _merger(self) -> None:
         while (work := self._work.get()) is not None:
             decision, path = work
+            if decision.action == "promote" and not self.policy.holds(decision.slot, decision.snapshot_id):
+                continue                          # superseded (its run's next snapshot took the slot)
             try:
                 if decision.action == "demote":
                     self._submit("demote", (decision.slot, decision.snapshot_id)).result()
                     continue
+                t0 = time.perf_counter()
                 weights = self._weights(decision.snapshot_id, path)
+                log.info("merged weights of snapshot %s computed in %.0f ms", decision.snapshot_id,
+                         1e3 * (time.perf_counter() - t0))
                 self._submit("merge", (decision.slot, decision.snapshot_id, weights)).result()
             except Exception as e:  # noqa: BLE001 - the snapshot stays on LoRA serving
                 log.warning("snapshot %s not merged into slot %d: %s", decision.snapshot_id, decision.slot, e)
@@ -317,8 +370,6 @@ class MergedServing:
 
     def finish_merges(self) -> None:
         """Swap the weights of every slot that waits for it and has drained."""
-        import time
-
         for slot in self.slots:
             if slot.pending is None or slot.engine.has_unfinished_requests():
                 continue

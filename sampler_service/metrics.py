@@ -21,6 +21,10 @@ SNAPSHOTS = Gauge("tinkerd_sampler_snapshots", "LoRA snapshots this replica can 
                   "LRU cache holds up to --max-cpu-loras of them in memory and reloads the others)")
 SNAPSHOT_LOADS = Counter("tinkerd_sampler_snapshot_loads_total", "snapshots registered, by source: stream "
                          "(pushed by the trainer) or disk (its persisted copy, on first use here)", ["source"])
+REQUESTS = Counter("tinkerd_sampler_requests_total", "Sample requests by the engine that ran them: base (no "
+                   "snapshot), lora (the multi-LoRA engine) or merged (a merged slot: no LoRA ops)", ["engine"])
+MERGE_WAIT_SECONDS = Histogram("tinkerd_sampler_merge_wait_seconds", "how long a request for a snapshot being "
+                               "merged waited for its merged slot (--merge-wait-s)", buckets=DURATION_BUCKETS)
 RECEIVE_SECONDS = Histogram("tinkerd_sampler_weight_receive_duration_seconds", "ReceiveWeights: join, "
                             "receive and register a pushed snapshot", buckets=DURATION_BUCKETS)
 

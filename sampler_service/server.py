@@ -56,7 +56,7 @@ def engine_from(s: SamplerSettings):
                          gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_mib=s.kv_cache_mib,
                          kv_block_tokens=s.kv_block_tokens,
                          merged=MergedSettings(_merged_slots(s, dtype), s.merge_window, s.merge_share,
-                                               s.merge_min_requests))
+                                               s.merge_min_requests, s.merge_wait_s))
 
 
 def check_parallelism_or_exit(tensor_parallel_size: int) -> None:

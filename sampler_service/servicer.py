@@ -79,7 +79,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         received = self.weights.receive(request, lambda: self._layout_of_new(request))
         t_received = time.perf_counter()
         self.engine.register_snapshot(request.snapshot_id, received, json.loads(request.adapter_config_json),
-                                      persisted).result(_RESULT_TIMEOUT_S)
+                                      persisted, request.model_id).result(_RESULT_TIMEOUT_S)
         seconds = time.perf_counter() - t0
         metrics.RECEIVE_SECONDS.observe(seconds)
         log.info("snapshot %s: %d tensors in %.1f ms (%s%sreceive %.1f, register %.1f)", request.snapshot_id,

@@ -53,3 +53,7 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                            "window's tokens is served merged; under half of it, through LoRA "
                                            "again (0 with --merge-min-requests 1: the first snapshot sampled)")
     merge_min_requests: int = setting(4, help="requests a snapshot needs in the window to be promoted")
+    merge_wait_s: float = setting(20.0, help="a request for a snapshot being merged (promoted, or the newest of "
+                                             "a training run whose previous snapshot was served merged) waits "
+                                             "up to this long for its merged weights, then runs through LoRA; "
+                                             "0: never waits")

@@ -223,7 +223,7 @@ class WeightPusher:
         """Pushes to every replica at once; returns {address: transport} of those that took it."""
         manifest = sampler_pb2.WeightManifest(
             snapshot_id=request.snapshot_id, adapter_config_json=json.dumps(config), tensors=tensor_specs(packed),
-            chunk_num_bytes=packed.chunk_num_bytes, persisted_path=persisted)
+            chunk_num_bytes=packed.chunk_num_bytes, persisted_path=persisted, model_id=request.model_id)
         addresses = list(dict.fromkeys(request.sampler_addresses))
         with concurrent.futures.ThreadPoolExecutor(len(addresses), thread_name_prefix="push") as pool:
             pushes = [pool.submit(self._push_to, address, manifest, packed) for address in addresses]

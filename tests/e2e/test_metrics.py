@@ -93,6 +93,7 @@ def test_counters_after_an_sdk_run_and_the_dashboard_queries_real_metrics(stack,
 
     # Sampler: the sample's engine time and tokens, the streamed snapshot.
     assert delta("sampler", "tinkerd_sampler_sample_duration_seconds_count") == 1
+    assert delta("sampler", "tinkerd_sampler_requests_total", engine="lora") == 1
     assert delta("sampler", "tinkerd_sampler_tokens_total", kind="sampled") == sampled_tokens
     assert delta("sampler", "tinkerd_sampler_engine_step_duration_seconds_count") >= 1
     assert delta("sampler", "tinkerd_sampler_snapshot_loads_total", source="stream") == 1

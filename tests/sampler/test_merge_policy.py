@@ -70,6 +70,31 @@ def test_a_refused_snapshot_is_never_promoted_again():
     assert policy.slots == [None] and _feed(policy, *[("a", 10)] * 4) == []
 
 
+def test_a_runs_new_snapshot_takes_its_merged_predecessors_slot_with_its_traffic():
+    """RL: each step saves a snapshot and samples all of it at once; the window cannot see it get
+    hot before every request was admitted, so it succeeds its run's merged snapshot on arrival."""
+    policy = PromotionPolicy(slots=1, window=8, share=0.5, min_requests=3)
+    assert policy.arrived("r@1", "run") == []                                # nothing merged yet
+    assert _feed(policy, ("r@1", 10), ("r@1", 10), ("r@1", 10)) == [Decision("promote", "r@1", 0)]
+    assert policy.arrived("other@1", "other") == []                          # another run: no claim
+    assert policy.arrived("r@2", "run") == [Decision("demote", "r@1", 0), Decision("promote", "r@2", 0)]
+    assert policy.slots == ["r@2"] and policy.promised("r@2") and not policy.promised("r@1")
+    assert _feed(policy, ("r@2", 10)) == []              # the run's 3 requests count as r@2's: not demoted
+    assert policy.shares()["r@2"] == 1.0
+    policy.refuse("r@3", 0)                                                  # unmergeable
+    assert policy.arrived("r@3", "run") == [] and policy.slots == ["r@2"]
+    assert policy.arrived("x", "") == []                                     # run unknown (persisted copy)
+
+
+def test_traffic_moving_back_to_an_older_snapshot_still_wins_its_slot_back():
+    policy = PromotionPolicy(slots=1, window=4, share=0.5, min_requests=2)
+    policy.arrived("r@1", "run")
+    _feed(policy, ("r@1", 10), ("r@1", 10))
+    policy.arrived("r@2", "run")
+    assert _feed(policy, ("r@1", 10), ("r@1", 10)) == []                     # r@2 inherited 2 of 4: a tie
+    assert _feed(policy, ("r@1", 10)) == [Decision("demote", "r@2", 0), Decision("promote", "r@1", 0)]
+
+
 @pytest.mark.parametrize("bad", [dict(slots=-1), dict(window=0), dict(share=1.5), dict(min_requests=0)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match="merged serving"):

@@ -7,6 +7,7 @@ snapshot's requests back to the LoRA engine."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import pytest
@@ -82,8 +83,8 @@ def test_lazy_slot_promotion_and_agreement_fp32(fp32_engine):
     lora = [_logprobs(engine, "a", p) for p in PROMPTS]       # 2 requests: under min_requests
     assert engine.served_by("a") == "lora"
     base = _logprobs(engine, "", PROMPTS[0])
-    _logprobs(engine, "a", PROMPTS[0])                        # 3 of the 4 in the window: promoted
-    _wait_served(engine, "a", "merged")
+    _logprobs(engine, "a", PROMPTS[0])                        # 3 of the 4 in the window: promoted,
+    _wait_served(engine, "a", "merged")                       # and this request waited for the merge
     merged = [_logprobs(engine, "a", p) for p in PROMPTS]
     for (tokens, lp), (want_tokens, want_lp) in zip(merged, lora):
         assert tokens == want_tokens
@@ -91,7 +92,7 @@ def test_lazy_slot_promotion_and_agreement_fp32(fp32_engine):
     # Not the LoRA engine again: its fp32 results are bit-reproducible, the merged ones round differently.
     assert any(not torch.equal(m[1], l[1]) for m, l in zip(merged, lora))
     assert (base[1] - lora[0][1]).abs().max() > 1e-2          # the adapter does change the logprobs
-    assert engine.merged.slots[0].requests == len(PROMPTS)
+    assert engine.merged.slots[0].requests == 1 + len(PROMPTS)
 
 
 def test_traffic_moves_to_another_snapshot_remerge_drains(fp32_engine):
@@ -135,6 +136,56 @@ def test_demotion_when_traffic_goes_to_the_base_model(fp32_engine):
         futures.append(engine.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0), 1, ""))
     concurrent.futures.wait(futures, 60)
     _wait_served(engine, "b", "lora")
+
+
+def test_a_runs_next_snapshot_is_merged_as_it_arrives_and_its_requests_wait_for_it(fp32_engine, adapter_dirs):
+    """RL's pattern: each step pushes the run's next snapshot and samples all of it at once. It
+    takes the slot of the run's merged snapshot on arrival, and its requests, admitted before the
+    swap, wait for the merged weights instead of running through LoRA."""
+    from vllm import SamplingParams
+
+    engine = fp32_engine
+    want = [_logprobs(engine, "b", p) for p in PROMPTS]       # b through LoRA: the reference
+    engine.register_snapshot("run@1", *read_adapter(adapter_dirs["a"]), "", "run").result(60)
+    for _ in range(3):
+        _logprobs(engine, "run@1", PROMPTS[0])
+    _wait_served(engine, "run@1", "merged")
+    engine.register_snapshot("run@2", *read_adapter(adapter_dirs["b"]), "", "run").result(60)
+    assert engine.merged.policy.slots == ["run@2"]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    futures = [engine.generate(p, params, 2, "run@2") for p in PROMPTS]     # at once, before the swap
+    for future, (want_tokens, want_lp) in zip(futures, want):
+        for out in future.result(120):
+            seq, prompt = out.outputs[0], out.prompt_token_ids
+            lp = [d[t].logprob for t, d in zip(prompt[1:], out.prompt_logprobs[1:])]
+            lp += [d[t].logprob for t, d in zip(seq.token_ids, seq.logprobs)]
+            assert list(seq.token_ids) == want_tokens
+            torch.testing.assert_close(torch.tensor(lp), want_lp, rtol=0, atol=1e-4)
+    assert engine.merged.slots[0].serving == "run@2"
+    assert engine.merged.slots[0].requests == len(futures)    # every one ran merged, none through LoRA
+
+
+def test_a_waiting_request_can_be_aborted_or_give_up_on_a_slow_merge(fp32_engine, adapter_dirs, monkeypatch):
+    from vllm import SamplingParams
+
+    engine = fp32_engine
+    _wait_served(engine, "run@2", "merged")
+    slow = threading.Event()
+    compute = engine.merged._weights
+    monkeypatch.setattr(engine.merged, "_weights", lambda *a: slow.wait(60) and compute(*a))
+    monkeypatch.setattr(engine, "_merge_wait_s", 0.5)
+    engine.register_snapshot("run@3", *read_adapter(adapter_dirs["a"]), "", "run").result(60)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    aborted = engine.generate(PROMPTS[0], params, 1, "run@3")
+    time.sleep(0.1)
+    engine.abort(aborted)
+    t0 = time.monotonic()
+    gave_up = engine.generate(PROMPTS[1], params, 1, "run@3").result(60)
+    assert aborted.cancelled()
+    assert 0.4 < time.monotonic() - t0 < 30 and len(gave_up[0].outputs[0].token_ids) == 4   # through LoRA
+    assert engine.merged.slots[0].serving is None              # run@2 demoted, run@3 not merged yet
+    slow.set()
+    _wait_served(engine, "run@3", "merged")
 
 
 def _peft_fp32(model_dir: str, adapter_dir: str, prompt: list[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import pytest
 
 from launcher import cli, up
 from tinkerd import settings
+from tinkerd.errors import UserError
 
 KNOBS = ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.55", "--max-num-seqs", "12",
          "--kv-cache-mib", "48", "--kv-block-tokens", "64"]
@@ -120,3 +121,14 @@ def test_tinkerd_up_checks_one_rank_without_importing_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_merge_wait_reaches_the_engine_settings_and_a_negative_one_is_refused():
+    from sampler_service.engine import MergedSettings
+    from sampler_service.settings import SamplerSettings
+
+    args = cli.build_parser().parse_args(["sampler", "--base-model", "m", "--merge-wait-s", "2.5"])
+    assert settings.from_args(SamplerSettings, args).merge_wait_s == 2.5
+    assert MergedSettings(wait_s=0).wait_s == 0
+    with pytest.raises(UserError, match="--merge-wait-s must be 0"):
+        MergedSettings(wait_s=-1)

@@ -102,7 +102,7 @@ class SampleResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., topk_prompt_logprobs: _Optional[_Union[TopkLogprobs, _Mapping]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("snapshot_id", "adapter_config_json", "tensors", "chunk_num_bytes", "rendezvous", "persisted_path", "transport", "shared", "sender")
+    __slots__ = ("snapshot_id", "adapter_config_json", "tensors", "chunk_num_bytes", "rendezvous", "persisted_path", "transport", "shared", "sender", "model_id")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class WeightManifest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     adapter_config_json: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
@@ -121,7 +122,8 @@ class WeightManifest(_message.Message):
     transport: str
     shared: SharedWeights
     sender: _common_pb2.WeightEndpoint
-    def __init__(self, snapshot_id: _Optional[str] = ..., adapter_config_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk_num_bytes: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., persisted_path: _Optional[str] = ..., transport: _Optional[str] = ..., shared: _Optional[_Union[SharedWeights, _Mapping]] = ..., sender: _Optional[_Union[_common_pb2.WeightEndpoint, _Mapping]] = ...) -> None: ...
+    model_id: str
+    def __init__(self, snapshot_id: _Optional[str] = ..., adapter_config_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk_num_bytes: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., persisted_path: _Optional[str] = ..., transport: _Optional[str] = ..., shared: _Optional[_Union[SharedWeights, _Mapping]] = ..., sender: _Optional[_Union[_common_pb2.WeightEndpoint, _Mapping]] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class SharedWeights(_message.Message):
     __slots__ = ("sender", "path", "join", "cuda_handle")
