@@ -20,7 +20,9 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
     max_loras: int = setting(4, help="LoRA snapshots active in one batch")
     max_cpu_loras: int = setting(64, help="LoRA snapshots resident in memory (LRU; evicted ones reload from disk)")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a snapshot may have")
-    max_num_seqs: int = setting(64, help="sequences in one engine batch (vLLM's --max-num-seqs)")
+    max_num_seqs: int = setting(128, help="sequences in one engine batch (vLLM's --max-num-seqs; 128 is vLLM's "
+                                          "own for a CPU server: an RL step's 16 x 8 rollouts in one batch; "
+                                          "a GPU takes more)")
     # vLLM's scale knobs for a GPU pool, passed through to its engine arguments.
     tensor_parallel_size: int = setting(1, help="GPUs one replica's engine spans (vLLM's --tensor-parallel-size); "
                                                 "on CPU only 1 (refused at start-up otherwise)")
