@@ -11,7 +11,8 @@ during the push) is the path vLLM reloads from if the cache ever evicts it.
 Hot snapshots are served from merged weights in further engines (merged.py): the same thread
 steps them in turn, since vLLM keeps its forward context in process-global state (two engines
 of one process must never run a step at the same time), and it routes each request when it
-admits it, so a slot's weight swap (done there, once the slot has drained) never races a step.
+admits it, so a slot's weight swap (done there, once the slot has drained) never races a step;
+a request for a snapshot whose merged weights are on their way waits for them there ("parked").
 
 No gRPC here.
 """
@@ -349,7 +350,7 @@ class SamplerEngine:
                 continue
             self._start(item, slot)
             metrics.MERGE_WAIT_SECONDS.observe(now - since)
-            released[(snapshot_id, "merged" if slot else "through LoRA")].append(now - since)
+            released[(snapshot_id, "through LoRA" if slot is None else "merged")].append(now - since)
         self._parked = waiting
         for (snapshot_id, where), waits in released.items():
             log.info("%d requests for snapshot %s waited up to %.1f s for its merged slot, now run %s",
@@ -365,7 +366,7 @@ class SamplerEngine:
         else:
             engine = self._engine
             lora = LoRARequest(snap.snapshot_id, snap.lora_int_id, snap.path) if snap else None
-        metrics.REQUESTS.labels("merged" if slot else "lora" if snap else "base").inc()
+        metrics.REQUESTS.labels("merged" if slot is not None else "lora" if snap else "base").inc()
         group = uuid.uuid4().hex
         results: list = [None] * num_samples
         self._waiting[group] = (item.future, num_samples, results)
