@@ -330,10 +330,15 @@ class SamplerEngine:
     def _add_generate(self, item: _Pending) -> None:
         snap = item.payload[3]
         slot = self.merged.route(snap.snapshot_id) if snap else None
-        if slot is None and snap and self._merge_wait_s > 0 and self.merged.policy.promised(snap.snapshot_id):
+        if snap and self._waits(snap.snapshot_id, slot, 0.0):
             self._parked.append((item, time.monotonic()))      # its merged weights are on their way
             return
         self._start(item, slot)
+
+    def _waits(self, snapshot_id: str, slot, waited: float) -> bool:
+        """A request for the snapshot waits for its merged weights: a slot is promised to it but
+        does not serve it yet, and it has waited less than `merge_wait_s`."""
+        return slot is None and waited < self._merge_wait_s and self.merged.policy.promised(snapshot_id)
 
     def _release_parked(self) -> None:
         """Parked requests go to their slot once it serves their snapshot, or through LoRA when no
@@ -345,7 +350,7 @@ class SamplerEngine:
         for item, since in self._parked:
             snapshot_id = item.payload[3].snapshot_id
             slot = self.merged.route(snapshot_id)
-            if slot is None and self.merged.policy.promised(snapshot_id) and now - since < self._merge_wait_s:
+            if self._waits(snapshot_id, slot, now - since):
                 waiting.append((item, since))
                 continue
             self._start(item, slot)

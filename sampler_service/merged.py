@@ -163,6 +163,7 @@ def _add(weight: torch.Tensor, delta: torch.Tensor | None, dtype: torch.dtype) -
 
 _RUNS_KEPT = 1024     # snapshots whose training run the policy remembers (a slot's holder is recent)
 
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     action: str          # "promote" | "demote"
