@@ -34,7 +34,7 @@ import torch
 
 from sampler_service import metrics
 from sampler_service.merged import MergedServing, PromotionPolicy, engine_overrides
-from tinkerd import hardware
+from tinkerd import cores, hardware
 from tinkerd.errors import NotFoundError, UserError
 
 log = logging.getLogger(__name__)
@@ -268,12 +268,14 @@ class SamplerEngine:
         return [self._engine, *self.merged.engines()]
 
     def _loop(self) -> None:
+        share = cores.share()
         while not self._stopped.is_set():
             busy = any(e.has_unfinished_requests() for e in self._engines()) or self.merged.busy()
             try:
                 if busy:
                     item = self._inbox.get_nowait()
                 else:
+                    share.idle()                   # the host's cores go to whoever computes
                     item = self._inbox.get(timeout=_PARKED_POLL_S if self._parked else None)
             except queue.Empty:
                 item = None
@@ -287,6 +289,7 @@ class SamplerEngine:
             self._release_parked()
             for engine in self._engines():
                 if engine.has_unfinished_requests():
+                    share.busy()                   # threads for this step: the host's cores / busy services
                     try:
                         with metrics.ENGINE_STEP_SECONDS.time():
                             outputs = engine.step()

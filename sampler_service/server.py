@@ -11,6 +11,8 @@ from tinkerd.process import allocator, cpu_defaults, init_logging, serve_until_s
 
 def serve(s: SamplerSettings) -> None:
     # tcmalloc: launcher/cli.py re-executes `tinkerd sampler` with it before its imports.
+    from tinkerd import cores, hardware
+    threads = cores.setting(os.environ)       # before cpu_defaults() sets OMP_NUM_THREADS
     cpu_defaults()
     init_logging("sampler")
     logging.getLogger("sampler").info("memory allocator: %s", allocator())
@@ -26,6 +28,7 @@ def serve(s: SamplerSettings) -> None:
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of engine start
     check_urls(s.register_with, auth.tls or bool(s.register_ca))
     check_parallelism_or_exit(s.tensor_parallel_size)
+    cores.configure(threads, cpu=not hardware.has_gpu())     # before the engine thread reads it
     engine = engine_from(s)
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
     server, port = create_server(s.listen, max_workers=max(256, 2 * s.max_num_seqs), auth=auth,

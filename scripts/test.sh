@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TINKER_TELEMETRY=0
+# The stacks' trainers and samplers share the cores by who is busy (tinkerd/cores.py), as users'
+# do; the test processes themselves keep one thread.
+export TINKERD_CPU_THREADS=auto
 # This repo's bytecode, made once here: with PYTHONDONTWRITEBYTECODE set (as on these machines) every
 # service and client process the tests start would compile it from source again.
 .venv/bin/python -m compileall -q -j 0 gateway trainer_service sampler_service tinkerd launcher harness bench tests >/dev/null || true

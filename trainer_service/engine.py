@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from tinkerd import dtypes, hardware, weight_stream
+from tinkerd import cores, dtypes, hardware, weight_stream
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, microbatches, prefix_tree, training
 from trainer_service.durable import DurableModels
@@ -82,6 +82,7 @@ class TrainerEngine:
         base.requires_grad_(False)
         self.packable = prefix_tree.packable(base.config, self.dtype)   # (the loaded model's: its attention is set)
         fp32_gemm.install_where_needed(base)
+        cores.tick_in_layers(base)        # a long step follows the host's core board layer by layer
         if match_sampler:
             cpu_numerics.install_where_needed(base)
         self.models = ModelRegistry(base, base_model_dir, zero_stage=self.zero_stage, max_lora_rank=max_lora_rank)
@@ -303,7 +304,7 @@ class TrainerEngine:
         if loss_fn == "custom":
             for i, d in enumerate(data):
                 loss_impl.check_datum(i, d.loss_fn_inputs, len(d.tokens))
-        with self._lock:
+        with self._lock, cores.share().computing():
             model = self.get(model_id)
             shares = self.ranks.share(data)       # data parallel: this rank's part of the batch
             mine = [data[i] for i in shares[self.ranks.rank]]
@@ -332,7 +333,7 @@ class TrainerEngine:
     def optim_step(self, model_id: str, adam: training.AdamParams, *, seq: int | None = None) -> dict[str, float]:
         """`seq`: the request's seq_id, recorded as the last one the model's state includes."""
         training.check_adam(adam)
-        with self._lock:
+        with self._lock, cores.share().computing():
             model = self.get(model_id)
             metrics = training.optim_step(model, adam, zero_stage=self.zero_stage, device=self.device,
                                           ranks=self.ranks.world)

@@ -1,0 +1,169 @@
+"""The host's core board (tinkerd/cores.py) across real processes: who counts as busy, what a
+process that dies while busy leaves behind, the threads a computing thread gets, and the
+trainer engine following the board layer by layer, forward and backward."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tinkerd import cores
+from tinkerd.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Another process on the board: "busy"/"idle" lines on stdin mark it, it answers "ok".
+OTHER = textwrap.dedent("""
+    import sys
+    from tinkerd.cores import Board
+    board = Board(sys.argv[1], cores=4, lease_s=float(sys.argv[2]))
+    print("slot", board.slot, flush=True)
+    for line in sys.stdin:
+        board.busy() if line.strip() == "busy" else board.idle()
+        print("ok", flush=True)
+""")
+
+
+class Other:
+    def __init__(self, path: str, lease_s: float = 60.0):
+        self.proc = subprocess.Popen([sys.executable, "-c", OTHER, path, str(lease_s)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": ROOT})
+        self.slot = int(self.proc.stdout.readline().split()[1])
+
+    def say(self, word: str) -> None:
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_busy_processes_divide_the_cores_and_a_dead_ones_lease_runs_out(tmp_path):
+    path = str(tmp_path / "board")
+    me = cores.Board(path, cores=4)
+    assert me.busy() == 4 and me.count_busy() == 1            # alone: every core
+    other = Other(path, lease_s=1.0)
+    try:
+        assert other.slot != me.slot
+        other.say("busy")
+        assert me.busy() == 2 and me.count_busy() == 2        # side by side: half each
+        other.say("idle")
+        assert me.busy() == 4
+        me.idle()
+        assert me.count_busy() == 0
+        other.say("busy")
+        slot = other.slot
+    finally:
+        other.kill()                                          # dies busy: counts until its lease ends
+    assert me.count_busy() == 1
+    time.sleep(1.1)
+    assert me.count_busy() == 0 and me.busy() == 4
+    successor = Other(path)                                   # the dead process's lock went with it
+    try:
+        assert successor.slot == slot
+        assert me.count_busy() == 1                           # the slot was cleared, then I am busy
+    finally:
+        successor.kill()
+
+
+def test_a_computing_thread_gets_the_threads_the_board_gives(tmp_path):
+    """In a process of its own (OpenMP's thread count is process state): alone on 2 cores the
+    computing thread runs 2 threads; with another busy process, 1; outside `computing`, ticks
+    change nothing; idle after."""
+    path = str(tmp_path / "board")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from tinkerd import cores
+        share = cores.CoreShare(board=cores.Board({path!r}, cores=2))
+        seen = []
+        with share.computing():
+            seen.append(torch.get_num_threads())
+            print("ready", flush=True); sys.stdin.readline()       # the other process goes busy
+            share.tick()
+            seen.append(torch.get_num_threads())
+        print(seen, share.board.count_busy(), flush=True)
+    """)
+    other = Other(path)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+        assert proc.stdout.readline().strip() == "ready"
+        other.say("busy")
+        out, _ = proc.communicate("go\n", timeout=60)
+    finally:
+        other.kill()
+    assert out.strip() == "[2, 1] 1", out                     # after: only the other one is busy
+
+
+def test_the_trainer_engine_follows_the_board_in_every_layer_forward_and_backward(tmp_path, tiny_model_dir):
+    """A TrainerEngine on the tiny model, its process on a 2-core board: every decoder layer
+    sees 2 threads alone and 1 while another process computes, forward and backward; the
+    process is idle on the board between calls."""
+    path = str(tmp_path / "board")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from tinkerd import cores
+        from trainer_service.engine import TrainerEngine
+        from trainer_service.lora import LoraSpec
+        from trainer_service.training import DatumInput
+
+        engine = TrainerEngine({tiny_model_dir!r}, zero_stage=0)
+        engine.create_model("m", LoraSpec(rank=4, seed=0))
+        cores._share = share = cores.CoreShare(board=cores.Board({path!r}, cores=2))
+        ticks = []
+        tick = share.tick
+        share.tick = lambda: (tick(), ticks.append((torch.is_grad_enabled(), torch.get_num_threads())))
+        data = [DatumInput([1, 2, 3, 4, 5], {{"target_tokens": torch.tensor([2, 3, 4, 5, 6]),
+                                                "weights": torch.ones(5)}})]
+        for _ in range(2):
+            sys.stdin.readline()
+            ticks.clear()
+            engine.forward_backward("m", data, "cross_entropy", {{}}, forward_only=False)
+            print("RESULT", ticks, share.board.count_busy(), flush=True)
+    """)
+    def result() -> tuple[str, str]:               # (DeepSpeed prints to stdout too)
+        while not (line := proc.stdout.readline()).startswith("RESULT "):
+            assert line, "the engine process ended"
+        return line.removeprefix("RESULT ").rsplit(" ", 1)
+
+    other = Other(path)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    try:
+        proc.stdin.write("alone\n")
+        proc.stdin.flush()
+        alone, busy_after = result()
+        other.say("busy")
+        proc.stdin.write("shared\n")
+        proc.stdin.flush()
+        shared, shared_after = result()
+    finally:
+        other.kill()
+        proc.kill()
+    alone, shared = eval(alone), eval(shared)
+    layers = 2                                                # the tiny model's decoder layers
+    forward = [t for grad, t in alone if grad]
+    backward = [t for grad, t in alone if not grad]           # hooks in autograd's backward run without grad
+    assert len(forward) == layers and len(backward) >= layers - 1, alone
+    assert {t for _, t in alone} == {2}, alone
+    assert {t for _, t in shared} == {1} and len(shared) == len(alone), shared
+    assert int(busy_after) == 0 and int(shared_after) == 1    # idle between calls: only the other one
+
+
+def test_the_setting():
+    assert cores.setting({}) == "auto"
+    assert cores.setting({"OMP_NUM_THREADS": "3"}) == "3"     # the caller's fixed choice, as before
+    assert cores.setting({"TINKERD_CPU_THREADS": "auto", "OMP_NUM_THREADS": "1"}) == "auto"
+    with pytest.raises(UserError, match="TINKERD_CPU_THREADS must be `auto` or a positive number"):
+        cores.setting({"TINKERD_CPU_THREADS": "0"})
+    assert cores.quota_cores("max 100000") is None
+    assert cores.quota_cores("150000 100000") == 2            # a 1.5-CPU container: 2 threads
+    assert cores.quota_cores("50000 100000") == 1
