@@ -144,18 +144,21 @@ class CoreShare:
 
     @contextlib.contextmanager
     def computing(self):
-        """Busy for the block, idle after (so the other side gets the cores at once, not after the lease)."""
+        """Busy for the block, idle after (so the other side gets the cores at once, not after the
+        lease); a block inside another one leaves the outer one busy."""
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
         self.busy()
-        self._local.inside = True
         try:
             yield
         finally:
-            self._local.inside = False
-            self.idle()
+            self._local.depth = depth
+            if depth == 0:
+                self.idle()
 
     def tick(self) -> None:
         """Inside `computing`: renew the lease and follow the board (a layer's hook calls it)."""
-        if self.board is not None and getattr(self._local, "inside", False):
+        if self.board is not None and getattr(self._local, "depth", 0):
             self._apply(self.board.busy())
 
     def threads(self) -> int:

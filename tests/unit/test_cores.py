@@ -76,8 +76,8 @@ def test_busy_processes_divide_the_cores_and_a_dead_ones_lease_runs_out(tmp_path
 
 def test_a_computing_thread_gets_the_threads_the_board_gives(tmp_path):
     """In a process of its own (OpenMP's thread count is process state): alone on 2 cores the
-    computing thread runs 2 threads; with another busy process, 1; outside `computing`, ticks
-    change nothing; idle after."""
+    computing thread runs 2 threads; with another busy process, 1; a nested block leaves the
+    outer one busy; outside `computing`, ticks change nothing; idle after."""
     path = str(tmp_path / "board")
     script = textwrap.dedent(f"""
         import sys, torch
@@ -86,9 +86,13 @@ def test_a_computing_thread_gets_the_threads_the_board_gives(tmp_path):
         seen = []
         with share.computing():
             seen.append(torch.get_num_threads())
+            with share.computing():                                 # nested: the outer one stays busy
+                pass
+            assert share.board.count_busy() == 1
             print("ready", flush=True); sys.stdin.readline()       # the other process goes busy
             share.tick()
             seen.append(torch.get_num_threads())
+        share.tick()                                                # outside: no effect
         print(seen, share.board.count_busy(), flush=True)
     """)
     other = Other(path)
