@@ -59,6 +59,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from tinkerd import cores
+
 log = logging.getLogger(__name__)
 
 _PEFT_PREFIX = "base_model.model."
@@ -337,7 +339,8 @@ class MergedServing:
                     self._submit("demote", (decision.slot, decision.snapshot_id)).result()
                     continue
                 t0 = time.perf_counter()
-                weights = self._weights(decision.snapshot_id, path)
+                with cores.share().computing():         # requests wait for it: the host's cores help
+                    weights = self._weights(decision.snapshot_id, path)
                 log.info("merged weights of snapshot %s computed in %.0f ms", decision.snapshot_id,
                          1e3 * (time.perf_counter() - t0))
                 self._submit("merge", (decision.slot, decision.snapshot_id, weights)).result()

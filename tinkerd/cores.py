@@ -125,6 +125,8 @@ class CoreShare:
     def __init__(self, board: Board | None = None, fixed: int | None = None):
         self.board, self.fixed = board, fixed
         self._local = threading.local()          # the count set on each thread (OpenMP's is per thread)
+        self._busy: set[int] = set()             # threads computing now: the process's one slot is
+        self._guard = threading.Lock()           # idle only once none is (a sampler's merger, its engine)
 
     @property
     def mode(self) -> str:
@@ -136,11 +138,17 @@ class CoreShare:
         """This thread computes now (call again to renew while it does): its thread count follows
         the board."""
         if self.board is not None:
+            with self._guard:
+                self._busy.add(threading.get_ident())
             self._apply(self.board.busy())
 
     def idle(self) -> None:
+        """This thread stops computing; the process is idle on the board once no thread computes."""
         if self.board is not None:
-            self.board.idle()
+            with self._guard:
+                self._busy.discard(threading.get_ident())
+                if not self._busy:
+                    self.board.idle()
 
     @contextlib.contextmanager
     def computing(self):

@@ -77,7 +77,8 @@ def test_busy_processes_divide_the_cores_and_a_dead_ones_lease_runs_out(tmp_path
 def test_a_computing_thread_gets_the_threads_the_board_gives(tmp_path):
     """In a process of its own (OpenMP's thread count is process state): alone on 2 cores the
     computing thread runs 2 threads; with another busy process, 1; a nested block leaves the
-    outer one busy; outside `computing`, ticks change nothing; idle after."""
+    outer one busy; outside `computing`, ticks change nothing; one thread going idle leaves the
+    process busy while another computes; idle after."""
     path = str(tmp_path / "board")
     script = textwrap.dedent(f"""
         import sys, torch
@@ -93,6 +94,15 @@ def test_a_computing_thread_gets_the_threads_the_board_gives(tmp_path):
             share.tick()
             seen.append(torch.get_num_threads())
         share.tick()                                                # outside: no effect
+        import threading
+        entered, leave = threading.Event(), threading.Event()
+        def merger():
+            with share.computing():
+                entered.set(); leave.wait()
+        t = threading.Thread(target=merger); t.start(); entered.wait()
+        share.busy(); share.idle()            # another thread of the process stops: the merger still computes
+        assert share.board.count_busy() == 2
+        leave.set(); t.join()
         print(seen, share.board.count_busy(), flush=True)
     """)
     other = Other(path)
