@@ -268,8 +268,8 @@ class SamplerEngine:
         return [self._engine, *self.merged.engines()]
 
     def _loop(self) -> None:
-        share = cores.share()
         while not self._stopped.is_set():
+            share = cores.share()                  # (a service configures it once; read where used)
             busy = any(e.has_unfinished_requests() for e in self._engines()) or self.merged.busy()
             try:
                 if busy:

@@ -165,6 +165,34 @@ def test_a_runs_next_snapshot_is_merged_as_it_arrives_and_its_requests_wait_for_
     assert engine.merged.slots[0].requests == len(futures)    # every one ran merged, none through LoRA
 
 
+def test_the_engine_thread_is_busy_on_the_core_board_while_it_steps_and_idle_when_it_waits(fp32_engine, tmp_path,
+                                                                                            monkeypatch):
+    """tinkerd/cores.py as the sampler service configures it: the board shows this process busy
+    while the engine generates and idle once it waits (a 1-core board: the threads stay as they are)."""
+    from tinkerd import cores
+
+    share = cores.CoreShare(board=cores.Board(str(tmp_path / "board"), cores=1))
+    monkeypatch.setattr(cores, "_share", share)
+    seen, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(share.board.count_busy())
+            time.sleep(0.002)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        _logprobs(fp32_engine, "b", PROMPTS[0], max_tokens=24)
+    finally:
+        stop.set()
+        watcher.join()
+    assert 1 in seen, seen
+    deadline = time.monotonic() + cores.LEASE_S / 2
+    while share.board.count_busy() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert share.board.count_busy() == 0                      # idle at once, not when the lease ends
+
+
 def test_a_waiting_request_can_be_aborted_or_give_up_on_a_slow_merge(fp32_engine, adapter_dirs, monkeypatch):
     from vllm import SamplingParams
 
