@@ -206,12 +206,20 @@ def setting(environ: dict) -> str:
     return value
 
 
-def configure(value: str, *, cpu: bool = True) -> CoreShare:
+def configure(value: str, *, cpu: bool = True, path: str | None = None) -> CoreShare:
     """A service's share, from `setting()`: the board when "auto" on a CPU host; a GPU host
-    computes on the GPU and keeps OpenMP's fixed count."""
+    computes on the GPU and keeps OpenMP's fixed count. A board that cannot be opened (no
+    writable /dev/shm or temporary directory) leaves one fixed thread, said in the log."""
     global _share
+    path = path or board_path()
+    board = None
     if value == "auto" and cpu:
-        board = Board(board_path(), usable_cores())
+        try:
+            board = Board(path, usable_cores())
+        except OSError as e:
+            log.warning("CPU threads: the core board %s cannot be opened (%s): 1 thread; TINKERD_CPU_THREADS=N "
+                        "fixes another number", path, e)
+    if board is not None:
         _share = CoreShare(board=board)
         log.info("CPU threads: the host's %d cores shared by the busy trainer and sampler processes (board %s, "
                  "slot %s; TINKERD_CPU_THREADS=N fixes N)", board.cores, board.path, board.slot)

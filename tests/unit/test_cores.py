@@ -181,3 +181,11 @@ def test_the_setting():
     assert cores.quota_cores("max 100000") is None
     assert cores.quota_cores("150000 100000") == 2            # a 1.5-CPU container: 2 threads
     assert cores.quota_cores("50000 100000") == 1
+
+
+def test_a_board_that_cannot_be_opened_leaves_one_fixed_thread(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cores, "_share", cores.share())       # restored after
+    share = cores.configure("auto", path=str(tmp_path / "missing" / "board"))
+    assert share.mode == "fixed" and share.fixed == 1 and cores.share() is share
+    assert "cannot be opened" in caplog.text
+    share.busy(), share.tick(), share.idle()                  # no board: nothing to mark
