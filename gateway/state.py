@@ -125,8 +125,10 @@ class Gateway:
                                       admit=self.limits.admit_training(caller, job.kind(), model_id))
         model = self.db.get(ModelRow, model_id)
         stamp = now()
+        # (Finer than the session timeout: a model used within it is not unloaded, db.models_of_lapsed_sessions.)
+        resolution = min(_REQUEST_TIME_RESOLUTION_S, self.settings.session_timeout_s / 3)
         if model is not None and (not model.resident or (stamp - aware(model.last_request_time)).total_seconds()
-                                  > _REQUEST_TIME_RESOLUTION_S):
+                                  > resolution):
             self.db.touch(ModelRow, model_id, last_request_time=stamp, resident=True)
         return protocol.FutureResponse(request_id=row.request_id, model_id=model_id)
 

@@ -563,11 +563,15 @@ class Database:
                 SamplingSessionRow.__table__.c.sampling_session_id.in_(sampling_session_ids))).rowcount
 
     def models_of_lapsed_sessions(self, before: datetime.datetime) -> list[str]:
-        """Resident models whose session's last heartbeat is older than `before`."""
+        """Resident models whose session's last heartbeat is older than `before` and that no
+        request has used since then either: a client whose heartbeats run late while its requests
+        still arrive keeps its model (unloaded between a forward_backward and its optim_step, the
+        gradients would be lost)."""
         with self.session() as s:
             return list(s.scalars(select(ModelRow.model_id).join(
                 SessionRow, SessionRow.session_id == ModelRow.session_id).where(
-                ModelRow.resident.is_(True), SessionRow.last_heartbeat < before)))
+                ModelRow.resident.is_(True), SessionRow.last_heartbeat < before,
+                ModelRow.last_request_time < before)))
 
     def put(self, row) -> None:
         """Insert or replace by primary key."""
