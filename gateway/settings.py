@@ -48,7 +48,7 @@ class GatewaySettings(ServiceAuthSettings):
                                                  "--no-private-state-dir for a volume whose access is controlled "
                                                  "outside, such as a Kubernetes volume with fsGroup")
     session_timeout_s: float = setting(600.0, help="unload the models of sessions without a heartbeat "
-                                                   "for this long (they reload on next use)")
+                                                   "or a request for this long (they reload on next use)")
     max_pending_samples: int = setting(4096, help="sample requests in flight beyond this get HTTP 429 "
                                                   "(the SDK backs off and resends)")
     auth: bool = setting(True, help="require an API key (tinkerd keys create) on every request; --no-auth makes "
