@@ -1,0 +1,94 @@
+"""The RL loop users run, end to end, with the CPU threads fixed against shared by who is busy.
+
+tinker-cookbook 0.6.1's arithmetic RL recipe (`math_rl.train env=arithmetic`, unmodified: 16
+prompts x 8 rollouts of up to 12 tokens, LoRA rank 32) against a fresh `tinkerd up` per run,
+the runs taken in turn: TINKERD_CPU_THREADS=1 (one OpenMP thread per service, the old default)
+and `auto` (tinkerd/cores.py: each busy service takes the host's cores divided by the busy
+ones). The loop alternates sampling and training, so `auto` gives each phase every core.
+Reported from the recipe's own metrics.jsonl: time/total, time/sampling, time/train_step per
+step, and optim/kl_sample_train_v1 (the sampler's logprobs against the trainer's: ~0 in fp32).
+The cookbook's venv is the one scripts/cookbook-venv.sh builds for the tests.
+
+  python -m bench.rl_loop --steps 4 --rounds 1          (about 5 minutes on 2 cores, SmolLM2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+
+from bench.common import smollm2_model
+from harness.stack import running_stack
+
+MODES = ("1", "auto")
+RECIPE = ["renderer_name=role_colon", "env=arithmetic", "groups_per_batch=16", "group_size=8", "max_tokens=12",
+          "lora_rank=32", "learning_rate=1e-4", "eval_every=0", "save_every=0", "behavior_if_log_dir_exists=delete"]
+KEYS = ("time/total", "time/sampling", "time/train_step", "optim/kl_sample_train_v1")
+
+
+def default_cookbook_python() -> str:
+    root = os.environ.get("TINKERD_CLIENT_VENVS") or os.path.expanduser("~/.cache/tinkerd/client-venvs")
+    return os.path.join(root, "cookbook-0.6.1", "bin", "python")
+
+
+def one_run(model_dir: str, threads: str, steps: int, cookbook_python: str, work: str) -> list[dict]:
+    """A fresh `tinkerd up` with TINKERD_CPU_THREADS=`threads`, the recipe for `steps` steps;
+    the metrics of each step."""
+    saved = {k: os.environ.get(k) for k in ("TINKERD_CPU_THREADS", "OMP_NUM_THREADS")}
+    os.environ["TINKERD_CPU_THREADS"] = threads
+    os.environ.pop("OMP_NUM_THREADS", None)
+    log_path = tempfile.mkdtemp(prefix=f"rl-{threads}-", dir=work)
+    try:
+        with running_stack(model_dir, tempfile.mkdtemp(prefix="state-", dir=work)) as stack:
+            subprocess.run([cookbook_python, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={model_dir}",
+                            *RECIPE, f"max_steps={steps}", f"log_path={log_path}", f"base_url={stack.url}"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600,
+                           env={**os.environ, "TINKER_API_KEY": stack.api_key})
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    with open(os.path.join(log_path, "metrics.jsonl")) as f:
+        return [m for m in map(json.loads, f) if "time/total" in m]
+
+
+def render(runs: dict[str, list[list[dict]]]) -> str:
+    lines = ["| TINKERD_CPU_THREADS | run | step (s) | sampling (s) | train step (s) | max abs kl_sample_train |",
+             "|---|---|---|---|---|---|"]
+    for mode, of_mode in runs.items():
+        for i, steps in enumerate(of_mode):
+            cols = [" / ".join(f"{m[k]:.1f}" for m in steps) for k in KEYS[:3]]
+            kl = max(abs(m.get(KEYS[3], 0.0)) for m in steps)
+            lines.append(f"| {mode} | {i + 1} | {' | '.join(cols)} | {kl:.1e} |")
+    late = {mode: [m["time/total"] for steps in of_mode for m in steps[2:]] for mode, of_mode in runs.items()}
+    if all(late.values()):
+        fixed, shared = (statistics.median(late[m]) for m in MODES)
+        lines.append(f"\nFrom the third step, median step: {fixed:.1f} s fixed at 1 thread, {shared:.1f} s shared: "
+                     f"{fixed / shared:.2f}x.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.rl_loop", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=smollm2_model() or "", help="model directory (default: models/smollm2)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=1, help="runs of each mode, taken in turn")
+    p.add_argument("--cookbook-python", default=default_cookbook_python())
+    args = p.parse_args(argv)
+    if not args.model or not os.path.isfile(args.cookbook_python):
+        p.error("needs --model (or `tinkerd fetch-smollm2 models/smollm2`) and the cookbook's venv "
+                "(bash scripts/cookbook-venv.sh)")
+    runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory(prefix="rl-loop-") as work:
+        for _ in range(args.rounds):
+            for mode in MODES:
+                runs[mode].append(one_run(os.path.abspath(args.model), mode, args.steps, args.cookbook_python, work))
+    print(render(runs))
+
+
+if __name__ == "__main__":
+    main()
