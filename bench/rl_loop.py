@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+from unittest import mock
 
 from bench.common import smollm2_model
 from harness.stack import running_stack
@@ -38,19 +39,14 @@ def default_cookbook_python() -> str:
 def one_run(model_dir: str, threads: str, steps: int, cookbook_python: str, work: str) -> list[dict]:
     """A fresh `tinkerd up` with TINKERD_CPU_THREADS=`threads`, the recipe for `steps` steps;
     the metrics of each step."""
-    saved = {k: os.environ.get(k) for k in ("TINKERD_CPU_THREADS", "OMP_NUM_THREADS")}
-    os.environ["TINKERD_CPU_THREADS"] = threads
-    os.environ.pop("OMP_NUM_THREADS", None)
     log_path = tempfile.mkdtemp(prefix=f"rl-{threads}-", dir=work)
-    try:
+    with mock.patch.dict(os.environ, TINKERD_CPU_THREADS=threads):      # the stack's services read it
+        os.environ.pop("OMP_NUM_THREADS", None)
         with running_stack(model_dir, tempfile.mkdtemp(prefix="state-", dir=work)) as stack:
             subprocess.run([cookbook_python, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={model_dir}",
                             *RECIPE, f"max_steps={steps}", f"log_path={log_path}", f"base_url={stack.url}"],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600,
                            env={**os.environ, "TINKER_API_KEY": stack.api_key})
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     with open(os.path.join(log_path, "metrics.jsonl")) as f:
         return [m for m in map(json.loads, f) if "time/total" in m]
 

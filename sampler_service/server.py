@@ -11,9 +11,7 @@ from tinkerd.process import allocator, cpu_defaults, init_logging, serve_until_s
 
 def serve(s: SamplerSettings) -> None:
     # tcmalloc: launcher/cli.py re-executes `tinkerd sampler` with it before its imports.
-    from tinkerd import cores, hardware
-    threads = cores.setting(os.environ)       # before cpu_defaults() sets OMP_NUM_THREADS
-    cpu_defaults()
+    threads = cpu_defaults()
     init_logging("sampler")
     logging.getLogger("sampler").info("memory allocator: %s", allocator())
     from sampler_service import metrics
@@ -28,6 +26,7 @@ def serve(s: SamplerSettings) -> None:
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of engine start
     check_urls(s.register_with, auth.tls or bool(s.register_ca))
     check_parallelism_or_exit(s.tensor_parallel_size)
+    from tinkerd import cores, hardware
     cores.configure(threads, cpu=not hardware.has_gpu())     # before the engine thread reads it
     engine = engine_from(s)
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.

@@ -169,11 +169,6 @@ class CoreShare:
         if self.board is not None and getattr(self._local, "depth", 0):
             self._apply(self.board.busy())
 
-    def threads(self) -> int:
-        """The thread count this thread computes with."""
-        import torch
-        return getattr(self._local, "threads", None) or torch.get_num_threads()
-
     def _apply(self, n: int) -> None:
         if getattr(self._local, "threads", None) != n:
             _set_num_threads(n)
@@ -198,11 +193,13 @@ def share() -> CoreShare:
 
 def setting(environ: dict) -> str:
     """"auto" or a thread count: TINKERD_CPU_THREADS, else an OMP_NUM_THREADS the caller set (a
-    fixed choice, as before the board), else auto. Read before cpu_defaults() sets its own."""
-    value = environ.get("TINKERD_CPU_THREADS") or environ.get("OMP_NUM_THREADS") or "auto"
+    fixed choice, as before the board), else auto. tinkerd.process.cpu_defaults() reads it
+    before it sets OMP_NUM_THREADS itself."""
+    name = next((n for n in ("TINKERD_CPU_THREADS", "OMP_NUM_THREADS") if environ.get(n)), "")
+    value = environ[name] if name else "auto"
     if value != "auto" and not (value.isdigit() and int(value) > 0):
         from tinkerd.errors import UserError
-        raise UserError(f"TINKERD_CPU_THREADS must be `auto` or a positive number of threads, got {value!r}")
+        raise UserError(f"{name} must be `auto` or a positive number of threads, got {value!r}")
     return value
 
 

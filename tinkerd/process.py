@@ -16,12 +16,18 @@ def init_logging(name: str) -> None:
     logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
 
 
-def cpu_defaults() -> None:
+def cpu_defaults() -> str:
     """Measured on 2-core CPU hosts: more than one OpenMP thread per process oversubscribes
-    the cores once trainer and sampler run side by side (10-20x slower steps)."""
+    the cores once trainer and sampler run side by side (10-20x slower steps); so a service
+    starts with one, and takes more from the host's core board (tinkerd/cores.py). Returns the
+    CPU threads setting for cores.configure, read before OMP_NUM_THREADS gets its default."""
+    from tinkerd import cores
+
+    threads = cores.setting(os.environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return threads
 
 
 TCMALLOC = "tcmalloc_minimal"     # Debian/Ubuntu: libtcmalloc-minimal4

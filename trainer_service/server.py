@@ -11,9 +11,7 @@ from trainer_service.settings import TrainerSettings
 
 
 def serve(s: TrainerSettings) -> None:
-    from tinkerd import cores
-    threads = cores.setting(os.environ)       # before cpu_defaults() sets OMP_NUM_THREADS
-    cpu_defaults()
+    threads = cpu_defaults()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     init_logging("trainer" if world == 1 else f"trainer[rank {rank}/{world}]")
     from tinkerd.health import ServiceHealth
@@ -33,6 +31,7 @@ def serve(s: TrainerSettings) -> None:
                            durable=DurableModels(state_dir, s.durable_interval_s),
                            max_resident=s.max_resident_models, max_batch_tokens=s.max_batch_tokens,
                            max_logits_mib=s.max_logits_mib, activation_mib=s.activation_mib)
+    from tinkerd import cores
     cores.configure(threads, cpu=engine.device.type == "cpu")
     if not engine.ranks.leader:
         engine.ranks.follow(engine)        # until rank 0 stops; losing it exits non-zero

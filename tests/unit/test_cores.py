@@ -178,6 +178,8 @@ def test_the_setting():
     assert cores.setting({"TINKERD_CPU_THREADS": "auto", "OMP_NUM_THREADS": "1"}) == "auto"
     with pytest.raises(UserError, match="TINKERD_CPU_THREADS must be `auto` or a positive number"):
         cores.setting({"TINKERD_CPU_THREADS": "0"})
+    with pytest.raises(UserError, match="OMP_NUM_THREADS must be `auto` or a positive number"):
+        cores.setting({"OMP_NUM_THREADS": "4,2"})             # the message names the variable read
     assert cores.quota_cores("max 100000") is None
     assert cores.quota_cores("150000 100000") == 2            # a 1.5-CPU container: 2 threads
     assert cores.quota_cores("50000 100000") == 1
