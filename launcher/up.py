@@ -39,10 +39,11 @@ import urllib.request
 from gateway.server import check_listeners
 from gateway.settings import GatewaySettings
 from gateway.storage import state_dir
-from launcher import keys
+from launcher import gpus, keys
 from sampler_service import server as sampler_server
 from sampler_service.settings import SamplerSettings
 from tinkerd import process, settings
+from tinkerd.errors import UserError
 from trainer_service.settings import TrainerSettings
 
 CHILDREN = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
@@ -116,10 +117,11 @@ def child_command(args: argparse.Namespace, name: str, **wiring) -> list[str]:
     return [*launcher, *child_argv(args, name, **wiring)]
 
 
-def _start(name: str, command: list[str], ready: dict, log_dir: str) -> subprocess.Popen:
-    """Starts `command`; a reader thread records the port it prints as READY."""
+def _start(name: str, command: list[str], ready: dict, log_dir: str, env: dict[str, str]) -> subprocess.Popen:
+    """Starts `command` with `env` added to ours; a reader thread records the port it prints as READY."""
     log = open(os.path.join(log_dir, f"{name}.log"), "ab")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+                            env={**os.environ, **env} if env else None)
 
     def read():
         for line in proc.stdout:
@@ -199,11 +201,14 @@ def client_context(args: argparse.Namespace):
 
 
 def _wiring(args: argparse.Namespace, name: str, ready: dict) -> dict:
-    """The addresses a child is started with; once the stack runs, a restarted child gets the
-    port it had, so the others still find it."""
+    """The addresses a child is started with, and on a GPU host its share of its GPU
+    (launcher/gpus.py); once the stack runs, a restarted child gets the port it had, so the
+    others still find it."""
     if name == "gateway":
         return {"trainer": f"127.0.0.1:{ready['trainer']}", "samplers": []}
     wiring = {"listen": f"127.0.0.1:{ready[name]}"} if name in ready else {}
+    if placement := _placement(args):
+        wiring.update(placement.overrides(name))
     if kind_of(name) == "sampler":
         wiring["register_with"] = [gateway_url(args)]
         wiring["register_ca"] = args.https_cert
@@ -238,15 +243,38 @@ def _wait_pool(args: argparse.Namespace, url: str, procs: dict, log_dir: str) ->
         time.sleep(0.2)
 
 
+def _placement(args: argparse.Namespace) -> gpus.Placement | None:
+    """Where `up` put its children on this host's GPUs (set in `up`; None without GPUs)."""
+    return getattr(args, "placement", None)
+
+
+def _child_env(args: argparse.Namespace, name: str) -> dict[str, str]:
+    placement = _placement(args)
+    return placement.env(name) if placement else {}
+
+
+def _start_child(args: argparse.Namespace, name: str, procs: dict, ready: dict, log_dir: str) -> None:
+    procs[name] = _start(name, child_command(args, name, **_wiring(args, name, ready)), ready, log_dir,
+                         _child_env(args, name))
+
+
 def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str) -> str:
-    """Trainer and sampler replicas start in parallel; the gateway once the trainer answers; the
-    replicas register with it once their engines run. Returns its URL."""
+    """Trainer and sampler replicas start in parallel (on a shared GPU one after another, each
+    once the one before is READY); the gateway once the trainer answers; the replicas register
+    with it once their engines run. Returns its URL."""
     names = ["trainer", *sampler_names(args)]
-    for name in names:
-        procs[name] = _start(name, child_command(args, name, **_wiring(args, name, ready)), ready, log_dir)
+    placement = _placement(args)
+    first, *later = placement.start_order(names) if placement else [names]
+    for name in first:
+        _start_child(args, name, procs, ready, log_dir)
     _wait_ready(procs, ready, ["trainer"], args.start_timeout, log_dir)
-    procs["gateway"] = _start("gateway", child_command(args, "gateway", **_wiring(args, "gateway", ready)),
-                              ready, log_dir)
+    _start_child(args, "gateway", procs, ready, log_dir)
+    started = first
+    for group in later:
+        _wait_ready(procs, ready, started, args.start_timeout, log_dir)
+        for name in group:
+            _start_child(args, name, procs, ready, log_dir)
+        started = group
     _wait_ready(procs, ready, names + ["gateway"], args.start_timeout, log_dir)
     url = f"{scheme(args)}://{_reachable(args.host)}:{ready['gateway']}"
     _wait_pool(args, url, procs, log_dir)
@@ -276,7 +304,8 @@ class Supervisor:
             self.restarts[name] = [*recent, time.monotonic()]
             port = self.ready.pop(name)
             wiring = _wiring(self.args, name, {**self.ready, name: port})
-            self.procs[name] = _start(name, child_command(self.args, name, **wiring), self.ready, self.log_dir)
+            self.procs[name] = _start(name, child_command(self.args, name, **wiring), self.ready, self.log_dir,
+                                      _child_env(self.args, name))
             _wait_ready(self.procs, self.ready, [name], self.args.start_timeout, self.log_dir)
             print(f"tinkerd: {name} restarted on port {self.ready[name]}", file=sys.stderr, flush=True)
 
@@ -314,6 +343,12 @@ def up(args: argparse.Namespace) -> None:
     # One decision for both services, so trainer and sampler run the same dtype.
     args.dtype = process.service_dtype(args.dtype, args.allow_slow_dtype)
     args.base_model, args.state_dir = os.path.abspath(args.base_model), os.path.abspath(args.state_dir)
+    try:
+        args.placement = gpus.place(args, sampler_names(args))      # None on a host without GPUs
+    except UserError as e:
+        raise SystemExit(f"tinkerd: {e}") from None
+    if args.placement:
+        print(f"tinkerd: {args.placement.summary}", flush=True)
     private_state_dir(args)
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, mode=0o700, exist_ok=True)

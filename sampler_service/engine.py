@@ -34,6 +34,7 @@ import torch
 
 from sampler_service import metrics
 from sampler_service.merged import MergedServing, PromotionPolicy, engine_overrides
+from sampler_service.settings import ALONE_GPU_MEMORY_UTILIZATION
 from tinkerd import cores, hardware
 from tinkerd.errors import NotFoundError, UserError
 
@@ -84,10 +85,15 @@ CPU_KV_BLOCK_TOKENS = 32
 
 
 def engine_args(model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024, max_num_seqs: int = 64,
-                tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, kv_cache_mib: int = 0,
+                tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0, kv_cache_mib: int = 0,
                 kv_block_tokens: int = 0, seed: int = 0) -> dict:
     """vLLM EngineArgs of every engine of a replica (LoRA and merged ones); LoRA options aside.
-    `kv_block_tokens` 0: CPU_KV_BLOCK_TOKENS on CPU, vLLM's own choice on a GPU."""
+    `kv_block_tokens` 0: CPU_KV_BLOCK_TOKENS on CPU, vLLM's own choice on a GPU;
+    `gpu_memory_utilization` 0: vLLM's 0.9 (an engine with its GPU to itself)."""
+    if not 0 <= gpu_memory_utilization <= 1:
+        raise UserError(f"--gpu-memory-utilization must be a share of the GPU's memory, above 0 and at most 1 "
+                        f"(0: the default), got {gpu_memory_utilization:g}")
+    gpu_memory_utilization = gpu_memory_utilization or ALONE_GPU_MEMORY_UTILIZATION
     args = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
                 max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
                 gpu_memory_utilization=gpu_memory_utilization)
@@ -137,7 +143,7 @@ def check_parallelism(tensor_parallel_size: int, gpu_count: int) -> None:
 class SamplerEngine:
     def __init__(self, model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024,
                  max_loras: int = 4, max_cpu_loras: int = 64, max_lora_rank: int = 64,
-                 max_num_seqs: int = 64, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 64, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0,
                  kv_cache_mib: int = 0, kv_block_tokens: int = 0, seed: int = 0,
                  merged: MergedSettings = MergedSettings()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -10,6 +10,10 @@ from tinkerd.rpc import ServerAuthSettings
 from tinkerd.settings import setting
 
 
+# vLLM's own default --gpu-memory-utilization, for an engine with its GPUs to itself.
+ALONE_GPU_MEMORY_UTILIZATION = 0.9
+
+
 @dataclasses.dataclass
 class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings):
     base_model: str = setting(help="local directory of the HF base model")
@@ -26,9 +30,11 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
     # vLLM's scale knobs for a GPU pool, passed through to its engine arguments.
     tensor_parallel_size: int = setting(1, help="GPUs one replica's engine spans (vLLM's --tensor-parallel-size); "
                                                 "on CPU only 1 (refused at start-up otherwise)")
-    gpu_memory_utilization: float = setting(0.9, help="share of each GPU's memory the engine may take for weights "
-                                                      "and KV cache (vLLM's --gpu-memory-utilization); on CPU the "
-                                                      "KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead")
+    gpu_memory_utilization: float = setting(0.0, help="share of each GPU's memory the engine may take for weights "
+                                                      "and KV cache (vLLM's --gpu-memory-utilization); 0: 0.9, or "
+                                                      "where `tinkerd up` puts it on the trainer's GPU, its split of "
+                                                      "the card (docs/gpu.md); on CPU the KV cache is "
+                                                      "VLLM_CPU_KVCACHE_SPACE GiB instead")
     kv_cache_mib: int = setting(0, help="the engine's KV cache in MiB (vLLM's --kv-cache-memory-bytes; each merged "
                                         "slot's engine has one too); 0: VLLM_CPU_KVCACHE_SPACE GiB on CPU (1 "
                                         "unless set), what --gpu-memory-utilization leaves on a GPU. A CPU engine "

@@ -48,11 +48,40 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def nvidia_driver_present() -> bool:
+    """Whether CUDA could be here at all, known without importing torch (seconds)."""
+    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
+
+
 def has_gpu() -> bool:
-    if not os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is None:
-        return False               # without importing torch (seconds) where there plainly is none
+    if not nvidia_driver_present():
+        return False
     import torch
     return torch.cuda.is_available()
+
+
+_gpu_memory_fraction = 0.0
+
+
+def cap_gpu_memory(fraction: float) -> None:
+    """Caps this process's PyTorch allocator at `fraction` of its CUDA device (LOCAL_RANK's), so
+    its cache never grows into the memory of a sampler sharing the card (launcher/gpus.py);
+    0: no cap. Nothing to cap on a CPU host."""
+    global _gpu_memory_fraction
+    if not 0 <= fraction <= 1:
+        from tinkerd.errors import UserError
+        raise UserError(f"--gpu-memory-fraction must be between 0 (no cap) and 1, got {fraction:g}")
+    if fraction and has_gpu():
+        import torch
+        torch.cuda.set_per_process_memory_fraction(fraction, int(os.environ.get("LOCAL_RANK", "0")))
+        _gpu_memory_fraction = fraction
+
+
+def gpu_memory_bytes(device) -> int:
+    """The memory this process may use on CUDA `device`: its total, or the capped share of it."""
+    import torch
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(total * _gpu_memory_fraction) if _gpu_memory_fraction else total
 
 
 def default_device():

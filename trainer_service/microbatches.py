@@ -45,13 +45,14 @@ class TokenCost:
 
 
 def default_budget_bytes(device: torch.device) -> int:
-    """--activation-mib 0: a quarter of the GPU's memory, or a sixteenth of the host's (its cgroup
+    """--activation-mib 0: a quarter of the GPU's memory (of its --gpu-memory-fraction), or a sixteenth of the host's (its cgroup
     limit where lower). A step's peak is about twice its budget over the trainer's resting size
     (the backward's gradients of the activations, the logits' chunk, the allocator's slack:
     SmolLM2 fp32, an RL batch of 128 datums, budget 1 GiB -> +2.3 GiB, 3 GiB -> +6.3 GiB, the
     step as fast), and the host also holds the base model and on one machine the sampler."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory // 4
+        from tinkerd import hardware
+        return hardware.gpu_memory_bytes(device) // 4
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/sys/fs/cgroup/memory.max") as f:

@@ -26,6 +26,8 @@ def serve(s: TrainerSettings) -> None:
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of model loading
     state_dir = os.path.abspath(s.state_dir)
+    from tinkerd import hardware
+    hardware.cap_gpu_memory(s.gpu_memory_fraction)        # before the engine allocates anything
     engine = TrainerEngine(s.base_model, zero_stage=s.zero_stage, dtype=service_dtype(s.dtype, s.allow_slow_dtype),
                            max_lora_rank=s.max_lora_rank, base_model_names=tuple(s.aliases),
                            durable=DurableModels(state_dir, s.durable_interval_s),

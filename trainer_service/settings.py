@@ -37,6 +37,10 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                           "in micro-batches whose gradients add up; the step's peak is about "
                                           "twice this (0: a quarter of the GPU's memory, a sixteenth of the "
                                           "host's)")
+    gpu_memory_fraction: float = setting(0.0, help="the most of its GPU's memory the trainer's allocator may hold "
+                                                   "(torch's per-process memory fraction), so a sampler sharing the "
+                                                   "card keeps its share; 0: no cap. `tinkerd up` sets it where a "
+                                                   "sampler shares the trainer's GPU (docs/gpu.md)")
     max_resident_models: int = setting(32, help="models kept in memory; the least recently used others wait "
                                                 "on disk and reload on their next use")
     weight_transports: list[str] = setting([], flag="weight-transport", choices=list(PREFERENCE),
