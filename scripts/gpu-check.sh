@@ -19,7 +19,7 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TINKER_TELEMETRY=0
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))" || exit 1
 status=0
-python3 -m pytest -q -m "not e2e" -p no:cacheprovider -rA tests/unit/test_weight_transport.py \
+python3 -m pytest -q -m "not e2e" -p no:cacheprovider -rA tests/unit/test_weight_transport.py tests/unit/test_gpu_placement.py \
   tests/trainer/test_weight_push.py tests/trainer/test_trainer_only_bench.py tests/trainer/test_bf16_training.py \
   tests/trainer/test_engine.py tests/trainer/test_adapter_switch.py tests/trainer/test_durable.py \
   > "$out/tests.log" 2>&1 || status=$?

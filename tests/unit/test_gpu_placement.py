@@ -176,3 +176,26 @@ def test_tinkerd_up_on_a_cpu_host_places_nothing_and_imports_no_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA: the trainer's allocator cap")
+def test_the_trainers_cap_holds_on_its_gpu():
+    """In a process of its own (the cap is process-wide): within it an allocation works, past it
+    PyTorch refuses, and the activation budget is a quarter of the capped share."""
+    code = ("import torch\n"
+            "from tinkerd import hardware\n"
+            "from trainer_service import microbatches\n"
+            "hardware.cap_gpu_memory(0.05)\n"
+            "total = torch.cuda.get_device_properties(0).total_memory\n"
+            "assert hardware.gpu_memory_bytes(0) == int(total * 0.05)\n"
+            "assert microbatches.default_budget_bytes(torch.device('cuda', 0)) == int(total * 0.05) // 4\n"
+            "small = torch.empty(int(total * 0.02), dtype=torch.uint8, device='cuda')\n"
+            "try:\n"
+            "    torch.empty(int(total * 0.06), dtype=torch.uint8, device='cuda')\n"
+            "    raise SystemExit('allocated past the cap')\n"
+            "except torch.OutOfMemoryError:\n"
+            "    pass\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "LOCAL_RANK": "0"})
+    assert out.returncode == 0, out.stderr[-2000:]
