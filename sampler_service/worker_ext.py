@@ -4,9 +4,10 @@ two fixes for vLLM 0.32's multi-LoRA batching that tenants sharing a batch depen
 
 1. Prompt logprobs with a LoRA on lm_head: `_get_prompt_logprobs_dict` computes the logits of
    a request's prompt tokens with the punica wrapper's *per-request* sampler indices, which do
-   not line up with the prompt tokens once two requests share a batch (einsum shape error, or
-   silently another request's adapter when the lengths happen to match). We give each of those
-   calls the per-token indices of exactly the tokens it scores.
+   not line up with the prompt tokens once two requests share a batch (on CPU an einsum shape
+   error, or silently another request's adapter when the lengths happen to match; on a GPU the
+   lm_head delta is dropped, vLLM issue #51594). We give each of those calls the per-token
+   indices of exactly the tokens it scores (`scoring_tokens`).
 2. The PyTorch (CPU) punica ops index the stacked adapter weights with the LoRA slot, and a
    base-model token's slot is -1, which Python indexing turns into the *last* slot: a base
    request batched with adapter requests got some tenant's adapter applied. They also gather a
@@ -18,6 +19,7 @@ two fixes for vLLM 0.32's multi-LoRA batching that tenants sharing a batch depen
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -63,6 +65,35 @@ def _language_punica_wrapper(model_runner):
     return wrappers.get(DEFAULT_LANGUAGE_WRAPPER_KEY) or next(iter(wrappers.values()))
 
 
+@contextlib.contextmanager
+def scoring_tokens(punica, offset: int, n: int):
+    """Within: the logits LoRA maps the batch's tokens offset .. offset + n (one request's prompt
+    tokens) each to its own adapter, instead of one entry per sampled sequence. The CPU ops read
+    the sampler indices; the GPU (and XPU) Triton kernels read `prompt_mapping_meta`, prepared from
+    those indices once per step, so that is prepared from the per-token ones too (vLLM issue
+    #51594: on a GPU the lm_head delta was otherwise dropped from prompt logprobs). Restored after."""
+    meta = getattr(punica, "prompt_mapping_meta", None)
+    saved_len, saved = punica.indices_len[1], punica._sampler_indices[:n].clone()
+    punica._sampler_indices[:n].copy_(punica._token_lora_indices[offset:offset + n])
+    punica.indices_len[1] = n
+    if meta is not None:
+        _prepare(meta, punica.sampler_indices)
+    try:
+        yield
+    finally:
+        punica._sampler_indices[:n].copy_(saved)
+        punica.indices_len[1] = saved_len
+        if meta is not None:
+            _prepare(meta, punica.sampler_indices)
+
+
+def _prepare(meta, indices: torch.Tensor) -> None:
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+    with gpu_sync_allowed():           # as vLLM's own update_metadata prepares it: reads a flag back
+        meta.prepare_tensors(indices)
+
+
 def _per_token_prompt_logits(model_runner) -> None:
     original = model_runner._get_prompt_logprobs_dict
 
@@ -78,15 +109,8 @@ def _per_token_prompt_logits(model_runner) -> None:
         def per_token(h: torch.Tensor):
             # h is hidden_states[offset : offset + n]: the tokens it scores start at `offset`.
             offset = (h.storage_offset() - hidden_states.storage_offset()) // hidden_states.stride(0)
-            n = h.shape[0]
-            saved_len, saved = punica.indices_len[1], punica._sampler_indices[:n].clone()
-            punica._sampler_indices[:n].copy_(punica._token_lora_indices[offset:offset + n])
-            punica.indices_len[1] = n
-            try:
+            with scoring_tokens(punica, offset, h.shape[0]):
                 return compute_logits(h)
-            finally:
-                punica._sampler_indices[:n].copy_(saved)
-                punica.indices_len[1] = saved_len
 
         model.compute_logits = per_token
         try:

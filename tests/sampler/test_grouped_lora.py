@@ -119,3 +119,37 @@ def test_bf16_weights_into_an_fp32_buffer_and_back():
     lora_ops.bgmv_expand(want, b, y_want, idx, True)
     grouped_lora.bgmv_expand(got, b, y_got, idx, True)
     torch.testing.assert_close(y_got.float(), y_want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_prompt_logits_map_each_scored_token_to_its_adapter_for_cpu_ops_and_gpu_kernels():
+    """worker_ext.scoring_tokens, on vLLM's real punica wrapper and kernel metadata: while one
+    request's prompt tokens are scored, the sampler indices (CPU ops) and the prompt kernel
+    metadata (GPU Triton kernels, `prompt_mapping_meta`, vLLM issue #51594) map each of those
+    tokens to the request's adapter; after, both are the step's per-sequence mapping again."""
+    from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from sampler_service.worker_ext import scoring_tokens
+
+    punica = PunicaWrapperCPU(64, 8, device="cpu")
+    # A step of two requests: 5 prompt tokens through slot 1, then 3 of a base-model request.
+    punica._token_lora_indices[:8].copy_(torch.tensor([1, 1, 1, 1, 1, -1, -1, -1]))
+    punica._sampler_indices[:2].copy_(torch.tensor([1, -1]))
+    punica.indices_len[:2] = [8, 2]
+    # As the GPU wrapper keeps it: prepared from the sampler indices once per step.
+    punica.prompt_mapping_meta = LoRAKernelMeta.make(4, 64, device="cpu")
+    punica.prompt_mapping_meta.prepare_tensors(punica.sampler_indices)
+
+    def kernel_mapping(n):
+        mapping, _, counts, _, lora_ids, no_lora, _ = punica.prompt_mapping_meta.meta_args(n, True)
+        return mapping.tolist(), dict(zip(lora_ids.tolist(), counts.tolist())), bool(no_lora)
+
+    assert kernel_mapping(2)[0] == [1, -1]
+    with scoring_tokens(punica, offset=0, n=4):          # the first request's tokens 0..3 scored
+        assert punica.sampler_indices.tolist() == [1, 1, 1, 1]
+        mapping, counts, no_lora = kernel_mapping(4)
+        assert mapping == [1, 1, 1, 1] and counts[1] == 4 and not no_lora
+    assert punica.sampler_indices.tolist() == [1, -1] and kernel_mapping(2)[0] == [1, -1]
+    with scoring_tokens(punica, offset=5, n=2):          # base-model tokens: no adapter at all
+        assert punica.sampler_indices.tolist() == [-1, -1] and kernel_mapping(2)[2]
+    assert punica.sampler_indices.tolist() == [1, -1] and kernel_mapping(2)[0] == [1, -1]
