@@ -22,6 +22,7 @@ status=0
 python3 -m pytest -q -m "not e2e" -p no:cacheprovider -rA tests/unit/test_weight_transport.py tests/unit/test_gpu_placement.py \
   tests/trainer/test_weight_push.py tests/trainer/test_trainer_only_bench.py tests/trainer/test_bf16_training.py \
   tests/trainer/test_engine.py tests/trainer/test_adapter_switch.py tests/trainer/test_durable.py \
+  tests/trainer/test_prefix_tree.py \
   > "$out/tests.log" 2>&1 || status=$?
 grep -E "^(PASSED|SKIPPED).*(gpu|cuda)|^FAILED|^ERROR| passed| failed" "$out/tests.log"
 bench=(python3 -m bench.trainer_only --device cuda --dtype bfloat16)

@@ -80,11 +80,12 @@ class TrainerEngine:
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 20)
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=dtypes.torch_dtype(dtype)).to(self.device)
         base.requires_grad_(False)
-        self.packable = prefix_tree.packable(base.config, self.dtype)   # (the loaded model's: its attention is set)
         fp32_gemm.install_where_needed(base)
         cores.tick_in_layers(base)        # a long step follows the host's core board layer by layer
         if match_sampler:
             cpu_numerics.install_where_needed(base)
+        # Token trees after cpu_numerics: its attention is the one paths run through.
+        self.packable = prefix_tree.install(base)
         self.models = ModelRegistry(base, base_model_dir, zero_stage=self.zero_stage, max_lora_rank=max_lora_rank)
         self.peft = self.models.peft
         # One lock for all of it: the PEFT model's active adapter is process-wide state, so

@@ -51,20 +51,22 @@ def _real_rows(per_position: torch.Tensor, targets: torch.Tensor,
 def token_logprobs(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    targets: torch.Tensor, real: torch.Tensor | None = None, *,
                    position_ids: torch.Tensor | None = None, expand: torch.Tensor | None = None,
-                   max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES, recompute: bool = True) -> torch.Tensor:
+                   paths: list | None = None, max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES,
+                   recompute: bool = True) -> torch.Tensor:
     """The fp32 log-probabilities of the real tokens' `targets`, flat, datum after datum.
     `causal_lm`: the transformers CausalLM (PEFT's layers in it); `real`: the flat positions of
     the real tokens in [batch, longest] (None: every position); `recompute`: chunks may be
     recomputed in the backward (not under ZeRO-3). A batch packed as token trees
-    (prefix_tree.py) also gives `position_ids` and a 4-D mask; its `real` are the distinct
-    (position, target) pairs to unembed, `targets` theirs (1-D), and `expand` every datum
-    token's entry among them."""
+    (prefix_tree.py) also gives `position_ids`, a 4-D mask and the `paths` its attention runs on;
+    its `real` are the distinct (position, target) pairs to unembed, `targets` theirs (1-D), and
+    `expand` every datum token's entry among them."""
     if causal_lm.config.model_type not in PLAIN_HEADS:
         logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=False).logits
         return _of_logits(*_real_rows(logits, targets, real))
+    trees = {} if paths is None else {"tinkerd_paths": paths}       # to prefix_tree.attention
     hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False).last_hidden_state
+                             use_cache=False, **trees).last_hidden_state
     rows, wanted = _real_rows(hidden, targets, real)
     chunk = max(1, max_logits_bytes // (4 * causal_lm.config.vocab_size))
     if rows.shape[0] <= chunk:

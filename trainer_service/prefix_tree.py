@@ -11,9 +11,20 @@ Each datum's logprobs are read at the positions of its path; a (position, target
 several datums share is unembedded once. SmolLM2 fp32, that RL batch: 5,888 padded positions ->
 1,664, forward+backward 74 s -> 19-25 s on 2 cores.
 
-Only in fp32 (see `packable`), for the models logprobs.py unembeds itself (PLAIN_HEADS), without
-a sliding window (which a custom mask would override), under SDPA or eager attention. A row
-holds at most max(ROW_TOKENS, longest datum) positions: attention over a row grows with its square.
+Attention runs path by path (`attention`): each datum's path (the tokens of one root-to-leaf
+walk of a tree) gathered into a sequence of its own, attended causally by the model's own
+attention as the datum alone is, and each position's output taken from one path holding it. So a
+datum's logprobs in a tree are bit for bit its logprobs alone, in bf16 too (the sampler computes
+each sequence alone, and RL's importance ratios rest on the two agreeing). A tree row attended
+as one sequence under the 4-D mask is not: the kernel's sums over a row's keys, masked ones
+among them, group a path's terms differently from a sequence of its own, and bf16 rounds the
+difference into the next layer (SmolLM2 bf16, 4 x 8 rollouts, with the sampler's rounding:
+mean 0.0079 / max 0.17 nats from alone; padded 0.0011 / 0.12; path by path 0 / 0). Attention
+costs the paths' own lengths squared instead of the rows' widths squared.
+
+For the models logprobs.py unembeds itself (PLAIN_HEADS), without a sliding window (which a
+custom mask would override), under SDPA (cpu_numerics' fp32 SDPA included; see `install`). A row
+holds at most max(ROW_TOKENS, longest datum) positions.
 """
 
 from __future__ import annotations
@@ -29,6 +40,19 @@ MIN_SAVING = 0.25
 
 
 @dataclasses.dataclass
+class PathGroup:
+    """The paths of one length, attended as one batch: path i is row `rows[i]`'s positions
+    `nodes[i]` (root first); its outputs at `owned[i]` fill the flat positions `dest`, in order."""
+    rows: torch.Tensor           # [paths]
+    nodes: torch.Tensor          # [paths, length]
+    owned: torch.Tensor          # [paths, length], bool: positions no path before it holds
+    dest: torch.Tensor           # [owned positions]: row * width + node
+
+    def to(self, device: torch.device) -> "PathGroup":
+        return PathGroup(*(t.to(device) for t in dataclasses.astuple(self)))
+
+
+@dataclasses.dataclass
 class Packing:
     ids: torch.Tensor            # [rows, longest row]
     positions: torch.Tensor      # [rows, longest row]: each position's depth in its tree
@@ -36,22 +60,58 @@ class Packing:
     unembed: torch.Tensor        # flat positions to unembed, one per distinct (position, target)
     targets: torch.Tensor        # their targets
     expand: torch.Tensor         # every datum token's entry in `unembed`, datum after datum
+    paths: list[PathGroup]       # every position in exactly one path's `owned`, padding in none
 
 
-def packable(config, dtype: torch.dtype) -> bool:
-    """Whether this model's batches may go as token trees. Not in 16-bit yet: in bf16 a datum's
-    logprobs in a tree move further from its logprobs alone than padding moves them (SmolLM2,
-    an RL batch of 4 x 8 rollouts, with the sampler's rounding (cpu_numerics.py): tree vs alone
-    mean 0.021 / max 0.24 nats, padded vs alone 0.0026 / 0.18), and RL's importance ratios rest
-    on the trainer matching the sampler, which computes each sequence alone. fp32: 3e-6 / 3e-5."""
+TREE_ATTENTION = "tinkerd_tree"
+_INNER = "_tinkerd_tree_inner"          # an attention module's own implementation, which paths run through
+
+
+def install(model: torch.nn.Module) -> bool:
+    """Lets `model` (an unwrapped transformers causal LM) take token-tree batches: its attention
+    runs a tree batch path by path and any other batch as before. False, nothing changed, where
+    trees do not apply: heads logprobs.py does not unembed itself, a sliding window, attention
+    other than SDPA (eager and flash-attention take masks and padding their own ways)."""
+    from trainer_service import cpu_numerics
     from trainer_service.logprobs import PLAIN_HEADS
 
-    if dtype != torch.float32:
-        return False
+    config = model.config
     sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    # a 4-D boolean mask is taken as given by these attention implementations (not flash-attention's)
-    return (config.model_type in PLAIN_HEADS and not sliding
-            and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
+    inner = getattr(config, "_attn_implementation", None)
+    if config.model_type not in PLAIN_HEADS or sliding or inner not in ("sdpa", cpu_numerics.ATTENTION):
+        return False
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if TREE_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, sdpa_mask)
+    for layer in model.model.layers:
+        setattr(layer.self_attn, _INNER, inner)
+    model.set_attn_implementation(TREE_ATTENTION)
+    return True
+
+
+def attention(module, query, key, value, attention_mask, *, tinkerd_paths: list[PathGroup] | None = None,
+              **kwargs):
+    """The model's attention (`install`) for a batch of token-tree rows: on each path as on a
+    sequence alone (no mask: causal), the outputs put back at the positions each path owns.
+    Without `tinkerd_paths` (a padded or single batch), the model's attention as it was."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner = ALL_ATTENTION_FUNCTIONS[getattr(module, _INNER)]
+    if tinkerd_paths is None:
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    rows, heads, width, dim = query.shape
+    outputs, dests = [], []
+    for group in tinkerd_paths:
+        def gather(t):             # [paths, heads, length, dim], laid out as a sequence's own
+            return t[group.rows[:, None], :, group.nodes].transpose(1, 2).contiguous()
+        out, _ = inner(module, gather(query), gather(key), gather(value), None, **kwargs)
+        outputs.append(out[group.owned])                    # out: [paths, length, heads, dim]
+        dests.append(group.dest)
+    flat = query.new_zeros(rows * width, heads, dim, dtype=outputs[0].dtype)
+    return flat.index_copy(0, torch.cat(dests), torch.cat(outputs)).view(rows, width, heads, dim), None
 
 
 def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = ROW_TOKENS) -> Packing | None:
@@ -63,7 +123,8 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
     paths: list[tuple[int, list[int]]] = [(0, [])] * len(tokens)  # (row, node of each depth)
     previous: list[int] = []
     path: list[int] = []
-    for i in sorted(range(len(tokens)), key=lambda i: tokens[i]):
+    order = sorted(range(len(tokens)), key=lambda i: tokens[i])
+    for i in order:
         t = tokens[i]
         shared = 0
         for a, b in zip(previous, t):     # sorted: the longest prefix shared with any earlier datum
@@ -99,4 +160,28 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
         mask[r, 0, at[:, None], at[None, :]] = causal[:len(path), :len(path)]
     flat = torch.tensor([r * width + node for r, path in paths for node in path])
     pairs, expand = torch.unique(torch.stack([flat, targets.long()], 1), dim=0, return_inverse=True)
-    return Packing(ids, positions, mask, pairs[:, 0].contiguous(), pairs[:, 1].contiguous(), expand)
+    return Packing(ids, positions, mask, pairs[:, 0].contiguous(), pairs[:, 1].contiguous(), expand,
+                   _path_groups([paths[i] for i in order], width))
+
+
+def _path_groups(paths: list[tuple[int, list[int]]], width: int) -> list[PathGroup]:
+    """The root-to-leaf paths among the datums' paths (in the order they were laid out), grouped
+    by length. A datum whose path the next one extends is no leaf. A row's positions are laid out
+    path after path, so a leaf owns the positions laid out since the leaf before it in its row:
+    the end of its path."""
+    leaves: dict[int, list[tuple[int, list[int], int]]] = {}
+    closed: dict[int, int] = {}              # row -> positions owned so far
+    for k, (row, path) in enumerate(paths):
+        following = paths[k + 1] if k + 1 < len(paths) else None
+        if following and following[0] == row and following[1][:len(path)] == path:
+            continue
+        start = closed.get(row, 0)
+        leaves.setdefault(len(path), []).append((row, path, len(path) - (path[-1] + 1 - start)))
+        closed[row] = path[-1] + 1
+    groups = []
+    for length, of_length in sorted(leaves.items()):
+        rows = torch.tensor([row for row, _, _ in of_length])
+        nodes = torch.tensor([path for _, path, _ in of_length])
+        owned = torch.arange(length)[None, :] >= torch.tensor([first for _, _, first in of_length])[:, None]
+        groups.append(PathGroup(rows, nodes, owned, (rows[:, None] * width + nodes)[owned]))
+    return groups

@@ -115,7 +115,8 @@ def _batch(data: list[DatumInput], device: torch.device, packable: bool = False)
     if packed is not None:
         return _Batch(lengths, packed.ids.to(device), packed.mask.to(device),
                       {"targets": packed.targets.to(device), "real": packed.unembed.to(device),
-                       "position_ids": packed.positions.to(device), "expand": packed.expand.to(device)})
+                       "position_ids": packed.positions.to(device), "expand": packed.expand.to(device),
+                       "paths": [group.to(device) for group in packed.paths]})
     if min(lengths) == longest:
         ids = torch.tensor([list(d.tokens) for d in data])
         return _Batch(lengths, ids.to(device), None, {"targets": targets.view(len(data), longest).to(device)})

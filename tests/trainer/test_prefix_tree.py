@@ -132,16 +132,78 @@ def test_a_padded_sft_batch_is_untouched(tiny_model_dir, monkeypatch):
     assert built[0].ids.shape == (3, 30) and "position_ids" not in built[0].how
 
 
-def test_only_models_whose_attention_takes_the_tree_mask_pack():
-    from types import SimpleNamespace as Config
+def _tiny(model_type: str, attention: str = "sdpa", **config):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    f32 = torch.float32
-    assert prefix_tree.packable(Config(model_type="llama", _attn_implementation="sdpa"), f32)
-    assert prefix_tree.packable(Config(model_type="qwen2", sliding_window=4096, use_sliding_window=False,
-                                       _attn_implementation="eager"), f32)
-    assert not prefix_tree.packable(Config(model_type="mistral", sliding_window=4096, _attn_implementation="sdpa"),
-                                    f32)
-    assert not prefix_tree.packable(Config(model_type="llama", _attn_implementation="flash_attention_2"), f32)
-    assert not prefix_tree.packable(Config(model_type="gemma2", _attn_implementation="sdpa"), f32)  # soft-capped
-    # bf16: a tree moves a datum's logprobs from the sampler's further than padding does (packable's note)
-    assert not prefix_tree.packable(Config(model_type="llama", _attn_implementation="sdpa"), torch.bfloat16)
+    shape = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape, **config),
+                                             attn_implementation=attention)
+    return model
+
+
+def test_only_models_whose_attention_runs_paths_pack():
+    llama = _tiny("llama")
+    assert prefix_tree.install(llama) and llama.config._attn_implementation == prefix_tree.TREE_ATTENTION
+    assert prefix_tree.install(_tiny("qwen2", sliding_window=4096, use_sliding_window=False))
+    assert not prefix_tree.install(_tiny("mistral", sliding_window=4096))     # a custom mask would override it
+    assert not prefix_tree.install(_tiny("llama", "eager"))                  # takes masks its own way
+    gemma = _tiny("gemma2")                                                   # soft-capped: not a plain head
+    assert not prefix_tree.install(gemma) and gemma.config._attn_implementation == "sdpa"     # left as it was
+
+
+def _rollout_logprobs(engine: TrainerEngine, data: list[DatumInput], packable: bool) -> list[torch.Tensor]:
+    engine.packable = packable
+    outputs, _ = engine.forward_backward("m", data, "cross_entropy", {}, forward_only=True)
+    return [o["logprobs"] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def wider_model_dir(tmp_path_factory) -> str:
+    """Wide and deep enough for bf16 rounding to tell one attention layout from another (the
+    2-layer tiny model's logprobs come out equal whichever way its attention runs)."""
+    from harness.models import build_tiny_model
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "wider", hidden_size=256, num_layers=6))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_datum_in_a_tree_gets_its_logprobs_alone(wider_model_dir, monkeypatch, dtype):
+    """As the sampler computes it: each sequence alone, with the sampler's rounding in bf16
+    (cpu_numerics): attention runs path by path, each path as a sequence of its own. (A tree row
+    attended whole under its 4-D mask moved SmolLM2's bf16 logprobs 0.0079 mean / 0.17 max nats,
+    this model's 5e-4 max.) bf16 comes out bit for bit; fp32 within its rounding (the Linear
+    layers' kernels differ with the number of rows)."""
+    from tinkerd import hardware
+
+    engine = TrainerEngine(wider_model_dir, zero_stage=0, dtype=dtype)
+    assert engine.packable
+    engine.create_model("m", LoraSpec(rank=8, seed=5))
+    data = _rollouts(4, 8, seed=1)
+    engine.forward_backward("m", data, "importance_sampling", {}, forward_only=False)
+    engine.optim_step("m", ADAM)                               # a trained adapter: every LoRA delta non-zero
+    packed, pack = [], prefix_tree.pack
+    monkeypatch.setattr(prefix_tree, "pack", lambda *a, **k: packed.append(pack(*a, **k)) or packed[-1])
+    in_tree = _rollout_logprobs(engine, data, packable=True)
+    assert packed[-1] is not None and len(packed[-1].paths) > 1      # paths of several lengths
+    alone = [_rollout_logprobs(engine, [d], packable=False)[0] for d in data]
+    gap = max((got - want).abs().max().item() for got, want in zip(in_tree, alone))
+    if dtype == "float32":
+        assert gap <= 1e-5
+    elif engine.device.type == "cpu" and not hardware.native_bf16(gpu=False):
+        assert gap == 0                           # measured here: bf16 GEMMs widened to fp32 (fp32_gemm.py)
+    else:                                         # native bf16 kernels (AMX, GPUs) per number of rows: not measured
+        assert gap <= 1e-2
+
+
+def test_every_position_of_a_tree_is_owned_by_one_path():
+    data = _rollouts(3, 5, seed=4) + _rollouts(1, 3, seed=4)[:1]      # a datum twice: one of the two is no leaf
+    tokens = [list(d.tokens) for d in data]
+    packed = prefix_tree.pack(tokens, torch.cat([d.loss_fn_inputs["target_tokens"] for d in data]))
+    owners = torch.cat([g.dest for g in packed.paths])
+    assert len(owners) == len(set(owners.tolist()))                 # no position owned twice
+    datum_positions = set(packed.unembed[packed.expand].tolist())
+    assert datum_positions <= set(owners.tolist())                   # every datum's positions owned
+    for g in packed.paths:
+        for row, nodes in zip(g.rows.tolist(), g.nodes.tolist()):
+            attends = packed.mask[row, 0, nodes[-1]].nonzero().squeeze(1).tolist()
+            assert attends == nodes                                  # a path: a leaf and its ancestors, in order
