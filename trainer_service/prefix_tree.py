@@ -164,6 +164,18 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
                    _path_groups([paths[i] for i in order], width))
 
 
+def one_path_each(lengths: list[int], width: int) -> list[PathGroup]:
+    """A right-padded batch's datums as paths of their own: attended as each alone, not as rows
+    under a padding mask (SmolLM2 bf16, 32 datums: that moved them 0.0011 mean / 0.12 max nats)."""
+    groups = []
+    for length in sorted(set(lengths)):
+        rows = torch.tensor([i for i, n in enumerate(lengths) if n == length])
+        nodes = torch.arange(length).expand(len(rows), length)
+        groups.append(PathGroup(rows, nodes, torch.ones(len(rows), length, dtype=torch.bool),
+                                (rows[:, None] * width + nodes).flatten()))
+    return groups
+
+
 def _path_groups(paths: list[tuple[int, list[int]]], width: int) -> list[PathGroup]:
     """The root-to-leaf paths among the datums' paths (in the order they were laid out), grouped
     by length. A datum whose path the next one extends is no leaf. A row's positions are laid out
