@@ -45,8 +45,8 @@ class TokenCost:
 
 
 def default_budget_bytes(device: torch.device) -> int:
-    """--activation-mib 0: a quarter of the GPU's memory (of its --gpu-memory-fraction), or a sixteenth of the host's (its cgroup
-    limit where lower). A step's peak is about twice its budget over the trainer's resting size
+    """--activation-mib 0: a quarter of the GPU's memory (of its --gpu-memory-fraction share), or a
+    sixteenth of the host's (its cgroup limit where lower). A step's peak is about twice its budget over the trainer's resting size
     (the backward's gradients of the activations, the logits' chunk, the allocator's slack:
     SmolLM2 fp32, an RL batch of 128 datums, budget 1 GiB -> +2.3 GiB, 3 GiB -> +6.3 GiB, the
     step as fast), and the host also holds the base model and on one machine the sampler."""

@@ -106,9 +106,8 @@ class _Batch:
 def _batch(data: list[DatumInput], device: torch.device, packable: bool = False) -> _Batch:
     """The batch, built on the host in a few ops whatever the number of datums. No mask where
     nothing is padded: attention is then plainly causal, which transformers would otherwise find
-    out by reading the mask back from the device (a synchronization). `packable`: the model's
-    attention runs paths (prefix_tree.install): datums that share prefixes (an RL batch's rollouts
-    of one prompt) may go as token trees, and a padded batch's datums are each attended as alone."""
+    out by reading the mask back from the device (a synchronization). `packable`: datums that
+    share prefixes (an RL batch's rollouts of one prompt) may go as token trees (prefix_tree.py)."""
     lengths = [len(d.tokens) for d in data]
     longest = max(lengths)
     targets = torch.cat([d.loss_fn_inputs["target_tokens"] for d in data]).long()
@@ -125,10 +124,8 @@ def _batch(data: list[DatumInput], device: torch.device, packable: bool = False)
     mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths])
     real = mask.view(-1).nonzero().squeeze(1)
     padded_targets = torch.full((len(data) * longest,), IGNORED, dtype=torch.long).index_copy(0, real, targets)
-    how = {"targets": padded_targets.view(len(data), longest).to(device), "real": real.to(device)}
-    if packable:         # each datum attended as a sequence of its own, as alone (prefix_tree.attention)
-        how["paths"] = [group.to(device) for group in prefix_tree.one_path_each(lengths, longest)]
-    return _Batch(lengths, ids.to(device), mask.to(device), how)
+    return _Batch(lengths, ids.to(device), mask.to(device),
+                  {"targets": padded_targets.view(len(data), longest).to(device), "real": real.to(device)})
 
 
 def _on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
