@@ -21,7 +21,8 @@ as one sequence under the 4-D mask is not: the kernel's sums over a row's keys, 
 among them, group a path's terms differently from a sequence of its own, and bf16 rounds the
 difference into the next layer (SmolLM2 bf16, 4 x 8 rollouts, with the sampler's rounding:
 mean 0.0079 / max 0.17 nats from alone; padded 0.0011 / 0.12; path by path 0 / 0). Attention
-costs the paths' own lengths squared instead of the rows' widths squared.
+costs the paths' own lengths squared instead of the rows' widths squared, in one call per
+distinct path length and layer (ops a GPU launches: why padded batches keep their masked rows).
 
 For the models logprobs.py unembeds itself (PLAIN_HEADS), without a sliding window (which a
 custom mask would override), under SDPA (cpu_numerics' fp32 SDPA included; see `install`). A row
