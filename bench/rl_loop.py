@@ -23,6 +23,7 @@ import tempfile
 from unittest import mock
 
 from bench.common import smollm2_model
+from harness.client_venvs import client_venv_root
 from harness.stack import running_stack
 
 MODES = ("1", "auto")
@@ -32,8 +33,7 @@ KEYS = ("time/total", "time/sampling", "time/train_step", "optim/kl_sample_train
 
 
 def default_cookbook_python() -> str:
-    root = os.environ.get("TINKERD_CLIENT_VENVS") or os.path.expanduser("~/.cache/tinkerd/client-venvs")
-    return os.path.join(root, "cookbook-0.6.1", "bin", "python")
+    return os.path.join(client_venv_root(), "cookbook-0.6.1", "bin", "python")
 
 
 def one_run(model_dir: str, threads: str, steps: int, cookbook_python: str, work: str) -> list[dict]:

@@ -5,7 +5,7 @@
 # it), so it goes in with --no-deps and its other dependencies are listed here. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Outside the clone, keyed by version (tests/e2e/sdk_venvs.py: client_venv_root): fresh clones reuse it.
+# Outside the clone, keyed by version (harness/client_venvs.py): fresh clones reuse it.
 ROOT="${TINKERD_CLIENT_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/tinkerd/client-venvs}"
 VENV="${VENV:-$ROOT/cookbook-0.6.1}"
 mkdir -p "$(dirname "$VENV")"

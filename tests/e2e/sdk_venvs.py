@@ -2,8 +2,8 @@
 registry, for tests that drive the server with them.
 
 Client venvs hold no code of this repo, so they live outside the clone, keyed by what they hold
-(`client_venv_root()`): a fresh clone (CI makes one per run) reuses them instead of building four
-venvs with torch again."""
+(harness/client_venvs.py): a fresh clone (CI makes one per run) reuses them instead of building
+four venvs with torch again."""
 
 from __future__ import annotations
 
@@ -13,14 +13,9 @@ import shutil
 import subprocess
 import sys
 
+from harness.client_venvs import client_venv_root
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def client_venv_root() -> str:
-    """Where client venvs live: $TINKERD_CLIENT_VENVS, else ~/.cache/tinkerd/client-venvs
-    (scripts/cookbook-venv.sh uses the same place)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("TINKERD_CLIENT_VENVS") or os.path.join(cache, "tinkerd", "client-venvs")
 
 
 def sdk_python(version: str, *, torch: bool = True) -> str:

@@ -1,5 +1,5 @@
 """tinker-cookbook 0.6.1 recipes, unmodified, in their own client venv (built once by
-scripts/cookbook-venv.sh from the registry, kept outside the clone: sdk_venvs.client_venv_root) against `tinkerd up` on the tiny model.
+scripts/cookbook-venv.sh from the registry, kept outside the clone: harness/client_venvs.py) against `tinkerd up` on the tiny model.
 
 Offline as ../shared/reference/cookbook-offline.md describes: the recipes run in a directory
 holding `Qwen/Qwen3.5-9B-Base/` (a link to the tiny model; the server knows the name as an
@@ -15,7 +15,7 @@ import pathlib
 import subprocess
 
 import pytest
-from sdk_venvs import client_venv_root
+from harness.client_venvs import client_venv_root
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = pathlib.Path(__file__).resolve().parents[2]
