@@ -43,9 +43,6 @@ CONTEXT_BYTES = 1 * GIB
 SAMPLER_SHARE = 0.4
 # Below this much beyond weights and contexts a shared card cannot hold both sides.
 MIN_SPARE_BYTES = 4 * GIB
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,12 +205,13 @@ def visible_gpus(environ=os.environ) -> list[Gpu]:
 def weights_bytes(model_dir: str, dtype: str) -> int:
     """The base model's weights in memory at `dtype` (float tensors; integer ones as stored), from
     the checkpoint's safetensors headers; other formats by their files' sizes."""
-    from tinkerd.merged_export import read_header
+    from tinkerd import dtypes
+    from tinkerd.merged_export import ITEMSIZE, read_header
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         return sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.bin")))
-    width = _DTYPE_BYTES.get(dtype, 4)
+    width = ITEMSIZE[dtypes.by_name(dtype).safetensors]
     total = 0
     for file in files:
         for info in read_header(file).values():
@@ -221,7 +219,7 @@ def weights_bytes(model_dir: str, dtype: str) -> int:
             for d in info["shape"]:
                 count *= d
             stored = info["dtype"]
-            total += count * (width if stored in ("F64", "F32", "BF16", "F16") else _SAFETENSORS_BYTES.get(stored, 4))
+            total += count * (width if stored.startswith(("F", "BF")) else ITEMSIZE.get(stored, 4))
     return total
 
 

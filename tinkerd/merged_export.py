@@ -35,7 +35,7 @@ ROWS_BYTES = 16 << 20               # output rows merged and sent at a time
 _PEFT_PREFIX = "base_model.model."
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 _SMALL_FILE_BYTES = 256 << 20       # base files copied as they are (tokenizers are tens of MB)
-_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Tensor:
 
     @property
     def num_bytes(self) -> int:
-        n = _ITEMSIZE[self.dtype]
+        n = ITEMSIZE[self.dtype]
         for d in self.shape:
             n *= d
         return n
@@ -135,9 +135,9 @@ def _base_weights(base_model_dir: str) -> dict[str, tuple[str, dict]]:
         raise UserError("the base model has no .safetensors weights to merge into")
     weights = {name: (os.path.join(base_model_dir, f), info)
                for f in files for name, info in read_header(os.path.join(base_model_dir, f)).items()}
-    if odd := sorted(n for n, (_, info) in weights.items() if info.get("dtype") not in _ITEMSIZE):
+    if odd := sorted(n for n, (_, info) in weights.items() if info.get("dtype") not in ITEMSIZE):
         raise UserError(f"the base weight {odd[0]} has dtype {weights[odd[0]][1].get('dtype')}, which this "
-                        f"export does not handle (it handles {', '.join(_ITEMSIZE)})")
+                        f"export does not handle (it handles {', '.join(ITEMSIZE)})")
     return weights
 
 
