@@ -87,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             added.setdefault(field.name, field)
         settings.add_arguments(parser, cls, skip=(*WIRED[name], *shared))
     settings.add_arguments(parser, UpSettings)
+    parser.set_defaults(placement=None)     # where `up` puts its children on the host's GPUs (launcher/gpus.py)
 
 
 def kind_of(name: str) -> str:
@@ -207,8 +208,8 @@ def _wiring(args: argparse.Namespace, name: str, ready: dict) -> dict:
     if name == "gateway":
         return {"trainer": f"127.0.0.1:{ready['trainer']}", "samplers": []}
     wiring = {"listen": f"127.0.0.1:{ready[name]}"} if name in ready else {}
-    if placement := _placement(args):
-        wiring.update(placement.overrides(name))
+    if args.placement:
+        wiring.update(args.placement.overrides(name))
     if kind_of(name) == "sampler":
         wiring["register_with"] = [gateway_url(args)]
         wiring["register_ca"] = args.https_cert
@@ -243,14 +244,8 @@ def _wait_pool(args: argparse.Namespace, url: str, procs: dict, log_dir: str) ->
         time.sleep(0.2)
 
 
-def _placement(args: argparse.Namespace) -> gpus.Placement | None:
-    """Where `up` put its children on this host's GPUs (set in `up`; None without GPUs)."""
-    return getattr(args, "placement", None)
-
-
 def _child_env(args: argparse.Namespace, name: str) -> dict[str, str]:
-    placement = _placement(args)
-    return placement.env(name) if placement else {}
+    return args.placement.env(name) if args.placement else {}
 
 
 def _start_child(args: argparse.Namespace, name: str, procs: dict, ready: dict, log_dir: str) -> None:
@@ -263,8 +258,7 @@ def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str)
     once the one before is READY); the gateway once the trainer answers; the replicas register
     with it once their engines run. Returns its URL."""
     names = ["trainer", *sampler_names(args)]
-    placement = _placement(args)
-    first, *later = placement.start_order(names) if placement else [names]
+    first, *later = args.placement.start_order(names) if args.placement else [names]
     for name in first:
         _start_child(args, name, procs, ready, log_dir)
     _wait_ready(procs, ready, ["trainer"], args.start_timeout, log_dir)
