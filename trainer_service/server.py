@@ -26,14 +26,13 @@ def serve(s: TrainerSettings) -> None:
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of model loading
     state_dir = os.path.abspath(s.state_dir)
-    from tinkerd import hardware
+    from tinkerd import cores, hardware
     hardware.cap_gpu_memory(s.gpu_memory_fraction)        # before the engine allocates anything
     engine = TrainerEngine(s.base_model, zero_stage=s.zero_stage, dtype=service_dtype(s.dtype, s.allow_slow_dtype),
                            max_lora_rank=s.max_lora_rank, base_model_names=tuple(s.aliases),
                            durable=DurableModels(state_dir, s.durable_interval_s),
                            max_resident=s.max_resident_models, max_batch_tokens=s.max_batch_tokens,
                            max_logits_mib=s.max_logits_mib, activation_mib=s.activation_mib)
-    from tinkerd import cores
     cores.configure(threads, cpu=engine.device.type == "cpu")
     if not engine.ranks.leader:
         engine.ranks.follow(engine)        # until rank 0 stops; losing it exits non-zero
