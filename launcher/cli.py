@@ -16,7 +16,7 @@ import sys
 
 from tinkerd.process import exit_now, reexec_with_tcmalloc
 
-if sys.argv[1:2] == ["sampler"]:
+if sys.argv[1:2] in (["sampler"], ["trainer"]):
     # Before the imports below (seconds of them): the exec starts this process over with tcmalloc.
     reexec_with_tcmalloc()
 

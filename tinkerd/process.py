@@ -46,10 +46,12 @@ def tcmalloc_preload(environ: dict) -> str | None:
 
 
 def reexec_with_tcmalloc() -> None:
-    """Runs this process again (same pid, same command line) with tcmalloc preloaded, as vLLM's
-    CPU backend asks: measured on SmolLM2 through a rank-8 adapter, 26.9 against 23.3 tokens/s
-    (2026-11-23). A preload must be in place when the process starts, hence the exec; call it
-    before anything heavy is imported."""
+    """Runs this process again (same pid, same command line) with tcmalloc preloaded. The sampler:
+    vLLM's CPU backend asks for it (SmolLM2 through a rank-8 adapter, 26.9 against 23.3 tokens/s,
+    2026-11-23). The trainer: glibc returns its large blocks (a step's logits and their gradients,
+    ~80 MB each) to the kernel at every free, so each step faults them in again, zeroed; tcmalloc
+    keeps them for the next step (bench/allocator.py). A preload must be in place when the
+    process starts, hence the exec; call it before anything heavy is imported."""
     preload = tcmalloc_preload(os.environ)
     if preload is None:
         return

@@ -4,9 +4,10 @@ torchrun's usual flags): rank 0 serves gRPC and the others follow its engine cal
 
 from __future__ import annotations
 
+import logging
 import os
 
-from tinkerd.process import cpu_defaults, init_logging, serve_until_signal, service_dtype
+from tinkerd.process import allocator, cpu_defaults, init_logging, serve_until_signal, service_dtype
 from trainer_service.settings import TrainerSettings
 
 
@@ -14,6 +15,8 @@ def serve(s: TrainerSettings) -> None:
     threads = cpu_defaults()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     init_logging("trainer" if world == 1 else f"trainer[rank {rank}/{world}]")
+    # tcmalloc: launcher/cli.py re-executes `tinkerd trainer` with it before its imports.
+    logging.getLogger("trainer").info("memory allocator: %s", allocator())
     from tinkerd.health import ServiceHealth
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import trainer_pb2_grpc

@@ -208,8 +208,9 @@ def test_services_refuse_grpc_calls_without_the_service_token(stack):
         assert stub_class(channel(address, ServiceAuth(token=token))).Health(common_pb2.HealthRequest(), timeout=10).ready
 
 
-def test_the_sampler_runs_with_tcmalloc(stack):
-    """`tinkerd up`'s sampler re-executed itself with tcmalloc preloaded (tinkerd/process.py)."""
+def test_trainer_and_sampler_run_with_tcmalloc(stack):
+    """`tinkerd up`'s trainer and sampler re-executed themselves with tcmalloc preloaded
+    (tinkerd/process.py)."""
     import ctypes.util
 
     from harness.stack import service_pids
@@ -217,7 +218,8 @@ def test_the_sampler_runs_with_tcmalloc(stack):
 
     if ctypes.util.find_library(TCMALLOC) is None:
         pytest.skip("libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)")
-    pid = service_pids(stack.pid)["sampler"]
-    assert allocator(pid) == "tcmalloc"
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        assert b"LD_PRELOAD=libtcmalloc" in f.read()
+    for service in ("trainer", "sampler"):
+        pid = service_pids(stack.pid)[service]
+        assert allocator(pid) == "tcmalloc", service
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"LD_PRELOAD=libtcmalloc" in f.read(), service

@@ -1,0 +1,21 @@
+"""bench/allocator.py: the trainer's RL step measured under each allocator in a process of its
+own; what the trainer's tcmalloc preload (tinkerd/process.py) is for: fewer page faults a step."""
+
+import ctypes.util
+
+import pytest
+
+from bench import allocator
+from tinkerd.process import TCMALLOC
+
+
+@pytest.mark.skipif(ctypes.util.find_library(TCMALLOC) is None,
+                    reason="libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)")
+def test_each_allocator_runs_in_its_own_process_and_tcmalloc_faults_less():
+    results = {name: [allocator.run_child(name, "tiny", "float32", steps=2)] for name in allocator.ALLOCATORS}
+    for runs in results.values():          # run_child checked each child ran the allocator it names
+        assert [s["s"] > 0 for s in runs[0]["steps"]] == [True, True]
+    faults = {name: min(s["faults"] for s in runs[0]["steps"]) for name, runs in results.items()}
+    assert faults["tcmalloc"] < faults["glibc malloc"], faults
+    table = allocator.render(results, "tiny", "float32")
+    assert "| glibc malloc |" in table and "| tcmalloc |" in table and "glibc / tcmalloc step" in table
