@@ -55,7 +55,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -70,6 +70,13 @@ class UnmergeableError(ValueError):
     """The adapter has parts a merged dense weight cannot represent (it stays on LoRA)."""
 
 
+class LoraFactors(NamedTuple):
+    """A module's LoRA: its delta is scale * b @ a (b: [out, rank], a: [rank, in], fp32)."""
+    b: torch.Tensor
+    a: torch.Tensor
+    scale: float
+
+
 # ---- the merged weights ---------------------------------------------------------------------------
 
 def lora_scale(config: dict, module: str = "") -> float:
@@ -78,9 +85,9 @@ def lora_scale(config: dict, module: str = "") -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def lora_deltas(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """Checkpoint weight name (e.g. `model.layers.0.self_attn.q_proj.weight`) -> scale * B @ A in
-    fp32, from a PEFT adapter's tensors (`base_model.model.<module>.lora_A.weight`, ...)."""
+def lora_factors(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, LoraFactors]:
+    """Checkpoint weight name (e.g. `model.layers.0.self_attn.q_proj.weight`) -> its (B, A, scale),
+    from a PEFT adapter's tensors (`base_model.model.<module>.lora_A.weight`, ...)."""
     if config.get("use_dora"):
         raise UnmergeableError("DoRA adapters are served through LoRA only")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
@@ -92,12 +99,12 @@ def lora_deltas(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, tor
             raise UnmergeableError(f"adapter tensor {name!r} is not a LoRA A/B matrix")
         pairs[module][kind[0]] = tensor
     scale = lora_scale(config)
-    deltas = {}
+    factors = {}
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise UnmergeableError(f"adapter module {module!r} lacks its lora_A or lora_B")
-        deltas[f"{module}.weight"] = (ab["B"].float() @ ab["A"].float()).mul_(scale)
-    return deltas
+        factors[f"{module}.weight"] = LoraFactors(ab["B"].float(), ab["A"].float(), scale)
+    return factors
 
 
 def read_adapter(path: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -125,16 +132,16 @@ def engine_overrides(model_dir: str) -> dict:
     return overrides
 
 
-def merged_checkpoint(model_dir: str, deltas: dict[str, torch.Tensor], dtype: torch.dtype
+def merged_checkpoint(model_dir: str, factors: dict[str, LoraFactors], dtype: torch.dtype
                       ) -> list[tuple[str, torch.Tensor]]:
-    """Every weight of the base checkpoint in `dtype`, with the deltas added (in fp32, rounded
+    """Every weight of the base checkpoint in `dtype`, with its LoRA delta added (in fp32, rounded
     once); for a tied model also `lm_head.weight` (the embeddings plus lm_head's delta)."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise UnmergeableError(f"{model_dir} has no safetensors checkpoint to merge into")
-    pending = dict(deltas)
+    pending = dict(factors)
     out: list[tuple[str, torch.Tensor]] = []
     embeddings = None
     for file in files:
@@ -153,12 +160,16 @@ def merged_checkpoint(model_dir: str, deltas: dict[str, torch.Tensor], dtype: to
     return out
 
 
-def _add(weight: torch.Tensor, delta: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    if delta is None:
+def _add(weight: torch.Tensor, factors: LoraFactors | None, dtype: torch.dtype) -> torch.Tensor:
+    if factors is None:
         return weight.to(dtype)
-    if delta.shape != weight.shape:
-        raise UnmergeableError(f"delta shape {tuple(delta.shape)} does not fit weight {tuple(weight.shape)}")
-    return weight.float().add_(delta).to(dtype)
+    b, a, scale = factors
+    if (b.shape[0], a.shape[1]) != tuple(weight.shape):
+        raise UnmergeableError(f"delta shape {(b.shape[0], a.shape[1])} does not fit weight {tuple(weight.shape)}")
+    # One GEMM writing W + scale * B @ A into the fp32 copy: no delta tensor the size of W made,
+    # scaled and added in passes of their own (a rank-32 merge of SmolLM2, 2 cores: 0.85 -> 0.43 s).
+    # (safetensors' get_tensor gives a fresh tensor: an fp32 weight may be written in place.)
+    return weight.float().addmm_(b, a, alpha=scale).to(dtype)
 
 
 # ---- the policy ---------------------------------------------------------------------------------
@@ -355,7 +366,7 @@ class MergedServing:
             if not path or not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
                 raise UnmergeableError("its tensors are no longer in memory and it has no persisted copy")
             kept = read_adapter(path)
-        return merged_checkpoint(self.model_dir, lora_deltas(*kept), self.dtype)
+        return merged_checkpoint(self.model_dir, lora_factors(*kept), self.dtype)
 
     # ---- engine thread ----
 

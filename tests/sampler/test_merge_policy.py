@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness.models import build_lora_adapter
-from sampler_service.merged import (Decision, PromotionPolicy, UnmergeableError, lora_deltas, merged_checkpoint,
+from sampler_service.merged import (Decision, PromotionPolicy, UnmergeableError, lora_factors, merged_checkpoint,
                                     read_adapter)
 
 
@@ -106,7 +106,7 @@ def test_merged_weights_equal_peft_merge_and_unload(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     path = str(build_lora_adapter(tiny_model_dir, tmp_path / "a", rank=8, seed=3, std=0.1))
-    merged = dict(merged_checkpoint(tiny_model_dir, lora_deltas(*read_adapter(path)), torch.float32))
+    merged = dict(merged_checkpoint(tiny_model_dir, lora_factors(*read_adapter(path)), torch.float32))
     want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                      path).merge_and_unload().state_dict()
     assert set(want) == set(merged)
@@ -117,9 +117,9 @@ def test_merged_weights_equal_peft_merge_and_unload(tiny_model_dir, tmp_path):
 def test_unmergeable_adapters_are_refused():
     a, b = torch.zeros(2, 4), torch.zeros(4, 2)
     with pytest.raises(UnmergeableError, match="DoRA"):
-        lora_deltas({"base_model.model.x.lora_A.weight": a, "base_model.model.x.lora_B.weight": b},
+        lora_factors({"base_model.model.x.lora_A.weight": a, "base_model.model.x.lora_B.weight": b},
                     {"r": 2, "use_dora": True})
     with pytest.raises(UnmergeableError, match="not a LoRA"):
-        lora_deltas({"base_model.model.x.lora_embedding_A": a}, {"r": 2})
+        lora_factors({"base_model.model.x.lora_embedding_A": a}, {"r": 2})
     with pytest.raises(UnmergeableError, match="lacks"):
-        lora_deltas({"base_model.model.x.lora_A.weight": a}, {"r": 2})
+        lora_factors({"base_model.model.x.lora_A.weight": a}, {"r": 2})
