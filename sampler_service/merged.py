@@ -50,7 +50,6 @@ import dataclasses
 import glob
 import json
 import logging
-import math
 import os
 import queue
 import threading
@@ -60,6 +59,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 
 from tinkerd import cores
+from tinkerd.merged_export import lora_scale
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +78,6 @@ class LoraFactors(NamedTuple):
 
 
 # ---- the merged weights ---------------------------------------------------------------------------
-
-def lora_scale(config: dict, module: str = "") -> float:
-    rank = config.get("rank_pattern", {}).get(module, config["r"])
-    alpha = config.get("alpha_pattern", {}).get(module, config.get("lora_alpha", rank))
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-
 
 def lora_factors(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, LoraFactors]:
     """Checkpoint weight name (e.g. `model.layers.0.self_attn.q_proj.weight`) -> its (B, A, scale),
