@@ -218,8 +218,9 @@ def test_trainer_and_sampler_run_with_tcmalloc(stack):
 
     if ctypes.util.find_library(TCMALLOC) is None:
         pytest.skip("libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)")
+    pids = service_pids(stack.pid)
     for service in ("trainer", "sampler"):
-        pid = service_pids(stack.pid)[service]
+        pid = pids[service]
         assert allocator(pid) == "tcmalloc", service
         with open(f"/proc/{pid}/environ", "rb") as f:
             assert b"LD_PRELOAD=libtcmalloc" in f.read(), service
