@@ -248,9 +248,11 @@ def _child_env(args: argparse.Namespace, name: str) -> dict[str, str]:
     return args.placement.env(name) if args.placement else {}
 
 
-def _start_child(args: argparse.Namespace, name: str, procs: dict, ready: dict, log_dir: str) -> None:
-    procs[name] = _start(name, child_command(args, name, **_wiring(args, name, ready)), ready, log_dir,
-                         _child_env(args, name))
+def _start_child(args: argparse.Namespace, name: str, procs: dict, ready: dict, log_dir: str,
+                 port: int | None = None) -> None:
+    """Starts `name`; `port`: the one it listens on (a restart keeps its old one), else its own."""
+    wiring = _wiring(args, name, {**ready, name: port} if port else ready)
+    procs[name] = _start(name, child_command(args, name, **wiring), ready, log_dir, _child_env(args, name))
 
 
 def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str) -> str:
@@ -296,10 +298,7 @@ class Supervisor:
                 print(f"tinkerd: not restarting {name} ({why}); stopping", file=sys.stderr, flush=True)
                 raise SystemExit(1)
             self.restarts[name] = [*recent, time.monotonic()]
-            port = self.ready.pop(name)
-            wiring = _wiring(self.args, name, {**self.ready, name: port})
-            self.procs[name] = _start(name, child_command(self.args, name, **wiring), self.ready, self.log_dir,
-                                      _child_env(self.args, name))
+            _start_child(self.args, name, self.procs, self.ready, self.log_dir, port=self.ready.pop(name))
             _wait_ready(self.procs, self.ready, [name], self.args.start_timeout, self.log_dir)
             print(f"tinkerd: {name} restarted on port {self.ready[name]}", file=sys.stderr, flush=True)
 

@@ -39,6 +39,13 @@ def pytest_collection_modifyitems(config, items):
                1 if item.nodeid.startswith(IN_PROCESS_ENGINES) else 2)
 
 
+def pytest_runtest_setup(item):
+    """A test marked `tcmalloc` skips, saying why, where tcmalloc is not installed."""
+    from tinkerd.process import tcmalloc_library
+    if item.get_closest_marker("tcmalloc") and tcmalloc_library() is None:
+        pytest.skip("libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)")
+
+
 try:
     from xdist.scheduler import LoadScopeScheduling
 except ImportError:         # no pytest-xdist: one process, collection order

@@ -39,10 +39,15 @@ def tcmalloc_preload(environ: dict) -> str | None:
     preload = environ.get("LD_PRELOAD", "")
     if environ.get("TINKERD_TCMALLOC", "1") == "0" or "tcmalloc" in preload:
         return None
-    lib = ctypes.util.find_library(TCMALLOC)
+    lib = tcmalloc_library()
     if lib is None:
         return None
     return f"{lib}:{preload}" if preload else lib
+
+
+def tcmalloc_library() -> str | None:
+    """The installed tcmalloc's library name (scripts/setup.sh installs it), or None."""
+    return ctypes.util.find_library(TCMALLOC)
 
 
 def reexec_with_tcmalloc() -> None:

@@ -58,7 +58,11 @@ class PathGroup:
 class Packing:
     ids: torch.Tensor            # [rows, longest row]
     positions: torch.Tensor      # [rows, longest row]: each position's depth in its tree
-    mask: torch.Tensor           # [rows, 1, longest row, longest row], True: attends (its ancestors and itself)
+    # [rows, 1, longest row, longest row], True: attends (its ancestors and itself). `attention`
+    # runs on `paths` and does not read it; it is passed all the same because without a mask
+    # transformers takes position ids that restart (depths) for packed sequences and builds a mask
+    # of its own (masking_utils.find_packed_sequence_indices, with a device sync). Tests read it.
+    mask: torch.Tensor
     unembed: torch.Tensor        # flat positions to unembed, one per distinct (position, target)
     targets: torch.Tensor        # their targets
     expand: torch.Tensor         # every datum token's entry in `unembed`, datum after datum

@@ -208,16 +208,13 @@ def test_services_refuse_grpc_calls_without_the_service_token(stack):
         assert stub_class(channel(address, ServiceAuth(token=token))).Health(common_pb2.HealthRequest(), timeout=10).ready
 
 
+@pytest.mark.tcmalloc
 def test_trainer_and_sampler_run_with_tcmalloc(stack):
     """`tinkerd up`'s trainer and sampler re-executed themselves with tcmalloc preloaded
     (tinkerd/process.py)."""
-    import ctypes.util
-
     from harness.stack import service_pids
-    from tinkerd.process import TCMALLOC, allocator
+    from tinkerd.process import allocator
 
-    if ctypes.util.find_library(TCMALLOC) is None:
-        pytest.skip("libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)")
     pids = service_pids(stack.pid)
     for service in ("trainer", "sampler"):
         pid = pids[service]

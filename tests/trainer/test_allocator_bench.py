@@ -1,16 +1,12 @@
 """bench/allocator.py: the trainer's RL step measured under each allocator in a process of its
 own; what the trainer's tcmalloc preload (tinkerd/process.py) is for: fewer page faults a step."""
 
-import ctypes.util
-
 import pytest
 
 from bench import allocator
-from tinkerd.process import TCMALLOC
 
 
-@pytest.mark.skipif(ctypes.util.find_library(TCMALLOC) is None,
-                    reason="libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)")
+@pytest.mark.tcmalloc
 def test_each_allocator_runs_in_its_own_process_and_tcmalloc_faults_less():
     # Logits over 32 MiB, as a real model's: smaller blocks glibc learns to keep (its mmap threshold
     # rises as they are freed), and a step of the plain tiny model once faulted 4 pages under glibc.

@@ -9,13 +9,10 @@ import sys
 
 import pytest
 
-from tinkerd.process import TCMALLOC, tcmalloc_preload
-
-installed = pytest.mark.skipif(__import__("ctypes.util").util.find_library(TCMALLOC) is None,
-                               reason="libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)")
+from tinkerd.process import tcmalloc_preload
 
 
-@installed
+@pytest.mark.tcmalloc
 def test_preload_adds_tcmalloc_before_what_is_there():
     assert "tcmalloc" in tcmalloc_preload({})
     both = tcmalloc_preload({"LD_PRELOAD": "/x/libgomp.so.1"})
@@ -27,7 +24,7 @@ def test_no_preload_when_switched_off_or_already_there():
     assert tcmalloc_preload({"LD_PRELOAD": "/usr/lib/libtcmalloc.so.4"}) is None
 
 
-@installed
+@pytest.mark.tcmalloc
 def test_a_process_reexecs_itself_with_tcmalloc_keeping_its_pid_and_arguments():
     script = ("import os, sys\n"
               "print('start', os.getpid(), sys.argv[1:], flush=True)\n"
