@@ -20,7 +20,11 @@ each sequence alone, and RL's importance ratios rest on the two agreeing). A tre
 as one sequence under the 4-D mask is not: the kernel's sums over a row's keys, masked ones
 among them, group a path's terms differently from a sequence of its own, and bf16 rounds the
 difference into the next layer (SmolLM2 bf16, 4 x 8 rollouts, with the sampler's rounding:
-mean 0.0079 / max 0.17 nats from alone; padded 0.0011 / 0.12; path by path 0 / 0). Attention
+mean 0.0079 / max 0.17 nats from alone; padded 0.0011 / 0.12; path by path 0 / 0, on AVX2).
+Where the attention kernel's sums for a query depend on the sequence's length (SDPA's fp32 CPU
+kernel on AVX512: 15 against 16 tokens, 4.8e-7), a datum whose prompt is computed in a longer
+path is not bit for bit alone (SmolLM2 bf16: 22 of 613 positions, max 0.12 nats, as padded:
+docs/benchmarks.md); a prefix computed once cannot be. Attention
 costs the paths' own lengths squared instead of the rows' widths squared, in one call per
 distinct path length and layer (ops a GPU launches: why padded batches keep their masked rows).
 
