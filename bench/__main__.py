@@ -21,7 +21,6 @@ import gc
 import importlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,9 +37,8 @@ DEEPSPEED_FIRST = ["train_step", "batching", "sdk_workload", "bf16_gap"]   # bf1
 
 
 def machine() -> str:
-    import torch
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.node()}: {os.cpu_count()} CPUs, {gpu}, torch {torch.__version__}"
+    from bench.trainer_only import machine as this_machine
+    return this_machine()
 
 
 def render(rows: list[Row], header: str, notes: list[str]) -> str:
@@ -173,4 +171,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # The allocator tinkerd's trainer and sampler run (tinkerd/process.py), so that the in-process
+    # rows (plain PyTorch, raw DeepSpeed, raw vLLM) are measured under it too, not under glibc.
+    from tinkerd.process import reexec_with_tcmalloc
+    reexec_with_tcmalloc()
     sys.exit(main())

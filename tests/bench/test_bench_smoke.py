@@ -40,3 +40,5 @@ def test_every_benchmark_runs_and_reports(tmp_path):
             assert row["ratio"] > 0, row
     table = (tmp_path / "quick.md").read_text()
     assert "| benchmark | case |" in table and "train_step" in table
+    from tinkerd.process import tcmalloc_library       # the allocator tinkerd's services run, rows in process too
+    assert report["machine"].endswith("tcmalloc" if tcmalloc_library() else "glibc malloc"), report["machine"]

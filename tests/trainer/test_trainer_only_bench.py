@@ -2,6 +2,10 @@
 TrainerEngine take the same steps on the same model, batch and LoRA init. (Here, not in
 tests/bench/: it runs DeepSpeed in the pytest process, like the other tests of this folder.)"""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -33,6 +37,19 @@ def test_rollouts_sharing_prompts_train_alike_packed_or_padded():
     assert list(rows) == ["plain", "engine", "engine, padded"]
     assert rows["engine"].losses == pytest.approx(rows["plain"].losses, abs=1e-4)
     assert rows["engine, padded"].losses == pytest.approx(rows["engine"].losses, abs=1e-4)
+
+
+@pytest.mark.tcmalloc
+def test_the_command_measures_under_the_trainer_s_allocator():
+    """`python -m bench.trainer_only` re-executes itself under tcmalloc, as `tinkerd trainer` does,
+    so plain PyTorch and the engine are timed under the allocator the service runs."""
+    out = subprocess.run([sys.executable, "-m", "bench.trainer_only", "--device", "cpu", "--shape", "tiny",
+                          "--batch", "2", "--length", "16", "--rank", "4", "--steps", "1", "--warmup", "0",
+                          "--skip-raw"], capture_output=True, text=True, timeout=600,
+                         env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    header = next(line for line in out.stdout.splitlines() if line.startswith("trainer_only: tiny"))
+    assert header.endswith(", tcmalloc)"), header
 
 
 @pytest.mark.gpu
