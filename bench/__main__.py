@@ -134,8 +134,9 @@ def run_all(ctx: Context, args: argparse.Namespace) -> tuple[list[Row], list[str
 
 def write_results(ctx: Context, out_dir: str, rows: list[Row], notes: list[str], seconds: float) -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    host = machine()
     header = (f"## Benchmarks — {stamp}{' (quick smoke run: no verdicts)' if ctx.quick else ''}\n\n"
-              f"Machine: {machine()}. Models: {', '.join(ctx.models)}. Total {seconds:.0f} s.")
+              f"Machine: {host}. Models: {', '.join(ctx.models)}. Total {seconds:.0f} s.")
     if notes:
         notes = ["### Why the misses (profiled)", ""] + [f"- {n}" for n in notes]
     table = render(rows, header, notes)
@@ -145,7 +146,7 @@ def write_results(ctx: Context, out_dir: str, rows: list[Row], notes: list[str],
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(table)
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump({"date": stamp, "machine": machine(), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+        json.dump({"date": stamp, "machine": host, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
 
 
 def main(argv=None) -> int:

@@ -54,13 +54,13 @@ import torch
 
 from bench.common import check, in_turn
 
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            intermediate_size=128, vocab_size=1024, tie_word_embeddings=False)
 SHAPES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                 intermediate_size=128, vocab_size=1024, tie_word_embeddings=False),
+    "tiny": TINY,
     # The tiny model with a 32k vocabulary: a batch's logits then exceed glibc's largest mmap
     # threshold (32 MiB), as a real model's do (bench/allocator.py's test).
-    "tiny-wide-vocab": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                            head_dim=32, intermediate_size=128, vocab_size=32768, tie_word_embeddings=False),
+    "tiny-wide-vocab": {**TINY, "vocab_size": 32768},
     "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
