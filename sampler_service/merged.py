@@ -51,7 +51,6 @@ import glob
 import json
 import logging
 import os
-import queue
 import threading
 import time
 from typing import Callable, Iterator, NamedTuple
@@ -289,8 +288,9 @@ class MergedServing:
         self._recent: collections.OrderedDict[str, tuple[dict, dict]] = collections.OrderedDict()
         self._keep = keep_adapters
         self._lock = threading.Lock()
-        self._work: queue.Queue[tuple[Decision, str] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._work: collections.deque[tuple[Decision, str]] = collections.deque()
+        self._thread: threading.Thread | None = None      # the merger, while there is work
+        self._stopped = False
 
     @property
     def enabled(self) -> bool:
@@ -322,21 +322,30 @@ class MergedServing:
             self._carry_out(self.policy.arrived(snapshot_id, run), path)
 
     def _carry_out(self, decisions: list[Decision], path: str) -> None:
-        for decision in decisions:
-            with self._lock:
-                if self._thread is None:          # started by the first promotion
-                    self._thread = threading.Thread(target=self._merger, name="merger", daemon=True)
-                    self._thread.start()
-            self._work.put((decision, path))
+        with self._lock:
+            if self._stopped or not decisions:
+                return
+            self._work.extend((decision, path) for decision in decisions)
+            if self._thread is None:
+                # A merger per burst of work: it ends once the work is done, and the OpenMP pool
+                # its merges started ends with it (tinkerd/cores.py: one pool per process).
+                self._thread = threading.Thread(target=self._merger, name="merger", daemon=True)
+                self._thread.start()
 
     def stop(self) -> None:
-        self._work.put(None)
+        with self._lock:
+            self._stopped = True
+            self._work.clear()
 
     # ---- merger thread ----
 
     def _merger(self) -> None:
-        while (work := self._work.get()) is not None:
-            decision, path = work
+        while True:
+            with self._lock:
+                if not self._work:
+                    self._thread = None
+                    return
+                decision, path = self._work.popleft()
             if decision.action == "promote" and not self.policy.holds(decision.slot, decision.snapshot_id):
                 continue                          # superseded (its run's next snapshot took the slot)
             try:

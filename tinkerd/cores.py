@@ -20,6 +20,16 @@ OpenMP's thread count is per calling thread: `busy()` sets it on the thread that
 Processes outside the board (the gateway, clients, another program) are not counted.
 TINKERD_CPU_THREADS=N (or an OMP_NUM_THREADS given to the service) fixes N threads instead;
 library use (an engine built in a script or a test) leaves torch's threads alone.
+
+One OpenMP pool per process: in a service only the computing threads (those inside `busy()`)
+run parallel ops; every other thread runs torch with 1 thread. libgomp keeps a pool of worker
+threads for each thread that ran a parallel op, for as long as that thread lives, and once a
+process's pooled threads outnumber its cores, every worker sleeps after ~100 spins instead of
+~300,000, so each parallel op then pays a futex wake-up (a 256x576 add: 13 -> 50 us on 2
+cores). A vLLM engine thread stepping beside one idle pool of a gRPC handler thread
+(a weight receive's copy): 13 -> 36-60 us per add; a SmolLM2 step beside one idle pool:
+1.11 -> 1.38 s (fp32), 0.69 -> 0.98 s (bf16). A computing thread that does not live on (the
+sampler's merger) ends when its work is done, and its pool with it.
 """
 
 from __future__ import annotations
@@ -44,10 +54,18 @@ _ALL = struct.Struct(f"{SLOTS}d")
 
 
 def _set_num_threads(n: int) -> None:
+    """This thread's OpenMP (and MKL) threads. torch's setter also makes `n` the count of every
+    thread that has not run a parallel op yet, so a short-lived thread sets that back to 1: a
+    gRPC handler or other side thread must not start a pool of its own (module docstring)."""
     # torch's builtin: vLLM's CPU worker replaces torch.set_num_threads with a no-op once it is up.
     # (torch is imported here, not above: a service reads its setting before OMP_NUM_THREADS is set.)
     import torch
+    torch.get_num_threads()      # torch's first-use set-up of this thread, which would reset it to the default
     torch._C.set_num_threads(n)
+    if n != 1:
+        reset = threading.Thread(target=torch._C.set_num_threads, args=(1,), name="cores-default-threads")
+        reset.start()
+        reset.join()
 
 
 def usable_cores() -> int:
@@ -136,11 +154,13 @@ class CoreShare:
 
     def busy(self) -> None:
         """This thread computes now (call again to renew while it does): its thread count follows
-        the board."""
+        the board, or is the fixed one."""
         if self.board is not None:
             with self._guard:
                 self._busy.add(threading.get_ident())
             self._apply(self.board.busy())
+        elif self.fixed is not None:
+            self._apply(self.fixed)
 
     def idle(self) -> None:
         """This thread stops computing; the process is idle on the board once no thread computes."""
@@ -205,10 +225,12 @@ def setting(environ: dict) -> str:
 
 def configure(value: str, *, cpu: bool = True, path: str | None = None) -> CoreShare:
     """A service's share, from `setting()`: the board when "auto" on a CPU host; a GPU host
-    computes on the GPU and keeps OpenMP's fixed count. A board that cannot be opened (no
+    computes on the GPU and keeps OpenMP's fixed count (1 unless set). Either way a computing
+    thread takes its count in `busy()`, and every other thread runs 1. A board that cannot be opened (no
     writable /dev/shm or temporary directory) leaves one fixed thread, said in the log."""
     global _share
     path = path or board_path()
+    _set_num_threads(1)         # every thread but the computing ones (busy() sets theirs)
     board = None
     if value == "auto" and cpu:
         try:
@@ -222,7 +244,6 @@ def configure(value: str, *, cpu: bool = True, path: str | None = None) -> CoreS
                  "slot %s; TINKERD_CPU_THREADS=N fixes N)", board.cores, board.path, board.slot)
     else:
         fixed = 1 if value == "auto" else int(value)
-        _set_num_threads(fixed)
         THREADS.set(fixed)
         _share = CoreShare(fixed=fixed)
         log.info("CPU threads: %d (fixed)", fixed)

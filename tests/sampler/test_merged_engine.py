@@ -93,6 +93,12 @@ def test_lazy_slot_promotion_and_agreement_fp32(fp32_engine):
     assert any(not torch.equal(m[1], l[1]) for m, l in zip(merged, lora))
     assert (base[1] - lora[0][1]).abs().max() > 1e-2          # the adapter does change the logprobs
     assert engine.merged.slots[0].requests == 1 + len(PROMPTS)
+    # The merger thread ended with its work, and the OpenMP pool its merge started ended with it
+    # (tinkerd/cores.py: a second pool makes every parallel op of the engine thread wait).
+    deadline = time.monotonic() + 10
+    while any(t.name == "merger" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the merger thread is still alive with nothing to merge"
+        time.sleep(0.01)
 
 
 def test_traffic_moves_to_another_snapshot_remerge_drains(fp32_engine):

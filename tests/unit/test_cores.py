@@ -191,3 +191,46 @@ def test_a_board_that_cannot_be_opened_leaves_one_fixed_thread(tmp_path, monkeyp
     assert share.mode == "fixed" and share.fixed == 1 and cores.share() is share
     assert "cannot be opened" in caplog.text
     share.busy(), share.tick(), share.idle()                  # no board: nothing to mark
+
+
+@pytest.mark.parametrize("setting", ["auto", "2"])
+def test_only_the_computing_thread_runs_an_openmp_pool(tmp_path, setting):
+    """In a process of its own, configured as a service is (the board, or a fixed count): the
+    computing thread runs 2 threads; any other thread, started before or after, runs 1, so a big
+    op there (a weight receive's copy on a gRPC handler thread) starts no second pool of
+    OpenMP workers (tinkerd/cores.py: with more pooled threads than cores every parallel op pays
+    a futex wake-up). Pools are counted as the process's threads: a pool's workers live as long as
+    the thread that started it. The last line checks that the count does see a second pool."""
+    script = textwrap.dedent(f"""
+        import os, threading, torch
+        from tinkerd import cores
+        tasks = lambda: len(os.listdir("/proc/self/task"))
+        x = torch.randn(512, 1024)
+        share = cores.configure({setting!r}, path={str(tmp_path / "board")!r})
+        share.board and setattr(share.board, "cores", 2)
+        def side(threads=None):
+            ready, leave = threading.Event(), threading.Event()
+            def run():
+                threads and torch._C.set_num_threads(threads)
+                seen.append(torch.get_num_threads()); x.add(x); ready.set(); leave.wait()
+            t = threading.Thread(target=run); t.start(); ready.wait()
+            return t, leave
+        seen = []
+        early, leave_early = side()
+        with share.computing():
+            seen.append(torch.get_num_threads()); x.add(x)
+        computing = tasks()
+        late, leave_late = side()
+        after_side_ops = tasks()
+        rogue, leave_rogue = side(threads=2)
+        with_a_second_pool = tasks()
+        for leave in (leave_early, leave_late, leave_rogue): leave.set()
+        print(seen, with_a_second_pool - computing, after_side_ops - computing, flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    seen, second_pool, side_ops = out.stdout.strip().rsplit(" ", 2)
+    assert seen == "[1, 2, 1, 2]", out.stdout                 # early side, computing, late side, rogue
+    assert int(side_ops) == 1                                 # the late side thread itself, no worker
+    assert int(second_pool) == 3                              # + the rogue thread and its pool's worker
