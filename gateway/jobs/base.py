@@ -8,6 +8,7 @@ serialized as it is, and typed JSON arguments for what the job records once the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import typing
 from typing import Any, ClassVar
@@ -64,12 +65,18 @@ class Job:
     @classmethod
     def from_stored(cls, request: StoredRequest) -> "Job":
         """Raises KeyError or TypeError for a row stored in another shape (an older gateway's)."""
-        hints = typing.get_type_hints(cls)
-        values = {f.name: _typed(hints[f.name], request.args[f.name])
-                  for f in dataclasses.fields(cls) if f.name != "message"}
+        values = {name: _typed(hint, request.args[name]) for name, hint in _argument_hints(cls)}
         if cls.message_type is not None:
             values["message"] = cls.message_type.FromString(request.body)
         return cls(**values)
+
+
+@functools.cache
+def _argument_hints(cls: type[Job]) -> tuple[tuple[str, Any], ...]:
+    """A job class's stored arguments and their types (resolving the hints costs more than the
+    rest of decoding a small job, and every submitted request is decoded once)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.name != "message")
 
 
 def _plain(value: Any) -> Any:
