@@ -172,6 +172,48 @@ def test_the_trainer_engine_follows_the_board_in_every_layer_forward_and_backwar
     assert int(busy_after) == 0 and int(shared_after) == 1    # idle between calls: only the other one
 
 
+def test_a_trainer_started_with_omp_num_threads_set_keeps_its_workers_spinning(tmp_path, tiny_model_dir):
+    """`tinkerd trainer` started with OMP_NUM_THREADS=2 in its environment, its engine built as
+    serve() builds it (trainer_service/server.py build_engine: the threads are set before the model
+    loads): the main thread loads with 1 thread, so the computing thread's pool is the process's
+    only one, and its workers spin between back-to-back ops instead of sleeping. When the main
+    thread loaded with 2 it kept a pool too, libgomp throttled every worker's spin (more pooled
+    threads than cores), and each small op paid a futex sleep and wake: ~2 voluntary context
+    switches an op (9,906 for 5,000 adds), SmolLM2 fp32 steps ~25% slower."""
+    script = textwrap.dedent(f"""
+        import resource, threading
+        from tinkerd.process import cpu_defaults
+        threads = cpu_defaults()                  # first, as serve() does
+        import torch
+        from tinkerd import cores
+        from trainer_service.lora import LoraSpec
+        from trainer_service.server import build_engine
+        from trainer_service.settings import TrainerSettings
+        from trainer_service.training import DatumInput
+
+        engine = build_engine(TrainerSettings(base_model={tiny_model_dir!r}, state_dir={str(tmp_path)!r}), threads)
+        data = [DatumInput(list(range(1, 65)), {{"target_tokens": torch.arange(2, 66), "weights": torch.ones(64)}})]
+        def scheduler():                          # the servicer's computing thread
+            engine.create_model("m", LoraSpec(rank=4, seed=0))
+            engine.forward_backward("m", data, "cross_entropy", {{}}, forward_only=False)
+            x = torch.randn(256, 576)
+            with cores.share().computing():
+                [x.add(x) for _ in range(200)]
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+                [x.add(x) for _ in range(2000)]
+                print("RESULT", torch.get_num_threads(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before,
+                      flush=True)
+        computing = threading.Thread(target=scheduler); computing.start(); computing.join()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "TINKERD_CPU_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    threads, sleeps = next(line for line in out.stdout.splitlines() if line.startswith("RESULT ")).split()[1:]
+    assert int(threads) == 2
+    # Measured: 232 (the process's other threads waking meanwhile), and 4,159 with the engine built first.
+    assert int(sleeps) < 1000, f"{sleeps} voluntary context switches in 2,000 small ops on the computing thread"
+
+
 def test_the_setting():
     assert cores.setting({}) == "auto"
     assert cores.setting({"OMP_NUM_THREADS": "3"}) == "3"     # the caller's fixed choice, as before
