@@ -9,7 +9,10 @@ batch: forward, cross-entropy sum, engine.backward, engine.step; PyTorch's own k
 Plain: the same LoRA with no DeepSpeed, torch AdamW (bench/trainer_only.plain_step).
 Measured in turn, step by step, so noise on this shared machine hits all alike. The trainer
 is alone on the machine here (the sampler idles), so both get every core (issue 14): the stack
-through OMP_NUM_THREADS, the raw engine through torch.set_num_threads.
+through OMP_NUM_THREADS, the raw engine through torch.set_num_threads. The stack's trainer
+writes no durable state for being idle (`--durable-idle-s 0`): idle while the references step,
+it would write it then, on their cores (SmolLM2's ~70 MB). Its writes after optim_steps
+(--durable-interval-s) still fall in its own steps.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ BATCH, LENGTH = 4, 64
 PIPELINED = 4       # steps submitted at once
 THREADS = os.cpu_count() or 1
 DTYPES = ("float32", "bfloat16")
+STACK_FLAGS = ("--durable-idle-s", "0")
+QUICK_STACK_FLAGS = STACK_FLAGS      # the quick run's shared stack (bench/__main__.py)
 
 
 def _batch(vocab: int):
@@ -117,7 +122,7 @@ def side_by_side(ctx: Context, name: str, model_dir: str, sequences: list[list[i
     """Median seconds per step of (ours one at a time, ours pipelined, raw DeepSpeed, plain),
     measured in turn so all see the same machine: the raw engines run in this process while the
     idle stack waits (~3% of a core), and the other way."""
-    with tinkerd_up(ctx, f"train-{name}-{dtype}", model_dir, *dtype_flags(dtype)) as stack:
+    with tinkerd_up(ctx, f"train-{name}-{dtype}", model_dir, *dtype_flags(dtype), *STACK_FLAGS) as stack:
         one, pipelined = api_steps(stack.url, model_dir, sequences)
         raw, plain = raw_step(model_dir, sequences, dtype), plain_step(model_dir, sequences, dtype)
         return tuple(in_turn([lambda: seconds(one), lambda: seconds(pipelined) / PIPELINED,

@@ -11,7 +11,8 @@ unloaded, evicted, or lost with a trainer that died.
 
 When the state is written (the documented cadence, README "Durability"): when the model is made;
 after an optim_step once the last write is older than `--durable-interval-s` (0: every step);
-whenever the trainer has been idle for a second; and when the model is unloaded or evicted.
+whenever the trainer has been idle for `--durable-idle-s` (a second; 0: never for idleness); and
+when the model is unloaded or evicted.
 
 What the journal is for, after a restart:
 - work lost: entries after the state's seq_id are requests that were executed and answered but
@@ -36,7 +37,7 @@ STATE, JOURNAL = "state", "journal.jsonl"
 # Kinds that change a model: the ones a restart can lose.
 STATEFUL = ("forward_backward", "optim_step")
 _JOURNAL_KEPT = 64          # entries at or before the state's seq_id kept to answer resends
-IDLE_WRITE_AFTER_S = 1.0
+IDLE_WRITE_AFTER_S = 1.0      # --durable-idle-s's default
 
 
 @dataclasses.dataclass

@@ -54,7 +54,7 @@ def serve(s: TrainerSettings) -> None:
     metrics.RESIDENT_MODELS.set_function(lambda: len(engine.models.ids()))
     serve_metrics(s, s.listen, "trainer")
     servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
-                               auth=auth, weight_transports=s.weight_transports)
+                               auth=auth, weight_transports=s.weight_transports, durable_idle_s=s.durable_idle_s)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     health = ServiceHealth(server, "tinkerd.v1.Trainer")
     engine.ranks.on_broken.append(health.broken)       # a lost rank: NOT_SERVING at once

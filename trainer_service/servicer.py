@@ -35,7 +35,8 @@ SAVE_KINDS = ("weights", "external_weights")
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, engine: TrainerEngine, *, state_dir: str, advertise_host: str = "127.0.0.1",
                  transfer_timeout_s: float = 120.0, auth: ServiceAuth = ServiceAuth(),
-                 durable_interval_s: float = 10.0, weight_transports: list[str] | tuple[str, ...] = ()):
+                 durable_interval_s: float = 10.0, weight_transports: list[str] | tuple[str, ...] = (),
+                 durable_idle_s: float = IDLE_WRITE_AFTER_S):
         self.engine = engine
         self.state_dir = os.path.abspath(state_dir)
         if engine.durable is None:
@@ -44,7 +45,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.scheduler = FairScheduler()
         self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth, device=engine.device,
                                    transports=weight_transports or weight_transport.PREFERENCE)
-        threading.Thread(target=self._write_when_idle, name="durable-writer", daemon=True).start()
+        if durable_idle_s > 0:
+            threading.Thread(target=self._write_when_idle, args=(durable_idle_s,), name="durable-writer",
+                             daemon=True).start()
 
     def _fair(self, model_id: str, fn, context=None):
         """Runs engine work when the tenant's turn comes (see scheduler.py): the user the gateway
@@ -69,18 +72,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         model = self.engine.get(model_id)
         self.ledger.resume(model_id, seq, model.state_seq, model.step)
 
-    def _write_when_idle(self) -> None:
-        """Writes the durable state of models that are behind once the engine has been idle a while."""
+    def _write_when_idle(self, idle_s: float) -> None:
+        """Writes the durable state of models that are behind once the engine has been idle `idle_s`."""
         while True:
-            time.sleep(IDLE_WRITE_AFTER_S / 2)
-            if self.scheduler.idle_for() < IDLE_WRITE_AFTER_S:
+            time.sleep(idle_s / 2)
+            if self.scheduler.idle_for() < idle_s:
                 continue
             for model_id in self.engine.behind():
                 try:
                     self._fair(model_id, lambda: self.engine.save_durable(model_id))
                 except Exception:  # noqa: BLE001 - retried on the next idle tick
                     log.exception("could not write the durable state of %s", model_id)
-                if self.scheduler.idle_for() < IDLE_WRITE_AFTER_S:
+                if self.scheduler.idle_for() < idle_s:
                     break
 
     def _info(self, model_id: str) -> trainer_pb2.ModelInfo:

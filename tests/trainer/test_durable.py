@@ -22,8 +22,9 @@ TOKENS = [5, 9, 17, 33, 2, 71, 8, 40, 12, 3]
 def _trainer(model_dir, state_dir, **kwargs) -> TrainerServicer:
     """A trainer as `tinkerd trainer` makes one; a second on the same state dir is a restart."""
     interval = kwargs.pop("durable_interval_s", 0.0)
+    idle = kwargs.pop("durable_idle_s", 1.0)
     engine = TrainerEngine(model_dir, zero_stage=2, durable=DurableModels(str(state_dir), interval), **kwargs)
-    return TrainerServicer(engine, state_dir=str(state_dir))
+    return TrainerServicer(engine, state_dir=str(state_dir), durable_idle_s=idle)
 
 
 def _create(trainer, model_id):
@@ -117,6 +118,22 @@ def test_idle_trainer_writes_what_is_behind(tiny_model_dir, tmp_path):
         time.sleep(0.2)
     restarted = _trainer(tiny_model_dir, tmp_path)
     np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 3), _logprobs(first, "s:train:0", 3), atol=1e-6)
+
+
+def test_with_durable_idle_s_0_an_idle_trainer_writes_nothing_until_the_interval(tiny_model_dir, tmp_path):
+    """--durable-idle-s 0 (a benchmark's reference must not share the cores with our write): an idle
+    trainer leaves the model behind; the next optim_step past --durable-interval-s writes it."""
+    import time
+
+    trainer = _trainer(tiny_model_dir, tmp_path, durable_interval_s=2.0, durable_idle_s=0)
+    _create(trainer, "s:train:0")
+    _fb(trainer, "s:train:0", 1)
+    _step(trainer, "s:train:0", 2)
+    time.sleep(2.5)                                   # idle, and past the interval
+    assert trainer.engine.behind() == ["s:train:0"]
+    _fb(trainer, "s:train:0", 3)
+    _step(trainer, "s:train:0", 4)
+    assert trainer.engine.behind() == []
 
 
 def test_least_recently_used_models_wait_on_disk(tiny_model_dir, tmp_path):
