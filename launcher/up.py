@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -217,11 +218,34 @@ def _wiring(args: argparse.Namespace, name: str, ready: dict) -> dict:
 
 
 def _free_port() -> int:
-    """A port nothing listens on now, for the gateway: its replicas need its URL before it runs
-    (another process could take it meanwhile; the gateway would then fail to start, visibly)."""
-    with socket.socket() as s:
+    """A port nothing listens on now, for the gateway: its replicas need its URL before it runs.
+    Taken below the kernel's ephemeral range, where no process binding port 0 meanwhile (the
+    trainer's and sampler's listeners, torch.distributed's stores) can be given it: drawn from
+    that range, it was (the gateway failed with "Address already in use"). Only a process that
+    binds this very port can still take it; the gateway then fails to start, visibly."""
+    low = _ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:          # that whole band is taken: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel picks a port-0 bind's port from (Linux's default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _wait_pool(args: argparse.Namespace, url: str, procs: dict, log_dir: str) -> None:
