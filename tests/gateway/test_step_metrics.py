@@ -12,18 +12,6 @@ from tinkerd.tensors import from_numpy
 from tinkerd.v1 import common_pb2, trainer_pb2
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request, tmp_path_factory):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('db')}/tinkerd.db"
-        return
-    pytest.importorskip("pgserver")
-    from harness.postgres import postgres
-
-    with postgres(tmp_path_factory.mktemp("pg"), "metrics") as url:
-        yield url
-
-
 def _forward_backward(model_id: str, seq_id: int, loss: float, forward_only=False):
     weights = from_numpy(np.array([0.0, 1.0, 1.0], np.float32))
     request = trainer_pb2.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_only=forward_only,

@@ -135,18 +135,6 @@ def _admit_all(url: str, settings: GatewaySettings, request_type: str, n: int) -
     return written, refusals
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request, tmp_path_factory):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('db')}/tinkerd.db"
-        return
-    pytest.importorskip("pgserver")
-    from harness.postgres import postgres
-
-    with postgres(tmp_path_factory.mktemp("pg"), "limits") as url:
-        yield url
-
-
 @pytest.mark.parametrize("request_type, cap, flag, refusal", [("create_model", 4, "--max-models-per-user", UserError),
                                                                ("optim_step", 5, "--max-queued-per-user", OverLimit)])
 def test_concurrent_submissions_on_two_gateways_pass_exactly_the_cap(db_url, tmp_path, request_type, cap, flag,
