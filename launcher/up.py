@@ -217,8 +217,9 @@ def _wiring(args: argparse.Namespace, name: str, ready: dict) -> dict:
     return wiring
 
 
-def _free_port() -> int:
-    """A port nothing listens on now, for the gateway: its replicas need its URL before it runs.
+def free_port() -> int:
+    """A port nothing listens on now, for a service whose address is needed before it runs (the
+    gateway: its replicas need its URL; tests/e2e/test_scale_out.py wires its services so).
     Taken below the kernel's ephemeral range, where no process binding port 0 meanwhile (the
     trainer's and sampler's listeners, torch.distributed's stores) can be given it: drawn from
     that range, it was (the gateway failed with "Address already in use"). Only a process that
@@ -371,8 +372,8 @@ def up(args: argparse.Namespace) -> None:
     os.makedirs(log_dir, mode=0o700, exist_ok=True)
     args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
     check_listeners(settings.from_args(GatewaySettings, args, trainer="", samplers=[]))
-    args.port = args.port or _free_port()
-    args.internal_port = args.internal_port or _free_port()
+    args.port = args.port or free_port()
+    args.internal_port = args.internal_port or free_port()
     procs: dict[str, subprocess.Popen] = {}
 
     unwind_on_stop_signals()

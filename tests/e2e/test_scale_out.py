@@ -20,7 +20,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,18 +29,13 @@ import pytest
 
 from conftest import TINY_KV_CACHE
 from harness.postgres import postgres
+from launcher.up import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ITERATIONS = 4
 LEASE_S = 2.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -135,9 +129,9 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
                                                               "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
     tinkerd = [sys.executable, "-m", "launcher.cli"]
-    trainer_port, ports = _free_port(), [_free_port(), _free_port()]
+    trainer_port, ports = free_port(), [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    internal_ports = [_free_port(), _free_port()]          # where replicas register (gateway/listeners.py)
+    internal_ports = [free_port(), free_port()]          # where replicas register (gateway/listeners.py)
     internal_urls = [f"http://127.0.0.1:{p}" for p in internal_ports]
     common = ["--base-model", tiny_model_dir, "--state-dir", state, "--service-token-file", token]
     exact = ["--dtype", "float32"]           # trainer = sampler exactly (conftest.py)

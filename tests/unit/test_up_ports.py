@@ -1,4 +1,4 @@
-"""The gateway's ports `tinkerd up` picks before it starts the gateway (launcher/up.py _free_port):
+"""The gateway's ports `tinkerd up` picks before it starts the gateway (launcher/up.py free_port):
 free, and outside the kernel's ephemeral range, so the trainer, the samplers and
 torch.distributed binding port 0 meanwhile are never given one (a stack failed to start with the
 gateway's "Address already in use" when it was drawn from that range)."""
@@ -13,7 +13,7 @@ from launcher import up
 
 def test_the_gateways_port_is_free_and_no_port_0_bind_meanwhile_gets_it():
     low, high = up._ephemeral_ports()
-    ports = {up._free_port() for _ in range(20)}
+    ports = {up.free_port() for _ in range(20)}
     assert all(1024 <= p < low for p in ports), (sorted(ports), low)
     port = ports.pop()
     with contextlib.ExitStack() as held:          # 500 services binding port 0 before the gateway binds
