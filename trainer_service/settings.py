@@ -9,6 +9,7 @@ from tinkerd.metrics import MetricsSettings
 from tinkerd.rpc import ServerAuthSettings
 from tinkerd.settings import setting
 from tinkerd.weight_transport import PREFERENCE
+from trainer_service.durable import IDLE_WRITE_AFTER_S
 
 
 @dataclasses.dataclass
@@ -26,7 +27,7 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
     durable_interval_s: float = setting(10.0, help="write a model's durable state after an optim_step once its "
                                                    "last write is older than this (0: every step); also written "
                                                    "when the trainer is idle, and on unload")
-    durable_idle_s: float = setting(1.0, help="write the durable state of models that are behind once the trainer "
+    durable_idle_s: float = setting(IDLE_WRITE_AFTER_S, help="write the durable state of models that are behind once the trainer "
                                               "has been idle this long (0: not when idle; after optim_steps by "
                                               "--durable-interval-s and on unload still)")
     max_batch_tokens: int = setting(1 << 17, help="a forward_backward's datums x its longest datum (the trainer "
