@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny model built locally, and a running `tinkerd up` on it."""
+"""Shared fixtures: a tiny model built locally, a running `tinkerd up` on it, and empty databases."""
 
 from __future__ import annotations
 
@@ -64,6 +64,20 @@ else:
 def tiny_model_dir(tmp_path_factory) -> str:
     from harness.models import build_tiny_model
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama"))
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path_factory):
+    """An empty database of each kind the gateway runs on: SQLite in a file, and PostgreSQL 16
+    (the `pgserver` wheel, harness/postgres.py; skipped where it is not installed)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('db')}/tinkerd.db"
+        return
+    pytest.importorskip("pgserver")
+    from harness.postgres import postgres
+
+    with postgres(tmp_path_factory.mktemp("pg"), "tinkerd") as url:
+        yield url
 
 
 # Tests assert trainer = sampler exactly, which holds in float32: `--dtype auto` is bfloat16 on
