@@ -9,8 +9,9 @@ unloaded, evicted, or lost with a trainer that died.
                                                            optim_step executed: seq_id, kind, and
                                                            the optim_step reply
 
-When the state is written (the documented cadence, README "Durability"): when the model is made;
-after an optim_step once the last write is older than `--durable-interval-s` (0: every step);
+When the state is written (the documented cadence, docs/multi-tenancy.md): when the model is made;
+after an optim_step once the last write is older than `--durable-interval-s` (right after its
+reply; 0: every step, before its reply);
 whenever the trainer has been idle for `--durable-idle-s` (a second; 0: never for idleness); and
 when the model is unloaded or evicted.
 

@@ -55,6 +55,10 @@ class FairScheduler:
 
     def run(self, tenant: str, fn: Callable):
         """Runs `fn()` on the engine thread when it is `tenant`'s turn; returns or raises its result."""
+        return self.submit(tenant, fn).result()
+
+    def submit(self, tenant: str, fn: Callable) -> concurrent.futures.Future:
+        """Queues `fn()` for `tenant`'s turn without waiting: the future of its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             queue = self._queues.get(tenant)
@@ -67,7 +71,7 @@ class FairScheduler:
                     self._used[tenant] = max(self._used[tenant], min(active))
             queue.append((fn, future))
             self._cv.notify()
-        return future.result()
+        return future
 
     def snapshot(self) -> QueueSnapshot:
         with self._cv:

@@ -25,8 +25,9 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                                             "nothing to partition)")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
     durable_interval_s: float = setting(10.0, help="write a model's durable state after an optim_step once its "
-                                                   "last write is older than this (0: every step); also written "
-                                                   "when the trainer is idle, and on unload")
+                                                   "last write is older than this, right after its reply (0: every "
+                                                   "step, before its reply); also written when the trainer is "
+                                                   "idle, and on unload")
     durable_idle_s: float = setting(IDLE_WRITE_AFTER_S, help="write the durable state of models that are behind once the trainer "
                                               "has been idle this long (0: not when idle; after optim_steps by "
                                               "--durable-interval-s and on unload still)")

@@ -133,7 +133,44 @@ def test_with_durable_idle_s_0_an_idle_trainer_writes_nothing_until_the_interval
     assert trainer.engine.behind() == ["s:train:0"]
     _fb(trainer, "s:train:0", 3)
     _step(trainer, "s:train:0", 4)
-    assert trainer.engine.behind() == []
+    _wait_written(trainer)
+
+
+def _wait_written(trainer) -> None:
+    """Until the trainer holds no model whose durable state is behind (an interval write follows
+    the optim_step's reply)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while trainer.engine.behind():
+        assert time.monotonic() < deadline, f"never written: {trainer.engine.behind()}"
+        time.sleep(0.05)
+
+
+def test_an_interval_write_follows_the_optim_step_reply(tiny_model_dir, tmp_path):
+    """With --durable-interval-s above 0 the state may lag by the interval anyway, so the write an
+    optim_step makes due runs after its reply, and the caller (an RL loop about to sample) does not
+    wait for it. Here the write is held back: the reply comes all the same, and once the write is
+    let go the state on disk is the model's."""
+    import threading
+    import time
+
+    trainer = _trainer(tiny_model_dir, tmp_path, durable_interval_s=0.01, durable_idle_s=0)
+    _create(trainer, "s:train:0")
+    release, write = threading.Event(), trainer.engine.save_durable
+
+    def held(model_id):
+        release.wait(60)
+        write(model_id)
+    trainer.engine.save_durable = held
+    _fb(trainer, "s:train:0", 1)
+    time.sleep(0.05)                                  # past the interval
+    _step(trainer, "s:train:0", 2)                    # answered with its write still held
+    assert trainer.engine.behind() == ["s:train:0"]
+    release.set()
+    _wait_written(trainer)
+    restarted = _trainer(tiny_model_dir, tmp_path)
+    np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 3), _logprobs(trainer, "s:train:0", 3), atol=1e-6)
 
 
 def test_least_recently_used_models_wait_on_disk(tiny_model_dir, tmp_path):
