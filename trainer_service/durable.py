@@ -11,9 +11,9 @@ unloaded, evicted, or lost with a trainer that died.
 
 When the state is written (the documented cadence, docs/multi-tenancy.md): when the model is made;
 after an optim_step once the last write is older than `--durable-interval-s` (right after its
-reply; 0: every step, before its reply);
-whenever the trainer has been idle for `--durable-idle-s` (a second; 0: never for idleness); and
-when the model is unloaded or evicted.
+reply; 0: every step, before its reply); whenever the trainer has been idle for
+`--durable-idle-s` (a second; 0: never for idleness); when the model is unloaded or evicted; and
+when the trainer stops cleanly (SIGTERM; servicer.write_behind).
 
 What the journal is for, after a restart:
 - work lost: entries after the state's seq_id are requests that were executed and answered but

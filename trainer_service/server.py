@@ -10,6 +10,10 @@ import os
 from tinkerd.process import allocator, cpu_defaults, init_logging, serve_until_signal, service_dtype
 from trainer_service.settings import TrainerSettings
 
+# A stop's budget for writing the models that are behind: `tinkerd up` waits 15 s for a service to
+# stop before killing it (launcher/up.py), a Kubernetes trainer pod gets 60 (deploy/k8s).
+STOP_WRITE_S = 10.0
+
 
 def build_engine(s: TrainerSettings, threads: str, durable=None):
     """The engine, built once this process's CPU threads are set (tinkerd/cores.py): the main thread
@@ -60,6 +64,7 @@ def serve(s: TrainerSettings) -> None:
     engine.ranks.on_broken.append(health.broken)       # a lost rank: NOT_SERVING at once
 
     def stop() -> None:
+        servicer.write_behind(timeout_s=STOP_WRITE_S)   # a clean stop loses no step
         servicer.pusher.finish_copies(timeout_s=30)     # persisted copies still being written
         servicer.pusher.close()                         # no /dev/shm region left behind
         engine.ranks.stop()

@@ -92,6 +92,24 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         write = self.scheduler.submit(_tenant(model_id, context), lambda: self.engine.save_durable(model_id))
         write.add_done_callback(report)
 
+    def write_behind(self, timeout_s: float) -> None:
+        """At a clean stop, once no call is left: the durable state of every model that is behind
+        (steps within --durable-interval-s, a write queued after a reply), so a restart loses no
+        step. Models left when `timeout_s` is up stay behind: the restart says what they lost."""
+        deadline = time.monotonic() + timeout_s
+        behind = self.engine.behind()
+        for n, model_id in enumerate(behind):
+            if time.monotonic() > deadline:
+                log.warning("stopping: %d of %d models not written in %.0f s; their restart will say what "
+                            "was lost", len(behind) - n, len(behind), timeout_s)
+                return
+            try:
+                self._fair(model_id, lambda: self.engine.save_durable(model_id))
+            except Exception:  # noqa: BLE001 - the next model's state is still worth writing
+                log.exception("stopping: could not write the durable state of %s", model_id)
+        if behind:
+            log.info("stopping: durable state of %d models written", len(behind))
+
     def _write_when_idle(self, idle_s: float) -> None:
         """Writes the durable state of models that are behind once the engine has been idle `idle_s`."""
         while True:
