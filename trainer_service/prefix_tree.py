@@ -48,11 +48,16 @@ MIN_SAVING = 0.25
 @dataclasses.dataclass
 class PathGroup:
     """The paths of one length, attended as one batch: path i is row `rows[i]`'s positions
-    `nodes[i]` (root first); its outputs at `owned[i]` fill the flat positions `dest`, in order."""
+    `nodes[i]` (root first); its outputs at `owned[i]` fill the flat positions `dest`, in order.
+    The gathers go by flat indices (`index_select`, whose backward is an `index_add_`: on CPU
+    3.5x faster forward and backward than indexing rows and nodes, whose backward is
+    `index_put_` with accumulation)."""
     rows: torch.Tensor           # [paths]
     nodes: torch.Tensor          # [paths, length]
     owned: torch.Tensor          # [paths, length], bool: positions no path before it holds
     dest: torch.Tensor           # [owned positions]: row * width + node
+    sources: torch.Tensor        # [paths * length]: row * width + node, path after path
+    owned_at: torch.Tensor       # [owned positions]: their places in `sources`
 
     def to(self, device: torch.device) -> "PathGroup":
         return PathGroup(*(t.to(device) for t in dataclasses.astuple(self)))
@@ -115,10 +120,15 @@ def attention(module, query, key, value, attention_mask, *, tinkerd_paths: list[
     rows, heads, width, dim = query.shape
     outputs, dests = [], []
     for group in tinkerd_paths:
+        paths, length = group.nodes.shape
+
         def gather(t):             # [paths, heads, length, dim], laid out as a sequence's own
-            return t[group.rows[:, None], :, group.nodes].transpose(1, 2).contiguous()
+            # t is [rows, heads, width, dim], a transposed view of the projections' [rows, width, heads, dim]
+            by_position = t.transpose(1, 2).reshape(rows * width, t.shape[1] * dim)
+            picked = by_position.index_select(0, group.sources).view(paths, length, t.shape[1], dim)
+            return picked.transpose(1, 2).contiguous()
         out, _ = inner(module, gather(query), gather(key), gather(value), None, **kwargs)
-        outputs.append(out[group.owned])                    # out: [paths, length, heads, dim]
+        outputs.append(out.reshape(paths * length, heads, dim).index_select(0, group.owned_at))
         dests.append(group.dest)
     flat = query.new_zeros(rows * width, heads, dim, dtype=outputs[0].dtype)
     return flat.index_copy(0, torch.cat(dests), torch.cat(outputs)).view(rows, width, heads, dim), None
@@ -193,5 +203,7 @@ def _path_groups(paths: list[tuple[int, list[int]]], width: int) -> list[PathGro
         rows = torch.tensor([row for row, _, _ in of_length])
         nodes = torch.tensor([path for _, path, _ in of_length])
         owned = torch.arange(length)[None, :] >= torch.tensor([first for _, _, first in of_length])[:, None]
-        groups.append(PathGroup(rows, nodes, owned, (rows[:, None] * width + nodes)[owned]))
+        sources = rows[:, None] * width + nodes
+        groups.append(PathGroup(rows, nodes, owned, sources[owned], sources.reshape(-1),
+                                owned.reshape(-1).nonzero().squeeze(1)))
     return groups
