@@ -172,3 +172,21 @@ def assert_reproducible_sampling(sampler, prompt) -> None:
     seeded = [tokens(sampler.sample(prompt, 4, types.SamplingParams(max_tokens=16, temperature=1.0, seed=123))
                      .result()) for _ in range(2)]
     assert seeded[0] == seeded[1], seeded
+
+
+def start_trainer_process(model_dir: str, state_dir: str, *flags: str):
+    """A real `tinkerd trainer` alone (no rank variables) on a free loopback port, once READY:
+    (process, port); the caller stops it. Test modules import it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "trainer", "--base-model", model_dir,
+                             "--listen", "127.0.0.1:0", "--state-dir", state_dir, *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    port = next((int(line.split()[2]) for line in proc.stdout if line.startswith("READY trainer")), None)
+    if port is None:
+        proc.wait(timeout=30)
+        pytest.fail("tinkerd trainer did not start:\n" + proc.stderr.read()[-3000:])
+    return proc, port

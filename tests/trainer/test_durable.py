@@ -14,6 +14,7 @@ from trainer_service.durable import DurableModels
 from trainer_service.engine import TrainerEngine
 from trainer_service.servicer import TrainerServicer
 
+from conftest import start_trainer_process
 from servicer_context import Aborted, Context
 
 TOKENS = [5, 9, 17, 33, 2, 71, 8, 40, 12, 3]
@@ -209,23 +210,13 @@ def test_a_trainer_stopped_by_sigterm_writes_what_is_behind_first(tiny_model_dir
     trainer` whose interval and idle writes never come stops, and a trainer started on its state dir
     goes on from the last step without saying that anything was lost."""
     import signal
-    import subprocess
-    import sys
 
     from tinkerd.rpc import ServiceAuth, channel
     from tinkerd.v1 import trainer_pb2_grpc
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "trainer", "--base-model", tiny_model_dir,
-                             "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--dtype", "float32",
-                             "--durable-interval-s", "3600", "--durable-idle-s", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc, port = start_trainer_process(tiny_model_dir, str(tmp_path), "--dtype", "float32",
+                                       "--durable-interval-s", "3600", "--durable-idle-s", "0")
     try:
-        port = next((int(line.split()[2]) for line in proc.stdout if line.startswith("READY trainer")), None)
-        if port is None:
-            proc.wait(timeout=30)
-            pytest.fail("tinkerd trainer did not start:\n" + proc.stderr.read()[-3000:])
         first = trainer_pb2_grpc.TrainerStub(channel(f"127.0.0.1:{port}", ServiceAuth()))
         first.CreateModel(trainer_pb2.CreateModelRequest(model_id="s:train:0", lora_config=common_pb2.LoraConfig(
             rank=4, seed=3, train_attn=True, train_mlp=True)), timeout=60)

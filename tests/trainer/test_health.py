@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from conftest import start_trainer_process
 from test_service_auth import _make_pki
 from tinkerd import health, rpc
 from tinkerd.v1 import common_pb2, sampler_pb2_grpc
@@ -132,17 +133,8 @@ def test_the_probe_command_speaks_token_and_mtls(tmp_path, capsys):
 def test_a_real_trainer_is_serving_once_ready_and_not_serving_when_stopping(tiny_model_dir, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "trainer", "--base-model", tiny_model_dir,
-                             "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
-                             "--service-token-file", str(token_file)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc, port = start_trainer_process(tiny_model_dir, str(tmp_path / "state"), "--service-token-file", str(token_file))
     try:
-        port = next((int(line.split()[2]) for line in proc.stdout if line.startswith("READY trainer")), None)
-        if port is None:
-            proc.wait(timeout=30)
-            pytest.fail("tinkerd trainer did not start:\n" + proc.stderr.read()[-3000:])
         address = f"127.0.0.1:{port}"
         assert _check(address) == _check(address, "tinkerd.v1.Trainer") == "SERVING"
         watch = health_pb2_grpc.HealthStub(grpc.insecure_channel(address)).Watch(
