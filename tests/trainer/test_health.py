@@ -4,10 +4,7 @@ process that reports SERVING once started and NOT_SERVING when told to stop."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 
 import grpc
 import pytest
