@@ -48,13 +48,13 @@ MIN_SAVING = 0.25
 @dataclasses.dataclass
 class PathGroup:
     """The paths of one length, attended as one batch: path i is row `rows[i]`'s positions
-    `nodes[i]` (root first); its outputs at `owned[i]` fill the flat positions `dest`, in order.
+    `nodes[i]` (root first); its outputs at the positions no path before it holds (`owned_at`)
+    fill the flat positions `dest`, in order.
     The gathers go by flat indices (`index_select`, whose backward is an `index_add_`: on CPU
     3.5x faster forward and backward than indexing rows and nodes, whose backward is
     `index_put_` with accumulation)."""
     rows: torch.Tensor           # [paths]
     nodes: torch.Tensor          # [paths, length]
-    owned: torch.Tensor          # [paths, length], bool: positions no path before it holds
     dest: torch.Tensor           # [owned positions]: row * width + node
     sources: torch.Tensor        # [paths * length]: row * width + node, path after path
     owned_at: torch.Tensor       # [owned positions]: their places in `sources`
@@ -75,7 +75,7 @@ class Packing:
     unembed: torch.Tensor        # flat positions to unembed, one per distinct (position, target)
     targets: torch.Tensor        # their targets
     expand: torch.Tensor         # every datum token's entry in `unembed`, datum after datum
-    paths: list[PathGroup]       # every position in exactly one path's `owned`, padding in none
+    paths: list[PathGroup]       # every position in exactly one path's `dest`, padding in none
 
 
 TREE_ATTENTION = "tinkerd_tree"
@@ -204,6 +204,6 @@ def _path_groups(paths: list[tuple[int, list[int]]], width: int) -> list[PathGro
         nodes = torch.tensor([path for _, path, _ in of_length])
         owned = torch.arange(length)[None, :] >= torch.tensor([first for _, _, first in of_length])[:, None]
         sources = rows[:, None] * width + nodes
-        groups.append(PathGroup(rows, nodes, owned, sources[owned], sources.reshape(-1),
+        groups.append(PathGroup(rows, nodes, sources[owned], sources.reshape(-1),
                                 owned.reshape(-1).nonzero().squeeze(1)))
     return groups

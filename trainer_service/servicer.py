@@ -97,18 +97,25 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         (steps within --durable-interval-s, a write queued after a reply), so a restart loses no
         step. Models left when `timeout_s` is up stay behind: the restart says what they lost."""
         deadline = time.monotonic() + timeout_s
-        behind = self.engine.behind()
+        behind, written = self.engine.behind(), 0
         for n, model_id in enumerate(behind):
             if time.monotonic() > deadline:
                 log.warning("stopping: %d of %d models not written in %.0f s; their restart will say what "
                             "was lost", len(behind) - n, len(behind), timeout_s)
                 return
-            try:
-                self._fair(model_id, lambda: self.engine.save_durable(model_id))
-            except Exception:  # noqa: BLE001 - the next model's state is still worth writing
-                log.exception("stopping: could not write the durable state of %s", model_id)
+            written += self._save_durable(model_id)
         if behind:
-            log.info("stopping: durable state of %d models written", len(behind))
+            log.info("stopping: durable state of %d of %d models written", written, len(behind))
+
+    def _save_durable(self, model_id: str) -> bool:
+        """The model's durable state written in its fair turn; False, logged, if that failed (the
+        caller goes on to the next model; this one stays behind, to be tried again)."""
+        try:
+            self._fair(model_id, lambda: self.engine.save_durable(model_id))
+            return True
+        except Exception:  # noqa: BLE001 - the other models' states are still worth writing
+            log.exception("could not write the durable state of %s", model_id)
+            return False
 
     def _write_when_idle(self, idle_s: float) -> None:
         """Writes the durable state of models that are behind once the engine has been idle `idle_s`."""
@@ -117,10 +124,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if self.scheduler.idle_for() < idle_s:
                 continue
             for model_id in self.engine.behind():
-                try:
-                    self._fair(model_id, lambda: self.engine.save_durable(model_id))
-                except Exception:  # noqa: BLE001 - retried on the next idle tick
-                    log.exception("could not write the durable state of %s", model_id)
+                self._save_durable(model_id)           # a failed one is tried again on the next idle tick
                 if self.scheduler.idle_for() < idle_s:
                     break
 
