@@ -242,11 +242,17 @@ def test_only_the_computing_thread_runs_an_openmp_pool(tmp_path, setting):
     op there (a weight receive's copy on a gRPC handler thread) starts no second pool of
     OpenMP workers (tinkerd/cores.py: with more pooled threads than cores every parallel op pays
     a futex wake-up). Pools are counted as the process's threads: a pool's workers live as long as
-    the thread that started it. The last line checks that the count does see a second pool."""
+    the thread that started it. The last line checks that the count does see a second pool. (CI once
+    counted 0 for the late side thread: `computing` had listed cores' just-joined reset thread.)"""
     script = textwrap.dedent(f"""
-        import os, threading, torch
+        import os, threading, time, torch
         from tinkerd import cores
-        tasks = lambda: len(os.listdir("/proc/self/task"))
+        def tasks():   # settled: a thread just joined (cores' reset thread) can still be listed for a moment
+            now, before = len(os.listdir("/proc/self/task")), -1
+            while now != before:
+                time.sleep(0.02)
+                now, before = len(os.listdir("/proc/self/task")), now
+            return now
         x = torch.randn(512, 1024)
         share = cores.configure({setting!r}, path={str(tmp_path / "board")!r})
         share.board and setattr(share.board, "cores", 2)
