@@ -6,7 +6,7 @@
 # bench/trainer_only.py on the 1B shape (8x512 tokens, LoRA rank 32, bf16): plain PyTorch + PEFT
 # vs raw DeepSpeed vs tinkerd's engine, tenants, and SmolLM2's shape. Results land in OUT_DIR.
 # Extra packages can sit beside the repo (see docs/gpu.md): wheels in .whl/, pure-Python
-# packages (DeepSpeed) in .dev/site/.
+# packages (DeepSpeed) in .dev/site/; `.venv/bin/python scripts/gpu_bundle.py` makes both.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu-results}"
@@ -26,7 +26,8 @@ python3 -m pytest -q -m "not e2e" -p no:cacheprovider -rA tests/unit/test_weight
   > "$out/tests.log" 2>&1 || status=$?
 grep -E "^(PASSED|SKIPPED).*(gpu|cuda)|^FAILED|^ERROR| passed| failed" "$out/tests.log"
 bench=(python3 -m bench.trainer_only --device cuda --dtype bfloat16)
-"${bench[@]}" --shape 1b --batch 8 --length 512 --rank 32 --tenants --json "$out/1b.json" > "$out/1b.log" 2>&1 || status=$?
+"${bench[@]}" --shape 1b --batch 8 --length 512 --rank 32 --tenants --profile --json "$out/1b.json" \
+  > "$out/1b.log" 2>&1 || status=$?
 "${bench[@]}" --shape smollm2 --batch 4 --length 64 --rank 16 --json "$out/smollm2.json" > "$out/smollm2.log" 2>&1 || status=$?
 grep -h -E "^\||step cost|^trainer_only" "$out/1b.log" "$out/smollm2.log"
 exit "$status"
