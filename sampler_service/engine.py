@@ -158,6 +158,7 @@ class SamplerEngine:
             enable_lora=True, max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
             worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension")
         self._engine.collective_rpc("tinkerd_install_lora_fixes")   # see worker_ext.py
+        self._engine.collective_rpc("tinkerd_install_cpu_fixes")
         self.max_model_len = max_model_len
         self.vocab_size = self._engine.model_config.get_vocab_size()
         tokenizer = self._engine.get_tokenizer()

@@ -1,6 +1,7 @@
 """Runs inside the vLLM worker (named by `worker_extension_cls`): registers LoRA snapshots
 from in-memory tensors, so a streamed adapter never touches disk on its way in, and installs
-two fixes for vLLM 0.32's multi-LoRA batching that tenants sharing a batch depend on.
+two fixes for vLLM 0.32's multi-LoRA batching that tenants sharing a batch depend on (and, on
+CPU, token ranks counted without a compile: `_eager_token_ranks`).
 
 1. Prompt logprobs with a LoRA on lm_head: `_get_prompt_logprobs_dict` computes the logits of
    a request's prompt tokens with the punica wrapper's *per-request* sampler indices, which do
@@ -121,7 +122,30 @@ def _per_token_prompt_logits(model_runner) -> None:
     model_runner._get_prompt_logprobs_dict = patched
 
 
+def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """vLLM's `batched_count_greater_than` (a sampled token's rank among the logprobs), eager."""
+    return (x >= values).sum(-1)
+
+
+def _eager_token_ranks() -> None:
+    """On CPU, a sampled token's rank is counted eagerly: vLLM compiles that count with inductor
+    (to spare a GPU the comparison's copy), which cost each sampler process ~2 s of compiling on
+    its first request with logprobs (py-spy, SmolLM2 on 2 cores: 2.1 s of a 5.9 s first request).
+    Eager it is one comparison and a sum over the logits, the same integers."""
+    from vllm.v1.sample import sampler
+
+    sampler.batched_count_greater_than = _count_greater_or_equal
+
+
 class SnapshotWorkerExtension:
+    def tinkerd_install_cpu_fixes(self) -> bool:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+        _eager_token_ranks()
+        return True
+
     def tinkerd_install_lora_fixes(self) -> bool:
         from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 

@@ -77,6 +77,27 @@ def fp32_engine(tiny_model_dir, adapter_dirs):
     _teardown(engine)
 
 
+def test_sampled_token_ranks_are_counted_without_a_compile(fp32_engine):
+    """On CPU the engine counts a sampled token's rank eagerly (worker_ext._eager_token_ranks:
+    vLLM's inductor compile of that count cost each sampler's first logprobs request seconds),
+    and the ranks are vLLM's: how many logprobs are at least the token's."""
+    from vllm import SamplingParams
+    from vllm.v1.sample import sampler
+
+    from sampler_service.worker_ext import _count_greater_or_equal
+
+    assert sampler.batched_count_greater_than is _count_greater_or_equal
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, logprobs=4)
+    seq = fp32_engine.generate(PROMPTS[0], params, 1, "").result(120)[0].outputs[0]
+    ranks = []
+    for token, ranked in zip(seq.token_ids, seq.logprobs):     # the top 4, and the sampled token
+        top, mine = sorted(ranked.values(), key=lambda lp: lp.rank)[:4], ranked[token]
+        assert [lp.rank for lp in top] == [1, 2, 3, 4]
+        assert sum(lp.logprob >= mine.logprob for lp in top) == min(mine.rank, 4)
+        ranks.append(mine.rank)
+    assert max(ranks) > 1                                       # sampled, not only the likeliest
+
+
 def test_lazy_slot_promotion_and_agreement_fp32(fp32_engine):
     engine = fp32_engine
     assert list(engine.merged.engines()) == []                # no merged engine before a promotion
