@@ -95,12 +95,16 @@ class TrainerEngine:
         self.custom_losses = Losses()
         self.activation_budget = (activation_mib << 20) or microbatches.default_budget_bytes(self.device)
         with self.models.costliest_adapter():
-            self.token_cost = microbatches.measure(base, self.device, recompute=self.zero_stage != 3)
+            self.token_cost = microbatches.measure(base, self.device, recompute=self.zero_stage != 3,
+                                                   trees=self.packable)
         log.info("a padded token keeps %.1f KiB of activations for the backward (+%.0f bytes per position of the "
                  "longest datum; a rank-%d adapter on every target): --activation-mib %d holds %d tokens of "
                  "512-token datums a micro-batch", self.token_cost.fixed / 1024, self.token_cost.per_position,
                  max_lora_rank, self.activation_budget >> 20,
                  self.token_cost.tokens_within(self.activation_budget, 512))
+        if self.token_cost.tree is not None:
+            log.info("as token trees: %.1f KiB a tree position, %.1f KiB a datum token (its path's attention)",
+                     self.token_cost.tree.per_node / 1024, self.token_cost.tree.per_path_token / 1024)
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -326,9 +330,12 @@ class TrainerEngine:
 
     def _micro_batches(self, data: list[training.DatumInput]) -> list[list[int]]:
         """Where datums may go as token trees, split in token order, so that datums sharing a
-        prefix stay together (the plan's padded cost over-counts them: it bounds them too)."""
-        order = sorted(range(len(data)), key=lambda i: data[i].tokens) if self.packable else None
-        return microbatches.plan([len(d.tokens) for d in data], self.token_cost, self.activation_budget, order)
+        prefix stay together, each micro-batch priced as the trees it packs into."""
+        if not self.packable:
+            return microbatches.plan([len(d.tokens) for d in data], self.token_cost, self.activation_budget)
+        tokens = [list(d.tokens) for d in data]
+        order = sorted(range(len(data)), key=lambda i: tokens[i])
+        return microbatches.plan([len(t) for t in tokens], self.token_cost, self.activation_budget, order, tokens)
 
     @collective
     def optim_step(self, model_id: str, adam: training.AdamParams, *, seq: int | None = None) -> dict[str, float]:

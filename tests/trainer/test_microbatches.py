@@ -9,7 +9,7 @@ import torch
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 from tinkerd import custom_loss as spec_mod
-from trainer_service import microbatches, training
+from trainer_service import microbatches, prefix_tree, training
 from trainer_service.engine import AdamParams, DatumInput, TrainerEngine
 from trainer_service.lora import LoraSpec
 from loss_examples import ppo_loss
@@ -48,6 +48,46 @@ def test_plan_splits_longest_first_within_the_budget():
     cost = microbatches.TokenCost(fixed=1, per_position=0.5)
     assert cost.of(4, 10) == 240 and microbatches.plan([10] * 4, cost, 240) == [[0, 1, 2, 3]]
     assert microbatches.plan([10] * 4, cost, 239) == [[0, 1, 2], [3]]
+
+
+def _rollouts(groups: int, per_group: int, prompt: int, completion: int, seed: int) -> list[DatumInput]:
+    """An RL batch: `groups` prompts sampled `per_group` times, all sharing a first turn."""
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, 1000, (8,), generator=gen).tolist()
+    data = []
+    for _ in range(groups):
+        shared = first + torch.randint(0, 1000, (prompt - 8,), generator=gen).tolist()
+        for _ in range(per_group):
+            tokens = shared + torch.randint(0, 1000, (completion,), generator=gen).tolist()
+            n = len(tokens)
+            data.append(DatumInput(tokens, {"target_tokens": torch.randint(0, 1000, (n,), generator=gen),
+                                            "weights": torch.ones(n), "logprobs": -torch.rand(n, generator=gen),
+                                            "advantages": torch.randn(n, generator=gen)}))
+    return data
+
+
+def test_a_batch_of_token_trees_is_priced_as_its_trees():
+    """Rollouts sharing their prompts pack into trees far smaller than their padded batch: priced
+    as those, fewer micro-batches hold them within the same budget (each group's datums in token
+    order, so that prompts stay together), and datums that share nothing are priced padded."""
+    data = _rollouts(groups=8, per_group=8, prompt=30, completion=10, seed=1)
+    tokens = [d.tokens for d in data]
+    lengths = [len(t) for t in tokens]
+    order = sorted(range(len(data)), key=lambda i: tokens[i])
+    cost = microbatches.TokenCost(fixed=10_000, per_position=0,
+                                  tree=microbatches.TreeCost(per_node=8_000, per_path_token=2_000))
+    budget = 10_000 * 40 * 16                                     # 16 padded datums of 40 tokens
+    padded = microbatches.plan(lengths, cost, budget, order)
+    trees = microbatches.plan(lengths, cost, budget, order, tokens)
+    assert [len(g) for g in padded] == [16] * 4
+    assert len(trees) < len(padded) and sum(trees, []) == order
+    for g in trees:           # within the budget as the trees the engine packs them into
+        targets = torch.cat([data[i].loss_fn_inputs["target_tokens"] for i in g])
+        packed = prefix_tree.pack([tokens[i] for i in g], targets)
+        assert packed is not None
+        assert cost.tree.of(*packed.ids.shape, sum(lengths[i] for i in g), 40) <= budget
+    unshared = [list(range(k * 40, k * 40 + 40)) for k in range(64)]
+    assert len(microbatches.plan([40] * 64, cost, budget, list(range(64)), unshared)) == 4
 
 
 def _custom_ppo():
@@ -153,6 +193,37 @@ def test_the_probe_prices_a_token_above_what_a_real_step_keeps(tiny_model_dir):
                 engine.forward_backward(f"r{rank}", data, "importance_sampling", {}, forward_only=False)
             kept, charged = sum(saved.values()), engine.token_cost.of(n, max(len(d.tokens) for d in data))
             assert 0.5 * charged <= kept <= charged, (rank, n, kept, charged)
+
+
+def test_the_probe_prices_token_trees_above_what_a_real_step_keeps(tiny_model_dir):
+    """The same for a batch that goes as token trees, priced by the trees' rows and the datums'
+    paths (microbatches.TreeCost, fitted from a packed probe at start-up)."""
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2, max_lora_rank=16, max_logits_mib=1)
+    assert engine.packable and engine.token_cost.tree is not None
+    weights = {p.untyped_storage().data_ptr() for p in engine.peft.parameters()}
+    engine.create_model("m", LoraSpec(rank=16, seed=1))
+    for groups, per_group, prompt, completion in ((4, 8, 40, 12), (2, 4, 200, 30)):
+        data = _rollouts(groups, per_group, prompt, completion, seed=5)
+        tokens = [d.tokens for d in data]
+        packed = prefix_tree.pack(tokens, torch.cat([d.loss_fn_inputs["target_tokens"] for d in data]))
+        assert packed is not None
+        saved: dict[int, int] = {}
+
+        def keep(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            engine.forward_backward("m", data, "importance_sampling", {}, forward_only=False)
+        order = sorted(range(len(data)), key=lambda i: tokens[i])
+        group = microbatches._Group(engine.token_cost, tokens, [len(t) for t in tokens])
+        for i in order:
+            group.add(i)
+        kept, charged = sum(saved.values()), group.bytes()
+        assert group.trees.rows * group.trees.width == packed.ids.numel()
+        assert 0.5 * charged <= kept <= charged, (groups, kept, charged, engine.token_cost, group.trees)
+        assert charged < 0.8 * engine.token_cost.of(len(data), max(map(len, tokens))), engine.token_cost
 
 
 def test_the_default_budget_is_a_share_of_the_host_s_memory(tiny_model_dir):

@@ -98,7 +98,7 @@ def test_rollouts_as_trees_train_as_padded_datums_do(tiny_model_dir, monkeypatch
 
     trees = TrainerEngine(tiny_model_dir, zero_stage=stage)
     assert trees.packable                                    # a Llama: its own head, no sliding window
-    trees.activation_budget = 150 * trees.token_cost.fixed   # and in micro-batches: groups kept together
+    trees.activation_budget = 60 * trees.token_cost.fixed    # in micro-batches (priced as trees), groups together
     packed, pack = [], prefix_tree.pack
     monkeypatch.setattr(prefix_tree, "pack", lambda *a, **k: packed.append(pack(*a, **k)) or packed[-1])
     got = _train(trees, "m", loss_fn)
