@@ -91,7 +91,7 @@ def default_budget_bytes(device: torch.device) -> int:
     return total // 16
 
 
-def _saved_bytes(causal_lm: torch.nn.Module, forward) -> int:
+def saved_bytes(causal_lm: torch.nn.Module, forward) -> int:
     """What autograd keeps in `forward()`: every saved tensor's storage counted once, the weights never."""
     weights = {p.untyped_storage().data_ptr() for p in causal_lm.parameters()}
     saved: dict[int, int] = {}
@@ -121,7 +121,7 @@ def measure(causal_lm: torch.nn.Module, device: torch.device, *, recompute: bool
         mask = torch.ones(2, length, dtype=torch.long)
         mask[1, length // 2:] = 0
         real = mask.view(-1).nonzero().squeeze(1).to(device)
-        kept = _saved_bytes(causal_lm, lambda: token_logprobs(causal_lm, ids, mask.to(device), ids, real,
+        kept = saved_bytes(causal_lm, lambda: token_logprobs(causal_lm, ids, mask.to(device), ids, real,
                                                               max_logits_bytes=chunk_bytes, recompute=recompute))
         per_token.append(kept / (2 * length))
     (short, long_), (t_short, t_long) = PROBE_LENGTHS, per_token
@@ -144,7 +144,7 @@ def _tree_cost(causal_lm: torch.nn.Module, device: torch.device, fixed: float, p
     batch = training._batch(data, device, packable=True)
     if batch.mask is None or batch.mask.dim() != 4:
         return None                                     # not packed: price groups padded
-    kept = _saved_bytes(causal_lm, lambda: token_logprobs(causal_lm, batch.ids, batch.mask, **batch.how,
+    kept = saved_bytes(causal_lm, lambda: token_logprobs(causal_lm, batch.ids, batch.mask, **batch.how,
                                                           max_logits_bytes=chunk_bytes, recompute=recompute))
     rows, width = batch.ids.shape
     nodes, paths, mask = rows * width, 2 * length, rows * width * width

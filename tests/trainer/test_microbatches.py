@@ -175,23 +175,15 @@ def test_the_probe_prices_a_token_above_what_a_real_step_keeps(tiny_model_dir):
     short and long datums, logits in chunks) is at most what the start-up probe charges, and not
     far below it: the budget neither overflows nor wastes most of itself."""
     engine = TrainerEngine(tiny_model_dir, zero_stage=2, max_lora_rank=16, max_logits_mib=1)
-    weights = {p.untyped_storage().data_ptr() for p in engine.peft.parameters()}
     for rank in (1, 16):
         engine.create_model(f"r{rank}", LoraSpec(rank=rank, seed=1))
         for n, seed in ((24, 3), (4, 4)):
             data = _rl_batch(n, seed=seed)
             if n == 4:          # long datums: the per-position term
                 data = [DatumInput(d.tokens * 8, {k: v.repeat(8) for k, v in d.loss_fn_inputs.items()}) for d in data]
-            saved: dict[int, int] = {}
-
-            def keep(t):
-                if t.untyped_storage().data_ptr() not in weights:
-                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                engine.forward_backward(f"r{rank}", data, "importance_sampling", {}, forward_only=False)
-            kept, charged = sum(saved.values()), engine.token_cost.of(n, max(len(d.tokens) for d in data))
+            kept = microbatches.saved_bytes(engine.peft, lambda: engine.forward_backward(
+                f"r{rank}", data, "importance_sampling", {}, forward_only=False))
+            charged = engine.token_cost.of(n, max(len(d.tokens) for d in data))
             assert 0.5 * charged <= kept <= charged, (rank, n, kept, charged)
 
 
@@ -200,27 +192,19 @@ def test_the_probe_prices_token_trees_above_what_a_real_step_keeps(tiny_model_di
     paths (microbatches.TreeCost, fitted from a packed probe at start-up)."""
     engine = TrainerEngine(tiny_model_dir, zero_stage=2, max_lora_rank=16, max_logits_mib=1)
     assert engine.packable and engine.token_cost.tree is not None
-    weights = {p.untyped_storage().data_ptr() for p in engine.peft.parameters()}
     engine.create_model("m", LoraSpec(rank=16, seed=1))
     for groups, per_group, prompt, completion in ((4, 8, 40, 12), (2, 4, 200, 30)):
         data = _rollouts(groups, per_group, prompt, completion, seed=5)
         tokens = [d.tokens for d in data]
         packed = prefix_tree.pack(tokens, torch.cat([d.loss_fn_inputs["target_tokens"] for d in data]))
         assert packed is not None
-        saved: dict[int, int] = {}
-
-        def keep(t):
-            if t.untyped_storage().data_ptr() not in weights:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            engine.forward_backward("m", data, "importance_sampling", {}, forward_only=False)
+        kept = microbatches.saved_bytes(engine.peft, lambda: engine.forward_backward(
+            "m", data, "importance_sampling", {}, forward_only=False))
         order = sorted(range(len(data)), key=lambda i: tokens[i])
         group = microbatches._Group(engine.token_cost, tokens, [len(t) for t in tokens])
         for i in order:
             group.add(i)
-        kept, charged = sum(saved.values()), group.bytes()
+        charged = group.bytes()
         assert group.trees.rows * group.trees.width == packed.ids.numel()
         assert 0.5 * charged <= kept <= charged, (groups, kept, charged, engine.token_cost, group.trees)
         assert charged < 0.8 * engine.token_cost.of(len(data), max(map(len, tokens))), engine.token_cost
