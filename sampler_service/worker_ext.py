@@ -129,9 +129,10 @@ def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tens
 
 def _eager_token_ranks() -> None:
     """On CPU, a sampled token's rank is counted eagerly: vLLM compiles that count with inductor
-    (to spare a GPU the comparison's copy), which cost each sampler process ~2 s of compiling on
-    its first request with logprobs (py-spy, SmolLM2 on 2 cores: 2.1 s of a 5.9 s first request).
-    Eager it is one comparison and a sum over the logits, the same integers."""
+    (to spare a GPU the comparison's copy), on the engine thread at each sampler process's first
+    request with logprobs, which it held for seconds (SmolLM2 on 2 cores, the first request
+    through an adapter: 7.3 s, 1.9 s eager; later ones 1.5 s). Eager it is one comparison and a
+    sum over the logits: the same integers."""
     from vllm.v1.sample import sampler
 
     sampler.batched_count_greater_than = _count_greater_or_equal
