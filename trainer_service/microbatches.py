@@ -164,17 +164,18 @@ def plan(lengths: list[int], cost: TokenCost, budget_bytes: int, order: list[int
     if not lengths:
         return []
     order = order if order is not None else sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    priced = _Group(cost, tokens if cost.tree is not None else None, lengths)
+    tokens = tokens if cost.tree is not None else None
+    whole = _Group(cost, tokens, lengths)
     for i in order:
-        priced.add(i)
-    if priced.bytes() <= budget_bytes:
+        whole.add(i)
+    if whole.bytes() <= budget_bytes:
         return [list(range(len(lengths)))]
     groups: list[list[int]] = []
-    group = _Group(cost, priced.tokens, lengths)
+    group = _Group(cost, tokens, lengths)
     for i in order:
         if group.members and group.with_(i) > budget_bytes:
             groups.append(group.members)
-            group = _Group(cost, priced.tokens, lengths)
+            group = _Group(cost, tokens, lengths)
         group.add(i)
     return groups + [group.members]
 
@@ -211,14 +212,13 @@ class _Group:
         longest = max(self.longest, self.lengths[i])
         if self.tokens is None:
             return longest, self.trees
-        shared = _shared_prefix(self.tokens[self.members[-1]], self.tokens[i]) if self.members else 0
+        shared = prefix_tree.shared_prefix(self.tokens[self.members[-1]], self.tokens[i]) if self.members else 0
         return longest, self.trees.plus(self.lengths[i], shared, longest)
 
     def _price(self, datums: int, longest: int, trees: _Trees) -> int:
         padded = self.cost.of(datums, longest)
-        keep = 1 - prefix_tree.MIN_SAVING
-        if (self.tokens is None or trees.nodes > keep * trees.path_tokens
-                or trees.rows * trees.width > keep * datums * longest):
+        if self.tokens is None or not prefix_tree.pays(trees.nodes, trees.path_tokens, trees.rows * trees.width,
+                                                       datums * longest):
             return padded
         return min(padded, self.cost.tree.of(trees.rows, trees.width, trees.path_tokens, longest))
 
@@ -231,12 +231,3 @@ class _Group:
 
     def bytes(self) -> int:
         return self._price(len(self.members), self.longest, self.trees)
-
-
-def _shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

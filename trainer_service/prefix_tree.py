@@ -134,6 +134,22 @@ def attention(module, query, key, value, attention_mask, *, tinkerd_paths: list[
     return flat.index_copy(0, torch.cat(dests), torch.cat(outputs)).view(rows, width, heads, dim), None
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens `a` and `b` have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def pays(nodes: int, tokens: int, row_positions: int, padded: int) -> bool:
+    """Trees are worth packing: their `nodes` save MIN_SAVING of the datums' `tokens`, and their
+    rows' positions (padding included) MIN_SAVING of the `padded` batch."""
+    return nodes <= (1 - MIN_SAVING) * tokens and row_positions <= (1 - MIN_SAVING) * padded
+
+
 def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = ROW_TOKENS) -> Packing | None:
     """The datums' `tokens` as token trees in rows, or None where that would not save MIN_SAVING
     of the padded batch. `targets`: every datum's targets, flat, datum after datum."""
@@ -146,11 +162,7 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
     order = sorted(range(len(tokens)), key=lambda i: tokens[i])
     for i in order:
         t = tokens[i]
-        shared = 0
-        for a, b in zip(previous, t):     # sorted: the longest prefix shared with any earlier datum
-            if a != b:
-                break
-            shared += 1
+        shared = shared_prefix(previous, t)     # sorted: the longest prefix shared with any earlier datum
         if not rows or len(rows[-1][0]) + len(t) - shared > cap:
             rows.append(([], []))
             shared = 0
@@ -164,7 +176,7 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
         previous = t
     width = max(len(r[0]) for r in rows)
     nodes, real = sum(len(r[0]) for r in rows), sum(len(t) for t in tokens)
-    if nodes > (1 - MIN_SAVING) * real or len(rows) * width > (1 - MIN_SAVING) * len(tokens) * longest:
+    if not pays(nodes, real, len(rows) * width, len(tokens) * longest):
         return None
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     positions = torch.zeros(len(rows), width, dtype=torch.long)
