@@ -70,8 +70,9 @@ NOTES = [
     "sampling: our sampler runs vLLM with LoRA enabled (it must serve tenants' snapshots), and "
     "vLLM's LoRA layer wrappers cost time even in steps with no adapter: measured on the tiny model, "
     "the same engine with LoRA enabled does 0.83x the raw engine's tokens/s (after our fix that skips "
-    "the LoRA math in such steps; before it, 0.25x). On SmolLM2 the API path lands at 0.78-0.95 "
-    "across runs (alternating rounds measure the lower end); on the tiny model the per-request "
+    "the LoRA math in such steps; before it, 0.25x). On SmolLM2 the API path landed at 0.78-0.95 "
+    "across runs, 0.97 since the sampler runs RMSNorm by vLLM's C++ kernels in fp32 (raw vLLM runs "
+    "its PyTorch reference: sampler_service/cpu_norms.py); on the tiny model the per-request "
     "HTTP + long-poll + gRPC work (on the same 2 cores as the engine) is several times the engine's "
     "own work for 32 tokens.",
 ]

@@ -102,6 +102,10 @@ def engine_args(model_dir: str, *, dtype: str = "auto", max_model_len: int = 102
     block = kv_block_tokens or (0 if hardware.has_gpu() else CPU_KV_BLOCK_TOKENS)
     if block:
         args["block_size"] = block
+    if not hardware.has_gpu():
+        from sampler_service import cpu_norms
+        if priority := cpu_norms.ir_op_priority():
+            args["ir_op_priority"] = priority
     if kv_cache_mib < 0:
         raise UserError(f"--kv-cache-mib must be 0 (the default size) or a size in MiB, got {kv_cache_mib}")
     if kv_cache_mib:

@@ -114,6 +114,13 @@ def test_lazy_slot_promotion_and_agreement_fp32(fp32_engine):
     assert any(not torch.equal(m[1], l[1]) for m, l in zip(merged, lora))
     assert (base[1] - lora[0][1]).abs().max() > 1e-2          # the adapter does change the logprobs
     assert engine.merged.slots[0].requests == 1 + len(PROMPTS)
+    # Both engines run RMSNorm by vLLM's C++ kernels in fp32 (cpu_norms.py): the merged engine's
+    # creation installed its priority again, the same one.
+    from vllm import ir
+
+    from sampler_service import cpu_norms
+    kernels_first = [cpu_norms.PROVIDER, "native"]
+    assert ir.ops.fused_add_rms_norm.get_priority() == ir.ops.rms_norm.get_priority() == kernels_first
     # The merger thread ended with its work, and the OpenMP pool its merge started ended with it
     # (tinkerd/cores.py: a second pool makes every parallel op of the engine thread wait).
     deadline = time.monotonic() + 10
