@@ -30,21 +30,20 @@ PROVIDER = "tinkerd_cpu"
 
 # The IR op API takes implementations with the native op's exact signature, annotations included.
 
+def _supported(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> bool:
+    return (variance_size is None and x.dtype == torch.float32 and weight is not None
+            and weight.dtype == x.dtype and x.is_contiguous())
+
+
 def _fused_supported(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
                      variance_size: int | None = None) -> bool:
-    return (variance_size is None and x.dtype == torch.float32 and weight is not None
-            and weight.dtype == x.dtype and x.is_contiguous() and x_residual.is_contiguous())
+    return _supported(x, weight, epsilon, variance_size) and x_residual.is_contiguous()
 
 
 def _fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
                         variance_size: int | None = None) -> tuple[Tensor, Tensor]:
     torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)   # x <- norm(x + res), res <- x + res
     return x, x_residual
-
-
-def _supported(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> bool:
-    return (variance_size is None and x.dtype == torch.float32 and weight is not None
-            and weight.dtype == x.dtype and x.is_contiguous())
 
 
 def _rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> Tensor:

@@ -99,10 +99,11 @@ def engine_args(model_dir: str, *, dtype: str = "auto", max_model_len: int = 102
                 gpu_memory_utilization=gpu_memory_utilization)
     if kv_block_tokens < 0:
         raise UserError(f"--kv-block-tokens must be 0 (the default) or a block size, got {kv_block_tokens}")
-    block = kv_block_tokens or (0 if hardware.has_gpu() else CPU_KV_BLOCK_TOKENS)
+    gpu = hardware.has_gpu()
+    block = kv_block_tokens or (0 if gpu else CPU_KV_BLOCK_TOKENS)
     if block:
         args["block_size"] = block
-    if not hardware.has_gpu():
+    if not gpu:
         from sampler_service import cpu_norms
         if priority := cpu_norms.ir_op_priority():
             args["ir_op_priority"] = priority
