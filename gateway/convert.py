@@ -18,6 +18,7 @@ import numpy as np
 
 from gateway import protocol
 from gateway import tinker_wire_pb2 as tw
+from gateway.settings import GatewaySettings
 from gateway.stability import Span
 from tinkerd import dtypes
 from tinkerd.errors import UserError
@@ -25,10 +26,10 @@ from tinkerd.tensors import from_numpy, to_numpy
 from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
 
 DEFAULT_MAX_TOKENS = 128
-MAX_BODY_BYTES = 32 << 20          # GatewaySettings.max_body_bytes' default
+MAX_BODY_BYTES = GatewaySettings.max_body_bytes
 MAX_DATUMS = 1024                  # the SDK's fwdbwd_max_chunk_len: it never sends more at once
 MAX_TENSOR_ELEMENTS = 1 << 24      # a sparse tensor made dense (64 MiB as float32)
-MAX_BATCH_TOKENS = 1 << 17         # GatewaySettings.max_batch_tokens' default (datums x longest datum)
+MAX_BATCH_TOKENS = GatewaySettings.max_batch_tokens     # datums x longest datum
 _Stop = sampler_pb2.SamplingParams.StopMode
 
 

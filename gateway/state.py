@@ -149,7 +149,7 @@ def gateway_of(request: Request) -> Gateway:
 
 async def _gateway_dependency(request: Request) -> Gateway:
     """gateway_of for Depends: async, so FastAPI calls it inline (a plain def runs in its thread pool)."""
-    return request.app.state.gateway
+    return gateway_of(request)
 
 
 GatewayDep = Annotated[Gateway, Depends(_gateway_dependency)]

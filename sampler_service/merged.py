@@ -57,7 +57,7 @@ from typing import Callable, Iterator, NamedTuple
 
 import torch
 
-from tinkerd import cores
+from tinkerd import cores, merged_export
 from tinkerd.merged_export import lora_scale
 
 log = logging.getLogger(__name__)
@@ -109,18 +109,14 @@ def read_adapter(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     return load_file(os.path.join(path, "adapter_model.safetensors")), config
 
 
-def _tied(model_dir: str) -> bool:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    return bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")))
-
-
 def engine_overrides(model_dir: str) -> dict:
     """How a merged slot's engine differs from the LoRA one: no LoRA, weights filled by the first
     merge (not read at start), and an output layer of its own where the base model ties it to the
     input embeddings (a delta on lm_head must not change the embeddings)."""
     overrides: dict = {"load_format": "dummy"}
-    if _tied(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    if merged_export.tied(config):
         overrides["hf_overrides"] = {"tie_word_embeddings": False}
     return overrides
 

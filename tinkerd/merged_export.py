@@ -117,7 +117,9 @@ def _adapter_modules(adapter_dir: str, config: dict) -> dict[str, tuple[tuple[in
     return {m: (ab["A"], ab["B"]) for m, ab in pairs.items()}
 
 
-def _tied(config: dict) -> bool:
+def tied(config: dict) -> bool:
+    """Whether the model ties its output layer to its input embeddings (a config.json without the
+    key ties them: transformers' default)."""
     text = config.get("text_config") or {}
     return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
 
@@ -158,7 +160,7 @@ def plan(base_model_dir: str, adapter_dir: str) -> Plan:
     base = _base_weights(base_model_dir)
     tensors = [Tensor(name, name, file, info["dtype"], tuple(info["shape"]), None) for name, (file, info) in base.items()]
     # A tied output layer gets a weight of its own when the adapter changes it (module doc).
-    untied = "lm_head" in modules and _tied(config)
+    untied = "lm_head" in modules and tied(config)
     if untied:
         config = _untie(config)
     if untied and "lm_head.weight" not in base:
@@ -224,14 +226,14 @@ def _raw(tensor) -> bytes:
 def notes(p: Plan, tinker_path: str) -> str:
     """TINKERD_EXPORT.md of the merged archive: what it is, and why it exists."""
     merged = sorted({t.module for t in p.tensors if t.module})
-    tied = ("\nThe base model ties its output layer to the input embeddings; the adapter changes the output "
+    tie_note = ("\nThe base model ties its output layer to the input embeddings; the adapter changes the output "
             "layer, so this export has an `lm_head.weight` of its own (the embeddings plus the delta) and "
             "config.json says `tie_word_embeddings: false`.\n" if p.untied else "")
     return (f"# {tinker_path}, merged\n\n"
             f"The base model ({os.path.basename(os.path.normpath(p.base_model_dir))}) with the LoRA adapter of "
             f"`{tinker_path}` merged into its weights: W + {p.scale:g} * B @ A (alpha / r), computed in float64 "
             f"and rounded once to each weight's stored dtype. {len(merged)} modules carry a delta.\n"
-            f"{tied}\n"
+            f"{tie_note}\n"
             "## Why a merged export\n\n"
             "The adapter as trained (the default archive, PEFT format) loads in PEFT "
             "(`PeftModel.from_pretrained`) and in vLLM's LoRA path (`LoRARequest`) for architectures "

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from tinkerd import custom_loss as spec_mod
 from tinkerd.errors import UserError
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+_DTYPES = {name: getattr(torch, name) for name in spec_mod.DTYPES}     # the ones a spec may name
 _OPERATORS = {name: getattr(operator, name) for name in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "lt", "le", "gt", "ge", "eq", "ne", "and_",
     "or_", "xor", "getitem", "neg", "pos", "abs", "invert")}
@@ -62,7 +61,7 @@ class CompiledLoss:
     def __init__(self, spec: spec_mod.LossSpec):
         missing = [n.target for n in spec.nodes if n.op == "call_function" and n.target not in FUNCTIONS]
         missing += [n.target for n in spec.nodes if n.op == "call_method" and n.target not in METHODS]
-        if missing:      # the two tables disagree: a server bug, caught by tests/unit/test_custom_loss.py
+        if missing:      # the two tables disagree: a server bug, caught by tests/unit/test_custom_loss_graphs.py
             raise RuntimeError(f"custom loss ops without an implementation: {missing}")
         self.spec = spec
         self.name = spec.name

@@ -37,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tinkerd import dtypes
 from tinkerd.errors import UnavailableError, UserError
 from tinkerd.process import exit_now
 from trainer_service.lora import LoraSpec
@@ -51,8 +52,6 @@ _PING, _STOP = "_ping", "_stop"
 _OK, _USER, _FAILED = 0, 1, 2
 # What a command may carry besides JSON values and tensors.
 _TYPES = {cls.__name__: cls for cls in (LoraSpec, AdamParams, DatumInput)}
-_DTYPES = {name: getattr(torch, name) for name in (
-    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")}
 
 
 # ---- the wire form of a call: JSON + raw tensor bytes -------------------------------------------
@@ -95,7 +94,7 @@ def decode(buf: torch.Tensor) -> tuple[str, list, dict, dict[str, bool]]:
         if not isinstance(v, dict):
             return v
         if "$tensor" in v:
-            dtype, shape = _DTYPES[v["$tensor"][0]], v["$tensor"][1]
+            dtype, shape = dtypes.torch_dtype(v["$tensor"][0]), v["$tensor"][1]
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             t = buf[offset:offset + nbytes].clone().view(dtype).reshape(shape)
             offset += nbytes

@@ -30,9 +30,10 @@ from trainer_service.custom_loss import CompiledLoss
 from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES
 from trainer_service.losses import ELEMENTWISE
 from trainer_service.registry import LoraModel
+from trainer_service.settings import TrainerSettings
 
 
-MAX_BATCH_TOKENS = 1 << 17     # TrainerSettings.max_batch_tokens' default
+MAX_BATCH_TOKENS = TrainerSettings.max_batch_tokens
 
 
 @dataclasses.dataclass

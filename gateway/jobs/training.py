@@ -1,5 +1,5 @@
 """A training run's jobs: create_model, forward / forward_backward, optim_step. They run in the
-model's seq_id order (gateway/futures/store.py)."""
+model's seq_id order (gateway/futures/order.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Training a model: create, get_info, forward_backward (forward), optim_step. Each call that
-does work is a future run in the model's seq_id order (gateway/futures/store.py)."""
+does work is a future run in the model's seq_id order (gateway/futures/order.py)."""
 
 from __future__ import annotations
 
@@ -59,9 +59,7 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
     """The SDK's protobuf body (maybe zstd); stable_reinforce gets the sampler's recorded logprobs."""
     if "json" in request.headers.get("content-type", ""):
         raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
-    raw = convert.decompress(await request.body(), request.headers.get("content-encoding"),
-                             gw.settings.max_body_bytes)
-    msg = convert.parse_forward_backward(raw)
+    msg = convert.parse_forward_backward(await request.body())     # inflated already (body_limit.py)
     model = gw.sessions.live_model(caller, msg.model_id)     # before any array is made for it
     with gw.refusing(caller, msg.model_id, msg.seq_id):
         convert.check_cost(msg, convert.Budget.of(gw.settings))   # from shapes: nothing expanded yet
