@@ -132,3 +132,23 @@ def test_merge_wait_reaches_the_engine_settings_and_a_negative_one_is_refused():
     assert MergedSettings(wait_s=0).wait_s == 0
     with pytest.raises(UserError, match="--merge-wait-s must be 0"):
         MergedSettings(wait_s=-1)
+
+
+@pytest.mark.parametrize("config, tied", [
+    ({}, True),                                                 # transformers' default: tied
+    ({"tie_word_embeddings": False}, False),
+    ({"text_config": None}, True),
+    ({"text_config": {"tie_word_embeddings": False}}, False),   # a multimodal config's text model
+])
+def test_a_merged_slot_unties_the_output_layer_wherever_the_base_model_ties_it(tmp_path, config, tied):
+    """The merged slot and the merged export read config.json alike: a delta on lm_head must not
+    change the input embeddings of a tied model, a config without the key included."""
+    import json
+
+    from sampler_service import merged
+    from tinkerd import merged_export
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert merged_export.tied(config) is tied
+    assert merged.engine_overrides(str(tmp_path)).get("hf_overrides") == (
+        {"tie_word_embeddings": False} if tied else None)
