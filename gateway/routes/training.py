@@ -59,7 +59,8 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
     """The SDK's protobuf body (maybe zstd); stable_reinforce gets the sampler's recorded logprobs."""
     if "json" in request.headers.get("content-type", ""):
         raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
-    msg = convert.parse_forward_backward(await request.body())     # inflated already (body_limit.py)
+    raw = await request.body()          # inflated already, if it came zstd (body_limit.py)
+    msg = convert.parse_forward_backward(raw)
     model = gw.sessions.live_model(caller, msg.model_id)     # before any array is made for it
     with gw.refusing(caller, msg.model_id, msg.seq_id):
         convert.check_cost(msg, convert.Budget.of(gw.settings))   # from shapes: nothing expanded yet
