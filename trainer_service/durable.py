@@ -35,8 +35,6 @@ import time
 from tinkerd import paths
 
 STATE, JOURNAL = "state", "journal.jsonl"
-# Kinds that change a model: the ones a restart can lose.
-STATEFUL = ("forward_backward", "optim_step")
 _JOURNAL_KEPT = 64          # entries at or before the state's seq_id kept to answer resends
 IDLE_WRITE_AFTER_S = 1.0      # --durable-idle-s's default
 
