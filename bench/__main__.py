@@ -63,7 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--rows-to", help=argparse.SUPPRESS)
     p.add_argument("--work-dir", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if unknown := [n for n in args.only.split(",") if n not in BENCHMARKS]:
+        p.error(f"no benchmark named {', '.join(unknown)}; there are {', '.join(BENCHMARKS)}")
+    return args
 
 
 def run_one(ctx: Context, name: str, rows_to: str) -> None:
@@ -107,11 +110,14 @@ def run_here(ctx: Context, names: list[str]) -> tuple[list[Row], list[str]]:
     return [r for n in names for r in got[n][0]], [note for n in names for note in got[n][1]]
 
 
-def run_all(ctx: Context, args: argparse.Namespace) -> tuple[list[Row], list[str]] | None:
+def run_all(ctx: Context, args: argparse.Namespace) -> tuple[list[Row], list[str], list[str]]:
+    """Rows, notes, and the benchmarks that failed: a failure is reported, and the others still run
+    (an hour's run is not lost to one of them)."""
     if ctx.quick:
-        return run_here(ctx, args.only.split(","))
+        return *run_here(ctx, args.only.split(",")), []
     rows: list[Row] = []
     notes: list[str] = []
+    failed: list[str] = []
     for name in args.only.split(","):
         # Each benchmark in its own process: raw vLLM and DeepSpeed each own torch.distributed state.
         t0 = time.monotonic()
@@ -120,7 +126,8 @@ def run_all(ctx: Context, args: argparse.Namespace) -> tuple[list[Row], list[str
                *(["--quick"] if args.quick else []), *(["--no-smollm2"] if args.no_smollm2 else [])]
         if subprocess.run(cmd, cwd=REPO).returncode != 0:
             print(f"[bench] {name} failed", file=sys.stderr)
-            return None
+            failed.append(name)
+            continue
         with open(out) as f:
             got = json.load(f)
         for r in (Row(**d) for d in got["rows"]):
@@ -129,14 +136,16 @@ def run_all(ctx: Context, args: argparse.Namespace) -> tuple[list[Row], list[str
             rows.append(r)
         notes += got["notes"]
         print(f"[bench] {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-    return rows, notes
+    return rows, notes, failed
 
 
-def write_results(ctx: Context, out_dir: str, rows: list[Row], notes: list[str], seconds: float) -> None:
+def write_results(ctx: Context, out_dir: str, rows: list[Row], notes: list[str], seconds: float,
+                  failed: list[str] = ()) -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     host = machine()
     header = (f"## Benchmarks — {stamp}{' (quick smoke run: no verdicts)' if ctx.quick else ''}\n\n"
-              f"Machine: {host}. Models: {', '.join(ctx.models)}. Total {seconds:.0f} s.")
+              f"Machine: {host}. Models: {', '.join(ctx.models)}. Total {seconds:.0f} s."
+              + (f" **Failed (no rows; see the run's output): {', '.join(failed)}.**" if failed else ""))
     if notes:
         notes = ["### Why the misses (profiled)", ""] + [f"- {n}" for n in notes]
     table = render(rows, header, notes)
@@ -146,7 +155,8 @@ def write_results(ctx: Context, out_dir: str, rows: list[Row], notes: list[str],
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(table)
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump({"date": stamp, "machine": host, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+        json.dump({"date": stamp, "machine": host, "rows": [dataclasses.asdict(r) for r in rows],
+                   "failed": list(failed)}, f, indent=1)
 
 
 def main(argv=None) -> int:
@@ -164,11 +174,9 @@ def main(argv=None) -> int:
         run_one(ctx, args.one, args.rows_to)
         return 0
     t0 = time.monotonic()
-    result = run_all(ctx, args)
-    if result is None:
-        return 1
-    write_results(ctx, args.out, *result, time.monotonic() - t0)
-    return 0
+    rows, notes, failed = run_all(ctx, args)
+    write_results(ctx, args.out, rows, notes, time.monotonic() - t0, failed)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
