@@ -57,7 +57,7 @@ def run(ctx: Context) -> list[Row]:
         with _scale_stack(ctx, "tiny", counts) as stack:
             return _resident_rows(ctx, stack) + _at_scale_rows(ctx, "tiny", counts, stack=stack)
     with running_stack(ctx.models["tiny"], new_dir(ctx, "tenants"), *ctx.stack_flags(ctx.models["tiny"], (
-            "--max-loras", "8", "--max-cpu-loras", "64"))) as stack:
+            "--max-loras", "8", "--max-cpu-loras", "64", "--max-models-per-user", str(2 * RESIDENT)))) as stack:
         rows = _resident_rows(ctx, stack)
     for name, counts in _scale_counts(ctx).items():
         if name in ctx.models:
