@@ -146,7 +146,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def check(ratio: float, target: str) -> bool:
     op, value = target.split()
-    return {">=": ratio >= float(value), ">": ratio > float(value), "<=": ratio <= float(value)}[op]
+    return {">=": ratio >= float(value), ">": ratio > float(value), "<=": ratio <= float(value),
+            "<": ratio < float(value)}[op]
 
 
 def tiny_model(work_dir: str) -> str:

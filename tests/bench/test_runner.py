@@ -35,3 +35,11 @@ def test_an_unknown_benchmark_name_is_refused_with_the_names_there_are(capsys):
     with pytest.raises(SystemExit):
         runner.parse_args(["--only", "train_step,sampleing"])
     assert "no benchmark named sampleing; there are train_step" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, target, met", [(0.95, ">= 0.9", True), (0.9, "> 0.9", False), (90, "<= 100", True),
+                                                (999, "< 1000", True), (1000, "< 1000", False)])
+def test_every_target_a_benchmark_states_has_a_verdict(value, target, met):
+    from bench.common import check
+
+    assert check(value, target) is met
