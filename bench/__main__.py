@@ -140,7 +140,7 @@ def run_all(ctx: Context, args: argparse.Namespace) -> tuple[list[Row], list[str
 
 
 def write_results(ctx: Context, out_dir: str, rows: list[Row], notes: list[str], seconds: float,
-                  failed: list[str] = ()) -> None:
+                  failed: tuple[str, ...] | list[str] = ()) -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     host = machine()
     header = (f"## Benchmarks — {stamp}{' (quick smoke run: no verdicts)' if ctx.quick else ''}\n\n"
