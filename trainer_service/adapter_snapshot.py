@@ -1,4 +1,5 @@
-"""An adapter snapshot gathered straight into weight-stream chunks, in the serving dtype.
+"""An adapter snapshot gathered straight into weight-stream chunks: in the serving dtype for a
+push, as trained for a checkpoint's adapter file (TrainerEngine.save_state).
 
 The push path's one copy: each LoRA parameter is copied (and cast) into its place in the send
 buffer, which the stream and the persisted copy then share. Which parameter goes under which
@@ -21,15 +22,15 @@ _buffers = weight_stream.BufferPool()
 _names: dict[int, tuple[weakref.ref, list[tuple[str, torch.Tensor]]]] = {}
 
 
-def gather(peft_model, model: LoraModel, *, zero_stage: int, dtype: torch.dtype,
+def gather(peft_model, model: LoraModel, *, zero_stage: int, dtype: torch.dtype | None,
            chunk_bytes: int = weight_stream.DEFAULT_CHUNK_BYTES) -> weight_stream.Packed:
-    """The adapter's full tensors (gathered under ZeRO-3) with PEFT names, cast to `dtype`, in
-    send chunks; call the result's `release` once nothing reads them any more."""
+    """The adapter's full tensors (gathered under ZeRO-3) with PEFT names, cast to `dtype` (None:
+    each in its own), in send chunks; call the result's `release` once nothing reads them any more."""
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(model.params, enabled=zero_stage == 3):
         named = _named_parameters(peft_model, model)
-        specs, sizes = weight_stream.layout(((name, dtype, t.shape) for name, t in named), chunk_bytes)
+        specs, sizes = weight_stream.layout(((name, dtype or t.dtype, t.shape) for name, t in named), chunk_bytes)
         flat = _buffers.take(sum(sizes))
         chunks = weight_stream.allocate(sizes, flat)
         for spec, (_, t) in zip(specs, named):

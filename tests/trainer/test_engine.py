@@ -165,23 +165,38 @@ class _Planted:
         return (open, (self.marker, "w"))
 
 
-# The file that holds a model's optimizer state: stage 0 keeps it with the module's; ZeRO in its partition.
-_OPTIMIZER_FILES = {"stage 0": ("mp_rank_00_model_states.pt", "optimizer"),
+# DeepSpeed's files that hold a model's optimizer state: stage 0 kept it with the module's (before
+# adamw.safetensors, whose checkpoints still load); ZeRO in its partition.
+_OPTIMIZER_FILES = {"stage 0, DeepSpeed's format": ("mp_rank_00_model_states.pt", "optimizer"),
                     "ZeRO-2, converted": ("zero_pp_rank_0_mp_rank_00_optim_states.pt", "optimizer_state_dict")}
+
+
+def _as_deepspeed_wrote_stage_0(engine, model_id, directory):
+    """The checkpoint at `directory` as a stage-0 trainer wrote it before adamw.safetensors:
+    DeepSpeed's checkpoint of the engine (the adapter again beside the moments)."""
+    from trainer_service import checkpoints
+
+    model = engine.get(model_id)
+    (directory / checkpoints.OPTIMIZER / checkpoints.ADAMW_STATE).unlink()
+    model.engine.save_checkpoint(str(directory / checkpoints.OPTIMIZER), tag="state",
+                                 client_state={"step": model.step}, save_latest=False)
 
 
 @pytest.mark.parametrize("written", sorted(_OPTIMIZER_FILES))
 def test_optimizer_state_loads_only_tensors(tiny_model_dir, tmp_path, written):
-    """A full checkpoint restores through torch.load(weights_only=True); an optimizer file that
-    pickles anything else is refused as a user error, and nothing in it runs. Both ways a
-    one-rank trainer loads one: stage 0's own, and a ZeRO-2 one converted."""
+    """A full checkpoint of DeepSpeed's format restores through torch.load(weights_only=True); an
+    optimizer file that pickles anything else is refused as a user error, and nothing in it runs.
+    Both ways a one-rank trainer loads one: stage 0's own, and a ZeRO-2 one converted."""
     from tinkerd.errors import UserError
 
-    writer = TrainerEngine(tiny_model_dir, zero_stage=2, keep_zero_stage=written != "stage 0")
+    stage_0 = written.startswith("stage 0")
+    writer = TrainerEngine(tiny_model_dir, zero_stage=2, keep_zero_stage=not stage_0)
     writer.create_model("src", LoraSpec(rank=4, seed=3))
     writer.forward_backward("src", [A], "cross_entropy", {}, forward_only=False)
     writer.optim_step("src", _adam(1e-2))
     writer.save_state("src", str(tmp_path / "full"), with_optimizer=True)
+    if stage_0:
+        _as_deepspeed_wrote_stage_0(writer, "src", tmp_path / "full")
     engine = TrainerEngine(tiny_model_dir, zero_stage=2)
     assert engine.load_state("good", str(tmp_path / "full"), with_optimizer=True).step == 1
     name, key = _OPTIMIZER_FILES[written]
@@ -190,6 +205,55 @@ def test_optimizer_state_loads_only_tensors(tiny_model_dir, tmp_path, written):
     with pytest.raises(UserError, match="more than tensors"):
         engine.load_state("planted", str(tmp_path / "full"), with_optimizer=True)
     assert not marker.exists() and not engine.is_resident("planted")
+
+
+@pytest.mark.parametrize("written", ["adamw.safetensors", "DeepSpeed's format"])
+def test_stage_0_checkpoint_trains_on_like_the_original(tiny_model_dir, tmp_path, written):
+    """A stage-0 trainer writes its AdamW state as adamw.safetensors, moments and step count only
+    (no pickle, no second copy of the adapter); a model loaded from it, or from a stage-0
+    checkpoint DeepSpeed wrote before, takes the original's next steps exactly."""
+    from trainer_service import checkpoints
+
+    adam = _adam(1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+    writer = TrainerEngine(tiny_model_dir, zero_stage=2)
+    writer.create_model("m", LoraSpec(rank=4, seed=8))
+    _train(writer, "m", adam, 2)
+    writer.save_state("m", str(tmp_path / "ckpt"), with_optimizer=True)
+    optimizer_dir = tmp_path / "ckpt" / checkpoints.OPTIMIZER
+    assert sorted(p.name for p in optimizer_dir.iterdir()) == [checkpoints.ADAMW_STATE]
+    adapter_bytes = (tmp_path / "ckpt" / checkpoints.ADAPTER_WEIGHTS).stat().st_size
+    assert (optimizer_dir / checkpoints.ADAMW_STATE).stat().st_size < 2.2 * adapter_bytes     # two moments
+    if written != "adamw.safetensors":
+        _as_deepspeed_wrote_stage_0(writer, "m", tmp_path / "ckpt")
+    reader = TrainerEngine(tiny_model_dir, zero_stage=2)
+    assert reader.load_state("copy", str(tmp_path / "ckpt"), with_optimizer=True).step == 2
+    assert _train(reader, "copy", adam, 2) == pytest.approx(_train(writer, "m", adam, 2), rel=1e-6)
+    assert _max_difference(_adapter(reader, "copy"), _adapter(writer, "m")) < 1e-6
+
+
+def test_stage_0_optimizer_state_that_does_not_fit_is_refused(tiny_model_dir, tmp_path):
+    """adamw.safetensors of another adapter's shapes, or damaged, is the user's error with the
+    reason, and leaves no half-made model behind."""
+    import shutil
+
+    from tinkerd.errors import UserError
+    from trainer_service import checkpoints
+
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2)
+    for model_id, rank in (("r4", 4), ("r8", 8)):
+        engine.create_model(model_id, LoraSpec(rank=rank, seed=0))
+        _train(engine, model_id, _adam(1e-2), 1)
+        engine.save_state(model_id, str(tmp_path / model_id), with_optimizer=True)
+    state = f"{checkpoints.OPTIMIZER}/{checkpoints.ADAMW_STATE}"
+    shutil.copy(tmp_path / "r8" / state, tmp_path / "r4" / state)
+    with pytest.raises(UserError, match="does not fit this adapter"):
+        engine.load_state("mixed", str(tmp_path / "r4"), with_optimizer=True)
+    (tmp_path / "r8" / state).write_bytes((tmp_path / "r8" / state).read_bytes()[:1000])
+    with pytest.raises(UserError, match="unreadable"):
+        engine.load_state("damaged", str(tmp_path / "r8"), with_optimizer=True)
+    assert not engine.is_resident("mixed") and not engine.is_resident("damaged")
+    engine.load_state("weights", str(tmp_path / "r8"), with_optimizer=False)        # its weights are fine
+    assert _max_difference(_adapter(engine, "weights"), _adapter(engine, "r8")) == 0
 
 
 # ---- ZeRO-1/2 on one rank run as stage 0 ------------------------------------------------------
