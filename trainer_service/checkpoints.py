@@ -129,7 +129,7 @@ def _write_adamw(path: str, model: LoraModel) -> None:
     tensors = {f"{name}.{i}": value.detach().to("cpu").contiguous()
                for i, moments in state.items() for name, value in moments.items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    safetensors.torch.save_file(tensors, path, metadata={"parameters": str(len(model.params))})
+    safetensors.torch.save_file(tensors, path)
 
 
 def commit_state(tmp: str, directory: str) -> int:
@@ -260,20 +260,19 @@ def _restore_adamw(model: LoraModel, path: str, directory: str) -> None:
     for key, value in saved.items():
         name, _, index = key.rpartition(".")
         i = int(index) if index.isdigit() else -1
-        fits = name in _ADAMW_SHAPES and 0 <= i < len(params) and \
-            tuple(value.shape) == _ADAMW_SHAPES[name](params[i])
-        if not fits:
+        if name not in _ADAMW_KEYS or not 0 <= i < len(params) or \
+                tuple(value.shape) != (() if name == "step" else tuple(params[i].shape)):
             raise UserError(f"the optimizer state at {directory} does not fit this adapter "
                             f"({key} of shape {tuple(value.shape)}; {len(params)} parameters here)")
         state.setdefault(i, {})[name] = value       # load_state_dict puts each where its parameter wants it
-    if state and (len(state) != len(params) or any(len(moments) != len(_ADAMW_SHAPES) for moments in state.values())):
+    if state and (len(state) != len(params) or any(len(moments) != len(_ADAMW_KEYS) for moments in state.values())):
         raise UserError(f"the optimizer state at {directory} does not fit this adapter "
                         f"(AdamW state of {len(state)} parameters, {len(params)} here)")
     optimizer = model.engine.optimizer
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
-_ADAMW_SHAPES = {"exp_avg": lambda p: tuple(p.shape), "exp_avg_sq": lambda p: tuple(p.shape), "step": lambda p: ()}
+_ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")      # the moments have their parameter's shape; step is a scalar
 
 
 def _restore_with_deepspeed(engine, directory: str) -> None:
