@@ -160,6 +160,13 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
     previous: list[int] = []
     path: list[int] = []
     order = sorted(range(len(tokens)), key=lambda i: tokens[i])
+    real = sum(len(t) for t in tokens)
+    # The fewest nodes any layout has (rows' caps only cut sharing): if even they save too little,
+    # say so before laying out every token (an SFT batch of 8 x 512 tokens: 0.8 ms of Python).
+    fewest = len(tokens[order[0]]) + sum(len(tokens[i]) - shared_prefix(tokens[j], tokens[i])
+                                         for j, i in zip(order, order[1:]))
+    if fewest > (1 - MIN_SAVING) * real:
+        return None
     for i in order:
         t = tokens[i]
         shared = shared_prefix(previous, t)     # sorted: the longest prefix shared with any earlier datum
@@ -175,7 +182,7 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
         paths[i] = (len(rows) - 1, list(path))
         previous = t
     width = max(len(r[0]) for r in rows)
-    nodes, real = sum(len(r[0]) for r in rows), sum(len(t) for t in tokens)
+    nodes = sum(len(r[0]) for r in rows)
     if not pays(nodes, real, len(rows) * width, len(tokens) * longest):
         return None
     ids = torch.zeros(len(rows), width, dtype=torch.long)

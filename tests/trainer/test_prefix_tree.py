@@ -71,6 +71,18 @@ def test_datums_that_share_nothing_go_padded_as_before():
     assert packed.ids.shape == (1, 30)
 
 
+def test_sharing_that_the_rows_cap_cuts_goes_padded():
+    """Two 300-token datums sharing 250: one row of 350 nodes when rows hold 512 tokens; when they
+    hold 300, the second starts a row of its own, shares nothing, and the batch goes padded (the
+    quick count of the fewest nodes passes it on; the laid-out rows decide)."""
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, 1000, (250,), generator=gen).tolist()
+    tokens = [shared + torch.randint(3, 1000, (50,), generator=gen).tolist() for _ in range(2)]
+    targets = torch.randint(3, 1000, (600,), generator=gen)
+    assert prefix_tree.pack(tokens, targets).ids.shape == (1, 350)
+    assert prefix_tree.pack(tokens, targets, row_tokens=300) is None
+
+
 def _train(engine: TrainerEngine, model_id: str, loss_fn: str) -> dict:
     engine.create_model(model_id, LoraSpec(rank=8, seed=5))
     seen = {}
