@@ -6,7 +6,7 @@
    between two processes.
 2. Adapter sync latency through the SDK: `save_weights_and_get_sampling_client()` for a rank-8
    and a rank-32 adapter (gather under ZeRO, announce over gRPC, stream, register in vLLM),
-   the time a user waits before sampling the new weights: syncs PAUSE_S apart, as a user's
+   the time a user waits before sampling the new weights: syncs PAUSE_S apart, as a user's syncs
    follow training or sampling (the target), and back to back, where each one competes with
    the previous one's persisted copy, written after its reply.
 3. The transport, same host (full run only: a second stack): a rank-32 adapter's sync through a

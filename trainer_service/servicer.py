@@ -81,8 +81,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         an answered step is on disk. Otherwise the state may lag by the interval anyway, so the write
         goes right after the reply, as the model's tenant's next turn: the step's caller has its reply
         sooner, though its next call on the model waits for the write (an RL loop's weight push: ~0.4 s
-        for SmolLM2 rank 32 in fp32 on 2 cores, the write ~0.2 s of it). Deferred past the push, it ran beside a CPU sampler's compute and
-        cost the step more than that (docs/benchmarks.md)."""
+        for SmolLM2 rank 32 in fp32 on 2 cores, the write ~0.2 s of it). Deferred past the push, it
+        ran beside a CPU sampler's compute and cost the step more than that (docs/benchmarks.md)."""
         if self.engine.durable.interval_s <= 0:
             self.engine.save_durable(model_id)
             return
