@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -243,6 +244,11 @@ class TrainerEngine:
                     return 0
                 checkpoints.write_state(tmp, model, packed, config, base_model_dir=self.base_model_dir,
                                         zero_stage=self.zero_stage, with_optimizer=with_optimizer)
+            except BaseException:
+                # Nothing half-written stays beside the last checkpoint: a trainer retrying its
+                # durable write on a full disk would otherwise fill it further, write after write.
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             finally:
                 packed.release()
         return checkpoints.commit_state(tmp, directory)

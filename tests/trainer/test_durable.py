@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from tinkerd import tensors
 from tinkerd.v1 import common_pb2, trainer_pb2
@@ -238,3 +239,34 @@ def test_a_trainer_stopped_by_sigterm_writes_what_is_behind_first(tiny_model_dir
     np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 6), before, atol=1e-6)   # no step lost
     _fb(restarted, "s:train:0", 7)
     assert _step(restarted, "s:train:0", 8).metrics["step:max"] == 3.0
+
+
+
+def test_a_write_that_fails_leaves_the_last_state_and_nothing_half_written(tiny_model_dir, tmp_path, monkeypatch):
+    """A durable write that fails part way (the disk full while the optimizer state goes out)
+    leaves the model's last durable state as it was and no partial directory beside it (a trainer
+    retrying on a full disk would otherwise fill it further); once there is room, it is written."""
+    from trainer_service.lora import LoraSpec
+    from trainer_service.training import AdamParams, DatumInput
+
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2, durable=DurableModels(str(tmp_path)))
+    engine.create_model("m", LoraSpec(rank=4, seed=3))          # its durable state: step 0
+    datum = DatumInput(TOKENS[:-1], {"target_tokens": torch.tensor(TOKENS[1:]), "weights": torch.ones(len(TOKENS) - 1)})
+    engine.forward_backward("m", [datum], "cross_entropy", {}, forward_only=False)
+    engine.optim_step("m", AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                                      grad_clip_norm=0.0))
+    state = engine.durable.state_path("m")
+    beside = os.path.dirname(state)
+    before = sorted(os.listdir(beside)), sorted(os.listdir(state))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoints, "_write_adamw", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        engine.save_durable("m")
+    assert (sorted(os.listdir(beside)), sorted(os.listdir(state))) == before
+    assert checkpoints.read_state(state, with_optimizer=True, zero_stage=0)[2] == 0
+    monkeypatch.undo()
+    engine.save_durable("m")
+    assert checkpoints.read_state(state, with_optimizer=True, zero_stage=0)[2] == 1
+    assert sorted(os.listdir(beside)) == before[0]
