@@ -300,6 +300,8 @@ class TrainerEngine:
         with self._lock:
             if self.ranks.world > 1:      # every rank joins the gather (ZeRO-3); rank 0 packs what it got
                 tensors, config = self.export_adapter(model_id)
+                if not self.ranks.leader:     # save_state's followers: only rank 0 writes the adapter
+                    return weight_stream.Packed([], []), config
                 return weight_stream.pack(tensors, dtype=dtype), config
             model = self.get(model_id)
             packed = adapter_snapshot.gather(self.peft, model, zero_stage=self.zero_stage, dtype=dtype)
