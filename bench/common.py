@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import os
 import statistics
 import tempfile
@@ -144,10 +145,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+_COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
 def check(ratio: float, target: str) -> bool:
     op, value = target.split()
-    return {">=": ratio >= float(value), ">": ratio > float(value), "<=": ratio <= float(value),
-            "<": ratio < float(value)}[op]
+    return _COMPARISONS[op](ratio, float(value))
 
 
 def tiny_model(work_dir: str) -> str:

@@ -248,6 +248,9 @@ def restore_optimizer(model: LoraModel, directory: str, step: int) -> None:
     model.step = step
 
 
+_ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")      # the moments have their parameter's shape; step is a scalar
+
+
 def _restore_adamw(model: LoraModel, path: str, directory: str) -> None:
     """adamw.safetensors into the stage-0 engine's AdamW, each moment checked against its parameter."""
     import safetensors.torch
@@ -270,9 +273,6 @@ def _restore_adamw(model: LoraModel, path: str, directory: str) -> None:
                         f"(AdamW state of {len(state)} parameters, {len(params)} here)")
     optimizer = model.engine.optimizer
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
-
-
-_ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")      # the moments have their parameter's shape; step is a scalar
 
 
 def _restore_with_deepspeed(engine, directory: str) -> None:
