@@ -4,6 +4,7 @@ train_attn / train_mlp / train_unembed flags, and the per-adapter module DeepSpe
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 from peft import LoraConfig
@@ -51,6 +52,44 @@ def peft_config(groups: dict[str, list[str]], spec: LoraSpec) -> LoraConfig:
                + (groups["unembed"] if spec.train_unembed else []))
     return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                       target_modules=targets, bias="none")
+
+
+def _fused_forward(self, x, *args, **kwargs):
+    """PEFT's lora.Linear forward for its one active fp32 adapter on an fp32 layer, without the
+    two passes over the layer's output PEFT spends on `delta * scaling` (in the forward, and
+    again in the backward, even at scaling 1): base + ((x @ A^T) * scaling) @ B^T, the scaling
+    on the [tokens, rank] product. Tinker's fixed alpha gives ranks 1, 2, 4, ..., 128 a power-of-two
+    scaling, so this is PEFT's result bit for bit; other ranks differ in rounding only. (Scaling
+    B instead, as vLLM folds it, would keep a scaled copy of B for the backward, which
+    microbatches.measure would count as activations.) Anything else (several or no active
+    adapters, merged weights, dropout, DoRA, a LoRA bias, per-row adapter names) takes PEFT's own."""
+    active = self.active_adapters
+    name = active[0] if len(active) == 1 else None
+    if (args or kwargs or self.disable_adapters or self.merged or name not in self.lora_A
+            or self.use_dora.get(name) or not isinstance(self.lora_dropout[name], torch.nn.Identity)
+            or x.dtype != torch.float32 or self.lora_B[name].bias is not None):
+        return type(self).forward(self, x, *args, **kwargs)
+    result = self.base_layer(x)
+    h = torch.nn.functional.linear(x, self.lora_A[name].weight)
+    scaling = self.scaling[name]
+    if scaling != 1:
+        h = h * scaling
+    return result + torch.nn.functional.linear(h, self.lora_B[name].weight)
+
+
+def install_fused_forward(peft_model: torch.nn.Module) -> int:
+    """_fused_forward on the fp32 LoRA Linear layers of `peft_model` added since the last call
+    (call it after every add_adapter); returns how many. 16-bit layers keep theirs
+    (cpu_numerics.install_lora on CPU, PEFT's on GPU)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    count = 0
+    for module in peft_model.modules():
+        if (type(module) is LoraLinear and module.base_layer.weight.dtype == torch.float32
+                and getattr(module.forward, "__func__", None) is not _fused_forward):
+            module.forward = types.MethodType(_fused_forward, module)
+            count += 1
+    return count
 
 
 @dataclasses.dataclass(frozen=True)

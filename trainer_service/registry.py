@@ -22,7 +22,7 @@ import torch
 from tinkerd.errors import UserError
 from trainer_service import cpu_numerics
 from trainer_service.deepspeed_setup import adapter_engine
-from trainer_service.lora import ACTIVE_MARK, LoraSpec, linear_groups, peft_config
+from trainer_service.lora import ACTIVE_MARK, LoraSpec, install_fused_forward, linear_groups, peft_config
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class ModelRegistry:
             torch.manual_seed(seed)
             self.peft.add_adapter(name, peft_config(self._linear_groups, spec))
         cpu_numerics.install_lora(self.peft)      # new LoRA layers round as the sampler's (bf16 on CPU)
+        install_fused_forward(self.peft)
         if initial is not None:
             self._load_initial(name, spec, initial)
         named = [(n, p) for n, p in self.peft.named_parameters() if f".{name}." in n]
@@ -121,6 +122,7 @@ class ModelRegistry:
         with torch.random.fork_rng(devices=[]):
             self.peft.add_adapter(name, peft_config(self._linear_groups, LoraSpec(self.max_lora_rank, 0)))
         cpu_numerics.install_lora(self.peft)
+        install_fused_forward(self.peft)
         try:
             self.peft.base_model.set_adapter(name)
             yield
