@@ -170,11 +170,12 @@ def test_a_batch_over_the_budget_trains_as_one_pass_would(engines, monkeypatch, 
                 assert torch.allclose(g, w, atol=1e-5), key
 
 
-def test_the_probe_prices_a_token_above_what_a_real_step_keeps(tiny_model_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_probe_prices_a_token_above_what_a_real_step_keeps(tiny_model_dir, dtype):
     """What autograd really keeps in a step (adapters up to the largest rank, padded batches of
     short and long datums, logits in chunks) is at most what the start-up probe charges, and not
     far below it: the budget neither overflows nor wastes most of itself."""
-    engine = TrainerEngine(tiny_model_dir, zero_stage=2, max_lora_rank=16, max_logits_mib=1)
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2, max_lora_rank=16, max_logits_mib=1, dtype=dtype)
     for rank in (1, 16):
         engine.create_model(f"r{rank}", LoraSpec(rank=rank, seed=1))
         for n, seed in ((24, 3), (4, 4)):
@@ -187,10 +188,11 @@ def test_the_probe_prices_a_token_above_what_a_real_step_keeps(tiny_model_dir):
             assert 0.5 * charged <= kept <= charged, (rank, n, kept, charged)
 
 
-def test_the_probe_prices_token_trees_above_what_a_real_step_keeps(tiny_model_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_probe_prices_token_trees_above_what_a_real_step_keeps(tiny_model_dir, dtype):
     """The same for a batch that goes as token trees, priced by the trees' rows and the datums'
     paths (microbatches.TreeCost, fitted from a packed probe at start-up)."""
-    engine = TrainerEngine(tiny_model_dir, zero_stage=2, max_lora_rank=16, max_logits_mib=1)
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2, max_lora_rank=16, max_logits_mib=1, dtype=dtype)
     assert engine.packable and engine.token_cost.tree is not None
     engine.create_model("m", LoraSpec(rank=16, seed=1))
     for groups, per_group, prompt, completion in ((4, 8, 40, 12), (2, 4, 200, 30)):
