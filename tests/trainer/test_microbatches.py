@@ -207,7 +207,8 @@ def test_the_probe_prices_token_trees_above_what_a_real_step_keeps(tiny_model_di
         for i in order:
             group.add(i)
         charged = group.bytes()
-        assert group.trees.rows * group.trees.width == packed.ids.numel()
+        assert group.trees.rows == packed.ids.shape[0]
+        assert group.trees.rows * group.trees.width >= packed.ids.numel()    # pack balances its rows
         assert 0.5 * charged <= kept <= charged, (groups, kept, charged, engine.token_cost, group.trees)
         assert charged < 0.8 * engine.token_cost.of(len(data), max(map(len, tokens))), engine.token_cost
 

@@ -83,6 +83,32 @@ def test_sharing_that_the_rows_cap_cuts_goes_padded():
     assert prefix_tree.pack(tokens, targets, row_tokens=300) is None
 
 
+def test_rows_are_balanced_not_filled(tiny_model_dir, monkeypatch):
+    """Rows filled to 512 tokens left the last one short, and every row is padded to the longest:
+    4 prompts x 8 rollouts of 52 tokens (40 shared) are 544 tree positions, filled into 2 rows of
+    508 (1,016 positions computed); balanced, 2 rows of 272. The datums' logprobs are the same."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = []
+    for _ in range(4):
+        prompt = torch.randint(3, 1000, (40,), generator=gen).tolist()
+        tokens += [prompt + torch.randint(3, 1000, (12,), generator=gen).tolist() for _ in range(8)]
+    targets = torch.randint(3, 1000, (52 * 32,), generator=gen)
+    lengths, shares = [52] * 32, [0] + [40 if i % 8 else 0 for i in range(1, 32)]
+    assert prefix_tree.rows_of(lengths, shares, 512) == (2, 508)
+    assert prefix_tree.pack(tokens, targets).ids.shape == (2, 272)
+
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2)
+    engine.create_model("m", LoraSpec(rank=8, seed=1))
+    data = [DatumInput(t, {"target_tokens": targets[52 * i:52 * (i + 1)]}) for i, t in enumerate(tokens)]
+
+    def logprobs():
+        outputs, _ = engine.forward_backward("m", data, "cross_entropy", {}, forward_only=True)
+        return torch.cat([o["logprobs"] for o in outputs])
+    balanced = logprobs()
+    monkeypatch.setattr(prefix_tree, "balanced_cap", lambda lengths, shares, cap: cap)
+    torch.testing.assert_close(balanced, logprobs(), rtol=0, atol=1e-6)
+
+
 def _train(engine: TrainerEngine, model_id: str, loss_fn: str) -> dict:
     engine.create_model(model_id, LoraSpec(rank=8, seed=5))
     seen = {}
