@@ -30,7 +30,8 @@ distinct path length and layer (ops a GPU launches: why padded batches keep thei
 
 For the models logprobs.py unembeds itself (PLAIN_HEADS), without a sliding window (which a
 custom mask would override), under SDPA (cpu_numerics' fp32 SDPA included; see `install`). A row
-holds at most max(ROW_TOKENS, longest datum) positions.
+holds at most max(ROW_TOKENS, longest datum) positions, and the rows are balanced: as few as
+that cap needs, each as short as keeps them that few (every row is padded to the longest).
 """
 
 from __future__ import annotations
