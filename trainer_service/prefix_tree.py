@@ -168,8 +168,8 @@ def rows_of(lengths: list[int], shares: list[int], cap: int) -> tuple[int, int]:
 def balanced_cap(lengths: list[int], shares: list[int], cap: int) -> int:
     """The smallest row cap that lays the datums out in no more rows than `cap` does. Every row is
     padded to the longest, and filling rows to `cap` leaves the last one short: the RL batch of
-    128 x 47 tokens in groups of 8 went into 5 rows of 512 for 2,096 positions (4 x 32 datums:
-    2 rows of 512 for 524), each padding position computed like a real one."""
+    128 x 47 tokens in groups of 8 went into 5 rows of 512 for 2,096 positions (32 of its datums,
+    4 groups: 2 rows of 512 for 524), each padding position computed like a real one."""
     rows, _ = rows_of(lengths, shares, cap)
     if rows == 1:
         return cap

@@ -99,8 +99,7 @@ class ModelRegistry:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.peft.add_adapter(name, peft_config(self._linear_groups, spec))
-        cpu_numerics.install_lora(self.peft)      # new LoRA layers round as the sampler's (bf16 on CPU)
-        install_fused_forward(self.peft)
+        self._install_forwards()
         if initial is not None:
             self._load_initial(name, spec, initial)
         named = [(n, p) for n, p in self.peft.named_parameters() if f".{name}." in n]
@@ -113,6 +112,12 @@ class ModelRegistry:
         log.info("created %s (adapter %s, rank %d, %d params)", model_id, name, spec.rank, num_params(model))
         return model
 
+    def _install_forwards(self) -> None:
+        """New LoRA layers' forwards: a 16-bit one on CPU rounds as the sampler's
+        (cpu_numerics), an fp32 one skips PEFT's passes for the scaling (lora.py)."""
+        cpu_numerics.install_lora(self.peft)
+        install_fused_forward(self.peft)
+
     @contextlib.contextmanager
     def costliest_adapter(self):
         """The costliest adapter this trainer accepts (the largest rank, every target module),
@@ -121,8 +126,7 @@ class ModelRegistry:
         setattr(self.peft, ACTIVE_MARK, None)
         with torch.random.fork_rng(devices=[]):
             self.peft.add_adapter(name, peft_config(self._linear_groups, LoraSpec(self.max_lora_rank, 0)))
-        cpu_numerics.install_lora(self.peft)
-        install_fused_forward(self.peft)
+        self._install_forwards()
         try:
             self.peft.base_model.set_adapter(name)
             yield
