@@ -151,12 +151,12 @@ def install(model: torch.nn.Module) -> bool:
 def _lora_forward(self, x, *args, **kwargs):
     """PEFT's lora.Linear forward for its one active adapter, computed as vLLM's CPU LoRA path
     computes it (see above): base + ((x @ A^T in fp32, rounded) @ (B * scaling in bf16)^T), in
-    the base layer's dtype. Anything else (several or no active adapters, merged weights,
-    dropout, DoRA, per-row adapter names) takes PEFT's own forward."""
-    active = self.active_adapters
-    name = active[0] if len(active) == 1 else None
-    if (args or kwargs or self.disable_adapters or self.merged or name not in self.lora_A
-            or self.use_dora.get(name) or not isinstance(self.lora_dropout[name], torch.nn.Identity)):
+    the base layer's dtype. Anything but a plain adapter (lora.plain_adapter) takes PEFT's own
+    forward."""
+    from trainer_service.lora import plain_adapter
+
+    name = plain_adapter(self, args, kwargs)
+    if name is None:
         return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x)
     dtype = result.dtype
@@ -174,23 +174,18 @@ def _lora_forward(self, x, *args, **kwargs):
 def install_lora(peft_model: torch.nn.Module) -> int:
     """_lora_forward on the LoRA Linear layers of a PEFT model whose base install() changed (the
     ones added since the last call: call it after every add_adapter); returns how many."""
-    from peft.tuners.lora import Linear as LoraLinear
-
     from tinkerd import hardware
+    from trainer_service.lora import install_forward
 
     if not getattr(peft_model.get_base_model(), MARK, False):
         return 0
     # Without native bf16 math the bf16 matmul by B would take PyTorch's generic loops (its input
     # gradient against lm_head's B has K = vocabulary size): widened instead, as fp32_gemm does.
     widen = not hardware.native_bf16(gpu=False)
-    count = 0
-    for module in peft_model.modules():
-        if (type(module) is LoraLinear and module.base_layer.weight.dtype in HALF_DTYPES
-                and getattr(module.forward, "__func__", None) is not _lora_forward):
-            module._tinkerd_widen = widen
-            module.forward = types.MethodType(_lora_forward, module)
-            count += 1
-    return count
+    installed = install_forward(peft_model, _lora_forward, HALF_DTYPES)
+    for module in installed:
+        module._tinkerd_widen = widen
+    return len(installed)
 
 
 def install_where_needed(base: torch.nn.Module) -> bool:

@@ -54,6 +54,35 @@ def peft_config(groups: dict[str, list[str]], spec: LoraSpec) -> LoraConfig:
                       target_modules=targets, bias="none")
 
 
+def plain_adapter(layer, args: tuple, kwargs: dict) -> str | None:
+    """The name of a PEFT LoRA Linear's one active adapter where its forward is just base +
+    x @ A^T @ B^T * scaling (what a replacement forward may compute its own way); None where PEFT's
+    forward must run: several or no active adapters, merged weights, disabled adapters, dropout,
+    DoRA, a LoRA bias, per-row adapter names or other extra arguments."""
+    active = layer.active_adapters
+    name = active[0] if len(active) == 1 else None
+    if (args or kwargs or layer.disable_adapters or layer.merged or name not in layer.lora_A
+            or layer.use_dora.get(name) or not isinstance(layer.lora_dropout[name], torch.nn.Identity)
+            or layer.lora_B[name].bias is not None):
+        return None
+    return name
+
+
+def install_forward(peft_model: torch.nn.Module, forward, dtypes: tuple[torch.dtype, ...]) -> list[torch.nn.Module]:
+    """`forward` on the LoRA Linear layers of `peft_model` whose base weights are of `dtypes` and
+    that do not have it yet (those added since the last call: call it after every add_adapter);
+    returns them."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    installed = []
+    for module in peft_model.modules():
+        if (type(module) is LoraLinear and module.base_layer.weight.dtype in dtypes
+                and getattr(module.forward, "__func__", None) is not forward):
+            module.forward = types.MethodType(forward, module)
+            installed.append(module)
+    return installed
+
+
 def _fused_forward(self, x, *args, **kwargs):
     """PEFT's lora.Linear forward for its one active fp32 adapter on an fp32 layer, without the
     two passes over the layer's output PEFT spends on `delta * scaling` (in the forward, and
@@ -61,13 +90,10 @@ def _fused_forward(self, x, *args, **kwargs):
     on the [tokens, rank] product. Tinker's fixed alpha gives ranks 1, 2, 4, ..., 128 a power-of-two
     scaling, so this is PEFT's result bit for bit; other ranks differ in rounding only. (Scaling
     B instead, as vLLM folds it, would keep a scaled copy of B for the backward, which
-    microbatches.measure would count as activations.) Anything else (several or no active
-    adapters, merged weights, dropout, DoRA, a LoRA bias, per-row adapter names) takes PEFT's own."""
-    active = self.active_adapters
-    name = active[0] if len(active) == 1 else None
-    if (args or kwargs or self.disable_adapters or self.merged or name not in self.lora_A
-            or self.use_dora.get(name) or not isinstance(self.lora_dropout[name], torch.nn.Identity)
-            or x.dtype != torch.float32 or self.lora_B[name].bias is not None):
+    microbatches.measure would count as activations.) Anything but a plain adapter
+    (`plain_adapter`) on fp32 input takes PEFT's own."""
+    name = plain_adapter(self, args, kwargs)
+    if name is None or x.dtype != torch.float32:
         return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x)
     h = torch.nn.functional.linear(x, self.lora_A[name].weight)
@@ -78,18 +104,9 @@ def _fused_forward(self, x, *args, **kwargs):
 
 
 def install_fused_forward(peft_model: torch.nn.Module) -> int:
-    """_fused_forward on the fp32 LoRA Linear layers of `peft_model` added since the last call
-    (call it after every add_adapter); returns how many. 16-bit layers keep theirs
-    (cpu_numerics.install_lora on CPU, PEFT's on GPU)."""
-    from peft.tuners.lora import Linear as LoraLinear
-
-    count = 0
-    for module in peft_model.modules():
-        if (type(module) is LoraLinear and module.base_layer.weight.dtype == torch.float32
-                and getattr(module.forward, "__func__", None) is not _fused_forward):
-            module.forward = types.MethodType(_fused_forward, module)
-            count += 1
-    return count
+    """_fused_forward on the fp32 LoRA Linear layers added since the last call; returns how many.
+    16-bit layers keep theirs (cpu_numerics.install_lora on CPU, PEFT's on GPU)."""
+    return len(install_forward(peft_model, _fused_forward, (torch.float32,)))
 
 
 @dataclasses.dataclass(frozen=True)

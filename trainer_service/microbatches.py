@@ -198,7 +198,7 @@ class _Trees:
     def plus(self, length: int, shared: int, longest: int) -> "_Trees":
         cap = max(longest, prefix_tree.ROW_TOKENS)
         rows, row, new = self.rows, self.row + length - shared, length - shared
-        if rows == 0 or row > cap:
+        if prefix_tree.starts_row(self.rows, self.row, length, shared, cap):
             rows, row, new = rows + 1, length, length
         return _Trees(rows, max(self.width, row), row, self.nodes + new, self.path_tokens + length)
 

@@ -151,13 +151,19 @@ def pays(nodes: int, tokens: int, row_positions: int, padded: int) -> bool:
     return nodes <= (1 - MIN_SAVING) * tokens and row_positions <= (1 - MIN_SAVING) * padded
 
 
+def starts_row(rows: int, row: int, length: int, shared: int, cap: int) -> bool:
+    """Whether the next datum (sorted), `shared` of its `length` tokens shared with the one before,
+    starts a new row (then whole) after `rows` rows, the last holding `row` positions: a datum adds
+    its tokens past the shared prefix to the last row where they fit under `cap`."""
+    return rows == 0 or row + length - shared > cap
+
+
 def rows_of(lengths: list[int], shares: list[int], cap: int) -> tuple[int, int]:
     """(rows, the longest row's positions) of datums of `lengths` in sorted order, each sharing
-    `shares` first tokens with the one before, laid out as pack() does under `cap`: a datum adds
-    its tokens past the shared prefix; one that does not fit starts the next row whole."""
+    `shares` first tokens with the one before, laid out as pack() does under `cap`."""
     rows = width = row = 0
     for length, shared in zip(lengths, shares):
-        if rows == 0 or row + length - shared > cap:
+        if starts_row(rows, row, length, shared, cap):
             rows, row = rows + 1, length
         else:
             row += length - shared
@@ -190,7 +196,6 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
     cap = max(longest, row_tokens)
     rows: list[tuple[list[int], list[int]]] = []      # (tokens, depths)
     paths: list[tuple[int, list[int]]] = [(0, [])] * len(tokens)  # (row, node of each depth)
-    previous: list[int] = []
     path: list[int] = []
     order = sorted(range(len(tokens)), key=lambda i: tokens[i])
     real = sum(len(t) for t in tokens)
@@ -201,10 +206,9 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
     if sum(lengths) - sum(shares) > (1 - MIN_SAVING) * real:
         return None
     cap = balanced_cap(lengths, shares, cap)
-    for i in order:
+    for i, shared in zip(order, shares):     # sorted: the longest prefix shared with any earlier datum
         t = tokens[i]
-        shared = shared_prefix(previous, t)     # sorted: the longest prefix shared with any earlier datum
-        if not rows or len(rows[-1][0]) + len(t) - shared > cap:
+        if starts_row(len(rows), len(rows[-1][0]) if rows else 0, len(t), shared, cap):
             rows.append(([], []))
             shared = 0
         row_tokens_, depths = rows[-1]
@@ -214,7 +218,6 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
             path.append(len(row_tokens_))
             row_tokens_.append(t[depth])
         paths[i] = (len(rows) - 1, list(path))
-        previous = t
     width = max(len(r[0]) for r in rows)
     nodes = sum(len(r[0]) for r in rows)
     if not pays(nodes, real, len(rows) * width, len(tokens) * longest):

@@ -241,7 +241,6 @@ def test_a_trainer_stopped_by_sigterm_writes_what_is_behind_first(tiny_model_dir
     assert _step(restarted, "s:train:0", 8).metrics["step:max"] == 3.0
 
 
-
 def test_a_write_that_fails_leaves_the_last_state_and_nothing_half_written(tiny_model_dir, tmp_path, monkeypatch):
     """A durable write that fails part way (the disk full while the optimizer state goes out)
     leaves the model's last durable state as it was and no partial directory beside it (a trainer
