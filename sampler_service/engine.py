@@ -160,10 +160,8 @@ class SamplerEngine:
                                         gpu_memory_utilization=gpu_memory_utilization, kv_cache_mib=kv_cache_mib,
                                         kv_block_tokens=kv_block_tokens, seed=seed)
         self._engine = self._new_engine(
-            enable_lora=True, max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-            worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension")
+            enable_lora=True, max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank)
         self._engine.collective_rpc("tinkerd_install_lora_fixes")   # see worker_ext.py
-        self._engine.collective_rpc("tinkerd_install_cpu_fixes")
         self.max_model_len = max_model_len
         self.vocab_size = self._engine.model_config.get_vocab_size()
         tokenizer = self._engine.get_tokenizer()
@@ -184,10 +182,15 @@ class SamplerEngine:
         self._thread.start()
 
     def _new_engine(self, **kwargs):
+        """An engine of this replica (the LoRA one, or a merged slot's): each computes the base
+        model alike, so a snapshot's logprobs do not move as it is promoted (worker_ext.py)."""
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        return LLMEngine.from_engine_args(EngineArgs(**self._engine_args, **kwargs))
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            **self._engine_args, **kwargs, worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension"))
+        engine.collective_rpc("tinkerd_install_cpu_fixes")
+        return engine
 
     def _new_merged_engine(self):
         """A merged slot's engine (engine thread only: it must not be built while another steps)."""

@@ -58,6 +58,15 @@ def _logprobs(engine, snapshot_id: str, prompt: list[int], max_tokens: int = 6) 
     return list(seq.token_ids), torch.tensor(lps)
 
 
+def _attention_kernels(llm_engine) -> list[str]:
+    """The CPU attention kernel ("isa") each attention layer of an engine runs."""
+    from vllm.model_executor.layers.attention import Attention
+
+    def kernels(worker):
+        return [m.isa for m in worker.model_runner.model.modules() if isinstance(m, Attention)]
+    return llm_engine.collective_rpc(kernels)[0]
+
+
 def _wait_served(engine, snapshot_id: str, where: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while engine.served_by(snapshot_id) != where:
@@ -272,8 +281,12 @@ def test_merged_agrees_with_lora_in_bf16(tiny_model_dir, adapters, adapter_dirs)
         lora = torch.cat([_logprobs(engine, "a", p, max_tokens=1)[1][:-1] for p in PROMPTS])
         _wait_served(engine, "a", "merged")
         merged = torch.cat([_logprobs(engine, "a", p, max_tokens=1)[1][:-1] for p in PROMPTS])
+        kernels = [_attention_kernels(e) for e in engine._engines()]
     finally:
         _teardown(engine)
+    # Both engines on the kernel the trainer matches (worker_ext._vector_attention), where vLLM
+    # picks AMX's on an AMX CPU: one attention layer a decoder layer, each engine.
+    assert kernels == [["vec"] * 2] * 2, kernels
     exact = torch.cat([_peft_fp32(tiny_model_dir, adapter_dirs["a"], p) for p in PROMPTS])
     lora_err, merged_err = (lora - exact).abs().mean(), (merged - exact).abs().mean()
     print(f"bf16 mean |merged - lora| {(merged - lora).abs().mean():.4f}, |lora - fp32| {lora_err:.4f}, "
