@@ -29,7 +29,9 @@ install_lora() gives PEFT's LoRA layers the sampler's LoRA arithmetic: bf16 copi
 adapter weights in the forward, so the gradients reach the fp32 weights through bf16 matmuls
 (autocast's mixed precision; before, the LoRA path was fp32 throughout).
 Measured (bench/bf16_gap.py, 6 texts, 273 tokens): SmolLM2 untrained mean 0.039 -> 0.00004,
-max 0.39 -> 0.012; after 10 SFT steps mean 0.037 -> 0.000007, max 0.29 -> 0.001. Llama-shaped
+max 0.39 -> 0.012; after 10 SFT steps mean 0.037 -> 0.000007, max 0.29 -> 0.001 (AVX512-BF16;
+on AMX 0.032 / 0.28: vLLM's kernels there round a rare near-tie element otherwise, and at 30
+layers one flip grows to bf16's whole noise, docs/benchmarks.md). Llama-shaped
 models were measured (SmolLM2, the tiny test model); Qwen2, Qwen3 and Mistral layers are the same
 code in both libraries (not measured). fp32 models are left alone (every op is fp32 already:
 trainer = sampler exactly, as before), and so are GPUs, whose vLLM kernels are others (not
