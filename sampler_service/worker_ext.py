@@ -139,29 +139,23 @@ def _eager_token_ranks() -> None:
     sampler.batched_count_greater_than = _count_greater_or_equal
 
 
-def _vector_attention(model_runner) -> int:
-    """bf16 attention on vLLM's vector CPU kernel where vLLM would pick its AMX one; returns how
-    many metadata builders were switched. The vector kernel computes in fp32 from bf16 q, k, v and
-    rounds the output once: bit for bit what the trainer computes (trainer_service/cpu_numerics.py).
-    The AMX kernel rounds otherwise: on an AMX CPU, the tiny model after 6 steps at lr 0.05 gave
-    trainer vs sampler logprobs mean 0.014, max 2.47 nats (one position) through it, 0 and 0
-    through the vector kernel; the untrained base 4e-4 / 0.002 against 1e-7 / 2e-5. Sampling
-    SmolLM2 bf16 measured no faster on AMX's (2 cores: 16x8 rollouts of 12 tokens 3.2 / 3.0 s
-    against 3.3 / 2.9 s; 4x64 tokens after a 900-token prompt 5.6 / 4.3 s against 4.9 / 4.4 s;
-    prompt logprobs of 4x512 tokens 2.3 / 2.1 s against 2.4 / 2.6 s).
+def _vector_attention(model_runner) -> None:
+    """bf16 attention on vLLM's vector CPU kernel where vLLM would pick its AMX one. The vector
+    kernel computes in fp32 from bf16 q, k, v and rounds the output once, as the trainer does
+    (trainer_service/cpu_numerics.py; only a rare element on a rounding near-tie lands otherwise).
+    The AMX kernel rounds otherwise throughout: on an AMX CPU the tiny model after 6 steps at lr
+    0.05 gave trainer vs sampler logprobs mean 0.014 / max 2.47 nats through it, 0 / 0 through the
+    vector kernel, and SmolLM2 bf16 sampled no faster on AMX's (docs/benchmarks.md, "On AMX").
     Called once the engine is built: its warm-up wrote KV blocks in the AMX layout, but every
     request writes the blocks it reads (those dummy runs leave no prefix-cache entries)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
-    switched = 0
-    for groups in getattr(model_runner, "attn_groups", []):
+    for groups in model_runner.attn_groups:
         for group in groups:
             for builder in group.metadata_builders:
                 if isinstance(builder, CPUAttentionMetadataBuilder) and builder.isa == "amx":
                     builder.isa = "vec"       # AMX needs blocks of 32 tokens: so does the vector kernel
                     builder._set_isa_to_layers(group.layer_names)
-                    switched += 1
-    return switched
 
 
 class SnapshotWorkerExtension:

@@ -10,9 +10,10 @@ texts. vLLM rounds once where transformers rounds every step:
 - rotary embedding: vLLM's CPU kernel multiplies in fp32 (cos/sin rounded to bf16, the
   cache's dtype) and rounds q and k once; transformers multiplies and adds in bf16.
 - attention: vLLM's CPU attention computes in fp32 from bf16 q, k, v and rounds the output
-  once (bit for bit PyTorch's fp32 SDPA rounded); bf16 SDPA rounds inside. That is vLLM's vector
-  kernel: on AMX CPUs vLLM would pick its AMX kernel, which rounds otherwise, and the sampler
-  keeps the vector one (sampler_service/worker_ext.py `_vector_attention`).
+  once (bit for bit PyTorch's fp32 SDPA rounded, but for a rare element on a rounding near-tie);
+  bf16 SDPA rounds inside. That is vLLM's vector kernel: on AMX CPUs vLLM would pick its AMX
+  kernel, which rounds otherwise, and the sampler keeps the vector one
+  (sampler_service/worker_ext.py `_vector_attention`).
 - the residual add before each RMSNorm: vLLM's fused add + RMSNorm (the native op on CPU)
   rounds the sum into the bf16 residual but normalizes the fp32 sum; transformers normalizes the
   rounded residual.
