@@ -8,7 +8,7 @@ and how far both are from what the card could do (issue 22).
 A random-init Llama of the chosen shape is built on the device in the target dtype and saved
 once (TrainerEngine loads a model directory). The same LoRA (trainer_service/lora.py: same
 targets, rank and alpha as tinkerd) on the same batch, one training step each:
-  plain      PEFT + torch AdamW (fused on CUDA, foreach elsewhere): forward, summed
+  plain      PEFT + torch AdamW (fused, as the engine's): forward, summed
              cross-entropy in fp32, backward, step, zero_grad
   deepspeed  PEFT under a DeepSpeed ZeRO-2 engine (bench/train_step.raw_step)
   engine     TrainerEngine: forward_backward(cross_entropy) + optim_step, as the servicer calls it
@@ -208,8 +208,7 @@ def plain_step(base: torch.nn.Module, sequences: list[list[int]], setup: Setup) 
     torch.manual_seed(0)        # the engine's adapter is drawn from the same seed
     model = get_peft_model(base, peft_config(linear_groups(base), LoraSpec(rank=setup.rank, seed=0))).eval()
     params = [p for p in model.parameters() if p.requires_grad]
-    kernel = {"fused": True} if setup.device == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(params, lr=setup.learning_rate, **ADAM, **kernel)
+    optimizer = torch.optim.AdamW(params, lr=setup.learning_rate, **ADAM, fused=True)     # as the engine's
     ids = torch.tensor([s[:-1] for s in sequences], device=setup.device)
     targets = torch.tensor([s[1:] for s in sequences], device=setup.device)
 
