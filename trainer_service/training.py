@@ -226,9 +226,9 @@ def forward_backward(model: LoraModel, data: list[DatumInput], loss_impl, loss_f
         scalars.append(group_scalars)
     for _ in range(steps - len(groups)):     # a share with fewer micro-batches: the same collectives
         with torch.no_grad() if forward_only else contextlib.nullcontext():
-            empty = _closing_loss(model, 3, device)
+            empty = _closing_loss(model, zero_stage, device, one_token=True)
         if not forward_only:
-            _backward(model, empty, zero_stage, ranks)
+            _backward(model, empty, zero_stage)
     if not data:
         return [], dict.fromkeys(names, 0.0)
     outputs, sums = _to_host(logprobs, losses, torch.stack(scalars).sum(0))
@@ -247,9 +247,8 @@ def _micro_step(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_con
     batch = _batch(data, device, packable)
     with grad_ctx:
         lengths = batch.lengths
-        lp = _forward(model, zero_stage, ranks)(batch.ids, batch.mask, **batch.how,
-                                                max_logits_bytes=max_logits_bytes,
-                                                recompute=zero_stage != 3)    # flat, datum by datum
+        lp = _forward(model, zero_stage)(batch.ids, batch.mask, **batch.how, max_logits_bytes=max_logits_bytes,
+                                         recompute=zero_stage != 3)    # flat, datum by datum
         logprobs = list(lp.split(lengths))
         joined = _joined_inputs(data, device)
         if custom:
@@ -270,22 +269,22 @@ def _micro_step(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_con
                 total = total + per_token.sum()
             scalars = total.view(1)
     if not forward_only:
-        _backward(model, total * ranks if ranks > 1 else total, zero_stage, ranks)
+        _backward(model, total * ranks if ranks > 1 else total, zero_stage)
     return [t.detach() for t in logprobs], [t.detach() for t in losses], scalars.detach().float()
 
 
-def _forward(model: LoraModel, zero_stage: int, ranks: int):
-    """What runs a forward. On one rank at stage 0, the engine's module itself: DeepSpeed's
-    forward and backward add only bookkeeping there (timers, output and graph hooks), ~0.4 ms a
-    step that plain PyTorch does not pay (a twentieth of a tiny model's step). ZeRO's stages,
-    and several ranks, keep DeepSpeed's own (without it a 2-rank stage-0 job hung:
-    tests/trainer/test_ranks.py; not traced further)."""
-    return model.engine.module if zero_stage == 0 and ranks == 1 else model.engine
+def _forward(model: LoraModel, zero_stage: int):
+    """What runs a forward. At stage 0, the engine's module itself: DeepSpeed's forward and
+    backward add only bookkeeping there (timers, output and graph hooks; no communication: at
+    stage 0 optim_step all-reduces), ~0.4 ms a step that plain PyTorch does not pay (a twentieth
+    of a tiny model's step). ZeRO's stages need DeepSpeed's own. The two go together: after
+    DeepSpeed's forward, its hooks refuse a plain backward at stage 0."""
+    return model.engine.module if zero_stage == 0 else model.engine
 
 
-def _backward(model: LoraModel, loss: torch.Tensor, zero_stage: int, ranks: int) -> None:
+def _backward(model: LoraModel, loss: torch.Tensor, zero_stage: int) -> None:
     """Gradients of `loss` added to the accumulation window (see _forward)."""
-    if zero_stage == 0 and ranks == 1:
+    if zero_stage == 0:
         loss.backward()
     else:
         model.engine.backward(loss, scale_wrt_gas=False)
@@ -323,7 +322,7 @@ def optim_step(model: LoraModel, adam: AdamParams, *, zero_stage: int, device: t
         norm = _step_plain_gradients(model, adam.grad_clip_norm, ranks, poisoned)
     else:
         engine.optimizer.clip_grad = adam.grad_clip_norm
-        engine.backward(_closing_loss(model, zero_stage, device, poisoned), scale_wrt_gas=False)
+        _backward(model, _closing_loss(model, zero_stage, device, poisoned), zero_stage)
         engine.step()         # ZeRO's overflow check skips a step whose gradients are not finite
         norm = engine.get_global_grad_norm()
         if getattr(engine.optimizer, "overflow", False):
@@ -364,15 +363,16 @@ def _step_plain_gradients(model: LoraModel, max_norm: float, ranks: int, poisone
     return norm
 
 
-def _closing_loss(model: LoraModel, zero_stage: int, device: torch.device, poisoned: bool = False) -> torch.Tensor:
+def _closing_loss(model: LoraModel, zero_stage: int, device: torch.device, poisoned: bool = False, *,
+                  one_token: bool = False) -> torch.Tensor:
     """A zero loss whose backward touches every parameter of the model: the micro-step that
     closes the accumulation window and runs ZeRO's reduction (stages 1-3; an empty share's
-    stand-in at any stage takes the 1-token forward). Under ZeRO-1/2 the parameters
-    are whole, so a sum over them does it without running the base model; under ZeRO-3 they
-    are partitioned and only a forward gathers them, so that takes a 1-token forward.
+    stand-in at any stage: `one_token`). Under ZeRO-1/2 the parameters are whole, so a sum over
+    them does it without running the base model; under ZeRO-3 they are partitioned and only a
+    forward gathers them, so that takes a 1-token forward, as does `one_token`.
     `poisoned`: NaN instead of zero, so that ZeRO's overflow check skips the step on every rank."""
     factor = math.nan if poisoned else 0.0
-    if zero_stage == 3:
-        return model.engine(torch.zeros(1, 1, dtype=torch.long, device=device)).sum() * factor
+    if zero_stage == 3 or one_token:
+        return _forward(model, zero_stage)(torch.zeros(1, 1, dtype=torch.long, device=device)).sum() * factor
     model.engine.module.activate()       # PEFT keeps requires_grad only on the active adapter
     return sum(p.sum() for p in model.params) * factor
