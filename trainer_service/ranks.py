@@ -141,10 +141,10 @@ class Ranks:
         self.in_call = True
         try:
             result = call()
-        except UserError as e:
+        except UserError as e:          # raised before any collective of the call, on every rank alike
             status, error = _USER, e
-        except Exception as e:  # noqa: BLE001 - compared with the other ranks' outcome below
-            status, error = _FAILED, e
+        except Exception as e:  # noqa: BLE001 - the followers may be inside the call's collectives
+            raise self._break(f"{method} failed (rank 0 saw: {e})") from None
         finally:
             self.in_call = False
         try:
@@ -218,6 +218,12 @@ class Ranks:
                 _leave_job()
                 return
             status = self._run(engine, method, args, kwargs)
+            if status == _FAILED:
+                # The other ranks may be inside the call's collectives (gather_outputs' send and
+                # recv, ZeRO's reductions), which this rank can no longer pair: comparing outcomes
+                # with them would wait out COMMAND_TIMEOUT. Leaving fails their calls at once.
+                log.error("rank %d: %s failed; exiting", self.rank, method)
+                exit_now(1)
             try:
                 agreed = self._outcomes_agree(status)
             except Exception as e:  # noqa: BLE001

@@ -86,6 +86,31 @@ def _datum(shift: int = 0):
         "weights": tensors.from_numpy(np.ones(len(tokens) - 1, dtype=np.float32))})
 
 
+@pytest.mark.parametrize("failing", ["0", "1"])
+def test_a_call_failing_on_one_rank_breaks_the_job_at_once(tiny_model_dir, tmp_path, failing):
+    """A forward_backward that fails inside the call on one rank only, while the other goes on
+    into the call's collectives (gather_outputs' send and recv): the caller gets the job's
+    failure within seconds and the job exits non-zero. Before, the failed rank waited to compare
+    outcomes while the other waited in its send: the job hung for COMMAND_TIMEOUT (30 min)."""
+    import time
+
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests", "trainer"),
+           "OMP_NUM_THREADS": "1"}
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join(ROOT, "tests", "trainer", "ranks_fault_job.py"), tiny_model_dir,
+                           str(tmp_path / "state"), failing], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=150)
+    took = time.monotonic() - t0
+    caller = [line for line in done.stdout.splitlines() if line.startswith("CALLER")]
+    assert caller and caller[0].startswith("CALLER UnavailableError"), done.stdout[-2000:] + done.stderr[-4000:]
+    assert "trainer job" in caller[0], caller
+    assert float(caller[0].split(" after ")[1].split(" s")[0]) < 20, caller
+    assert done.returncode != 0 and took < 120, (done.returncode, took)
+
+
 def _ranks_by_number(root_pid: int) -> dict[int, int]:
     """{rank: pid} of the workers torchrun started."""
     import psutil
