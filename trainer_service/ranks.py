@@ -5,8 +5,10 @@ the call -- the method's name and its arguments -- to the followers, then runs i
 follower runs the same method on its own TrainerEngine. Commands travel over a gloo group of
 their own, next to DeepSpeed's group (gloo on CPU, NCCL on GPU), as JSON plus raw tensor bytes:
 never pickle, so a follower runs nothing but TrainerEngine's collective methods with plain data.
-After each call the ranks compare how it ended (ok / user error / failed); ranks that disagree
-have diverged. Rank 0 pings the followers when idle, so a dead rank is noticed within seconds.
+After each call the ranks compare how it ended (ok / user error); ranks that disagree have
+diverged. A call that fails otherwise breaks the job at once on whichever rank it fails: the
+others may be inside the call's collectives, which that rank can no longer pair, so it does not
+wait to compare. Rank 0 pings the followers when idle, so a dead rank is noticed within seconds.
 
 Who does what inside a call:
 - forward_backward: the batch is split across ranks (balanced by tokens, `share`) and each rank's
