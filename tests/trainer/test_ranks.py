@@ -13,12 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOLERANCE = 1e-5
 
 
-def torchrun(world: int, *argv: str, timeout: float = 600) -> None:
+def run_job(world: int, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A torchrun job of `world` ranks on this host, outside any launcher's environment."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world), *argv], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(world: int, *argv: str, timeout: float = 600) -> None:
+    done = run_job(world, *argv, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
@@ -94,15 +99,9 @@ def test_a_call_failing_on_one_rank_breaks_the_job_at_once(tiny_model_dir, tmp_p
     outcomes while the other waited in its send: the job hung for COMMAND_TIMEOUT (30 min)."""
     import time
 
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests", "trainer"),
-           "OMP_NUM_THREADS": "1"}
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(ROOT, "tests", "trainer", "ranks_fault_job.py"), tiny_model_dir,
-                           str(tmp_path / "state"), failing], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=150)
+    done = run_job(2, os.path.join(ROOT, "tests", "trainer", "ranks_fault_job.py"), tiny_model_dir,
+                   str(tmp_path / "state"), failing, timeout=150)
     took = time.monotonic() - t0
     caller = [line for line in done.stdout.splitlines() if line.startswith("CALLER")]
     assert caller and caller[0].startswith("CALLER UnavailableError"), done.stdout[-2000:] + done.stderr[-4000:]
