@@ -248,7 +248,7 @@ class Ranks:
             return _OK
         except UserError:
             return _USER                 # rank 0 raises it too, and answers the caller
-        except Exception:  # noqa: BLE001 - compared with rank 0's outcome
+        except Exception:  # noqa: BLE001 - the job breaks: follow() exits
             log.exception("rank %d: %s failed", self.rank, method)
             return _FAILED
         finally:
