@@ -43,7 +43,7 @@ def serve(settings: GatewaySettings) -> None:
     from gateway.app import create_app
     from gateway.http_limits import uvicorn_options
     from gateway.listeners import INTERNAL, PUBLIC, Listener
-    from tinkerd.process import init_logging
+    from tinkerd.process import freeze_heap, init_logging
 
     check_listeners(settings)
     init_logging("gateway")
@@ -70,6 +70,7 @@ def serve(settings: GatewaySettings) -> None:
             if internal_task.done():
                 break
             await asyncio.sleep(0.02)
+        freeze_heap()                     # started: what exists now lives as long as the gateway
         print(f"INTERNAL gateway {internal_sock.getsockname()[1]}", flush=True)
         print(f"READY gateway {sock.getsockname()[1]}", flush=True)
         # A signal reaches one server's handler only (each installs its own): stop both together.

@@ -4,6 +4,7 @@ gRPC server until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import ctypes.util
+import gc
 import logging
 import os
 import signal
@@ -14,6 +15,20 @@ import threading
 def init_logging(name: str) -> None:
     level = os.environ.get("TINKERD_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+
+
+def freeze_heap(collect: bool = True) -> None:
+    """Moves every object alive now out of the cyclic collector's reach (gc.freeze), as vLLM's
+    engine does after start-up: modules, the app, a tokenizer's tables live as long as the
+    process, and each full collection walked them all. In the gateway, with transformers loaded
+    (~480k objects), one took 75-250 ms on 2 busy cores, holding the GIL: every request waited
+    (healthz p95 0.17 s while a client asked for 128 choices with top-20 logprobs). Frozen
+    objects are still freed when their last reference goes; only cycles among them stay.
+    `collect` first (a pause of its own) so the garbage of start-up is not frozen with them;
+    skip it where the caller must not pause the process."""
+    if collect:
+        gc.collect()
+    gc.freeze()
 
 
 def cpu_defaults() -> str:

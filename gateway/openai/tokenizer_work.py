@@ -32,7 +32,13 @@ def prompt_char_cap(max_model_len: int) -> int:
 @functools.lru_cache(maxsize=4)
 def load(model_dir: str):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
+
+    from tinkerd.process import freeze_heap
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    # transformers' modules and the tokenizer's tables: ~320k objects the collector would walk on
+    # every full collection. No collect first: that pause would hold up the other requests.
+    freeze_heap(collect=False)
+    return tok
 
 
 class TokenizerPool:

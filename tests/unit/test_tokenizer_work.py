@@ -1,9 +1,12 @@
 """The tokenizer pool (gateway/openai/tokenizer_work.py): a user's jobs beyond its share wait, so another
-user's job gets a thread at once; a caller that goes away keeps its slot until its thread is done."""
+user's job gets a thread at once; a caller that goes away keeps its slot until its thread is done.
+And a loaded tokenizer is out of the cyclic collector's walk."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 
 from gateway.openai.tokenizer_work import TokenizerPool
@@ -50,3 +53,28 @@ def test_a_cancelled_caller_holds_its_slot_until_the_work_ends():
         assert await asyncio.wait_for(second, 5) == "second"
     asyncio.run(main())
 
+
+
+# In a process of its own: gc.freeze() is process-wide.
+_AFTER_LOAD = """
+import gc, json, sys
+from gateway.openai.tokenizer_work import load
+tok = load(sys.argv[1])
+import transformers
+walked = {id(o) for o in gc.get_objects()}
+print(json.dumps({"walked": len(walked), "frozen": gc.get_freeze_count(),
+                  "tokenizer_walked": id(vars(tok)) in walked, "transformers_walked": id(vars(transformers)) in walked}))
+"""
+
+
+def test_a_loaded_tokenizer_is_not_walked_by_full_collections(tiny_model_dir):
+    """Each full collection walked transformers and the tokenizer (~320k objects in the gateway):
+    75-250 ms holding the GIL, which every request then waited for (gateway/openai/tokenizer_work.py
+    `load`, tinkerd/process.py `freeze_heap`)."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _AFTER_LOAD, tiny_model_dir], capture_output=True, text=True,
+                         check=True, timeout=120)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not seen["tokenizer_walked"] and not seen["transformers_walked"], seen
+    assert seen["frozen"] > 10 * seen["walked"], seen
