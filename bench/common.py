@@ -125,11 +125,18 @@ def median_time(fn: Callable[[], object], n: int, warmup: int = 1) -> float:
 
 
 def in_turn(measurements: list[Callable[[], float]], rounds: int, warmup: int = 1) -> list[float]:
-    """The medians of measurements taken in turn, one of each per round, so machine noise hits all alike."""
+    """The medians of measurements taken in turn, one of each per round, so machine noise hits all
+    alike; each round starts one further along, so that none always runs first (or always right
+    after the same other, whose caches it then inherits)."""
     for _ in range(warmup):
         for measure in measurements:
             measure()
-    taken = [[measure() for measure in measurements] for _ in range(rounds)]
+    n = len(measurements)
+    taken = [[0.0] * n for _ in range(rounds)]
+    for r in range(rounds):
+        for k in range(n):
+            i = (r + k) % n
+            taken[r][i] = measurements[i]()
     return [statistics.median(column) for column in zip(*taken)]
 
 

@@ -300,6 +300,8 @@ class Ranks:
         order, cut into `world` runs of about equal tokens, so that datums sharing a prefix (an RL
         group's rollouts) stay on one rank and share it there (prefix_tree.py); at most
         world - 1 groups are cut. The same on every rank."""
+        if self.world == 1:
+            return [list(range(len(data)))]
         shares: list[list[int]] = [[] for _ in range(self.world)]
         total, load, r = sum(len(d.tokens) for d in data), 0, 0
         for i in sorted(range(len(data)), key=lambda i: data[i].tokens):
