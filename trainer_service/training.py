@@ -369,11 +369,11 @@ def _step_plain_gradients(model: LoraModel, max_norm: float, ranks: int, poisone
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(model.params, max_norm, norm, foreach=True)
     norm = float(norm)
-    if math.isfinite(norm):    # else ZeRO would skip the step, drop the gradients and say inf
+    if math.isfinite(norm):
         engine.optimizer.step()
     for p in model.params:
         p.grad = None
-    return norm
+    return norm if math.isfinite(norm) else math.inf    # as ZeRO says of a step it skipped
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
