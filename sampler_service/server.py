@@ -83,7 +83,7 @@ def _merged_slots(s: SamplerSettings, dtype: str) -> int:
     its own share of GPU memory next to the first one's (not budgeted yet), so it is CPU-only. By
     default it is on in float32 only: merged 16-bit weights W + scale*B@A round away the small
     deltas of a trained adapter (SmolLM2 bf16 after 10 SFT steps: mean 0.056 / max 0.88 nats per
-    token against the trainer, 0.000007 / 0.001 through LoRA; bench/bf16_gap.py)."""
+    token against the trainer, 0 / 0 through LoRA; bench/bf16_gap.py)."""
     import torch
 
     if s.merged_slots < 0:

@@ -24,15 +24,18 @@ B in bf16 (vLLM's LoRALayerWeights.optimize), and its CPU punica ops (grouped_lo
 fp32 into a buffer that the expand rounds to bf16, multiply by B in bf16 and add in bf16.
 install() makes the trainer's model do as vLLM's CPU kernels do, per module (nothing global):
 the rotary embedding hands out fp32 cos/sin (bf16-rounded values), attention runs in fp32 on q,
-k, v rounded to bf16, and each decoder layer's residual adds keep their fp32 sum for the norm
-that reads it: each of these rounds once, so it is more precise than before, not less.
+k, v rounded to bf16 (its keys padded to whole vectors: `_attention_fp32`), and each decoder
+layer's residual adds keep their fp32 sum for the norm that reads it: each of these rounds once,
+so it is more precise than before, not less.
 install_lora() gives PEFT's LoRA layers the sampler's LoRA arithmetic: bf16 copies of the fp32
 adapter weights in the forward, so the gradients reach the fp32 weights through bf16 matmuls
 (autocast's mixed precision; before, the LoRA path was fp32 throughout).
-Measured (bench/bf16_gap.py, 6 texts, 273 tokens): SmolLM2 untrained mean 0.039 -> 0.00004,
-max 0.39 -> 0.012; after 10 SFT steps mean 0.037 -> 0.000007, max 0.29 -> 0.001 (AVX512-BF16;
-on AMX 0.032 / 0.28: vLLM's kernels there round a rare near-tie element otherwise, and at 30
-layers one flip grows to bf16's whole noise, docs/benchmarks.md). Llama-shaped
+Measured (bench/bf16_gap.py, 6 texts, 273 tokens, AVX512-BF16): SmolLM2 untrained mean 0.039
+-> 0, max 0.39 -> 0; after 10 SFT steps mean 0.037 -> 0, max 0.29 -> 0, equal at every position
+(with keys in whole vectors, 2026-12-02; before that, 0.00004 / 0.012 untrained and, by the
+adapter's seed, 0 to 0.13 max after training). On AMX (measured before the keys were padded)
+0.032 / 0.28, one near-tie attention element in layer 3 growing to bf16's whole noise at 30
+layers (docs/benchmarks.md); not measured since. Llama-shaped
 models were measured (SmolLM2, the tiny test model); Qwen2, Qwen3 and Mistral layers are the same
 code in both libraries (not measured). fp32 models are left alone (every op is fp32 already:
 trainer = sampler exactly, as before), and so are GPUs, whose vLLM kernels are others (not
@@ -60,14 +63,36 @@ PRE_NORM_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"
 RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
 
 
+KEY_MULTIPLE = 16     # fp32 lanes of an AVX-512 vector (two AVX2 vectors)
+
+
 def _attention_fp32(module, query, key, value, attention_mask, **kwargs):
     """SDPA in fp32 on q, k, v rounded to the model's dtype; the output rounded once. (q and k
-    arrive in fp32 from the fp32 rotary; so may v: a KV cache takes its dtype from the keys.)"""
+    arrive in fp32 from the fp32 rotary; so may v: a KV cache takes its dtype from the keys.)
+
+    The keys go padded with masked zeros to a multiple of KEY_MULTIPLE. PyTorch's fp32 CPU
+    attention sums over a row's keys in vectors and a shorter tail, so a sequence alone (47 keys)
+    and the same sequence padded in a batch (57, the last 10 masked) came out a float32 ulp
+    apart, and now and then one bf16 step apart after rounding. The sampler (vLLM) gives a
+    sequence the same logprobs alone and batched; with whole vectors of keys the trainer gave
+    vLLM's own at every position (SmolLM2 bf16 after 10 SFT steps, 6 texts: max |delta logprob|
+    0.13 -> 0, alone and batched; docs/benchmarks.md)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = module._tinkerd_dtype
-    out, weights = sdpa_attention_forward(module, query.to(dtype).float(), key.to(dtype).float(),
-                                          value.to(dtype).float(), attention_mask, **kwargs)
+    query, key, value = query.to(dtype).float(), key.to(dtype).float(), value.to(dtype).float()
+    keys = key.shape[-2]
+    pad = -keys % KEY_MULTIPLE if dtype in HALF_DTYPES else 0      # fp32 stays PyTorch's own, as before
+    if pad:
+        if attention_mask is None:        # plainly causal: the mask SDPA's is_causal would apply
+            queries = query.shape[-2]
+            attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+            kwargs.pop("is_causal", None)
+        fill = False if attention_mask.dtype == torch.bool else float("-inf")
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, pad), value=fill)
+        key = torch.nn.functional.pad(key, (0, 0, 0, pad))
+        value = torch.nn.functional.pad(value, (0, 0, 0, pad))
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return out.to(dtype), weights
 
 

@@ -80,3 +80,25 @@ def test_bf16_trainer_is_the_sampler_per_position_after_a_high_learning_rate(tin
     for stage in ("untrained", "trained"):
         mean, worst = gaps[stage]
         assert mean <= 0.01 and worst <= 0.05, gaps
+
+
+def test_bf16_attention_gives_a_sequence_the_same_output_alone_and_padded_in_a_batch():
+    """The sampler gives a sequence the same logprobs alone and batched, so the trainer must too:
+    each sequence's attention alone (plainly causal) equals its rows of a padded batch (masked),
+    bit for bit, at lengths that are and are not whole vectors of keys. (Before the keys were
+    padded to whole vectors, PyTorch's fp32 CPU attention summed a shorter tail otherwise, and
+    SmolLM2 bf16 logprobs differed by up to 0.056 nats between the two.)"""
+    module = torch.nn.Module()
+    module._tinkerd_dtype, module.is_causal, module.num_key_value_groups = torch.bfloat16, True, 3
+    torch.manual_seed(0)
+    lengths = [17, 31, 38, 47, 55, 57, 64]
+    longest = max(lengths)
+    q = torch.randn(len(lengths), 9, longest, 64).bfloat16()
+    k, v = (torch.randn(len(lengths), 3, longest, 64).bfloat16() for _ in range(2))
+    mask = torch.ones(longest, longest, dtype=torch.bool).tril() & (torch.arange(longest) < torch.tensor(lengths)[:, None, None])
+    batched, _ = cpu_numerics._attention_fp32(module, q, k, v, mask[:, None], dropout=0.0, scaling=0.125)
+    for row, n in enumerate(lengths):
+        alone, _ = cpu_numerics._attention_fp32(module, q[row:row + 1, :, :n], k[row:row + 1, :, :n],
+                                                v[row:row + 1, :, :n], None, dropout=0.0, scaling=0.125)
+        assert alone.dtype == torch.bfloat16
+        assert torch.equal(alone[0], batched[row, :n]), n
