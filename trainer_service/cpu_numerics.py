@@ -71,9 +71,10 @@ def _attention_fp32(module, query, key, value, attention_mask, **kwargs):
     arrive in fp32 from the fp32 rotary; so may v: a KV cache takes its dtype from the keys.)
 
     The keys go padded with masked zeros to a multiple of KEY_MULTIPLE. PyTorch's fp32 CPU
-    attention sums over a row's keys in vectors and a shorter tail, so a sequence alone (47 keys)
-    and the same sequence padded in a batch (57, the last 10 masked) came out a float32 ulp
-    apart, and now and then one bf16 step apart after rounding. The sampler (vLLM) gives a
+    attention does not sum a row in the same order at every key count (its vectors and a
+    shorter tail, by the evidence): a sequence alone (47 keys) and the same sequence padded in a
+    batch (57, the last 10 masked) came out a float32 ulp apart, and now and then one bf16 step
+    apart after rounding; whole vectors of keys, masked or not, gave the same sums. The sampler (vLLM) gives a
     sequence the same logprobs alone and batched; with whole vectors of keys the trainer gave
     vLLM's own at every position (SmolLM2 bf16 after 10 SFT steps, 6 texts: max |delta logprob|
     0.13 -> 0, alone and batched; docs/benchmarks.md)."""
@@ -84,7 +85,7 @@ def _attention_fp32(module, query, key, value, attention_mask, **kwargs):
     keys = key.shape[-2]
     pad = -keys % KEY_MULTIPLE if dtype in HALF_DTYPES else 0      # fp32 stays PyTorch's own, as before
     if pad:
-        if attention_mask is None:        # plainly causal: the mask SDPA's is_causal would apply
+        if attention_mask is None:        # plainly causal (queries = keys in training: is_causal's mask)
             queries = query.shape[-2]
             attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
             kwargs.pop("is_causal", None)

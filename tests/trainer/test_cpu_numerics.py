@@ -86,8 +86,8 @@ def test_bf16_attention_gives_a_sequence_the_same_output_alone_and_padded_in_a_b
     """The sampler gives a sequence the same logprobs alone and batched, so the trainer must too:
     each sequence's attention alone (plainly causal) equals its rows of a padded batch (masked),
     bit for bit, at lengths that are and are not whole vectors of keys. (Before the keys were
-    padded to whole vectors, PyTorch's fp32 CPU attention summed a shorter tail otherwise, and
-    SmolLM2 bf16 logprobs differed by up to 0.056 nats between the two.)"""
+    padded to whole vectors, PyTorch's fp32 CPU attention summed 47 keys otherwise than 57 with
+    10 masked, and SmolLM2 bf16 logprobs differed by up to 0.056 nats between the two.)"""
     module = torch.nn.Module()
     module._tinkerd_dtype, module.is_causal, module.num_key_value_groups = torch.bfloat16, True, 3
     torch.manual_seed(0)
