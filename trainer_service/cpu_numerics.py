@@ -73,11 +73,10 @@ def _attention_fp32(module, query, key, value, attention_mask, **kwargs):
     The keys go padded with masked zeros to a multiple of KEY_MULTIPLE. PyTorch's fp32 CPU
     attention does not sum a row in the same order at every key count (its vectors and a
     shorter tail, by the evidence): a sequence alone (47 keys) and the same sequence padded in a
-    batch (57, the last 10 masked) came out a float32 ulp apart, and now and then one bf16 step
-    apart after rounding; whole vectors of keys, masked or not, gave the same sums. The sampler (vLLM) gives a
-    sequence the same logprobs alone and batched; with whole vectors of keys the trainer gave
-    vLLM's own at every position (SmolLM2 bf16 after 10 SFT steps, 6 texts: max |delta logprob|
-    0.13 -> 0, alone and batched; docs/benchmarks.md)."""
+    batch (57, the last 10 masked) came out a float32 ulp apart, now and then one bf16 step
+    after rounding. The sampler (vLLM) gives a sequence the same logprobs alone and batched;
+    with whole vectors of keys so does the trainer, and they are vLLM's own (the figures are in
+    the module docstring and docs/benchmarks.md)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = module._tinkerd_dtype

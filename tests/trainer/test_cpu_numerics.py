@@ -95,7 +95,8 @@ def test_bf16_attention_gives_a_sequence_the_same_output_alone_and_padded_in_a_b
     longest = max(lengths)
     q = torch.randn(len(lengths), 9, longest, 64).bfloat16()
     k, v = (torch.randn(len(lengths), 3, longest, 64).bfloat16() for _ in range(2))
-    mask = torch.ones(longest, longest, dtype=torch.bool).tril() & (torch.arange(longest) < torch.tensor(lengths)[:, None, None])
+    real = torch.arange(longest) < torch.tensor(lengths)[:, None, None]
+    mask = torch.ones(longest, longest, dtype=torch.bool).tril() & real
     batched, _ = cpu_numerics._attention_fp32(module, q, k, v, mask[:, None], dropout=0.0, scaling=0.125)
     for row, n in enumerate(lengths):
         alone, _ = cpu_numerics._attention_fp32(module, q[row:row + 1, :, :n], k[row:row + 1, :, :n],
