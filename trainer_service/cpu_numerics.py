@@ -66,7 +66,23 @@ RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
 KEY_MULTIPLE = 16     # fp32 lanes of an AVX-512 vector (two AVX2 vectors)
 
 
-def _attention_fp32(module, query, key, value, attention_mask, **kwargs):
+def _padded_causal_mask(queries: int, keys: int, pad: int, device) -> torch.Tensor:
+    """The causal mask of queries that are the last rows of the keys, with `pad` masked key
+    columns after them. Cached: every layer of a forward asks for the same one."""
+    key = (queries, keys, pad, str(device))
+    mask = _CAUSAL_MASKS.get(key)
+    if mask is None:
+        if len(_CAUSAL_MASKS) > 64:
+            _CAUSAL_MASKS.clear()
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+        mask = _CAUSAL_MASKS[key] = torch.nn.functional.pad(mask, (0, pad), value=False)
+    return mask
+
+
+_CAUSAL_MASKS: dict = {}
+
+
+def _attention_fp32(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """SDPA in fp32 on q, k, v rounded to the model's dtype; the output rounded once. (q and k
     arrive in fp32 from the fp32 rotary; so may v: a KV cache takes its dtype from the keys.)
 
@@ -76,24 +92,29 @@ def _attention_fp32(module, query, key, value, attention_mask, **kwargs):
     batch (57, the last 10 masked) came out a float32 ulp apart, now and then one bf16 step
     after rounding. The sampler (vLLM) gives a sequence the same logprobs alone and batched;
     with whole vectors of keys so does the trainer, and they are vLLM's own (the figures are in
-    the module docstring and docs/benchmarks.md)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    the module docstring and docs/benchmarks.md).
 
+    SDPA is called here, not through transformers' sdpa_attention_forward: that one repeats the
+    key/value heads whenever a mask is passed, where SDPA's own GQA (enable_gqa) computes the
+    same output bit for bit without the copies."""
     dtype = module._tinkerd_dtype
     query, key, value = query.to(dtype).float(), key.to(dtype).float(), value.to(dtype).float()
-    keys = key.shape[-2]
+    queries, keys = query.shape[-2], key.shape[-2]
     pad = -keys % KEY_MULTIPLE if dtype in HALF_DTYPES else 0      # fp32 stays PyTorch's own, as before
-    if pad:
-        if attention_mask is None:        # plainly causal (queries = keys in training: is_causal's mask)
-            queries = query.shape[-2]
-            attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
-            kwargs.pop("is_causal", None)
+    if attention_mask is None and (pad or queries != keys):    # plainly causal: is_causal's mask
+        attention_mask = _padded_causal_mask(queries, keys, pad, query.device)
+    elif pad:
         fill = False if attention_mask.dtype == torch.bool else float("-inf")
         attention_mask = torch.nn.functional.pad(attention_mask, (0, pad), value=fill)
+    if pad:
         key = torch.nn.functional.pad(key, (0, 0, 0, pad))
         value = torch.nn.functional.pad(value, (0, 0, 0, pad))
-    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return out.to(dtype), weights
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        is_causal=bool(causal and attention_mask is None and queries > 1),
+        enable_gqa=query.shape[-3] != key.shape[-3])
+    return out.transpose(1, 2).contiguous().to(dtype), None
 
 
 def _register_attention() -> None:

@@ -103,3 +103,23 @@ def test_bf16_attention_gives_a_sequence_the_same_output_alone_and_padded_in_a_b
                                                 v[row:row + 1, :, :n], None, dropout=0.0, scaling=0.125)
         assert alone.dtype == torch.bfloat16
         assert torch.equal(alone[0], batched[row, :n]), n
+
+
+def test_bf16_attention_with_grouped_key_heads_equals_the_repeated_heads():
+    """_attention_fp32 hands grouped key/value heads to SDPA (enable_gqa) instead of repeating
+    them as transformers does under a mask: the output must be the repeated heads' bit for bit,
+    masked or plainly causal, padded or not."""
+    module = torch.nn.Module()
+    module._tinkerd_dtype, module.is_causal = torch.bfloat16, True
+    torch.manual_seed(0)
+    for length in (47, 64):
+        q = torch.randn(2, 9, length, 64).bfloat16()
+        k, v = (torch.randn(2, 3, length, 64).bfloat16() for _ in range(2))
+        padded = torch.ones(2, 1, length, length, dtype=torch.bool).tril()
+        padded[1, ..., :5] = False      # a left-padded row: its first 5 keys are padding
+        padded[1, :, :5, 0] = True      # (padding queries attend to something, as transformers' masks do)
+        for mask in (None, padded):
+            grouped, _ = cpu_numerics._attention_fp32(module, q, k, v, mask, dropout=0.0, scaling=0.125)
+            repeated, _ = cpu_numerics._attention_fp32(module, q, k.repeat_interleave(3, dim=1),
+                                                       v.repeat_interleave(3, dim=1), mask, dropout=0.0, scaling=0.125)
+            assert torch.equal(grouped, repeated), (length, mask is None)
