@@ -113,7 +113,11 @@ def _promoted(sampler, snapshot_id: str, seq: list[int]) -> None:
 
 def measure(model_dir: str, *, texts: int, steps: int, lr: float = LR, rank: int = RANK,
             merged: bool = False, kv_cache_mib: int = 0) -> dict[str, Gap]:
-    """Gaps keyed "untrained" / "trained" (cpu_numerics on) and "untrained-before" /
+    """Gaps keyed "untrained" / "trained" (cpu_numerics on, the texts batched on both sides),
+    "untrained-alone" / "trained-alone" (each text alone on both sides), "STAGE-trainer-batched" and
+    "STAGE-sampler-batched" (each side's batched logprobs against its own text by text: how much
+    they move with what shares a batch; the sampler batches its 6 requests as they arrive, so
+    its row is 0 when it took them one by one) and "untrained-before" /
     "trained-before" (a trainer with transformers' own rounding, trained alike); with `merged`
     only "untrained-merged" and "trained-merged": the snapshots served from merged weights (merged.py), as the
     sampler serves a hot one."""
@@ -148,7 +152,14 @@ def measure(model_dir: str, *, texts: int, steps: int, lr: float = LR, rank: int
                 _push(trainer, sampler, "m", snapshot)
                 ours = _trainer_logprobs(trainer, "m", seqs)
                 if not merged:
-                    gaps[snapshot] = _gap(ours, _sampler_logprobs(sampler, snapshot, seqs))
+                    theirs = _sampler_logprobs(sampler, snapshot, seqs)
+                    gaps[snapshot] = _gap(ours, theirs)
+                    if not suffix:      # text by text on both sides, and each side against itself
+                        ours_alone = [_trainer_logprobs(trainer, "m", [s])[0] for s in seqs]
+                        theirs_alone = [_sampler_logprobs(sampler, snapshot, [s])[0] for s in seqs]
+                        gaps[f"{stage}-alone"] = _gap(ours_alone, theirs_alone)
+                        gaps[f"{stage}-trainer-batched"] = _gap(ours, ours_alone)
+                        gaps[f"{stage}-sampler-batched"] = _gap(theirs, theirs_alone)
                 else:
                     _promoted(sampler, snapshot, seqs[0])
                     gaps[f"{stage}-merged"] = _gap(ours, _sampler_logprobs(sampler, snapshot, seqs))
@@ -165,11 +176,16 @@ def _rows(name: str, model_dir: str, ctx: Context) -> list[Row]:
                         ("trained", f"after {steps} SFT steps at lr {LR:g}")):
         g, before = gaps[stage], gaps[f"{stage}-before"]
         case = f"{name} bf16: {what}, {texts} texts, {g.tokens} tokens"
+        alone = gaps[f"{stage}-alone"]
+        moved = {side: gaps[f"{stage}-{side}-batched"] for side in ("trainer", "sampler")}
         rows += [
             Row("bf16_gap", f"{case}: mean |Δ logprob|", g.mean, None, "nats/token", target=MEAN_TARGET,
                 note=f"before (transformers' own bf16 rounding): mean {before.mean:.4f}"),
             Row("bf16_gap", f"{case}: max |Δ logprob|", g.max, None, "nats/token", target=MAX_TARGET,
-                note=f"before: max {before.max:.4f}"),
+                note=f"before: max {before.max:.4f}; batched against itself text by text: " + ", ".join(
+                    f"the {side} mean {g.mean:.4f} max {g.max:.4f}" for side, g in moved.items())),
+            Row("bf16_gap", f"{case}, each text alone on both sides: max |Δ logprob|", alone.max, None,
+                "nats/token", target=MAX_TARGET, note=f"mean {alone.mean:.4f}"),
         ]
     # Also in the quick run: the merged path's code stays exercised (~10 s on the tiny model).
     merged = measure(model_dir, texts=texts, steps=steps, merged=True, kv_cache_mib=ctx.kv_cache_mib(model_dir))

@@ -1,8 +1,8 @@
 """Runs inside the vLLM worker (named by `worker_extension_cls`): registers LoRA snapshots
 from in-memory tensors, so a streamed adapter never touches disk on its way in, and installs
 two fixes for vLLM 0.32's multi-LoRA batching that tenants sharing a batch depend on (and, on
-CPU, token ranks counted without a compile, `_eager_token_ranks`, and the attention kernel the
-trainer's bf16 arithmetic matches, `_vector_attention`).
+CPU, token ranks counted without a compile, `_eager_token_ranks`, and the attention and GEMM
+kernels the trainer's bf16 arithmetic matches, `_vector_attention` and `_gemms_on_onednn`).
 
 1. Prompt logprobs with a LoRA on lm_head: `_get_prompt_logprobs_dict` computes the logits of
    a request's prompt tokens with the punica wrapper's *per-request* sampler indices, which do
@@ -156,6 +156,25 @@ def _vector_attention(model_runner) -> None:
                 if isinstance(builder, CPUAttentionMetadataBuilder) and builder.isa == "amx":
                     builder.isa = "vec"       # AMX needs blocks of 32 tokens: so does the vector kernel
                     builder._set_isa_to_layers(group.layer_names)
+
+
+def _gemms_on_onednn() -> None:
+    """Every 16-bit Linear on oneDNN, the GEMM the trainer's PyTorch runs on CPU, also those that
+    vLLM would run on its SGL AMX kernel (weights under 1 MiB: SmolLM2's o_proj, 576x576). On an
+    AMX CPU that kernel sums otherwise: o_proj's outputs came out a bf16 step apart in 1-3
+    elements of a layer's 33k, and 30 layers grew that to 0.03 / 0.12 nats mean / max per token
+    on one text; on oneDNN the sampler's logprobs equal the trainer's at every position, text by
+    text (docs/benchmarks.md, "On AMX"). Decode-sized calls take the same time on either.
+    Called at import: the worker imports this module (init_worker) before it loads the model,
+    and vLLM picks each layer's kernel as it loads."""
+    from vllm.model_executor.layers import utils
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        utils._CPU_SGL_GEMM_MAX_WEIGHT_BYTES = 0     # 16-bit weights only; int8's rule comes first
+
+
+_gemms_on_onednn()
 
 
 class SnapshotWorkerExtension:

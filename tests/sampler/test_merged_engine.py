@@ -67,6 +67,20 @@ def _attention_kernels(llm_engine) -> list[str]:
     return llm_engine.collective_rpc(kernels)[0]
 
 
+def _gemm_kernels(llm_engine) -> set[str]:
+    """The CPU GEMM each Linear (and the unembedding) of an engine runs: vLLM binds it at load as
+    a `cpu_linear` closure over oneDNN's matmul or SGL's packed-weight kernel."""
+    def kernels(worker):
+        names = {"onednn_mm": "onednn", "weight_packed_linear_cpu": "sgl"}
+        found = set()
+        for module in worker.model_runner.model.modules():
+            code = getattr(getattr(module, "cpu_linear", None), "__code__", None)
+            if code is not None:
+                found |= {names[n] for n in code.co_names if n in names} or {"torch"}
+        return found
+    return llm_engine.collective_rpc(kernels)[0]
+
+
 def _wait_served(engine, snapshot_id: str, where: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while engine.served_by(snapshot_id) != where:
@@ -282,11 +296,14 @@ def test_merged_agrees_with_lora_in_bf16(tiny_model_dir, adapters, adapter_dirs)
         _wait_served(engine, "a", "merged")
         merged = torch.cat([_logprobs(engine, "a", p, max_tokens=1)[1][:-1] for p in PROMPTS])
         kernels = [_attention_kernels(e) for e in engine._engines()]
+        gemms = [_gemm_kernels(e) for e in engine._engines()]
     finally:
         _teardown(engine)
-    # Both engines on the kernel the trainer matches (worker_ext._vector_attention), where vLLM
-    # picks AMX's on an AMX CPU: one attention layer a decoder layer, each engine.
+    # Both engines on the kernels the trainer matches (worker_ext._vector_attention and
+    # _gemms_on_onednn), where vLLM picks AMX's attention and, for this model's small weights,
+    # SGL's GEMM on an AMX CPU: one attention layer a decoder layer, each engine.
     assert kernels == [["vec"] * 2] * 2, kernels
+    assert len(gemms) == 2 and not any("sgl" in g for g in gemms), gemms
     exact = torch.cat([_peft_fp32(tiny_model_dir, adapter_dirs["a"], p) for p in PROMPTS])
     lora_err, merged_err = (lora - exact).abs().mean(), (merged - exact).abs().mean()
     print(f"bf16 mean |merged - lora| {(merged - lora).abs().mean():.4f}, |lora - fp32| {lora_err:.4f}, "
