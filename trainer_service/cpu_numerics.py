@@ -33,9 +33,10 @@ adapter weights in the forward, so the gradients reach the fp32 weights through 
 Measured (bench/bf16_gap.py, 6 texts, 273 tokens, AVX512-BF16): SmolLM2 untrained mean 0.039
 -> 0, max 0.39 -> 0; after 10 SFT steps mean 0.037 -> 0, max 0.29 -> 0, equal at every position
 (with keys in whole vectors, 2026-12-02; before that, 0.00004 / 0.012 untrained and, by the
-adapter's seed, 0 to 0.13 max after training). On AMX (measured before the keys were padded)
-0.032 / 0.28, one near-tie attention element in layer 3 growing to bf16's whole noise at 30
-layers (docs/benchmarks.md); not measured since. Llama-shaped
+adapter's seed, 0 to 0.13 max after training). On AMX each text alone is equal too (2026-12-04,
+once the sampler ran its small GEMMs on oneDNN, worker_ext._gemms_on_onednn), but not batched:
+there oneDNN's bf16 GEMM sums a row otherwise in calls of over 32 rows, so each side's logprobs
+move with its batch (0.03 mean / 0.2-0.4 max, docs/benchmarks.md). Llama-shaped
 models were measured (SmolLM2, the tiny test model); Qwen2, Qwen3 and Mistral layers are the same
 code in both libraries (not measured). fp32 models are left alone (every op is fp32 already:
 trainer = sampler exactly, as before), and so are GPUs, whose vLLM kernels are others (not
