@@ -295,6 +295,33 @@ def test_stage_0_trains_what_zero_2_does(tiny_model_dir, clip):
     assert _max_difference(_adapter(fast, "m"), _adapter(zero2, "m")) < 1e-5
 
 
+def test_stage_0_steps_without_deepspeed_bookkeeping(tiny_model_dir, monkeypatch):
+    """At stage 0 a step runs no DeepSpeed forward, backward or step, nor the forward prologue
+    DeepSpeed hooks onto the module it wraps (timers and counters only there: ~0.5 ms a tiny
+    step); ZeRO-2 kept on one rank runs them all, which shows the count works."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    calls, names = {}, ("forward", "backward", "step", "_forward_prologue")
+    for name in names:
+        def counted(self, *args, _name=name, _original=getattr(DeepSpeedEngine, name), **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(DeepSpeedEngine, name, counted)
+    for keep in (False, True):
+        engine = TrainerEngine(tiny_model_dir, zero_stage=2, keep_zero_stage=keep)
+        engine.create_model("m", LoraSpec(rank=4, seed=5))
+        calls.clear()
+        before = engine.forward_backward("m", [A, B], "cross_entropy", {}, forward_only=False)[1]["loss:sum"]
+        engine.optim_step("m", _adam(1e-2))
+        in_step = dict(calls)
+        after = engine.forward_backward("m", [A, B], "cross_entropy", {}, forward_only=True)[1]["loss:sum"]
+        assert after < before, (keep, before, after)
+        if keep:
+            assert set(in_step) == set(names) and in_step["step"] == 1, in_step
+        else:
+            assert in_step == {}, in_step
+
+
 def test_stage_0_clips_gradients(tiny_model_dir):
     """With eps 1 a first AdamW step moves each weight by lr * g / (|g| + 1), less than lr * |g|:
     clipped to 1e-3, the whole move is at most lr * 1e-3; unclipped it is far larger."""
