@@ -91,9 +91,10 @@ def _attention_fp32(module, query, key, value, attention_mask, dropout=0.0, scal
     attention does not sum a row in the same order at every key count (its vectors and a
     shorter tail, by the evidence): a sequence alone (47 keys) and the same sequence padded in a
     batch (57, the last 10 masked) came out a float32 ulp apart, now and then one bf16 step
-    after rounding. The sampler (vLLM) gives a sequence the same logprobs alone and batched;
-    with whole vectors of keys so does the trainer, and they are vLLM's own (the figures are in
-    the module docstring and docs/benchmarks.md).
+    after rounding. Where the GEMMs do not move with the batch (AVX512-BF16 without AMX) the
+    sampler (vLLM) gives a sequence the same logprobs alone and batched; with whole vectors of
+    keys so does the trainer, and they are vLLM's own (the figures are in the module docstring
+    and docs/benchmarks.md; on AMX the GEMMs move, on both sides).
 
     SDPA is called here, not through transformers' sdpa_attention_forward: that one repeats the
     key/value heads whenever a mask is passed, where SDPA's own GQA (enable_gqa) computes the
