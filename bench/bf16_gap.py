@@ -116,8 +116,8 @@ def measure(model_dir: str, *, texts: int, steps: int, lr: float = LR, rank: int
     """Gaps keyed "untrained" / "trained" (cpu_numerics on, the texts batched on both sides),
     "untrained-alone" / "trained-alone" (each text alone on both sides), "STAGE-trainer-batched" and
     "STAGE-sampler-batched" (each side's batched logprobs against its own text by text: how much
-    they move with what shares a batch; the sampler batches its 6 requests as they arrive, so
-    its row is 0 when it took them one by one) and "untrained-before" /
+    they move with what shares a batch; the sampler batches the texts' requests as they arrive,
+    so its row is 0 when it took them one by one) and "untrained-before" /
     "trained-before" (a trainer with transformers' own rounding, trained alike); with `merged`
     only "untrained-merged" and "trained-merged": the snapshots served from merged weights (merged.py), as the
     sampler serves a hot one."""
@@ -183,7 +183,7 @@ def _rows(name: str, model_dir: str, ctx: Context) -> list[Row]:
                 note=f"before (transformers' own bf16 rounding): mean {before.mean:.4f}"),
             Row("bf16_gap", f"{case}: max |Δ logprob|", g.max, None, "nats/token", target=MAX_TARGET,
                 note=f"before: max {before.max:.4f}; batched against itself text by text: " + ", ".join(
-                    f"the {side} mean {g.mean:.4f} max {g.max:.4f}" for side, g in moved.items())),
+                    f"the {side} mean {own.mean:.4f} max {own.max:.4f}" for side, own in moved.items())),
             Row("bf16_gap", f"{case}, each text alone on both sides: max |Δ logprob|", alone.max, None,
                 "nats/token", target=MAX_TARGET, note=f"mean {alone.mean:.4f}"),
         ]
