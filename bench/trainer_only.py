@@ -30,6 +30,9 @@ the clock starts, as in the steady state of one model stepping on (the switch is
 one prompt sampled G times); the engine packs them as token trees (trainer_service/prefix_tree.py)
 and the added row "engine, padded" runs without. The FLOP bound still counts every token: a
 shared prompt computed once can go under it.
+--sdk: the same step through the unmodified SDK, the gateway and the trainer's gRPC, with both
+services started on the saved model (bench/trainer_services.py: no sampler, so no vLLM needed),
+one step at a time and 4 submitted at once.
 --profile: torch.profiler over 3 engine and 3 plain steps: top ops by self CPU and CUDA time,
 kernels per step.
 
@@ -40,6 +43,7 @@ kernels per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -53,6 +57,7 @@ from typing import Callable
 import torch
 
 from bench.common import check, in_turn
+from bench.trainer_services import trainer_and_gateway
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
             intermediate_size=128, vocab_size=1024, tie_word_embeddings=False)
@@ -72,6 +77,8 @@ TENANTS = 32
 ENGINE_TARGET = ">= 0.95"           # plain / engine
 RESIDENT_TARGET = ">= 0.95"         # alone / with 31 more resident
 ROUND_ROBIN_TARGET = ">= 0.9"       # alone / round-robin over 32
+SDK_TARGET = ">= 0.9"               # plain / through the SDK
+PIPELINED_TARGET = ">= 1"           # steps submitted at once are no slower than one at a time
 PROFILE_STEPS = 3
 
 
@@ -91,6 +98,8 @@ class Setup:
     profile: bool = False
     group: int = 1                  # >1: rollouts, each `group` datums sharing their first `prompt` tokens
     prompt: int = 0
+    sdk: bool = False               # add the steps through the SDK, the gateway and the trainer's gRPC
+    max_logits_mib: int | None = None   # the engines' --max-logits-mib; None: the trainer's default
 
     @property
     def tokens(self) -> int:
@@ -127,8 +136,9 @@ class Timed:
     CUDA (else it times kernel launches); the loss per token kept, read after the clock stops."""
 
     def __init__(self, step: Callable[[], object], tokens: int, cuda: bool,
-                 before: Callable[[], object] | None = None):
+                 before: Callable[[], object] | None = None, steps_per_call: int = 1):
         self.step, self.tokens, self.cuda, self.before = step, tokens, cuda, before
+        self.steps_per_call = steps_per_call        # `step` takes that many steps; seconds are per step
         self.losses: list[float] = []
 
     def _sync(self) -> None:
@@ -142,8 +152,8 @@ class Timed:
         t0 = time.perf_counter()
         loss = self.step()
         self._sync()
-        seconds = time.perf_counter() - t0
-        self.losses.append(float(loss) / self.tokens)
+        seconds = (time.perf_counter() - t0) / self.steps_per_call
+        self.losses.append(float(loss) / (self.tokens * self.steps_per_call))
         return seconds
 
 
@@ -236,8 +246,9 @@ def new_engine(model_dir: str, setup: Setup, model_ids: list[str]):
     from trainer_service.engine import TrainerEngine
     from trainer_service.lora import LoraSpec
 
+    logits = {} if setup.max_logits_mib is None else {"max_logits_mib": setup.max_logits_mib}
     engine = TrainerEngine(model_dir, zero_stage=2, dtype=setup.dtype, max_lora_rank=max(64, setup.rank),
-                           max_resident=max(TENANTS, len(model_ids)))
+                           max_resident=max(TENANTS, len(model_ids)), **logits)
     for model_id in model_ids:
         engine.create_model(model_id, LoraSpec(rank=setup.rank, seed=0))
     return engine
@@ -266,6 +277,34 @@ def engine_step(engine, model_ids: list[str], sequences: list[list[int]], setup:
     return step
 
 
+PIPELINED = 4       # SDK steps submitted at once in the "sdk, 4 at once" row
+
+
+def sdk_steps(url: str, model_dir: str, sequences: list[list[int]], setup: Setup):
+    """(one step, PIPELINED steps) through the unmodified SDK against `url`: forward_backward and
+    optim_step submitted, then waited for; PIPELINED such pairs submitted at once, as a client that
+    does not wait for each step's metrics does. Each returns its steps' summed loss."""
+    import tinker
+    from tinker import types
+
+    os.environ.setdefault("TINKER_API_KEY", "tml-no-auth")          # the services run with auth off
+    data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                        loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * setup.length}) for s in sequences]
+    client = tinker.ServiceClient(base_url=url).create_lora_training_client(base_model=model_dir, rank=setup.rank,
+                                                                            seed=0).result()
+    betas = ADAM["betas"]
+    adam = types.AdamParams(learning_rate=setup.learning_rate, beta1=betas[0], beta2=betas[1], eps=ADAM["eps"])
+
+    def steps(n: int) -> float:
+        pairs = [(client.forward_backward(data, "cross_entropy"), client.optim_step(adam)) for _ in range(n)]
+        loss = 0.0
+        for fb, op in pairs:
+            loss += fb.result().metrics["loss:sum"]
+            op.result()
+        return loss
+    return (lambda: steps(1)), (lambda: steps(PIPELINED))
+
+
 def raw_deepspeed_step(model_dir: str, sequences: list[list[int]], setup: Setup) -> Callable[[], torch.Tensor]:
     from bench.train_step import raw_step
     return raw_step(model_dir, sequences, setup.dtype, rank=setup.rank)
@@ -288,15 +327,17 @@ def free_memory() -> None:
 
 def measure(setup: Setup) -> Report:
     """Every row of the run (see the module docstring), in one process."""
-    with tempfile.TemporaryDirectory(prefix="trainer-only-") as work:
+    with tempfile.TemporaryDirectory(prefix="trainer-only-") as work, contextlib.ExitStack() as services:
         base = build_model(setup, work)
+        logits = () if setup.max_logits_mib is None else ("--max-logits-mib", str(setup.max_logits_mib))
+        url = services.enter_context(trainer_and_gateway(work, setup.dtype, *logits)) if setup.sdk else None
         sequences = random_batch(setup, base.config.vocab_size)
         params = linear_params(base)
         flop = 4.0 * params * setup.tokens
         rate = matmul_rate(setup)
         bound_ms = 1e3 * flop / rate
         engine = new_engine(work, setup, ["alone"])
-        rows, trainable = main_rows(base, engine, work, sequences, setup, bound_ms)
+        rows, trainable = main_rows(base, engine, work, sequences, setup, bound_ms, url)
         del base                 # the plain and DeepSpeed models go: room for the tenants
         free_memory()
         if setup.tenants:
@@ -305,8 +346,9 @@ def measure(setup: Setup) -> Report:
 
 
 def main_rows(base: torch.nn.Module, engine, model_dir: str, sequences: list[list[int]], setup: Setup,
-              bound_ms: float) -> tuple[list[StepRow], int]:
-    """plain (LoRA on `base` itself), deepspeed and engine rows, and the LoRA's parameter count."""
+              bound_ms: float, sdk_url: str | None = None) -> tuple[list[StepRow], int]:
+    """plain (LoRA on `base` itself), deepspeed and engine rows (and with `sdk_url`, the SDK's
+    through the services there), and the LoRA's parameter count."""
     cuda = setup.device == "cuda"
     timed = {"plain": Timed(plain_step(base, sequences, setup), setup.tokens, cuda)}
     if not setup.skip_raw:
@@ -314,6 +356,10 @@ def main_rows(base: torch.nn.Module, engine, model_dir: str, sequences: list[lis
     timed["engine"] = Timed(engine_step(engine, ["alone"], sequences, setup), setup.tokens, cuda)
     if setup.group > 1:
         timed["engine, padded"] = Timed(padded_engine_step(model_dir, sequences, setup), setup.tokens, cuda)
+    if sdk_url:
+        one, pipelined = sdk_steps(sdk_url, model_dir, sequences, setup)
+        timed["sdk"] = Timed(one, setup.tokens, cuda)
+        timed[f"sdk, {PIPELINED} at once"] = Timed(pipelined, setup.tokens, cuda, steps_per_call=PIPELINED)
     rows = take_in_turn(timed, setup, bound_ms)
     if setup.profile:
         for name in ("engine", "plain"):
@@ -344,8 +390,10 @@ def ratios(rows: list[StepRow]) -> list[dict]:
     wanted = [("plain / engine", "plain", "engine", ENGINE_TARGET),
               ("plain / deepspeed", "plain", "deepspeed", ""),
               ("deepspeed / engine", "deepspeed", "engine", ""),
-              ("(engine, padded) / engine", "engine, padded", "engine", "")]
-    tenant_names = [r.name for r in rows if r.name.startswith("engine, ")]
+              ("(engine, padded) / engine", "engine, padded", "engine", ""),
+              ("plain / sdk", "plain", "sdk", SDK_TARGET),
+              (f"sdk / (sdk, {PIPELINED} at once)", "sdk", f"sdk, {PIPELINED} at once", PIPELINED_TARGET)]
+    tenant_names = [r.name for r in rows if r.name.startswith("engine, ") and r.name != "engine, padded"]
     targets = (RESIDENT_TARGET, ROUND_ROBIN_TARGET)
     wanted += [(f"alone / ({name})", "engine alone", name, target) for name, target in zip(tenant_names, targets)]
     return [{"name": label, "value": ms[num] / ms[den], "target": target,
@@ -420,6 +468,10 @@ def parse_args(argv=None) -> tuple[Setup, str | None]:
     p.add_argument("--group", type=int, default=1, help="RL rollouts: every GROUP sequences share a prompt "
                                                          "(adds the engine's row with prefix sharing off)")
     p.add_argument("--prompt", type=int, default=0, help="with --group: the shared prompt's tokens")
+    p.add_argument("--sdk", action="store_true", help="add the steps through the SDK, the gateway and the trainer "
+                                                      "as services (bench/trainer_services.py; no sampler)")
+    p.add_argument("--max-logits-mib", type=int, help="the engines' fp32 logits held at once, past which they go "
+                                                       "in recomputed chunks (default: the trainer's)")
     p.add_argument("--json", help="also write the report here")
     a = p.parse_args(argv)
     if a.device == "cpu" and cuda:
@@ -430,7 +482,8 @@ def parse_args(argv=None) -> tuple[Setup, str | None]:
                   batch=a.batch, length=a.length, rank=a.rank,
                   steps=a.steps or (20 if a.device == "cuda" else 5), warmup=a.warmup, learning_rate=a.lr,
                   tenants=TENANTS if a.tenants else 0, skip_raw=a.skip_raw, profile=a.profile,
-                  group=a.group, prompt=a.prompt)
+                  group=a.group, prompt=a.prompt, sdk=a.sdk,
+                  max_logits_mib=a.max_logits_mib)
     return setup, a.json
 
 

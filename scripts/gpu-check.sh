@@ -2,9 +2,10 @@
 # The checks that need a GPU, on a CUDA host that has torch, transformers, PEFT and DeepSpeed
 # (no vLLM needed): the CPU-only suite (scripts/test.sh) skips the `gpu` tests with a reason.
 #   bash scripts/gpu-check.sh [OUT_DIR]
-# Runs the trainer, weight-transport and bf16 tests (the `gpu` ones among them), then
-# bench/trainer_only.py on the 1B shape (8x512 tokens, LoRA rank 32, bf16): plain PyTorch + PEFT
-# vs raw DeepSpeed vs tinkerd's engine, tenants, and SmolLM2's shape. Results land in OUT_DIR.
+# Runs bench/trainer_only.py on the 1B shape (8x512 tokens, LoRA rank 32, bf16): plain PyTorch +
+# PEFT vs raw DeepSpeed vs tinkerd's engine vs the SDK through the gateway and trainer services,
+# tenants; the same with the logits in chunks; SmolLM2's shape; then the trainer, weight-transport and
+# bf16 tests (the `gpu` ones among them). Results land in OUT_DIR (6 files).
 # Extra packages can sit beside the repo (see docs/gpu.md): wheels in .whl/, pure-Python
 # packages (DeepSpeed) in .dev/site/; `.venv/bin/python scripts/gpu_bundle.py` makes both.
 set -uo pipefail
@@ -19,15 +20,21 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TINKER_TELEMETRY=0
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))" || exit 1
 status=0
-python3 -m pytest -q -m "not e2e" -p no:cacheprovider -rA tests/unit/test_weight_transport.py tests/unit/test_gpu_placement.py \
-  tests/trainer/test_weight_push.py tests/trainer/test_trainer_only_bench.py tests/trainer/test_bf16_training.py \
-  tests/trainer/test_engine.py tests/trainer/test_adapter_switch.py tests/trainer/test_durable.py \
-  tests/trainer/test_prefix_tree.py \
+# Each phase has its own time limit, so one that hangs leaves the others their results.
+bench=(python3 -m bench.trainer_only --device cuda --dtype bfloat16)
+timeout 270 "${bench[@]}" --shape 1b --batch 8 --length 512 --rank 32 --tenants --sdk --profile --json "$out/1b.json" \
+  > "$out/1b.log" 2>&1 || status=$?
+# The same step with its fp32 logits (2 GiB) in chunks of at most 1 GiB, recomputed in the backward
+# (a GPU's default holds them whole up to an eighth of the activation budget; a CPU's chunks past 1 GiB).
+timeout 75 "${bench[@]}" --shape 1b --batch 8 --length 512 --rank 32 --skip-raw --max-logits-mib 1024 \
+  --json "$out/1b-logits.json" > "$out/1b-logits.log" 2>&1 || status=$?
+timeout 60 "${bench[@]}" --shape smollm2 --batch 4 --length 64 --rank 16 --json "$out/smollm2.json" \
+  > "$out/smollm2.log" 2>&1 || status=$?
+grep -h -E "^\||step cost|^trainer_only" "$out/1b.log" "$out/1b-logits.log" "$out/smollm2.log"
+timeout 150 python3 -m pytest -q -m "not e2e" -p no:cacheprovider -rA tests/unit/test_weight_transport.py \
+  tests/unit/test_gpu_placement.py tests/trainer/test_weight_push.py tests/trainer/test_trainer_only_bench.py \
+  tests/trainer/test_bf16_training.py tests/trainer/test_engine.py tests/trainer/test_adapter_switch.py \
+  tests/trainer/test_durable.py tests/trainer/test_prefix_tree.py \
   > "$out/tests.log" 2>&1 || status=$?
 grep -E "^(PASSED|SKIPPED).*(gpu|cuda)|^FAILED|^ERROR| passed| failed" "$out/tests.log"
-bench=(python3 -m bench.trainer_only --device cuda --dtype bfloat16)
-"${bench[@]}" --shape 1b --batch 8 --length 512 --rank 32 --tenants --profile --json "$out/1b.json" \
-  > "$out/1b.log" 2>&1 || status=$?
-"${bench[@]}" --shape smollm2 --batch 4 --length 64 --rank 16 --json "$out/smollm2.json" > "$out/smollm2.log" 2>&1 || status=$?
-grep -h -E "^\||step cost|^trainer_only" "$out/1b.log" "$out/smollm2.log"
 exit "$status"

@@ -39,6 +39,20 @@ def test_rollouts_sharing_prompts_train_alike_packed_or_padded():
     assert rows["engine, padded"].losses == pytest.approx(rows["engine"].losses, abs=1e-4)
 
 
+def test_the_sdk_rows_go_through_the_services_and_train_as_the_engine_does():
+    """--sdk: the unmodified SDK against `tinkerd trainer` + `tinkerd gateway` started on the
+    bench's model (no sampler: a GPU host without vLLM runs it), one step at a time and 4 at once;
+    the first step's loss is the in-process engine's, and the ratios against plain are reported."""
+    setup = Setup(device="cpu", shape="tiny", dtype="float32", batch=2, length=16, rank=4, steps=1, warmup=0,
+                  skip_raw=True, sdk=True)
+    report = measure(setup)
+    rows = {r.name: r for r in report.rows}
+    assert list(rows) == ["plain", "engine", "sdk", "sdk, 4 at once"]
+    assert rows["sdk"].ms > 0 and rows["sdk, 4 at once"].ms > 0
+    assert rows["sdk"].losses[0] == pytest.approx(rows["engine"].losses[0], abs=1e-5)
+    assert {q["name"] for q in report.ratios} >= {"plain / sdk", "sdk / (sdk, 4 at once)"}
+
+
 @pytest.mark.tcmalloc
 def test_the_command_measures_under_the_trainer_s_allocator():
     """`python -m bench.trainer_only` re-executes itself under tcmalloc, as `tinkerd trainer` does,

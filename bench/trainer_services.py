@@ -1,0 +1,85 @@
+"""The trainer and the gateway as services, without a sampler: SDK steps on a host without vLLM.
+
+`tinkerd up` always starts a sampler, and a GPU host without vLLM's CUDA build (the lent GPU
+machines) cannot run one. A training step never touches the sampler, so this starts the two
+services a step does cross, `tinkerd trainer` and `tinkerd gateway`, wired as `up` wires them
+(tests/e2e/test_scale_out.py starts them so too), and hands back the gateway's URL for the
+unmodified SDK. bench/trainer_only.py's --sdk rows run through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+READY_WITHIN_S = 600.0          # a 1B model's first load on a fresh host
+
+
+class _Service:
+    def __init__(self, name: str, argv: list[str], log_dir: str, env: dict[str, str]):
+        self.name, self.log = name, os.path.join(log_dir, f"{name}.log")
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def text(self) -> str:
+        with open(self.log) as f:
+            return f.read()
+
+    def ready(self) -> int:
+        """Waits for the service's `READY <service> <port>` line; returns the port."""
+        deadline = time.monotonic() + READY_WITHIN_S
+        while not (m := re.search(r"^READY \w+ (\d+)$", self.text(), re.M)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not start:\n{self.text()[-4000:]}")
+            time.sleep(0.1)
+        return int(m.group(1))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextlib.contextmanager
+def trainer_and_gateway(model_dir: str, dtype: str, *trainer_flags: str) -> Iterator[str]:
+    """`tinkerd trainer` + `tinkerd gateway` on `model_dir` (auth off, a fresh state dir), the
+    gateway's URL while they run; both stopped after."""
+    from launcher.up import free_port, service_token_file
+
+    with tempfile.TemporaryDirectory(prefix="trainer-services-") as work:
+        state, logs = os.path.join(work, "state"), os.path.join(work, "logs")
+        os.makedirs(state, mode=0o700)
+        os.makedirs(logs)
+        # This process may hold a torch.distributed group of its own (the in-process engines).
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
+        tinkerd = [sys.executable, "-m", "launcher.cli"]
+        common = ["--base-model", model_dir, "--state-dir", state, "--service-token-file", service_token_file(state)]
+        services: list[_Service] = []
+        try:
+            trainer = _Service("trainer", [*tinkerd, "trainer", *common, "--dtype", dtype, "--allow-slow-dtype",
+                                           "--listen", "127.0.0.1:0", "--durable-idle-s", "0", *trainer_flags],
+                               logs, env)
+            services.append(trainer)
+            trainer_port = trainer.ready()
+            port = free_port()
+            services.append(gateway := _Service("gateway", [
+                *tinkerd, "gateway", *common, "--trainer", f"127.0.0.1:{trainer_port}", "--port", str(port),
+                "--internal-port", str(free_port()), "--no-auth"], logs, env))
+            gateway.ready()
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            for service in reversed(services):
+                service.stop()
