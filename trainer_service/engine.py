@@ -29,7 +29,7 @@ from tinkerd import cores, dtypes, hardware, weight_stream
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, microbatches, prefix_tree, training
 from trainer_service.durable import DurableModels
-from trainer_service.logprobs import DEFAULT_MAX_LOGITS_BYTES
+from trainer_service.logprobs import default_max_logits_bytes
 from trainer_service.deepspeed_setup import (deepspeed_config, effective_zero_stage,  # noqa: F401 - public here
                                              init_distributed_once)
 from trainer_service.custom_loss import Losses
@@ -50,13 +50,14 @@ class TrainerEngine:
                  max_lora_rank: int = 64, base_model_names: tuple[str, ...] = (),
                  durable: DurableModels | None = None, max_resident: int = 32, keep_zero_stage: bool = False,
                  max_batch_tokens: int = training.MAX_BATCH_TOKENS, match_sampler: bool = True,
-                 max_logits_mib: int = DEFAULT_MAX_LOGITS_BYTES >> 20, activation_mib: int = 0):
+                 max_logits_mib: int = 0, activation_mib: int = 0):
         """`keep_zero_stage`: run `zero_stage` as given even on one rank, where stages 1 and 2
         partition nothing (as trainers did before they ran those as stage 0; tests write such
         checkpoints with it). `match_sampler`: a 16-bit model on CPU rounds as the sampler's vLLM
         CPU kernels do (cpu_numerics.py), so both give the same logprobs; False leaves
         transformers' own rounding (bench/bf16_gap.py measures the difference). `max_logits_mib`:
-        the fp32 logits a forward_backward holds at once; more go in recomputed chunks (logprobs.py).
+        the fp32 logits a forward_backward holds at once; more go in recomputed chunks (logprobs.py; 0:
+        1 GiB on a CPU, a share of the activation budget on a GPU).
         `activation_mib`: the activations a forward_backward keeps for its backward at once; a larger
         batch goes in micro-batches (microbatches.py; 0: a share of the device's memory)."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -74,7 +75,6 @@ class TrainerEngine:
         self.durable = durable
         self.max_resident = max_resident
         self.max_batch_tokens = max_batch_tokens
-        self.max_logits_bytes = max_logits_mib << 20
         self.device = hardware.default_device()
         config = AutoConfig.from_pretrained(base_model_dir)
         self.vocab_size = config.vocab_size
@@ -95,6 +95,8 @@ class TrainerEngine:
         self.ranks = Ranks(self._lock)
         self.custom_losses = Losses()
         self.activation_budget = (activation_mib << 20) or microbatches.default_budget_bytes(self.device)
+        self.max_logits_bytes = (max_logits_mib << 20) or default_max_logits_bytes(self.device.type,
+                                                                                 self.activation_budget)
         with self.models.costliest_adapter():
             self.token_cost = microbatches.measure(base, self.device, recompute=self.zero_stage != 3,
                                                    trees=self.packable)

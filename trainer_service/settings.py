@@ -33,10 +33,11 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                               "--durable-interval-s and on unload still)")
     max_batch_tokens: int = setting(1 << 17, help="a forward_backward's datums x its longest datum (the trainer "
                                                   "pads every datum to the longest): more is a 400")
-    max_logits_mib: int = setting(1024, help="fp32 logits a forward_backward holds at once (batch tokens x "
-                                             "vocabulary x 4 bytes); a larger batch goes through the unembedding "
-                                             "in chunks recomputed in the backward: bounded memory for one more "
-                                             "lm_head forward")
+    max_logits_mib: int = setting(0, help="fp32 logits a forward_backward holds at once (batch tokens x "
+                                          "vocabulary x 4 bytes); a larger batch goes through the unembedding "
+                                          "in chunks recomputed in the backward: bounded memory for one more "
+                                          "lm_head forward (0: 1024 on a CPU; on a GPU an eighth of "
+                                          "--activation-mib's budget, at least 1024)")
     activation_mib: int = setting(0, help="activations a forward_backward keeps for its backward at once (measured "
                                           "per token at start-up); a larger batch goes through forward and backward "
                                           "in micro-batches whose gradients add up; the step's peak is about "
