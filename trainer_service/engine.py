@@ -29,7 +29,7 @@ from tinkerd import cores, dtypes, hardware, weight_stream
 from tinkerd.errors import NotFoundError, UserError
 from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, microbatches, prefix_tree, training
 from trainer_service.durable import DurableModels
-from trainer_service.logprobs import default_max_logits_bytes
+from trainer_service.logprobs import default_logits_bytes
 from trainer_service.deepspeed_setup import (deepspeed_config, effective_zero_stage,  # noqa: F401 - public here
                                              init_distributed_once)
 from trainer_service.custom_loss import Losses
@@ -56,10 +56,9 @@ class TrainerEngine:
         checkpoints with it). `match_sampler`: a 16-bit model on CPU rounds as the sampler's vLLM
         CPU kernels do (cpu_numerics.py), so both give the same logprobs; False leaves
         transformers' own rounding (bench/bf16_gap.py measures the difference). `max_logits_mib`:
-        the fp32 logits a forward_backward holds at once; more go in recomputed chunks (logprobs.py; 0:
-        1 GiB on a CPU, a share of the activation budget on a GPU).
-        `activation_mib`: the activations a forward_backward keeps for its backward at once; a larger
-        batch goes in micro-batches (microbatches.py; 0: a share of the device's memory)."""
+        the fp32 logits a forward_backward holds at once; more go in recomputed chunks (logprobs.py;
+        0: per device). `activation_mib`: the activations a forward_backward keeps for its backward
+        at once; a larger batch goes in micro-batches (microbatches.py; 0: a share of the device's memory)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if zero_stage not in (0, 1, 2, 3):
@@ -95,8 +94,7 @@ class TrainerEngine:
         self.ranks = Ranks(self._lock)
         self.custom_losses = Losses()
         self.activation_budget = (activation_mib << 20) or microbatches.default_budget_bytes(self.device)
-        self.max_logits_bytes = (max_logits_mib << 20) or default_max_logits_bytes(self.device.type,
-                                                                                 self.activation_budget)
+        self.max_logits_bytes = (max_logits_mib << 20) or default_logits_bytes(self.device.type, self.activation_budget)
         with self.models.costliest_adapter():
             self.token_cost = microbatches.measure(base, self.device, recompute=self.zero_stage != 3,
                                                    trees=self.packable)

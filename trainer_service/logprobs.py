@@ -28,7 +28,7 @@ DEFAULT_MAX_LOGITS_BYTES = 1 << 30
 GPU_LOGITS_SHARE = 8
 
 
-def default_max_logits_bytes(device_type: str, activation_budget: int) -> int:
+def default_logits_bytes(device_type: str, activation_budget: int) -> int:
     """--max-logits-mib 0: 1 GiB on a CPU (host memory is what the whole stack shares); on a GPU
     an eighth of the activation budget, at least 1 GiB (fp32 logits, their gradient and the 16-bit
     logits add about 2.5 times it to the step's peak)."""

@@ -92,14 +92,14 @@ def test_the_setting_s_default_is_the_engine_s():
 
 def test_the_default_logits_budget_is_1_gib_on_a_cpu_and_a_share_of_the_activations_on_a_gpu():
     gib = 1 << 30
-    assert logprobs.default_max_logits_bytes("cpu", 100 * gib) == gib
+    assert logprobs.default_logits_bytes("cpu", 100 * gib) == gib
     # A whole H200 (a quarter of 141 GB for activations): Llama 3 1B's 8x512 logits (2.1 GB) whole.
-    assert logprobs.default_max_logits_bytes("cuda", 35 * gib) == 35 * gib // 8
-    assert logprobs.default_max_logits_bytes("cuda", 35 * gib) > 8 * 512 * 128256 * 4
-    assert logprobs.default_max_logits_bytes("cuda", 4 * gib) == gib       # a small card: never below the CPU's
+    assert logprobs.default_logits_bytes("cuda", 35 * gib) == 35 * gib // 8
+    assert logprobs.default_logits_bytes("cuda", 35 * gib) > 8 * 512 * 128256 * 4
+    assert logprobs.default_logits_bytes("cuda", 4 * gib) == gib       # a small card: never below the CPU's
 
 
 def test_an_engine_on_the_default_takes_its_device_s_budget(tiny_model_dir):
     engine = TrainerEngine(tiny_model_dir, zero_stage=2)
-    assert engine.max_logits_bytes == logprobs.default_max_logits_bytes(engine.device.type, engine.activation_budget)
+    assert engine.max_logits_bytes == logprobs.default_logits_bytes(engine.device.type, engine.activation_budget)
     assert TrainerEngine(tiny_model_dir, zero_stage=2, max_logits_mib=3).max_logits_bytes == 3 << 20
