@@ -427,8 +427,7 @@ def profile(name: str, timed: Timed, cuda: bool) -> str:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profiler(activities=activities) as prof:
-        for _ in range(PROFILE_STEPS):
-            timed()
+        wall = sum(timed() for _ in range(PROFILE_STEPS))
     averages = prof.key_averages()
     lines = [f"### {name}: top 15 ops by self CPU time over {PROFILE_STEPS} steps",
              averages.table(sort_by="self_cpu_time_total", row_limit=15)]
@@ -439,7 +438,47 @@ def profile(name: str, timed: Timed, cuda: bool) -> str:
         kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / PROFILE_STEPS
         launches = sum(e.count for e in averages if "LaunchKernel" in e.key) / PROFILE_STEPS
         lines.append(f"{name}: {kernels:.0f} GPU kernels (and copies) per step, {launches:.0f} launch calls")
+        busy = sum(e.self_device_time_total for e in averages) / 1e3 / PROFILE_STEPS
+        lines.append(f"{name}: the GPU busy {busy:.1f} ms of the step's {1e3 * wall / PROFILE_STEPS:.1f} ms "
+                     f"(under the profiler); where the step synchronizes:")
+        lines += [f"  {n} x {site}" for site, n in synchronizations(timed)]
     return "\n".join(lines)
+
+
+def synchronizations(timed: Timed) -> list[tuple[str, int]]:
+    """The code lines where one step waits for the GPU, with how often, the most first: torch's
+    sync debug mode warns at each synchronizing call (a device-to-host copy, a host-to-device copy
+    from pageable memory, .item()), named here by the innermost frame of tinkerd's own code (the
+    bench's for plain PyTorch). Each is a moment the GPU may then idle while Python catches up."""
+    import collections
+    import traceback
+    import warnings
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)]
+        served = [f for f in ours if not os.path.relpath(f.filename, root).startswith("bench")]
+        where = (served or ours or [None])[-1]
+        site = f"{filename}:{lineno}" if where is None else \
+            f"{os.path.relpath(where.filename, root)}:{where.lineno} ({where.name})"
+        sites[site] += 1
+
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            timed.step()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    return sites.most_common()
 
 
 def render(report: Report) -> str:

@@ -2,9 +2,11 @@
 TrainerEngine take the same steps on the same model, batch and LoRA init. (Here, not in
 tests/bench/: it runs DeepSpeed in the pytest process, like the other tests of this folder.)"""
 
+import inspect
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -76,3 +78,24 @@ def test_engine_trains_in_bf16_on_cuda_and_starts_where_plain_does():
     assert engine[-1] < engine[0] - 0.05, engine      # the same batch again and again: it must fit it
     # bf16 weights and logits; the engine passes an attention mask, plain does not: other kernels may run.
     assert engine[0] == pytest.approx(plain[0], abs=2e-2)
+
+
+
+def _synchronizing_call():
+    warnings.warn("called a synchronizing CUDA operation")      # as torch's sync debug mode warns
+
+
+def test_the_profile_names_where_a_step_synchronizes():
+    """--profile on a GPU lists the lines where a step waits for the device, each named by the
+    innermost frame of the project's own code (not the bench's), counted; other warnings ignored."""
+    from bench.trainer_only import Timed, synchronizations
+
+    def step():
+        for _ in range(2):
+            _synchronizing_call()
+        warnings.warn("something else")
+        return torch.zeros(())
+
+    line = inspect.getsourcelines(_synchronizing_call)[1] + 1
+    assert synchronizations(Timed(step, 1, cuda=False)) == [
+        (f"tests/trainer/test_trainer_only_bench.py:{line} (_synchronizing_call)", 2)]
