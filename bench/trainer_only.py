@@ -280,18 +280,16 @@ def engine_step(engine, model_ids: list[str], sequences: list[list[int]], setup:
 PIPELINED = 4       # SDK steps submitted at once in the "sdk, 4 at once" row
 
 
-def sdk_steps(url: str, model_dir: str, sequences: list[list[int]], setup: Setup):
-    """(one step, PIPELINED steps) through the unmodified SDK against `url`: forward_backward and
-    optim_step submitted, then waited for; PIPELINED such pairs submitted at once, as a client that
-    does not wait for each step's metrics does. Each returns its steps' summed loss."""
-    import tinker
+def sdk_steps(service, model_dir: str, sequences: list[list[int]], setup: Setup):
+    """(one step, PIPELINED steps) through the unmodified SDK's `service` (a tinker.ServiceClient):
+    forward_backward and optim_step submitted, then waited for; PIPELINED such pairs submitted at
+    once, as a client that does not wait for each step's metrics does. Each returns its steps'
+    summed loss."""
     from tinker import types
 
-    os.environ.setdefault("TINKER_API_KEY", "tml-no-auth")          # the services run with auth off
     data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
                         loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * setup.length}) for s in sequences]
-    client = tinker.ServiceClient(base_url=url).create_lora_training_client(base_model=model_dir, rank=setup.rank,
-                                                                            seed=0).result()
+    client = service.create_lora_training_client(base_model=model_dir, rank=setup.rank, seed=0).result()
     betas = ADAM["betas"]
     adam = types.AdamParams(learning_rate=setup.learning_rate, beta1=betas[0], beta2=betas[1], eps=ADAM["eps"])
 
@@ -327,17 +325,16 @@ def free_memory() -> None:
 
 def measure(setup: Setup) -> Report:
     """Every row of the run (see the module docstring), in one process."""
-    with tempfile.TemporaryDirectory(prefix="trainer-only-") as work, contextlib.ExitStack() as services:
+    with tempfile.TemporaryDirectory(prefix="trainer-only-") as work:
         base = build_model(setup, work)
-        logits = () if setup.max_logits_mib is None else ("--max-logits-mib", str(setup.max_logits_mib))
-        url = services.enter_context(trainer_and_gateway(work, setup.dtype, *logits)) if setup.sdk else None
         sequences = random_batch(setup, base.config.vocab_size)
         params = linear_params(base)
         flop = 4.0 * params * setup.tokens
         rate = matmul_rate(setup)
         bound_ms = 1e3 * flop / rate
         engine = new_engine(work, setup, ["alone"])
-        rows, trainable = main_rows(base, engine, work, sequences, setup, bound_ms, url)
+        with sdk_services(work, setup) as sdk:      # stopped before the tenants' rows
+            rows, trainable = main_rows(base, engine, work, sequences, setup, bound_ms, sdk)
         del base                 # the plain and DeepSpeed models go: room for the tenants
         free_memory()
         if setup.tenants:
@@ -345,10 +342,29 @@ def measure(setup: Setup) -> Report:
     return Report(setup, machine(), params, trainable, flop, rate / 1e12, bound_ms, rows, ratios(rows))
 
 
+@contextlib.contextmanager
+def sdk_services(model_dir: str, setup: Setup):
+    """With --sdk, the trainer and gateway services on `model_dir` and an SDK client of theirs
+    (a tinker.ServiceClient, closed before they stop), else None."""
+    if not setup.sdk:
+        yield None
+        return
+    import tinker
+
+    os.environ.setdefault("TINKER_API_KEY", "tml-no-auth")          # the services run with auth off
+    logits = () if setup.max_logits_mib is None else ("--max-logits-mib", str(setup.max_logits_mib))
+    with trainer_and_gateway(model_dir, setup.dtype, *logits) as url:
+        service = tinker.ServiceClient(base_url=url)
+        try:
+            yield service
+        finally:
+            service.close("success").result()
+
+
 def main_rows(base: torch.nn.Module, engine, model_dir: str, sequences: list[list[int]], setup: Setup,
-              bound_ms: float, sdk_url: str | None = None) -> tuple[list[StepRow], int]:
-    """plain (LoRA on `base` itself), deepspeed and engine rows (and with `sdk_url`, the SDK's
-    through the services there), and the LoRA's parameter count."""
+              bound_ms: float, sdk=None) -> tuple[list[StepRow], int]:
+    """plain (LoRA on `base` itself), deepspeed and engine rows (and with `sdk`, a ServiceClient
+    of sdk_services', the SDK's), and the LoRA's parameter count."""
     cuda = setup.device == "cuda"
     timed = {"plain": Timed(plain_step(base, sequences, setup), setup.tokens, cuda)}
     if not setup.skip_raw:
@@ -356,8 +372,8 @@ def main_rows(base: torch.nn.Module, engine, model_dir: str, sequences: list[lis
     timed["engine"] = Timed(engine_step(engine, ["alone"], sequences, setup), setup.tokens, cuda)
     if setup.group > 1:
         timed["engine, padded"] = Timed(padded_engine_step(model_dir, sequences, setup), setup.tokens, cuda)
-    if sdk_url:
-        one, pipelined = sdk_steps(sdk_url, model_dir, sequences, setup)
+    if sdk is not None:
+        one, pipelined = sdk_steps(sdk, model_dir, sequences, setup)
         timed["sdk"] = Timed(one, setup.tokens, cuda)
         timed[f"sdk, {PIPELINED} at once"] = Timed(pipelined, setup.tokens, cuda, steps_per_call=PIPELINED)
     rows = take_in_turn(timed, setup, bound_ms)
