@@ -4,7 +4,9 @@ Several gateways may each hold some of one model's requests (the SDK spreads the
 balancer; a re-driven request comes from whichever gateway claimed it), so only the trainer can
 order them. A request waits here until every lower seq_id of its model has executed (or was
 refused), or for at most `gap_timeout_s` for a seq_id that never arrives (the SDK used it for a
-request that was refused before reaching the trainer). A resend of an executed request is
+request that was refused before reaching the trainer). A seq_id that is running is no gap, however
+long its step: the next one waits for it (it used to be let through after the timeout while the
+step ran, which left that seq_id counted as not applied, so a late copy could have run it twice). A resend of an executed request is
 answered from the reply cache before it gets here (replies.py), so it never waits; one that
 arrives while its first copy still runs (the gateway that sent it died, another re-drives it)
 waits for that copy and then gets its reply, instead of running twice.
@@ -80,6 +82,10 @@ class SeqOrder:
             model = self._model(model_id, seq)
             gap_waived = False
             while (model_id, seq) in self._running or (seq > model.next and not gap_waived):
+                if (model_id, model.next) in self._running:
+                    # The seq_id we wait for runs (sent by another gateway): no gap, however long it
+                    # takes. The gap timeout counts from when it is done and the next is missing.
+                    deadline = time.monotonic() + self.gap_timeout_s
                 left = deadline - time.monotonic()
                 if (model_id, seq) not in self._running and left <= 0:
                     log.warning("%s: seq_id %d never arrived; running seq_id %d", model_id, model.next, seq)

@@ -67,6 +67,37 @@ def test_a_copy_of_a_running_request_waits_for_it():
         assert b.result(5) >= 0.2
 
 
+def test_the_next_seq_id_waits_for_a_running_one_past_the_gap_timeout():
+    """With several gateways, seq N+1 reaches the trainer while N (from another gateway) still
+    runs: a long step must not look like a seq_id that never came. N+1 waits for N however long N
+    runs, and N stays counted as executed (a late copy of it is told so, not run again)."""
+    order, started, release = SeqOrder(gap_timeout_s=0.2), threading.Event(), threading.Event()
+    order.created("m")
+    ran = []
+
+    def long_step():
+        order.wait_turn("m", 1)
+        started.set()
+        release.wait(5)
+        ran.append(1)
+        order.executed("m", 1)
+
+    def next_one():
+        started.wait(5)
+        order.wait_turn("m", 2)
+        ran.append(2)
+        order.executed("m", 2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a, b = pool.submit(long_step), pool.submit(next_one)
+        time.sleep(0.8)                 # 4 gap timeouts while seq 1 runs
+        assert ran == [] and not b.done()
+        release.set()
+        a.result(5), b.result(5)
+    assert ran == [1, 2]
+    assert order.wait_turn("m", 1) is True      # executed before: a late copy is not applied again
+    order.executed("m", 1)
+
+
 def test_the_servicer_runs_out_of_order_requests_in_seq_order_once(tiny_model_dir, tmp_path):
     """The SDK's chunks arrive last-first, spread over two gateways: the optim_step (3) and the
     second chunk (2) wait for the first chunk (1); a copy of chunk 2 sent meanwhile by another
