@@ -6,8 +6,9 @@ order them. A request waits here until every lower seq_id of its model has execu
 refused), or for at most `gap_timeout_s` for a seq_id that never arrives (the SDK used it for a
 request that was refused before reaching the trainer). A seq_id that is running is no gap, however
 long its step: the next one waits for it (it used to be let through after the timeout while the
-step ran, which left that seq_id counted as not applied, so a late copy could have run it twice). A resend of an executed request is
-answered from the reply cache before it gets here (replies.py), so it never waits; one that
+step ran, which left that seq_id counted as not applied, so a late copy could have run it twice).
+A resend of an executed request is answered from the reply cache before it gets here
+(replies.py), so it never waits; one that
 arrives while its first copy still runs (the gateway that sent it died, another re-drives it)
 waits for that copy and then gets its reply, instead of running twice.
 
