@@ -8,6 +8,9 @@ unloaded, evicted, or lost with a trainer that died.
     <state_dir>/models/<dir_name(model_id)>/journal.jsonl  one line per forward_backward and
                                                            optim_step executed: seq_id, kind, and
                                                            the optim_step reply
+    <state_dir>/models/<dir_name(model_id)>/last_seq       the newest seq_id whose turn came here
+                                                           (any kind): where a restarted trainer's
+                                                           order of the model's requests resumes
 
 When the state is written (the documented cadence, docs/multi-tenancy.md): when the model is made;
 after an optim_step once the last write is older than `--durable-interval-s` (right after its
@@ -34,7 +37,7 @@ import time
 
 from tinkerd import paths
 
-STATE, JOURNAL = "state", "journal.jsonl"
+STATE, JOURNAL, LAST_SEQ = "state", "journal.jsonl", "last_seq"
 _JOURNAL_KEPT = 64          # entries at or before the state's seq_id kept to answer resends
 IDLE_WRITE_AFTER_S = 1.0      # --durable-idle-s's default
 
@@ -51,6 +54,7 @@ class DurableModels:
         self.state_dir = state_dir
         self.interval_s = interval_s
         self._written_at: dict[str, float] = {}     # model_id -> monotonic time of its last write
+        self._last_turn: dict[str, int] = {}        # model_id -> the newest seq_id noted (note_turn)
 
     # ---- where ----------------------------------------------------------------------------
 
@@ -69,6 +73,7 @@ class DurableModels:
     def remove(self, model_id: str) -> None:
         shutil.rmtree(self.model_dir(model_id), ignore_errors=True)
         self._written_at.pop(model_id, None)
+        self._last_turn.pop(model_id, None)
 
     # ---- cadence --------------------------------------------------------------------------
 
@@ -90,6 +95,28 @@ class DurableModels:
         os.makedirs(self.model_dir(model_id), exist_ok=True)
         with open(self._journal_path(model_id), "a") as f:
             f.write(_line(Entry(seq, kind, reply)))
+
+    def note_turn(self, model_id: str, seq: int) -> None:
+        """`seq`'s turn came (executed, failed, refused or skipped): the newest one is kept, so
+        that a restarted trainer orders the model's next requests after it (seq_order.py). Only
+        for a model with a directory; one small overwrite (a crash mid-write leaves it unreadable:
+        then the order starts as if it were not there)."""
+        if seq <= self._last_turn.get(model_id, -1):
+            return
+        self._last_turn[model_id] = seq
+        try:
+            with open(os.path.join(self.model_dir(model_id), LAST_SEQ), "w") as f:
+                f.write(str(seq))
+        except FileNotFoundError:
+            pass                    # no directory: never written, or deleted meanwhile
+
+    def next_turn(self, model_id: str) -> int | None:
+        """The seq_id after the newest whose turn came in an earlier process, None if unknown."""
+        try:
+            with open(os.path.join(self.model_dir(model_id), LAST_SEQ)) as f:
+                return int(f.read()) + 1
+        except (FileNotFoundError, ValueError):
+            return None
 
     def journal(self, model_id: str) -> list[Entry]:
         try:

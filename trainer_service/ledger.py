@@ -30,7 +30,7 @@ class Ledger:
     def __init__(self, durable: DurableModels):
         self.durable = durable
         self.replies = ReplyCache()
-        self.order = SeqOrder()
+        self.order = SeqOrder(start_of=durable.next_turn)
 
     def once(self, model_id: str, seq: int, kind: str, run: Callable[[], Reply]) -> Reply:
         """`run()`'s reply, run in the request's turn unless it ran before: then its stored reply,
@@ -53,6 +53,7 @@ class Ledger:
             return reply
         finally:
             self.order.executed(model_id, seq, applied)
+            self.durable.note_turn(model_id, seq)
 
     def resume(self, model_id: str, seq: int, state_seq: int, step: int) -> None:
         """A model just brought back from disk, its state at `state_seq`: the journal tells which
@@ -84,11 +85,13 @@ class Ledger:
     def created(self, model_id: str) -> None:
         """The model was made here: its requests start at seq_id 1."""
         self.order.created(model_id)
+        self.durable.note_turn(model_id, 0)
 
     def skip(self, model_id: str, seq: int) -> None:
         """A seq_id refused before it reached the trainer: taken in its turn, not applied."""
         self.order.wait_turn(model_id, seq)
         self.order.executed(model_id, seq, applied=False)
+        self.durable.note_turn(model_id, seq)
 
     def forget(self, model_id: str) -> None:
         self.replies.forget(model_id)

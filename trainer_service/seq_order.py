@@ -13,7 +13,10 @@ arrives while its first copy still runs (the gateway that sent it died, another 
 waits for that copy and then gets its reply, instead of running twice.
 
 A model's order starts at 1 once it is made here (seq 0 is its creation); a model this process
-did not make (it came back from disk after a restart) starts at the first seq_id it sees.
+did not make (it came back from disk after a restart) starts after the newest seq_id an earlier
+process took its turn on (durable.py's last_seq), so requests arriving out of order through
+several gateways right after a restart still run in order; without that record, at the first
+seq_id it sees.
 
 A seq_id below the next one that this process saw execute, arriving again once its reply left the
 reply cache (a re-drive after many later requests), is refused by the ledger instead of applied
@@ -59,8 +62,12 @@ class _Model:
 
 
 class SeqOrder:
-    def __init__(self, gap_timeout_s: float = GAP_TIMEOUT_S):
+    def __init__(self, gap_timeout_s: float = GAP_TIMEOUT_S, start_of=None):
+        """`start_of(model_id)`: the seq_id a model's order resumes at when this process first
+        sees it (the one after the newest an earlier process took: durable.next_turn), None if
+        unknown; then it starts at the first seq_id it sees."""
         self.gap_timeout_s = gap_timeout_s
+        self.start_of = start_of
         self._models: collections.OrderedDict[str, _Model] = collections.OrderedDict()
         self._running: set[tuple[str, int]] = set()
         self._cv = threading.Condition()
@@ -68,7 +75,9 @@ class SeqOrder:
     def _model(self, model_id: str, seq: int) -> _Model:
         model = self._models.get(model_id)
         if model is None:
-            model = self._models[model_id] = _Model(next=seq, floor=seq)
+            start = self.start_of(model_id) if self.start_of is not None else None
+            start = seq if start is None else start
+            model = self._models[model_id] = _Model(next=start, floor=start)
             while len(self._models) > _MODELS_KEPT:
                 self._models.popitem(last=False)
         self._models.move_to_end(model_id)
@@ -113,6 +122,8 @@ class SeqOrder:
 
     def created(self, model_id: str) -> None:
         """The model was made here (its seq 0): its requests start at seq_id 1."""
+        with self._cv:
+            self._models[model_id] = _Model(next=0, floor=0)
         self.executed(model_id, 0)
 
     def forget(self, model_id: str) -> None:

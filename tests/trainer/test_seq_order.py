@@ -4,6 +4,7 @@ never comes holds the next one only up to the gap timeout, and a copy of a reque
 while the first still runs (a re-drive from another gateway) gets the first one's reply."""
 
 import concurrent.futures
+import os
 import threading
 import time
 
@@ -98,6 +99,34 @@ def test_the_next_seq_id_waits_for_a_running_one_past_the_gap_timeout():
     order.executed("m", 1)
 
 
+def test_a_restarted_order_resumes_after_the_newest_turn_on_disk(tmp_path):
+    """durable.py keeps the newest seq_id whose turn came (any kind, failed and refused ones too);
+    a new process's order starts after it, and without it at the first seq_id it sees."""
+    from trainer_service.durable import DurableModels
+
+    durable = DurableModels(str(tmp_path))
+    os.makedirs(durable.model_dir("m"))
+    for seq in (1, 3, 2):                       # a late copy of 2 does not move it back
+        durable.note_turn("m", seq)
+    assert DurableModels(str(tmp_path)).next_turn("m") == 4
+    assert durable.next_turn("no-such-model") is None
+    order, ran = SeqOrder(gap_timeout_s=5, start_of=DurableModels(str(tmp_path)).next_turn), []
+
+    def request(seq):
+        def go():
+            order.wait_turn("m", seq)
+            ran.append(seq)
+            order.executed("m", seq)
+        return go
+    _run_in_threads([request(5), request(4)])      # 5 first: it waits for 4
+    assert ran == [4, 5]
+    with open(os.path.join(durable.model_dir("m"), "last_seq"), "w") as f:
+        f.write("")                              # cut short by a crash: as if never written
+    assert durable.next_turn("m") is None
+    durable.remove("m")
+    assert durable.next_turn("m") is None
+
+
 def test_the_servicer_runs_out_of_order_requests_in_seq_order_once(tiny_model_dir, tmp_path):
     """The SDK's chunks arrive last-first, spread over two gateways: the optim_step (3) and the
     second chunk (2) wait for the first chunk (1); a copy of chunk 2 sent meanwhile by another
@@ -176,12 +205,11 @@ def test_a_re_drive_whose_reply_was_dropped_is_refused_not_applied_twice(tiny_mo
     assert ran == [1, 2] and first.outputs
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, not fixed yet: a restarted trainer's order starts at the first "
-                   "seq_id it sees, so with several gateways seq 4 arriving before 3 runs first. The fix needs the "
-                   "last seq_id the previous process executed (the journal keeps forward_backward and optim_step "
-                   "only, not push_weights or save_state; starting after its last entry would stall the next "
-                   "request for the gap timeout whenever the last request was a push)")
 def test_after_a_restart_requests_arriving_out_of_order_still_run_in_order(tiny_model_dir, tmp_path):
+    """Two gateways can send a model's optim_step before its forward_backward right after the
+    trainer restarted: the restarted trainer resumes the model's order after the newest seq_id the
+    last one took (durable.py's last_seq), so 4 waits for 3. (It used to start at the first seq_id
+    it saw: 4 ran first, and 3's gradients waited for the next step.)"""
     first = _trainer(tiny_model_dir, tmp_path)
     _create(first, "s:train:0")
     _fb(first, "s:train:0", 1)
