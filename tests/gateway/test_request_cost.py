@@ -129,7 +129,9 @@ def test_the_padded_batch_is_capped(gateway):
     _datum(req, list(range(1, 101)))
     for _ in range(9):
         _datum(req, [5])
-    assert _post(gateway, req.SerializeToString()).status_code == 200      # 10 x 100 = 1000: at the cap
+    at_cap = _post(gateway, req.SerializeToString())        # 10 x 100 = 1000: at the cap
+    assert at_cap.status_code == 200
+    assert gateway.api.result(at_cap.json()).status_code == 200     # run before the trainer is asked
     _datum(req, [5])
     req.seq_id = 2
     assert_user_error(_post(gateway, req.SerializeToString()), 400, "11 datums padded to the longest (100 tokens)",
