@@ -25,16 +25,22 @@ def _run_in_threads(calls):
         return [f.result(timeout=60) for f in futures]
 
 
-def test_seq_order_holds_later_seq_ids_and_gives_up_on_a_gap():
-    order, ran = SeqOrder(gap_timeout_s=0.5), []
-    order.created("m")
-
+def _request_of(order: SeqOrder, ran: list[int]):
+    """A request of model "m" as a callable: waits its turn, notes that it ran, is done."""
     def request(seq):
         def go():
             order.wait_turn("m", seq)
             ran.append(seq)
             order.executed("m", seq)
         return go
+    return request
+
+
+def test_seq_order_holds_later_seq_ids_and_gives_up_on_a_gap():
+    order, ran = SeqOrder(gap_timeout_s=0.5), []
+    order.created("m")
+
+    request = _request_of(order, ran)
     _run_in_threads([request(3), request(2), request(1)])
     assert ran == [1, 2, 3]
     t0 = time.monotonic()
@@ -112,12 +118,7 @@ def test_a_restarted_order_resumes_after_the_newest_turn_on_disk(tmp_path):
     assert durable.next_turn("no-such-model") is None
     order, ran = SeqOrder(gap_timeout_s=5, start_of=DurableModels(str(tmp_path)).next_turn), []
 
-    def request(seq):
-        def go():
-            order.wait_turn("m", seq)
-            ran.append(seq)
-            order.executed("m", seq)
-        return go
+    request = _request_of(order, ran)
     _run_in_threads([request(5), request(4)])      # 5 first: it waits for 4
     assert ran == [4, 5]
     with open(os.path.join(durable.model_dir("m"), "last_seq"), "w") as f:
