@@ -3,7 +3,7 @@
 `tinkerd up` always starts a sampler, and a GPU host without vLLM's CUDA build (the lent GPU
 machines) cannot run one. A training step never touches the sampler, so this starts the two
 services a step does cross, `tinkerd trainer` and `tinkerd gateway`, wired as `up` wires them
-(tests/e2e/test_scale_out.py starts them so too), and hands back the gateway's URL for the
+(as tests/e2e/test_scale_out.py does, through the same harness.services), and hands back the gateway's URL for the
 unmodified SDK. bench/trainer_only.py's --sdk rows run through it.
 """
 
@@ -11,44 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Iterator
 
+from harness.services import Service
+
 READY_WITHIN_S = 600.0          # a 1B model's first load on a fresh host
-
-
-class _Service:
-    def __init__(self, name: str, argv: list[str], log_dir: str, env: dict[str, str]):
-        self.name, self.log = name, os.path.join(log_dir, f"{name}.log")
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-
-    def text(self) -> str:
-        with open(self.log) as f:
-            return f.read()
-
-    def ready(self) -> int:
-        """Waits for the service's `READY <service> <port>` line; returns the port."""
-        deadline = time.monotonic() + READY_WITHIN_S
-        while not (m := re.search(r"^READY \w+ (\d+)$", self.text(), re.M)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not start:\n{self.text()[-4000:]}")
-            time.sleep(0.1)
-        return int(m.group(1))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @contextlib.contextmanager
@@ -67,18 +36,18 @@ def trainer_and_gateway(model_dir: str, dtype: str, *trainer_flags: str) -> Iter
         env.update(HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
         tinkerd = [sys.executable, "-m", "launcher.cli"]
         common = ["--base-model", model_dir, "--state-dir", state, "--service-token-file", service_token_file(state)]
-        services: list[_Service] = []
+        services: list[Service] = []
         try:
-            trainer = _Service("trainer", [*tinkerd, "trainer", *common, "--dtype", dtype, "--allow-slow-dtype",
+            trainer = Service("trainer", [*tinkerd, "trainer", *common, "--dtype", dtype, "--allow-slow-dtype",
                                            "--listen", "127.0.0.1:0", "--durable-idle-s", "0", *trainer_flags],
                                logs, env)
             services.append(trainer)
-            trainer_port = trainer.ready()
+            trainer_port = trainer.ready(READY_WITHIN_S)
             port = free_port()
-            services.append(gateway := _Service("gateway", [
+            services.append(gateway := Service("gateway", [
                 *tinkerd, "gateway", *common, "--trainer", f"127.0.0.1:{trainer_port}", "--port", str(port),
                 "--internal-port", str(free_port()), "--no-auth"], logs, env))
-            gateway.ready()
+            gateway.ready(READY_WITHIN_S)
             yield f"http://127.0.0.1:{port}"
         finally:
             for service in reversed(services):

@@ -20,7 +20,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -29,55 +28,13 @@ import pytest
 
 from conftest import TINY_KV_CACHE
 from harness.postgres import postgres
+from harness.services import Service
 from launcher.up import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ITERATIONS = 4
 LEASE_S = 2.0
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class Service:
-    """A `tinkerd` service in its own process group; stdout and stderr go to its log file."""
-
-    def __init__(self, name: str, command: list[str], log_dir, env: dict):
-        self.name, self.command, self.env = name, command, env
-        self.log = os.path.join(log_dir, f"{name}.log")
-        self.start()
-
-    def start(self) -> None:
-        self.offset = os.path.getsize(self.log) if os.path.exists(self.log) else 0
-        self.proc = subprocess.Popen(self.command, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=ROOT, start_new_session=True)
-
-    def text(self) -> str:
-        """This start's log."""
-        with open(self.log, errors="replace") as f:
-            f.seek(self.offset)
-            return f.read()
-
-    def ready(self) -> int:
-        """Waits for `READY <service> <port>`; returns the port."""
-        deadline = time.monotonic() + 300
-        while not (m := re.search(r"^READY \w+ (\d+)$", self.text(), re.M)):
-            assert self.proc.poll() is None, f"{self.name} exited ({self.proc.returncode}):\n{self.text()[-4000:]}"
-            assert time.monotonic() < deadline, f"{self.name} not ready:\n{self.text()[-4000:]}"
-            time.sleep(0.1)
-        return int(m.group(1))
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        """Signals the service and everything it started: torchrun starts each rank in a session
-        of its own, so the process group alone would leave the ranks running."""
-        import psutil
-
-        if self.proc.poll() is None:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-            os.killpg(self.proc.pid, sig)
-            for child in children:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    child.send_signal(sig)
-        self.proc.wait(timeout=60)
 
 
 def _wait_for(predicate, what: str, timeout_s: float = 120) -> None:
