@@ -24,10 +24,10 @@ import os
 import torch
 
 from bench.common import Context, Row, in_turn, seconds, tinkerd_up
+from bench.trainer_only import PIPELINED, Setup, sdk_steps       # PIPELINED: steps submitted at once
 
 RANK = 16
 BATCH, LENGTH = 4, 64
-PIPELINED = 4       # steps submitted at once
 THREADS = os.cpu_count() or 1
 DTYPES = ("float32", "bfloat16")
 STACK_FLAGS = ("--durable-idle-s", "0")
@@ -72,7 +72,7 @@ def plain_step(model_dir: str, sequences: list[list[int]], dtype: str):
     """Plain PyTorch + PEFT's step on the same model, batch and LoRA (no DeepSpeed)."""
     from transformers import AutoModelForCausalLM
 
-    from bench.trainer_only import Setup, plain_step as step_of
+    from bench.trainer_only import plain_step as step_of
 
     setup = Setup(device="cuda" if torch.cuda.is_available() else "cpu", dtype=dtype, batch=BATCH, length=LENGTH,
                   rank=RANK)
@@ -82,29 +82,16 @@ def plain_step(model_dir: str, sequences: list[list[int]], dtype: str):
 
 def api_steps(url: str, model_dir: str, sequences: list[list[int]]):
     """(PIPELINED steps each submitted, then waited for; PIPELINED steps submitted at once, then
-    waited for) through the SDK."""
+    waited for) through the SDK (bench/trainer_only.sdk_steps)."""
     import tinker
     from tinker import types
 
-    data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
-                        loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * LENGTH}) for s in sequences]
-    tc = tinker.ServiceClient(base_url=url).create_lora_training_client(base_model=model_dir, rank=RANK,
-                                                                        seed=0).result()
-    adam = types.AdamParams(learning_rate=1e-4)
+    one, pipelined = sdk_steps(tinker.ServiceClient(base_url=url), model_dir, sequences,
+                               Setup(batch=BATCH, length=LENGTH, rank=RANK), adam=types.AdamParams(learning_rate=1e-4))
 
     def one_at_a_time():
         for _ in range(PIPELINED):
-            fb = tc.forward_backward(data, "cross_entropy")
-            op = tc.optim_step(adam)
-            fb.result()
-            op.result()
-
-    def pipelined():
-        futures = []
-        for _ in range(PIPELINED):
-            futures += [tc.forward_backward(data, "cross_entropy"), tc.optim_step(adam)]
-        for future in futures:
-            future.result()
+            one()
     return one_at_a_time, pipelined
 
 

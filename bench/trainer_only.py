@@ -280,18 +280,19 @@ def engine_step(engine, model_ids: list[str], sequences: list[list[int]], setup:
 PIPELINED = 4       # SDK steps submitted at once in the "sdk, 4 at once" row
 
 
-def sdk_steps(service, model_dir: str, sequences: list[list[int]], setup: Setup):
+def sdk_steps(service, model_dir: str, sequences: list[list[int]], setup: Setup, adam=None):
     """(one step, PIPELINED steps) through the unmodified SDK's `service` (a tinker.ServiceClient):
     forward_backward and optim_step submitted, then waited for; PIPELINED such pairs submitted at
     once, as a client that does not wait for each step's metrics does. Each returns its steps'
-    summed loss."""
+    summed loss. `adam`: the SDK's AdamParams (default: plain's, ADAM at setup's rate)."""
     from tinker import types
 
     data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
                         loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * setup.length}) for s in sequences]
     client = service.create_lora_training_client(base_model=model_dir, rank=setup.rank, seed=0).result()
     betas = ADAM["betas"]
-    adam = types.AdamParams(learning_rate=setup.learning_rate, beta1=betas[0], beta2=betas[1], eps=ADAM["eps"])
+    adam = adam or types.AdamParams(learning_rate=setup.learning_rate, beta1=betas[0], beta2=betas[1],
+                                    eps=ADAM["eps"])
 
     def steps(n: int) -> float:
         pairs = [(client.forward_backward(data, "cross_entropy"), client.optim_step(adam)) for _ in range(n)]
