@@ -116,20 +116,23 @@ def _batch(data: list[DatumInput], device: torch.device, packable: bool = False)
     targets = torch.cat([d.loss_fn_inputs["target_tokens"] for d in data]).long()
     packed = prefix_tree.pack([list(d.tokens) for d in data], targets) if packable and len(data) > 1 else None
     if packed is not None:
-        return _Batch(lengths, packed.ids.to(device), packed.mask.to(device),
-                      {"targets": packed.targets.to(device), "real": packed.unembed.to(device),
-                       "position_ids": packed.positions.to(device), "expand": packed.expand.to(device),
-                       "paths": [group.to(device) for group in packed.paths]})
+        return _Batch(lengths, _to_device(packed.ids, device), _to_device(packed.mask, device),
+                      {"targets": _to_device(packed.targets, device), "real": _to_device(packed.unembed, device),
+                       "position_ids": _to_device(packed.positions, device),
+                       "expand": _to_device(packed.expand, device),
+                       "paths": [_to_device(group, device) for group in packed.paths]})
     if min(lengths) == longest:
         ids = _ids(itertools.chain.from_iterable(d.tokens for d in data)).view(len(data), longest)
-        return _Batch(lengths, ids.to(device), None, {"targets": targets.view(len(data), longest).to(device)})
+        return _Batch(lengths, _to_device(ids, device), None,
+                      {"targets": _to_device(targets.view(len(data), longest), device)})
     ids = _ids(itertools.chain.from_iterable(itertools.chain(d.tokens, itertools.repeat(0, longest - n))
                                              for d, n in zip(data, lengths))).view(len(data), longest)
     mask = (torch.arange(longest) < torch.tensor(lengths).unsqueeze(1)).long()
     real = mask.view(-1).nonzero().squeeze(1)
     padded_targets = torch.full((len(data) * longest,), IGNORED, dtype=torch.long).index_copy(0, real, targets)
-    return _Batch(lengths, ids.to(device), mask.to(device),
-                  {"targets": padded_targets.view(len(data), longest).to(device), "real": real.to(device)})
+    return _Batch(lengths, _to_device(ids, device), _to_device(mask, device),
+                  {"targets": _to_device(padded_targets.view(len(data), longest), device),
+                   "real": _to_device(real, device)})
 
 
 def _ids(tokens) -> torch.Tensor:
@@ -138,8 +141,18 @@ def _ids(tokens) -> torch.Tensor:
     return torch.frombuffer(array.array("q", tokens), dtype=torch.long)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device, without making the host wait on a GPU: a copy from pageable
+    memory synchronizes (it waits for every op queued before it, so a copy made after the forward
+    was queued idled the GPU while the host queued the backward); one from pinned memory is
+    queued like any op (the pinned block is not reused before the copy is done)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, torch.float32) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
+    return {k: _to_device(v.float() if v.is_floating_point() else v, device) for k, v in inputs.items()}
 
 
 def _joined_inputs(data: list[DatumInput], device: torch.device) -> dict[str, torch.Tensor] | None:
@@ -254,12 +267,12 @@ def _micro_step(model: LoraModel, data: list[DatumInput], loss_impl, loss_fn_con
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     custom = isinstance(loss_impl, CompiledLoss)
     batch = _batch(data, device, packable)
+    joined = _joined_inputs(data, device)     # copied before the forward is queued (_to_device)
     with grad_ctx:
         lengths = batch.lengths
         lp = _forward(model, zero_stage)(batch.ids, batch.mask, **batch.how, max_logits_bytes=max_logits_bytes,
                                          recompute=zero_stage != 3)    # flat, datum by datum
         logprobs = list(lp.split(lengths))
-        joined = _joined_inputs(data, device)
         if custom:
             losses, total, scalars = _custom_losses(loss_impl, logprobs, _inputs_on_device(data, lengths, joined, device))
         elif joined is not None and loss_impl in ELEMENTWISE:
@@ -370,12 +383,23 @@ def _step_plain_gradients(model: LoraModel, max_norm: float, ranks: int, poisone
     norm = _total_norm([p.grad for p in model.params])
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(model.params, max_norm, norm, foreach=True)
-    norm = float(norm)
-    if math.isfinite(norm):
-        engine.optimizer.step()
+    _step_unless_nonfinite(engine.optimizer, norm)
     for p in model.params:
         p.grad = None
+    norm = float(norm)      # the step's one read from the device, once everything is queued
     return norm if math.isfinite(norm) else math.inf    # as ZeRO says of a step it skipped
+
+
+def _step_unless_nonfinite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:
+    """The fused AdamW's step, a no-op where `norm` is not finite, decided on the device (as
+    torch's GradScaler skips a step: the kernel reads `found_inf`, and the step count it added is
+    taken back). Reading the norm first would make the host wait for the backward and leave
+    the device idle while the step is queued."""
+    optimizer.found_inf = torch.logical_not(torch.isfinite(norm)).float()    # shaped as the step counts
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

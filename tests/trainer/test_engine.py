@@ -362,3 +362,33 @@ def test_one_rank_zero_2_optimizer_state_resumes_at_stage_0(tiny_model_dir, tmp_
     assert _train(reader, resumed, adam, 2) == pytest.approx(_train(writer, "m", adam, 2), rel=1e-6)
     assert _max_difference(_adapter(reader, resumed), _adapter(writer, "m")) < 1e-6
     assert _train(reader, "fresh", adam, 1) == pytest.approx(_train(writer, "fresh", adam, 1), rel=1e-6)
+
+
+def _host_waits(call) -> int:
+    """How often `call` makes the host wait for the GPU (torch's sync debug mode warns at each)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host waits are a GPU's cost")
+def test_a_step_reads_the_gpu_once_per_request(tiny_model_dir):
+    """forward_backward's inputs go to the GPU without the host waiting (pinned, queued before the
+    forward), and optim_step skips a non-finite step on the device: the host waits once per
+    request, for what it answers (the outputs; the grad norm), never mid-step with the GPU idle."""
+    engine = TrainerEngine(tiny_model_dir, zero_stage=2)
+    assert engine.device.type == "cuda"
+    engine.create_model("m", LoraSpec(rank=4, seed=0))
+    batch = [_datum([5, 6, 7, 8, 9, 10]), _datum([20, 21, 22, 23, 24, 25])]      # equal lengths: no mask
+    engine.forward_backward("m", batch, "cross_entropy", {}, forward_only=False)    # warm-up (allocations)
+    engine.optim_step("m", _adam(1e-3))
+    assert _host_waits(lambda: engine.forward_backward("m", batch, "cross_entropy", {}, forward_only=False)) == 1
+    assert _host_waits(lambda: engine.optim_step("m", _adam(1e-3, grad_clip_norm=1.0))) == 1
