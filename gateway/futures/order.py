@@ -4,6 +4,15 @@ The SDK posts the chunks of one call concurrently (first chunk last), so a runne
 request until every lower seq_id has run or is known to another gateway, waiting a bounded time
 for a gap to fill. The trainer enforces the same order itself (trainer_service/seq_order.py),
 since requests of one model may reach different gateways.
+
+That lets a runner send a model's next step while the one before it runs (OVERLAPPING): the
+trainer then has it when the step ends, instead of idling through this gateway's bookkeeping of
+the step (its reply converted, its future stored) and the round trip to send the next (on a GPU,
+~7 ms a request of idle device at the 1B shape: docs/gpu.md). Only steps overlap, and only the
+next seq_id: a model's creation, weight pushes and saves, whose gateway side the next request may
+depend on, run alone, as do requests after a gap. The trainer holds the early one in the model's
+order; no gap timeout runs for it there, since the step it waits for already arrived (a gRPC
+retry of that step after a trainer restart is resent within seconds, under the 10 s timeout).
 """
 
 from __future__ import annotations
@@ -18,64 +27,83 @@ log = logging.getLogger(__name__)
 
 Job = Callable[[], Awaitable[tuple[str, bytes]]]     # a job bound to the gateway
 RunFuture = Callable[[str, Job], Awaitable[None]]     # runs a future's job and finishes the future
+OVERLAPPING = frozenset({"forward", "forward_backward", "optim_step"})    # request types sent while a step runs
+IN_FLIGHT = 2              # a model's steps sent to the trainer and not yet answered, at most
 GAP_TIMEOUT_S = 10.0
 _GAP_POLL_S = 0.1          # how often a gap is checked against the other gateways' futures
 RUNNER_IDLE_S = 600.0      # an idle model's runner is dropped after this long (housekeeping)
 
 
 class _ModelRunner:
-    """Runs one model's jobs in seq_id order."""
+    """Runs one model's jobs in seq_id order, the next step overlapping the one that runs."""
 
     def __init__(self, model_id: str, next_seq: int, run: RunFuture, elsewhere: Callable[[str], bool]):
         self.model_id = model_id
         self.next_seq = next_seq
         self._run, self._elsewhere = run, elsewhere
-        self.heap: list[tuple[int, str, Job]] = []
-        self.running: str | None = None
-        self.arrived = asyncio.Event()
+        self.heap: list[tuple[int, str, str, Job]] = []       # (seq_id, request_id, request type, job)
+        self.running: dict[str, tuple[str, asyncio.Task]] = {}     # request_id -> (request type, its task)
+        self.changed = asyncio.Event()        # a request arrived or one ended
         self.idle_since = time.monotonic()
         self.task = asyncio.create_task(self._loop())
 
-    def put(self, seq: int, request_id: str, job: Job) -> None:
-        heapq.heappush(self.heap, (seq, request_id, job))
-        self.arrived.set()
+    def put(self, seq: int, request_id: str, request_type: str, job: Job) -> None:
+        heapq.heappush(self.heap, (seq, request_id, request_type, job))
+        self.changed.set()
+
+    def _may_start_head(self) -> bool:
+        """Nothing runs; or only steps do, fewer than IN_FLIGHT, and the head is the next step."""
+        if not self.running:
+            return True
+        seq, _, kind, _ = self.heap[0]
+        return (len(self.running) < IN_FLIGHT and seq == self.next_seq and kind in OVERLAPPING
+                and all(k in OVERLAPPING for k, _ in self.running.values()))
 
     async def _loop(self) -> None:
         gap_since = None
         while True:
-            if not self.heap:
-                self.idle_since = time.monotonic()
-                self.arrived.clear()
-                await self.arrived.wait()
+            if not self.heap or not self._may_start_head():
+                if not self.heap and not self.running:
+                    self.idle_since = time.monotonic()
+                self.changed.clear()
+                await self.changed.wait()
                 continue
             if self.heap[0][0] > self.next_seq and not self._elsewhere(f"{self.model_id}#{self.next_seq}"):
                 gap_since = gap_since or time.monotonic()
                 if time.monotonic() - gap_since < GAP_TIMEOUT_S:
-                    self.arrived.clear()
+                    self.changed.clear()
                     try:
-                        await asyncio.wait_for(self.arrived.wait(), _GAP_POLL_S)
+                        await asyncio.wait_for(self.changed.wait(), _GAP_POLL_S)
                     except asyncio.TimeoutError:
                         pass
                     continue          # re-check the head
                 log.warning("seq %d of %s never arrived; running seq %d", self.next_seq, self.model_id,
                             self.heap[0][0])
             gap_since = None
-            seq, request_id, job = heapq.heappop(self.heap)
+            seq, request_id, kind, job = heapq.heappop(self.heap)
             self.next_seq = max(self.next_seq, seq + 1)
-            self.running = request_id
-            try:
-                await self._run(request_id, job)
-            finally:
-                self.running = None
+            self.running[request_id] = (kind, asyncio.create_task(self._run_one(request_id, job)))
+
+    async def _run_one(self, request_id: str, job: Job) -> None:
+        try:
+            await self._run(request_id, job)
+        finally:
+            self.running.pop(request_id, None)
+            self.changed.set()
 
     def ahead_of(self, request_id: str) -> int | None:
         """Requests of this model that run before `request_id`; None if it is not queued here."""
-        if self.running == request_id:
+        if request_id in self.running:
             return 0
-        seqs = [seq for seq, rid, _ in self.heap if rid == request_id]
+        seqs = [seq for seq, rid, _, _ in self.heap if rid == request_id]
         if not seqs:
             return None
-        return sum(1 for seq, _, _ in self.heap if seq < seqs[0]) + (self.running is not None)
+        return sum(1 for seq, _, _, _ in self.heap if seq < seqs[0]) + len(self.running)
+
+    def cancel(self) -> None:
+        self.task.cancel()
+        for _, task in self.running.values():
+            task.cancel()
 
 
 class ModelOrder:
@@ -87,32 +115,32 @@ class ModelOrder:
         self._run, self._elsewhere = run, elsewhere
         self._runners: dict[str, _ModelRunner] = {}
 
-    def put(self, model_id: str, seq_id: int, request_id: str, job: Job) -> None:
+    def put(self, model_id: str, seq_id: int, request_id: str, request_type: str, job: Job) -> None:
         runner = self._runners.get(model_id)
         if runner is None:
             runner = self._runners[model_id] = _ModelRunner(model_id, seq_id, self._run, self._elsewhere)
-        runner.put(seq_id, request_id, job)
+        runner.put(seq_id, request_id, request_type, job)
 
     def position(self, model_id: str | None, request_id: str) -> tuple[bool, int]:
         """(running now, requests of the same model ahead of it) for a pending training future."""
         runner = self._runners.get(model_id or "")
         ahead = runner.ahead_of(request_id) if runner else None
-        return (runner is not None and runner.running == request_id), (ahead or 0)
+        return (runner is not None and request_id in runner.running), (ahead or 0)
 
     def forget(self, model_id: str) -> None:
         runner = self._runners.pop(model_id, None)
         if runner:
-            runner.task.cancel()
+            runner.cancel()
 
     def drop_idle(self, idle_s: float = RUNNER_IDLE_S) -> int:
         """Forgets the runners of models with nothing queued for `idle_s` (housekeeping): memory
         stays bounded by the models in use. A later request makes a new one."""
         cutoff = time.monotonic() - idle_s
-        idle = [m for m, r in self._runners.items() if not r.heap and r.running is None and r.idle_since < cutoff]
+        idle = [m for m, r in self._runners.items() if not r.heap and not r.running and r.idle_since < cutoff]
         for model_id in idle:
             self.forget(model_id)
         return len(idle)
 
     def stop(self) -> None:
         for runner in self._runners.values():
-            runner.task.cancel()
+            runner.cancel()

@@ -206,7 +206,7 @@ class Futures:
         self._pending_by_owner[owner, request_type] += 1
         self.traces.received(request_id, request_type, model_id, target[0] if target else None)
         if seq_id is not None and model_id is not None:
-            self.order.put(model_id, seq_id, request_id, job)
+            self.order.put(model_id, seq_id, request_id, request_type, job)
         else:
             task = self._jobs[request_id] = asyncio.create_task(self.run(request_id, job))
             task.add_done_callback(functools.partial(self._job_ended, request_id, request_type, owner))

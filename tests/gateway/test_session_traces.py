@@ -50,10 +50,12 @@ def _train(api: Api, model_id: str, seq_id: int) -> list[str]:
     targets.dtype, targets.dense = tw.DTYPE_INT64, np.asarray([6, 7, 8, 0], "<i8").tobytes()
     fb = api.client.post("/api/v1/forward_backward", headers={**PROTOBUF, "X-API-Key": api.api_key},
                          content=req.SerializeToString()).json()
+    # Each finished before the next is sent: the gateway overlaps a model's steps (futures/order.py)
+    # and this fake trainer, unlike the real one, does not hold them in seq_id order.
+    assert api.result(fb).status_code == 200
     opt = api.post("optim_step", {"model_id": model_id, "seq_id": seq_id + 1,
                                   "adam_params": {"learning_rate": 0.01}}).json()
-    for future in (fb, opt):
-        assert api.result(future).status_code == 200
+    assert api.result(opt).status_code == 200
     return [fb["request_id"], opt["request_id"]]
 
 
