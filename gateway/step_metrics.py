@@ -5,8 +5,9 @@ Every forward_backward, forward and optim_step of a run leaves one small row (St
 metrics the trainer returned ("loss:sum", "step:max", "grad_norm:mean", ...) plus what the
 request itself says (tokens, the weighted-token count, the learning rate). `step` is the
 optimizer step a request belongs to: the forward_backwards before an optim_step share its step.
-A run's jobs run one at a time in seq_id order (gateway/futures/order.py), so the run's latest row
-before a request gives it.
+The trainer runs a run's requests in seq_id order, and they are recorded as their replies come
+(a step may be sent while the one before it runs, gateway/futures/order.py, but its reply comes
+after), so the run's latest row before a request gives it.
 
 Written on every training request, so it is one prebuilt INSERT ... SELECT: the step is read by
 an indexed lookup inside the insert (one statement, one transaction; the ORM's select, unit of
