@@ -96,14 +96,19 @@ class DurableModels:
         with open(self._journal_path(model_id), "a") as f:
             f.write(_line(Entry(seq, kind, reply)))
 
-    def note_turn(self, model_id: str, seq: int) -> None:
+    def note_turn(self, model_id: str, seq: int, *, created: bool = False) -> None:
         """`seq`'s turn came (executed, failed, refused or skipped): the newest one is kept, so
         that a restarted trainer orders the model's next requests after it (seq_order.py). Only
-        for a model with a directory; one small overwrite (a crash mid-write leaves it unreadable:
-        then the order starts as if it were not there)."""
+        for a model with a directory (a request of a deleted model must not make it again),
+        which the model's creation (`created`, seq 0) makes: its first steps, which a gateway
+        may send together (gateway/futures/order.py), are ordered after a restart too. One small
+        overwrite (a crash mid-write leaves it unreadable: then the order starts as if it were
+        not there)."""
         if seq <= self._last_turn.get(model_id, -1):
             return
         self._last_turn[model_id] = seq
+        if created:
+            os.makedirs(self.model_dir(model_id), exist_ok=True)
         try:
             with open(os.path.join(self.model_dir(model_id), LAST_SEQ), "w") as f:
                 f.write(str(seq))

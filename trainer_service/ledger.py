@@ -85,7 +85,7 @@ class Ledger:
     def created(self, model_id: str) -> None:
         """The model was made here: its requests start at seq_id 1."""
         self.order.created(model_id)
-        self.durable.note_turn(model_id, 0)
+        self.durable.note_turn(model_id, 0, created=True)
 
     def skip(self, model_id: str, seq: int) -> None:
         """A seq_id refused before it reached the trainer: taken in its turn, not applied."""

@@ -12,11 +12,12 @@ A resend of an executed request is answered from the reply cache before it gets 
 arrives while its first copy still runs (the gateway that sent it died, another re-drives it)
 waits for that copy and then gets its reply, instead of running twice.
 
-A model's order starts at 1 once it is made here (seq 0 is its creation); a model this process
-did not make (it came back from disk after a restart) starts after the newest seq_id an earlier
-process took its turn on (durable.py's last_seq), so requests arriving out of order through
-several gateways right after a restart still run in order; without that record, at the first
-seq_id it sees.
+A model's order starts at 1 once it is made here, new or from a checkpoint (seq 0 is its
+creation); a model this process did not make (it came back from disk after a restart) starts
+after the newest seq_id an earlier process took its turn on (durable.py's last_seq, written from
+the creation on), so requests arriving out of order (through several gateways, or a gateway's
+next step sent while one runs) still run in order; without that record, at the first seq_id it
+sees.
 
 A seq_id below the next one that this process saw execute, arriving again once its reply left the
 reply cache (a re-drive after many later requests), is refused by the ledger instead of applied

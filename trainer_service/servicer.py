@@ -157,11 +157,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             def create():
                 if self.engine.is_resident(request.model_id) or self.engine.on_disk(request.model_id):
                     return self.engine.get(request.model_id)   # a resent create
-                return self.engine.load_state(request.model_id, directory, with_optimizer=request.load_optimizer)
+                model = self.engine.load_state(request.model_id, directory, with_optimizer=request.load_optimizer)
+                self.ledger.created(request.model_id)
+                return model
         else:
             def create():
-                return self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config))
-            self.ledger.created(request.model_id)
+                model = self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config))
+                self.ledger.created(request.model_id)
+                return model
+        # Made here, the model's order starts at seq_id 1, before any request of it can come (the
+        # gateway sends them once the creation is answered): its first steps, which may arrive
+        # together and in any order, run in order (ledger.created), also after a restart.
         self._fair(request.model_id, create, context)
         return self._info(request.model_id)
 

@@ -230,3 +230,43 @@ def test_after_a_restart_requests_arriving_out_of_order_still_run_in_order(tiny_
     _run_in_threads([lambda: _step(trainer, "s:train:0", 4), lambda: _fb(trainer, "s:train:0", 3)])
     assert ran == [("fb", 3), ("optim_step", 4)]
 
+
+
+@pytest.mark.parametrize("how", ["made here", "loaded from a checkpoint", "after a restart"])
+def test_a_models_first_steps_run_in_order_whichever_arrives_first(tiny_model_dir, tmp_path, how):
+    """A gateway sends a model's optim_step while its forward_backward runs (gateway/futures/
+    order.py), so the first two steps may arrive optim_step first. The model's creation starts
+    its order at seq_id 1, whether made, loaded from a checkpoint, or on disk from before a restart
+    with no step taken yet (durable.py's last_seq is written at the creation): 2 waits for 1. (A
+    loaded model's order used to start at the first seq_id it saw, and so did a restarted one
+    whose model had taken no step: 2 ran first, and 1's gradients waited for the next step.)"""
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    model_id = "s:train:1"
+    if how == "loaded from a checkpoint":
+        _create(trainer, "s:train:0")
+        trainer.SaveState(trainer_pb2.SaveStateRequest(model_id="s:train:0", seq_id=1, kind="weights", name="c",
+                                                       with_optimizer=True), Context())
+        trainer.CreateModel(trainer_pb2.CreateModelRequest(
+            model_id=model_id, load_checkpoint=trainer_pb2.CheckpointRef(model_id="s:train:0", kind="weights",
+                                                                         name="c"),
+            load_optimizer=True), Context())
+    else:
+        _create(trainer, model_id)
+    if how == "after a restart":
+        trainer.engine.save_durable(model_id)            # as the idle write leaves a model with no step
+        trainer = _trainer(tiny_model_dir, tmp_path)
+        assert not trainer.engine.is_resident(model_id) and trainer.engine.on_disk(model_id)
+    ran = []
+    real_fb, real_step = trainer._forward_backward, trainer.engine.optim_step
+
+    def fb(request):
+        ran.append(("fb", request.seq_id))
+        return real_fb(request)
+
+    def step(model_id, adam, **kwargs):
+        ran.append(("optim_step", kwargs.get("seq")))
+        return real_step(model_id, adam, **kwargs)
+    trainer._forward_backward, trainer.engine.optim_step = fb, step
+    _run_in_threads([lambda: _step(trainer, model_id, 2), lambda: _fb(trainer, model_id, 1)])
+    assert ran == [("fb", 1), ("optim_step", 2)]
+    assert trainer.ledger.order.next_of(model_id) == 3
