@@ -162,12 +162,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 return model
         else:
             def create():
+                if self.engine.is_resident(request.model_id) or self.engine.on_disk(request.model_id):
+                    return self.engine.get(request.model_id)   # a resent create: its order goes on
                 model = self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config))
                 self.ledger.created(request.model_id)
                 return model
         # Made here, the model's order starts at seq_id 1, before any request of it can come (the
         # gateway sends them once the creation is answered): its first steps, which may arrive
-        # together and in any order, run in order (ledger.created), also after a restart.
+        # together and in any order, run in order (ledger.created), also after a restart. A resent
+        # create leaves the order as it is (starting it again would count its steps as not applied).
         self._fair(request.model_id, create, context)
         return self._info(request.model_id)
 

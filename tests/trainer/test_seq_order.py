@@ -270,3 +270,18 @@ def test_a_models_first_steps_run_in_order_whichever_arrives_first(tiny_model_di
     _run_in_threads([lambda: _step(trainer, model_id, 2), lambda: _fb(trainer, model_id, 1)])
     assert ran == [("fb", 1), ("optim_step", 2)]
     assert trainer.ledger.order.next_of(model_id) == 3
+
+
+def test_a_resent_create_leaves_the_models_order_as_it_is(tiny_model_dir, tmp_path):
+    """A create resent after the model stepped (its reply was lost, gRPC sent it again) returns
+    the model as it is, and its order goes on: starting it again at 1 would make the next step
+    wait out the gap timeout and count the steps taken as not applied."""
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    _create(trainer, "s:train:0")
+    _fb(trainer, "s:train:0", 1)
+    _step(trainer, "s:train:0", 2)
+    _create(trainer, "s:train:0")
+    assert trainer.ledger.order.next_of("s:train:0") == 3
+    assert trainer.ledger.order.wait_turn("s:train:0", 1) is True      # executed: never applied again
+    trainer.ledger.order.executed("s:train:0", 1)
+    assert trainer.engine.get("s:train:0").step == 1
