@@ -10,7 +10,9 @@
    A and B: segments, as multi-LoRA serving does for sampling). K passes of B sequences against
    one pass of K*B, the same modules either way; each tenant's gradients from the joint pass are
    checked against its own pass. Not the engine: no DeepSpeed, no optimizer (each tenant's AdamW
-   would still step on its own), fp32 only.
+   would still step on its own). fp32 on the CPU in `python -m bench`; on a GPU (no vLLM needed)
+   `python -m bench.batching --device cuda --shape 1b` runs it in bf16, per tenant one sequence of
+   512 tokens by default: the small per-tenant batches where one pass has the most to gain.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ class RowLora(torch.nn.Module):
                  generator: torch.Generator):
         super().__init__()
         self.base, self.scale, self.segments = base, scale, segments
+        like = {"device": base.weight.device, "dtype": base.weight.dtype}     # drawn on the host, then moved
         # B is random too (not PEFT's zeros), so that every A gets a gradient to compare
         self.lora_a = torch.nn.ParameterList(
-            torch.nn.Parameter(0.01 * torch.randn(rank, base.in_features, generator=generator))
+            torch.nn.Parameter((0.01 * torch.randn(rank, base.in_features, generator=generator)).to(**like))
             for _ in range(tenants))
         self.lora_b = torch.nn.ParameterList(
-            torch.nn.Parameter(0.01 * torch.randn(base.out_features, rank, generator=generator))
+            torch.nn.Parameter((0.01 * torch.randn(base.out_features, rank, generator=generator)).to(**like))
             for _ in range(tenants))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,14 +49,15 @@ class RowLora(torch.nn.Module):
         return self.base(x) + self.scale * delta
 
 
-def row_lora_model(model_dir: str, tenants: int) -> tuple[torch.nn.Module, list]:
+def row_lora_model(model_dir: str, tenants: int, device: str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, list]:
     """The base model with every Linear tinkerd targets by default (attention, MLP, lm_head)
     wrapped in RowLora; returns it and the segments list its layers share."""
     from transformers import AutoModelForCausalLM
 
     from trainer_service.lora import LORA_ALPHA, linear_groups
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     model.requires_grad_(False)
     targets = {leaf for leaves in linear_groups(model).values() for leaf in leaves}
     segments, generator = [], torch.Generator().manual_seed(0)
@@ -70,38 +74,48 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> t
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
 
-def prototype_row(name: str, model_dir: str, tenants: int, rounds: int) -> Row:
-    model, segments = row_lora_model(model_dir, tenants)
+def prototype_row(name: str, model_dir: str, tenants: int, rounds: int, *, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32, batch: int = BATCH, length: int = LENGTH) -> Row:
+    model, segments = row_lora_model(model_dir, tenants, device, dtype)
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, min(1000, model.config.vocab_size), (tenants * BATCH, LENGTH + 1), generator=gen)
-    ids, targets = tokens[:, :-1], tokens[:, 1:]
+    tokens = torch.randint(0, min(1000, model.config.vocab_size), (tenants * batch, length + 1), generator=gen)
+    ids, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     params = [p for p in model.parameters() if p.requires_grad]
+    cuda = device == "cuda"
 
     def separate():
         for k in range(tenants):
-            rows = slice(k * BATCH, (k + 1) * BATCH)
-            segments[:] = [(k, 0, BATCH)]
+            rows = slice(k * batch, (k + 1) * batch)
+            segments[:] = [(k, 0, batch)]
             _loss(model, ids[rows], targets[rows]).backward()
 
     def joint():
-        segments[:] = [(k, k * BATCH, (k + 1) * BATCH) for k in range(tenants)]
+        segments[:] = [(k, k * batch, (k + 1) * batch) for k in range(tenants)]
         _loss(model, ids, targets).backward()
 
     def grads_after(run) -> list[torch.Tensor]:
         for p in params:
             p.grad = None
         run()
-        return [p.grad.clone() for p in params]
+        return [p.grad.float() for p in params]
+
+    def timed(run) -> float:          # on a GPU, the clock read between synchronizations
+        if not cuda:
+            return seconds(run)
+        torch.cuda.synchronize()
+        return seconds(lambda: (run(), torch.cuda.synchronize()))
 
     worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                 for a, b in zip(grads_after(separate), grads_after(joint)))
-    t_separate, t_joint = in_turn([lambda: seconds(separate), lambda: seconds(joint)], rounds)
+    t_separate, t_joint = in_turn([lambda: timed(separate), lambda: timed(joint)], rounds)
     gain = t_separate / t_joint
-    return Row("batching", f"{name}: prototype, {tenants} tenants x {BATCH}x{LENGTH} tokens, rank {RANK}, "
-                           f"one pass with per-row LoRA vs a pass per tenant (forward + backward)",
+    precision = "float32 summation order" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} rounding"
+    return Row("batching", f"{name}: prototype, {tenants} tenants x {batch}x{length} tokens, rank {RANK}, "
+                           f"one pass with per-row LoRA vs a pass per tenant (forward + backward)"
+                           + ("" if device == "cpu" else f", {device} {str(dtype).removeprefix('torch.')}"),
                1e3 * t_joint, 1e3 * t_separate, "ms", ratio=gain,
                note=f"aggregate tokens/s x{gain:.2f}; each tenant's gradients as from its own pass within "
-                    f"{worst:.1e} of their largest (float32 summation order)")
+                    f"{worst:.1e} of their largest ({precision})")
 
 
 def run(ctx: Context) -> list[Row]:
@@ -141,3 +155,38 @@ def run(ctx: Context) -> list[Row]:
         for tenants in (TENANTS[:1] if ctx.quick else TENANTS):
             rows.append(prototype_row(name, model, tenants, ctx.iters(5 if name == "tiny" else 3, 1)))
     return rows
+
+
+def main(argv=None) -> None:
+    """The prototype on one device, alone (no vLLM, no other bench): a random-init model of a
+    bench.trainer_only shape, K tenants against K passes, in turn."""
+    import argparse
+    import tempfile
+
+    from bench.trainer_only import SHAPES, Setup, build_model, free_memory
+
+    parser = argparse.ArgumentParser(prog="python -m bench.batching", description=main.__doc__)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per tenant")
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--tenants", type=int, nargs="+", default=list(TENANTS))
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    setup = Setup(device=args.device, shape=args.shape, dtype=dtype, batch=args.batch, length=args.length,
+                  rank=RANK, steps=args.rounds, warmup=1)
+    with tempfile.TemporaryDirectory(prefix="batching-") as work:
+        build_model(setup, work)          # saved for the prototype to load; the copy returned is dropped
+        free_memory()
+        for tenants in args.tenants:
+            row = prototype_row(args.shape, work, tenants, args.rounds, device=args.device,
+                                dtype=getattr(torch, dtype), batch=args.batch, length=args.length)
+            print(f"| {row.case} | one pass {row.ours:.1f} ms | a pass per tenant {row.raw:.1f} ms | "
+                  f"x{row.ratio:.2f} | {row.note} |", flush=True)
+            free_memory()
+
+
+if __name__ == "__main__":
+    main()
