@@ -36,6 +36,22 @@ def _request_of(order: SeqOrder, ran: list[int]):
     return request
 
 
+def _steps_taken(trainer) -> list[tuple[str, int]]:
+    """The trainer's forward_backward and optim_step calls from now on, in the order they ran."""
+    ran = []
+    real_fb, real_step = trainer._forward_backward, trainer.engine.optim_step
+
+    def fb(request):
+        ran.append(("fb", request.seq_id))
+        return real_fb(request)
+
+    def step(model_id, adam, **kwargs):
+        ran.append(("optim_step", kwargs.get("seq")))
+        return real_step(model_id, adam, **kwargs)
+    trainer._forward_backward, trainer.engine.optim_step = fb, step
+    return ran
+
+
 def test_seq_order_holds_later_seq_ids_and_gives_up_on_a_gap():
     order, ran = SeqOrder(gap_timeout_s=0.5), []
     order.created("m")
@@ -216,17 +232,7 @@ def test_after_a_restart_requests_arriving_out_of_order_still_run_in_order(tiny_
     _fb(first, "s:train:0", 1)
     _step(first, "s:train:0", 2)
     trainer = _trainer(tiny_model_dir, tmp_path)        # a restart on the same state dir
-    ran = []
-    real_fb, real_step = trainer._forward_backward, trainer.engine.optim_step
-
-    def fb(request):
-        ran.append(("fb", request.seq_id))
-        return real_fb(request)
-
-    def step(model_id, adam, **kwargs):
-        ran.append(("optim_step", kwargs.get("seq")))
-        return real_step(model_id, adam, **kwargs)
-    trainer._forward_backward, trainer.engine.optim_step = fb, step
+    ran = _steps_taken(trainer)
     _run_in_threads([lambda: _step(trainer, "s:train:0", 4), lambda: _fb(trainer, "s:train:0", 3)])
     assert ran == [("fb", 3), ("optim_step", 4)]
 
@@ -256,17 +262,7 @@ def test_a_models_first_steps_run_in_order_whichever_arrives_first(tiny_model_di
         trainer.engine.save_durable(model_id)            # as the idle write leaves a model with no step
         trainer = _trainer(tiny_model_dir, tmp_path)
         assert not trainer.engine.is_resident(model_id) and trainer.engine.on_disk(model_id)
-    ran = []
-    real_fb, real_step = trainer._forward_backward, trainer.engine.optim_step
-
-    def fb(request):
-        ran.append(("fb", request.seq_id))
-        return real_fb(request)
-
-    def step(model_id, adam, **kwargs):
-        ran.append(("optim_step", kwargs.get("seq")))
-        return real_step(model_id, adam, **kwargs)
-    trainer._forward_backward, trainer.engine.optim_step = fb, step
+    ran = _steps_taken(trainer)
     _run_in_threads([lambda: _step(trainer, model_id, 2), lambda: _fb(trainer, model_id, 1)])
     assert ran == [("fb", 1), ("optim_step", 2)]
     assert trainer.ledger.order.next_of(model_id) == 3
