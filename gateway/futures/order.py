@@ -42,7 +42,7 @@ class _ModelRunner:
         self.next_seq = next_seq
         self._run, self._elsewhere = run, elsewhere
         self.heap: list[tuple[int, str, str, Job]] = []       # (seq_id, request_id, request type, job)
-        self.running: dict[str, tuple[str, asyncio.Task]] = {}     # request_id -> (request type, its task)
+        self.running: dict[str, tuple[int, str, asyncio.Task]] = {}    # request_id -> (seq_id, request type, task)
         self.changed = asyncio.Event()        # a request arrived or one ended
         self.idle_since = time.monotonic()
         self.task = asyncio.create_task(self._loop())
@@ -57,7 +57,7 @@ class _ModelRunner:
             return True
         seq, _, kind, _ = self.heap[0]
         return (len(self.running) < IN_FLIGHT and seq == self.next_seq and kind in OVERLAPPING
-                and all(k in OVERLAPPING for k, _ in self.running.values()))
+                and all(k in OVERLAPPING for _, k, _ in self.running.values()))
 
     async def _loop(self) -> None:
         gap_since = None
@@ -82,7 +82,7 @@ class _ModelRunner:
             gap_since = None
             seq, request_id, kind, job = heapq.heappop(self.heap)
             self.next_seq = max(self.next_seq, seq + 1)
-            self.running[request_id] = (kind, asyncio.create_task(self._run_one(request_id, job)))
+            self.running[request_id] = (seq, kind, asyncio.create_task(self._run_one(request_id, job)))
 
     async def _run_one(self, request_id: str, job: Job) -> None:
         try:
@@ -92,9 +92,11 @@ class _ModelRunner:
             self.changed.set()
 
     def ahead_of(self, request_id: str) -> int | None:
-        """Requests of this model that run before `request_id`; None if it is not queued here."""
+        """Requests of this model that run before `request_id`; None if it is not queued here.
+        A step sent while the one before it runs has that one ahead of it (the trainer holds it)."""
         if request_id in self.running:
-            return 0
+            mine = self.running[request_id][0]
+            return sum(1 for seq, _, _ in self.running.values() if seq < mine)
         seqs = [seq for seq, rid, _, _ in self.heap if rid == request_id]
         if not seqs:
             return None
@@ -102,7 +104,7 @@ class _ModelRunner:
 
     def cancel(self) -> None:
         self.task.cancel()
-        for _, task in self.running.values():
+        for _, _, task in self.running.values():
             task.cancel()
 
 
@@ -125,7 +127,7 @@ class ModelOrder:
         """(running now, requests of the same model ahead of it) for a pending training future."""
         runner = self._runners.get(model_id or "")
         ahead = runner.ahead_of(request_id) if runner else None
-        return (runner is not None and request_id in runner.running), (ahead or 0)
+        return (runner is not None and request_id in runner.running and ahead == 0), (ahead or 0)
 
     def forget(self, model_id: str) -> None:
         runner = self._runners.pop(model_id, None)

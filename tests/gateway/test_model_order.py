@@ -57,7 +57,9 @@ def test_the_next_step_is_sent_while_one_runs_and_a_creation_runs_alone():
         await trainer.finish("create")
         # Its next step goes while it runs, no further: IN_FLIGHT steps at once.
         assert IN_FLIGHT == 2 and trainer.log[1:] == ["end create", "start fb1", "start step2"]
-        assert order.position("m", "step2") == (True, 0) and order.position("m", "fb3") == (False, 2)
+        # The step sent early waits at the trainer behind the one that runs, and says so.
+        assert order.position("m", "fb1") == (True, 0) and order.position("m", "step2") == (False, 1)
+        assert order.position("m", "fb3") == (False, 2)
         await trainer.finish("fb1")
         assert trainer.log[4:] == ["end fb1", "start fb3"]
         await trainer.finish("step2")
