@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import Context, Row, in_turn, median_time, seconds
+from bench.common import Context, Row, in_turn, median_time
 
 TENANTS = (2, 4, 8)
 BATCH, LENGTH, RANK = 4, 64, 16
@@ -81,17 +81,22 @@ def prototype_row(name: str, model_dir: str, tenants: int, rounds: int, *, devic
     tokens = torch.randint(0, min(1000, model.config.vocab_size), (tenants * batch, length + 1), generator=gen)
     ids, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    cuda = device == "cuda"
 
-    def separate():
+    def separate() -> torch.Tensor:
+        total = 0.0
         for k in range(tenants):
             rows = slice(k * batch, (k + 1) * batch)
             segments[:] = [(k, 0, batch)]
-            _loss(model, ids[rows], targets[rows]).backward()
+            loss = _loss(model, ids[rows], targets[rows])
+            loss.backward()
+            total = total + loss.detach()
+        return total
 
-    def joint():
+    def joint() -> torch.Tensor:
         segments[:] = [(k, k * batch, (k + 1) * batch) for k in range(tenants)]
-        _loss(model, ids, targets).backward()
+        loss = _loss(model, ids, targets)
+        loss.backward()
+        return loss.detach()
 
     def grads_after(run) -> list[torch.Tensor]:
         for p in params:
@@ -99,20 +104,18 @@ def prototype_row(name: str, model_dir: str, tenants: int, rounds: int, *, devic
         run()
         return [p.grad.float() for p in params]
 
-    def timed(run) -> float:          # on a GPU, the clock read between synchronizations
-        if not cuda:
-            return seconds(run)
-        torch.cuda.synchronize()
-        return seconds(lambda: (run(), torch.cuda.synchronize()))
+    from bench.trainer_only import Timed       # the clock read between synchronizations on a GPU
 
     worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                 for a, b in zip(grads_after(separate), grads_after(joint)))
-    t_separate, t_joint = in_turn([lambda: timed(separate), lambda: timed(joint)], rounds)
+    tokens_in_all, cuda = tenants * batch * length, device == "cuda"
+    t_separate, t_joint = in_turn([Timed(separate, tokens_in_all, cuda), Timed(joint, tokens_in_all, cuda)], rounds)
     gain = t_separate / t_joint
-    precision = "float32 summation order" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} rounding"
+    dtype_name = str(dtype).removeprefix("torch.")
+    precision = "float32 summation order" if dtype == torch.float32 else f"{dtype_name} rounding"
     return Row("batching", f"{name}: prototype, {tenants} tenants x {batch}x{length} tokens, rank {RANK}, "
                            f"one pass with per-row LoRA vs a pass per tenant (forward + backward)"
-                           + ("" if device == "cpu" else f", {device} {str(dtype).removeprefix('torch.')}"),
+                           + ("" if device == "cpu" else f", {device} {dtype_name}"),
                1e3 * t_joint, 1e3 * t_separate, "ms", ratio=gain,
                note=f"aggregate tokens/s x{gain:.2f}; each tenant's gradients as from its own pass within "
                     f"{worst:.1e} of their largest ({precision})")
