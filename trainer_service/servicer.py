@@ -150,23 +150,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                             f"{sorted(self.engine.base_model_names)}")
         if not request.model_id:
             raise UserError("model_id is required")
+        directory = None          # the checkpoint to start from, if any
         if request.HasField("load_checkpoint"):
             ref = request.load_checkpoint
             directory = paths.checkpoint_dir(self.state_dir, ref.model_id, ref.kind, ref.name)
 
-            def create():
-                if self.engine.is_resident(request.model_id) or self.engine.on_disk(request.model_id):
-                    return self.engine.get(request.model_id)   # a resent create
+        def create():
+            if self.engine.is_resident(request.model_id) or self.engine.on_disk(request.model_id):
+                return self.engine.get(request.model_id)   # a resent create: its order goes on
+            if directory is not None:
                 model = self.engine.load_state(request.model_id, directory, with_optimizer=request.load_optimizer)
-                self.ledger.created(request.model_id)
-                return model
-        else:
-            def create():
-                if self.engine.is_resident(request.model_id) or self.engine.on_disk(request.model_id):
-                    return self.engine.get(request.model_id)   # a resent create: its order goes on
+            else:
                 model = self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config))
-                self.ledger.created(request.model_id)
-                return model
+            self.ledger.created(request.model_id)
+            return model
         # Made here, the model's order starts at seq_id 1, before any request of it can come (the
         # gateway sends them once the creation is answered): its first steps, which may arrive
         # together and in any order, run in order (ledger.created), also after a restart. A resent
