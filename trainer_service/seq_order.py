@@ -8,9 +8,9 @@ request that was refused before reaching the trainer). A seq_id that is running 
 long its step: the next one waits for it (it used to be let through after the timeout while the
 step ran, which left that seq_id counted as not applied, so a late copy could have run it twice).
 A resend of an executed request is answered from the reply cache before it gets here
-(replies.py), so it never waits; one that
-arrives while its first copy still runs (the gateway that sent it died, another re-drives it)
-waits for that copy and then gets its reply, instead of running twice.
+(replies.py), so it never waits; one that arrives while its first copy still runs (the gateway
+that sent it died, another re-drives it) waits for that copy and then gets its reply, instead of
+running twice.
 
 A model's order starts at 1 once it is made here, new or from a checkpoint (seq 0 is its
 creation); a model this process did not make (it came back from disk after a restart) starts
