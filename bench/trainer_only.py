@@ -32,7 +32,13 @@ and the added row "engine, padded" runs without. The FLOP bound still counts eve
 shared prompt computed once can go under it.
 --sdk: the same step through the unmodified SDK, the gateway and the trainer's gRPC, with both
 services started on the saved model (bench/trainer_services.py: no sampler, so no vLLM needed),
-one step at a time and 4 submitted at once.
+one step at a time and 4 submitted at once, the SDK in a client process of its own
+(bench/sdk_client.py). Each row also reports the CPU its processes spent per step; where they
+share the cores, the sum over the cores is a floor under the step (bench/host_cores.py).
+--host-cores N (CPU only): the last N cores serve (the SDK client, the gateway) and the others
+compute (the trainer service and the in-process rows, one thread a core), as a GPU host's CPU
+serves while its device computes: then "sdk" against "engine" is what the serving path adds to a
+step, without the 2-core host's contention.
 --profile: torch.profiler over 3 engine and 3 plain steps (and with --tenants 3 round-robin
 steps): top ops by self CPU and CUDA time, kernels per step.
 
@@ -45,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -57,6 +64,7 @@ from typing import Callable
 import torch
 
 from bench.common import check, in_turn
+from bench.host_cores import CpuMeter, Split
 from bench.trainer_services import trainer_and_gateway
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -100,6 +108,7 @@ class Setup:
     prompt: int = 0
     sdk: bool = False               # add the steps through the SDK, the gateway and the trainer's gRPC
     max_logits_mib: int | None = None   # the engines' --max-logits-mib; None: the trainer's default
+    host_cores: int = 0             # CPU: the last N cores serve, the others compute (bench/host_cores.py)
 
     @property
     def tokens(self) -> int:
@@ -126,6 +135,9 @@ class Report:
     bound_ms: float
     rows: list[StepRow]
     ratios: list[dict]              # name, value, target ("" if none), met (None if no target)
+    cpu_ms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # row -> process -> CPU ms/step
+    cpu_floor_ms: dict[str, float] = dataclasses.field(default_factory=dict)   # CPU runs: row -> CPU's floor
+    placement: str = "every process on every core"
 
     def row(self, name: str) -> StepRow:
         return next(r for r in self.rows if r.name == name)
@@ -326,7 +338,9 @@ def free_memory() -> None:
 
 def measure(setup: Setup) -> Report:
     """Every row of the run (see the module docstring), in one process."""
-    with tempfile.TemporaryDirectory(prefix="trainer-only-") as work:
+    split = Split.of(setup.host_cores) if setup.host_cores else None
+    with tempfile.TemporaryDirectory(prefix="trainer-only-") as work, \
+            (split.computing_here() if split else contextlib.nullcontext()):
         base = build_model(setup, work)
         sequences = random_batch(setup, base.config.vocab_size)
         params = linear_params(base)
@@ -334,54 +348,75 @@ def measure(setup: Setup) -> Report:
         rate = matmul_rate(setup)
         bound_ms = 1e3 * flop / rate
         engine = new_engine(work, setup, ["alone"])
-        with sdk_services(work, setup) as sdk:      # stopped before the tenants' rows
-            rows, trainable = main_rows(base, engine, work, sequences, setup, bound_ms, sdk)
+        with sdk_services(work, sequences, setup, split) as sdk:      # stopped before the tenants' rows
+            rows, trainable, cpu_ms = main_rows(base, engine, work, sequences, setup, bound_ms, sdk)
         del base                 # the plain and DeepSpeed models go: room for the tenants
         free_memory()
         if setup.tenants:
             rows += tenant_rows(engine, work, sequences, setup, bound_ms)
-    return Report(setup, machine(), params, trainable, flop, rate / 1e12, bound_ms, rows, ratios(rows))
+    return Report(setup, machine(), params, trainable, flop, rate / 1e12, bound_ms, rows, ratios(rows), cpu_ms,
+                  {row: cpu_floor(by_process, split) for row, by_process in cpu_ms.items() if setup.device == "cpu"},
+                  split.describe() if split else f"every process on all {len(os.sched_getaffinity(0))} cores")
+
+
+SIDE = {"bench": "compute", "trainer": "compute", "client": "host", "gateway": "host"}
+
+
+def cpu_floor(by_process: dict[str, float], split: Split | None) -> float:
+    """The shortest step the processes' CPU allows (ms): on each side, their CPU over its cores;
+    unsplit, every process on every core."""
+    if split is None:
+        return sum(by_process.values()) / len(os.sched_getaffinity(0))
+    return max(sum(ms for name, ms in by_process.items() if SIDE[name] == side) / len(getattr(split, side))
+               for side in ("compute", "host"))
 
 
 @contextlib.contextmanager
-def sdk_services(model_dir: str, setup: Setup):
-    """With --sdk, the trainer and gateway services on `model_dir` and an SDK client of theirs
-    (a tinker.ServiceClient, closed before they stop), else None."""
+def sdk_services(model_dir: str, sequences: list[list[int]], setup: Setup, split: Split | None = None):
+    """With --sdk, the trainer and gateway services on `model_dir` and an SDK client of theirs in a
+    process of its own (bench/sdk_client.py; closed before they stop), each on `split`'s cores,
+    with the pids of all three; else None."""
     if not setup.sdk:
         yield None
         return
-    import tinker
+    from bench.sdk_client import SdkClient
 
     os.environ.setdefault("TINKER_API_KEY", "tml-no-auth")          # the services run with auth off
     logits = () if setup.max_logits_mib is None else ("--max-logits-mib", str(setup.max_logits_mib))
-    with trainer_and_gateway(model_dir, setup.dtype, *logits) as url:
-        service = tinker.ServiceClient(base_url=url)
+    with trainer_and_gateway(model_dir, setup.dtype, *logits, split=split) as running:
+        client = SdkClient(running.url, model_dir, sequences, setup, split.host if split else ())
         try:
-            yield service
+            yield client, {"client": client.pid, **running.pids}
         finally:
-            service.close("success").result()
+            client.close()
 
 
 def main_rows(base: torch.nn.Module, engine, model_dir: str, sequences: list[list[int]], setup: Setup,
-              bound_ms: float, sdk=None) -> tuple[list[StepRow], int]:
-    """plain (LoRA on `base` itself), deepspeed and engine rows (and with `sdk`, a ServiceClient
-    of sdk_services', the SDK's), and the LoRA's parameter count."""
+              bound_ms: float, sdk=None) -> tuple[list[StepRow], int, dict[str, dict[str, float]]]:
+    """plain (LoRA on `base` itself), deepspeed and engine rows (and with `sdk`, sdk_services'
+    (SdkClient, pids), the SDK's), the LoRA's parameter count, and each row's CPU per step by
+    process."""
     cuda = setup.device == "cuda"
-    timed = {"plain": Timed(plain_step(base, sequences, setup), setup.tokens, cuda)}
+    steps = {"plain": plain_step(base, sequences, setup)}
     if not setup.skip_raw:
-        timed["deepspeed"] = Timed(raw_deepspeed_step(model_dir, sequences, setup), setup.tokens, cuda)
-    timed["engine"] = Timed(engine_step(engine, ["alone"], sequences, setup), setup.tokens, cuda)
+        steps["deepspeed"] = raw_deepspeed_step(model_dir, sequences, setup)
+    steps["engine"] = engine_step(engine, ["alone"], sequences, setup)
     if setup.group > 1:
-        timed["engine, padded"] = Timed(padded_engine_step(model_dir, sequences, setup), setup.tokens, cuda)
+        steps["engine, padded"] = padded_engine_step(model_dir, sequences, setup)
+    meters = {name: CpuMeter({"bench": os.getpid()}) for name in steps}
+    timed = {name: Timed(meters[name].wrap(step), setup.tokens, cuda) for name, step in steps.items()}
     if sdk is not None:
-        one, pipelined = sdk_steps(sdk, model_dir, sequences, setup)
-        timed["sdk"] = Timed(one, setup.tokens, cuda)
-        timed[f"sdk, {PIPELINED} at once"] = Timed(pipelined, setup.tokens, cuda, steps_per_call=PIPELINED)
+        client, pids = sdk
+        for name, n in (("sdk", 1), (f"sdk, {PIPELINED} at once", PIPELINED)):
+            meters[name] = CpuMeter(pids)
+            timed[name] = Timed(meters[name].wrap(functools.partial(client.steps, n), n), setup.tokens, cuda,
+                                steps_per_call=n)
     rows = take_in_turn(timed, setup, bound_ms)
+    cpu_ms = {name: meter.ms_per_step() for name, meter in meters.items()}      # before the profiler's steps
     if setup.profile:
         for name in ("engine", "plain"):
             print(profile(name, timed[name], cuda), flush=True)
-    return rows, sum(p.numel() for p in base.parameters() if p.requires_grad)
+    return rows, sum(p.numel() for p in base.parameters() if p.requires_grad), cpu_ms
 
 
 def tenant_rows(alone, model_dir: str, sequences: list[list[int]], setup: Setup, bound_ms: float) -> list[StepRow]:
@@ -501,13 +536,21 @@ def synchronizations(timed: Timed) -> list[tuple[str, int]]:
 def render(report: Report) -> str:
     s = report.setup
     lines = [f"trainer_only: {s.shape} {s.dtype} on {s.device}, {s.batch}x{s.length} tokens, LoRA rank {s.rank}, "
-             f"median of {s.steps} steps after {s.warmup} ({report.machine})",
+             f"median of {s.steps} steps after {s.warmup} ({report.machine})", f"processes: {report.placement}",
              f"step cost ~ 4 * {report.linear_params / 1e6:.1f}M Linear params * {s.tokens} tokens = "
              f"{report.step_flop / 1e12:.3g} TFLOP; {report.trainable_params / 1e6:.2f}M LoRA params; "
              f"{s.dtype} GEMM {report.matmul_tflops:.3g} TFLOP/s here -> lower bound {report.bound_ms:.3g} ms/step",
              "", "| row | ms/step | tokens/s | of bound | first loss/token |", "|---|---|---|---|---|"]
     for r in report.rows:
         lines.append(f"| {r.name} | {r.ms:.4g} | {r.tokens_per_s:.4g} | {r.of_bound:.1%} | {r.losses[0]:.6f} |")
+    if report.cpu_ms:
+        ms = {r.name: r.ms for r in report.rows}
+        lines += ["", "| row | CPU ms/step, by process | floor from that CPU | step / floor |", "|---|---|---|---|"]
+        for name, by_process in report.cpu_ms.items():
+            spent = ", ".join(f"{process} {v:.4g}" for process, v in by_process.items())
+            floor = report.cpu_floor_ms.get(name)       # on a GPU the step is the device's, not the CPU's
+            against = f"{floor:.4g} ms | {ms[name] / floor:.2f}" if floor else " | "
+            lines.append(f"| {name} | {spent} | {against} |")
     lines += ["", "| ratio | value | target | verdict |", "|---|---|---|---|"]
     for q in report.ratios:
         verdict = "" if q["met"] is None else ("met" if q["met"] else "MISSED")
@@ -538,18 +581,23 @@ def parse_args(argv=None) -> tuple[Setup, str | None]:
                                                       "as services (bench/trainer_services.py; no sampler)")
     p.add_argument("--max-logits-mib", type=int, help="the engines' fp32 logits held at once, past which they go "
                                                        "in recomputed chunks (default: the trainer's)")
+    p.add_argument("--host-cores", type=int, default=0,
+                   help="CPU: the last N cores run the SDK client and the gateway, the others the trainer and "
+                        "the in-process rows, one thread a core (a GPU host's split of serving and compute)")
     p.add_argument("--json", help="also write the report here")
     a = p.parse_args(argv)
     if a.device == "cpu" and cuda:
         p.error("the engine puts its model on the GPU whenever there is one: run with CUDA_VISIBLE_DEVICES=''")
     if a.device == "cuda" and not cuda:
         p.error("no CUDA device here")
+    if a.host_cores and a.device != "cpu":
+        p.error("--host-cores splits a CPU host's cores; on a GPU the device computes")
     setup = Setup(device=a.device, shape=a.shape, dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                   batch=a.batch, length=a.length, rank=a.rank,
                   steps=a.steps or (20 if a.device == "cuda" else 5), warmup=a.warmup, learning_rate=a.lr,
                   tenants=TENANTS if a.tenants else 0, skip_raw=a.skip_raw, profile=a.profile,
                   group=a.group, prompt=a.prompt, sdk=a.sdk,
-                  max_logits_mib=a.max_logits_mib)
+                  max_logits_mib=a.max_logits_mib, host_cores=a.host_cores)
     return setup, a.json
 
 

@@ -41,18 +41,85 @@ def test_rollouts_sharing_prompts_train_alike_packed_or_padded():
     assert rows["engine, padded"].losses == pytest.approx(rows["engine"].losses, abs=1e-4)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--host-cores needs a core to compute and one to serve")
 def test_the_sdk_rows_go_through_the_services_and_train_as_the_engine_does():
-    """--sdk: the unmodified SDK against `tinkerd trainer` + `tinkerd gateway` started on the
-    bench's model (no sampler: a GPU host without vLLM runs it), one step at a time and 4 at once;
-    the first step's loss is the in-process engine's, and the ratios against plain are reported."""
-    setup = Setup(device="cpu", shape="tiny", dtype="float32", batch=2, length=16, rank=4, steps=1, warmup=0,
-                  skip_raw=True, sdk=True)
+    """--sdk: the unmodified SDK, in a client process of its own, against `tinkerd trainer` +
+    `tinkerd gateway` started on the bench's model (no sampler: a GPU host without vLLM runs it),
+    one step at a time and 4 at once; the first step's loss is the in-process engine's, and the
+    ratios against plain are reported. With --host-cores 1, as a GPU host splits its work: the
+    trainer and the in-process rows compute on the other cores, the client and the gateway serve
+    on the last; each row says the CPU its processes spent and the floor that puts under it."""
+    setup = Setup(device="cpu", shape="tiny", dtype="float32", batch=2, length=16, rank=4, steps=2, warmup=0,
+                  skip_raw=True, sdk=True, host_cores=1)
     report = measure(setup)
     rows = {r.name: r for r in report.rows}
     assert list(rows) == ["plain", "engine", "sdk", "sdk, 4 at once"]
     assert rows["sdk"].ms > 0 and rows["sdk, 4 at once"].ms > 0
     assert rows["sdk"].losses[0] == pytest.approx(rows["engine"].losses[0], abs=1e-5)
     assert {q["name"] for q in report.ratios} >= {"plain / sdk", "sdk / (sdk, 4 at once)"}
+
+    cores = sorted(os.sched_getaffinity(0))         # given back by measure()
+    assert report.placement.startswith(f"compute on cores {','.join(map(str, cores[:-1]))} (")
+    assert report.placement.endswith(f"SDK client and gateway on {cores[-1]}")
+    assert set(report.cpu_ms) == set(rows)
+    assert set(report.cpu_ms["plain"]) == {"bench"}
+    for name in ("sdk", "sdk, 4 at once"):
+        spent = report.cpu_ms[name]
+        assert set(spent) == {"client", "gateway", "trainer"} and all(ms > 0 for ms in spent.values()), spent
+        # The floor: the busier side, the trainer over the compute cores or the serving pair over one core.
+        assert report.cpu_floor_ms[name] == pytest.approx(max(spent["trainer"] / (len(cores) - 1),
+                                                               spent["client"] + spent["gateway"]))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--host-cores needs a core to compute and one to serve")
+def test_a_split_host_starts_each_side_on_its_own_cores_and_gives_this_process_back():
+    import torch
+
+    from bench.host_cores import Split
+
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    split = Split.of(1)
+    assert split.host == (max(cores),) and set(split.compute) == cores - {max(cores)}
+    show = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    for side in ("compute", "host"):
+        out = subprocess.run(split.command(side, show), capture_output=True, text=True, check=True).stdout
+        assert out.strip() == str(sorted(getattr(split, side)))
+    with split.computing_here():
+        assert os.sched_getaffinity(0) == set(split.compute) and torch.get_num_threads() == len(split.compute)
+    assert os.sched_getaffinity(0) == cores and torch.get_num_threads() == threads
+    with pytest.raises(ValueError, match="--host-cores 0: this process may use"):
+        Split.of(0)
+    with pytest.raises(ValueError, match="give the compute at least one"):
+        Split.of(len(cores))
+
+
+def test_the_cpu_meter_reads_a_process_s_cpu_to_the_millisecond():
+    """Per-process CPU clocks (not /proc's 10 ms ticks): a 30 ms busy loop in a child reads as
+    30 ms, give or take the child's start-up, and this process's sleeping as nothing."""
+    from bench.host_cores import CpuMeter
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                              "for line in sys.stdin:\n"
+                              "    end = time.thread_time() + 0.03\n"
+                              "    while time.thread_time() < end: pass\n"
+                              "    print('done', flush=True)"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        meter = CpuMeter({"child": child.pid, "here": os.getpid()})
+
+        def busy_there():
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "done\n"
+        step = meter.wrap(busy_there)
+        for _ in range(5):
+            step()
+        spent = meter.ms_per_step()
+        assert 29 <= spent["child"] <= 40, spent
+        assert spent["here"] < 10, spent
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.tcmalloc
