@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextvars
 
-import grpc
-
 from gateway.sampler_pool import SamplerPool
 from gateway.settings import GatewaySettings
 from gateway.storage.db import Database
-from tinkerd.rpc import TENANT_METADATA, ServiceAuth, aio_channel, resilient_calls, user_tenant
+from tinkerd.rpc import (TENANT_METADATA, AioCallsWithMetadata, ServiceAuth, aio_channel, resilient_calls,
+                         user_tenant)
 from tinkerd.v1 import trainer_pb2_grpc
 
 # The user a future runs for (gateway/futures/store.py sets it around each job): every trainer call it
@@ -17,22 +16,18 @@ from tinkerd.v1 import trainer_pb2_grpc
 TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("tenant", default="")
 
 
-class _SendTenant(grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        user = TENANT.get()
-        if user:
-            metadata = grpc.aio.Metadata(*(details.metadata or ()), (TENANT_METADATA, user_tenant(user)))
-            details = details._replace(metadata=metadata)
-        return await continuation(details, request)
+def _tenant() -> tuple[tuple[str, str], ...]:
+    user = TENANT.get()
+    return ((TENANT_METADATA, user_tenant(user)),) if user else ()
 
 
 class Backends:
     """Made inside the running event loop (grpc.aio channels bind to it)."""
 
     def __init__(self, settings: GatewaySettings, db: Database, auth: ServiceAuth):
-        self.trainer = trainer_pb2_grpc.TrainerStub(aio_channel(
-            settings.trainer, auth, resilient_calls("tinkerd.v1.Trainer", settings.rpc_timeout_s),
-            interceptors=[_SendTenant()]))
+        channel = aio_channel(settings.trainer, auth, resilient_calls("tinkerd.v1.Trainer", settings.rpc_timeout_s),
+                              send_token=False)
+        self.trainer = AioCallsWithMetadata(trainer_pb2_grpc.TrainerStub(channel), auth.token, _tenant)
         self.samplers = SamplerPool(settings.samplers, db, auth, timeout_s=settings.rpc_timeout_s,
                                     wait_s=settings.sampler_wait_s)
 

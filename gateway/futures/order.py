@@ -49,6 +49,8 @@ class _ModelRunner:
 
     def put(self, seq: int, request_id: str, request_type: str, job: Job) -> None:
         heapq.heappush(self.heap, (seq, request_id, request_type, job))
+        if self.heap[0][0] == self.next_seq and self._may_start_head():
+            self._start_head()        # now, not a turn of the event loop later (below)
         self.changed.set()
 
     def _may_start_head(self) -> bool:
@@ -80,9 +82,12 @@ class _ModelRunner:
                 log.warning("seq %d of %s never arrived; running seq %d", self.next_seq, self.model_id,
                             self.heap[0][0])
             gap_since = None
-            seq, request_id, kind, job = heapq.heappop(self.heap)
-            self.next_seq = max(self.next_seq, seq + 1)
-            self.running[request_id] = (seq, kind, asyncio.create_task(self._run_one(request_id, job)))
+            self._start_head()
+
+    def _start_head(self) -> None:
+        seq, request_id, kind, job = heapq.heappop(self.heap)
+        self.next_seq = max(self.next_seq, seq + 1)
+        self.running[request_id] = (seq, kind, asyncio.create_task(self._run_one(request_id, job)))
 
     async def _run_one(self, request_id: str, job: Job) -> None:
         try:

@@ -69,6 +69,26 @@ def test_the_next_step_is_sent_while_one_runs_and_a_creation_runs_alone():
     asyncio.run(scenario())
 
 
+def test_a_step_free_to_run_starts_as_it_is_put_not_a_turn_of_the_event_loop_later():
+    """The route that puts a step answers its client in the same turn; in the turns after it the
+    gateway handles that client's next requests. A runner woken by an event would send the step
+    to the trainer only after those (on 2 cores, ~0.5 ms later a step: docs/benchmarks.md)."""
+    async def scenario():
+        trainer = Trainer()
+        order = _order(trainer, [(1, "fb1", "forward_backward")])
+        assert order.position("m", "fb1") == (True, 0)      # running before this coroutine yields
+        await asyncio.sleep(0)
+        assert trainer.log == ["start fb1"]
+        order.put("m", 2, "step2", "optim_step", trainer.job("step2"))     # the next step, while one runs
+        await asyncio.sleep(0)
+        assert trainer.log == ["start fb1", "start step2"]
+        order.put("m", 4, "fb4", "forward_backward", trainer.job("fb4"))   # after a gap: held
+        await _settle()
+        assert trainer.log == ["start fb1", "start step2"] and order.position("m", "fb4") == (False, 2)
+        order.stop()
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("kind", ["save_weights_for_sampler", "save_weights", "refused"])
 def test_a_request_that_is_not_a_step_waits_for_the_steps_and_runs_alone(kind):
     async def scenario():

@@ -47,6 +47,41 @@ def test_clients_with_the_token_get_through(server):
     assert asyncio.run(aio()).ready
 
 
+class _Echo(sampler_pb2_grpc.SamplerServicer):
+    """Health answers ready only for a call that names the tenant it expects."""
+    def Health(self, request, context):
+        return common_pb2.HealthResponse(ready=dict(context.invocation_metadata()).get("x-tenant") == "alice")
+
+
+def test_calls_with_metadata_send_the_token_and_the_metadata_of_their_moment():
+    """The gateway's trainer calls (rpc.AioCallsWithMetadata): the token and the pairs made at
+    call time, without aio interceptors; a caller's own metadata goes too."""
+    import asyncio
+    import contextvars
+
+    srv, port = rpc.create_server("127.0.0.1:0", max_workers=2, auth=rpc.ServiceAuth(token="t0ken"))
+    sampler_pb2_grpc.add_SamplerServicer_to_server(_Echo(), srv)
+    srv.start()
+    tenant = contextvars.ContextVar("tenant", default="")
+
+    async def calls(token):
+        async with rpc.aio_channel(f"127.0.0.1:{port}", rpc.ServiceAuth(token=token), send_token=False) as ch:
+            stub = rpc.AioCallsWithMetadata(sampler_pb2_grpc.SamplerStub(ch), token,
+                                            lambda: (("x-tenant", tenant.get()),))
+            tenant.set("bob")
+            bob = (await stub.Health(common_pb2.HealthRequest(), timeout=10)).ready
+            tenant.set("alice")
+            alice = (await stub.Health(common_pb2.HealthRequest(), timeout=10, metadata=(("x-other", "1"),))).ready
+            return bob, alice
+    try:
+        assert asyncio.run(calls("t0ken")) == (False, True)
+        with pytest.raises(grpc.aio.AioRpcError) as e:          # send_token=False: the channel sends none
+            asyncio.run(calls(""))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        srv.stop(0)
+
+
 @pytest.mark.parametrize("address", ["0.0.0.0:0", "[::]:0", "10.1.2.3:50051", "trainer.internal:1", ":50051"])
 def test_non_loopback_needs_a_token_or_mtls(address):
     assert not rpc.is_loopback(address)
