@@ -8,10 +8,10 @@ the two apart:
 - `CpuMeter`: the CPU time each named process spent in a row's steps, per step (user + system,
   every thread; OpenMP workers waiting at a barrier spin, and count). When the processes share
   the cores, their sum over the cores is a floor under the row's step.
-- `Split`: the last `host` cores serve (this process while it acts as the SDK client, the
-  gateway) and the others compute (the trainer service and the in-process rows, with one thread
-  per core), as on a GPU host. Then a step through the SDK costs what the serving side adds to
-  the compute's critical path, the question a GPU run asks.
+- `Split`: the last `host` cores serve (the SDK's client process, the gateway) and the others
+  compute (the trainer service and the in-process rows, with one thread per core), as on a GPU
+  host. Then a step through the SDK costs what the serving side adds to the compute's critical
+  path, the question a GPU run asks.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import shutil
 import statistics
 import time
 from typing import Callable, Iterator
-
 
 
 @dataclasses.dataclass(frozen=True)

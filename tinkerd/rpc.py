@@ -263,6 +263,7 @@ class AioCallsWithMetadata:
 
         def with_metadata(request, *, metadata=(), **kwargs):
             return call(request, metadata=(*metadata, *self._token, *self._metadata()), **kwargs)
+        setattr(self, method, with_metadata)        # made once per method
         return with_metadata
 
 
