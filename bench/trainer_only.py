@@ -592,6 +592,11 @@ def parse_args(argv=None) -> tuple[Setup, str | None]:
         p.error("no CUDA device here")
     if a.host_cores and a.device != "cpu":
         p.error("--host-cores splits a CPU host's cores; on a GPU the device computes")
+    if a.host_cores:
+        try:
+            Split.of(a.host_cores)
+        except ValueError as e:
+            p.error(str(e))
     setup = Setup(device=a.device, shape=a.shape, dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                   batch=a.batch, length=a.length, rank=a.rank,
                   steps=a.steps or (20 if a.device == "cuda" else 5), warmup=a.warmup, learning_rate=a.lr,
