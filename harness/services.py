@@ -12,6 +12,8 @@ import signal
 import subprocess
 import time
 
+from tinkerd.process import stop_with_parent
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -26,7 +28,8 @@ class Service:
     def start(self) -> None:
         self.offset = os.path.getsize(self.log) if os.path.exists(self.log) else 0
         self.proc = subprocess.Popen(self.command, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=ROOT, start_new_session=True)
+                                     env=self.env, cwd=ROOT, start_new_session=True,
+                                     preexec_fn=stop_with_parent())     # none left serving if we are killed
 
     def text(self) -> str:
         """This start's log."""

@@ -13,6 +13,8 @@ import time
 import urllib.request
 from typing import NamedTuple
 
+from tinkerd.process import stop_with_parent
+
 
 class Stack(NamedTuple):
     url: str                 # TINKER_BASE_URL
@@ -47,7 +49,8 @@ def running_stack(model_dir: str, state, *extra_args: str):
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "up", "--base-model", model_dir, "--port", "0",
          "--state-dir", str(state), *extra_args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=stop_with_parent())          # a killed test run leaves no stack serving
     url, api_key, internal_url = None, "", ""
     lines = []
     for line in proc.stdout:

@@ -21,6 +21,7 @@ if sys.argv[1:2] in (["sampler"], ["trainer"]):
     reexec_with_tcmalloc()
 
 from gateway.storage.state_dir import PRIVATE_UMASK, StateDirError  # noqa: E402
+from tinkerd.state_lock import StateDirInUse  # noqa: E402
 from launcher import keys, up  # noqa: E402
 from tinkerd import settings  # noqa: E402
 
@@ -35,7 +36,7 @@ def _run_service(args: argparse.Namespace) -> None:
     service_settings = settings.from_args(up.CHILDREN[args.command], args)
     try:
         importlib.import_module(SERVICES[args.command][0]).serve(service_settings)
-    except StateDirError as e:                 # a message that says what to fix, not a traceback
+    except (StateDirError, StateDirInUse) as e:     # a message that says what to fix, not a traceback
         raise SystemExit(f"tinkerd {args.command}: {e}") from None
     exit_now()
 

@@ -43,7 +43,7 @@ from gateway.storage import state_dir
 from launcher import gpus, keys
 from sampler_service import server as sampler_server
 from sampler_service.settings import SamplerSettings
-from tinkerd import process, settings
+from tinkerd import process, settings, state_lock
 from tinkerd.errors import UserError
 from trainer_service.settings import TrainerSettings
 
@@ -123,7 +123,7 @@ def _start(name: str, command: list[str], ready: dict, log_dir: str, env: dict[s
     """Starts `command` with `env` added to ours; a reader thread records the port it prints as READY."""
     log = open(os.path.join(log_dir, f"{name}.log"), "ab")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
-                            env={**os.environ, **env} if env else None)
+                            env={**os.environ, **env} if env else None, preexec_fn=process.stop_with_parent())
 
     def read():
         for line in proc.stdout:
@@ -353,6 +353,17 @@ def private_state_dir(args: argparse.Namespace) -> None:
             raise SystemExit(f"tinkerd: {e}") from None
 
 
+def claim_state_dir(args: argparse.Namespace) -> None:
+    """This `up` alone on its state dir (tinkerd/state_lock.py), refused before anything starts if
+    another `up` runs there, or a trainer an earlier one left running when it was killed."""
+    try:
+        state_lock.hold(args.state_dir, "up", f"`tinkerd up` serving {scheme(args)}://{_reachable(args.host)}:"
+                                              f"{args.port}")
+        state_lock.check_free(args.state_dir, "trainer")
+    except state_lock.StateDirInUse as e:
+        raise SystemExit(f"tinkerd: {e}") from None
+
+
 def up(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     if args.sampler_replicas < 1:
@@ -368,12 +379,13 @@ def up(args: argparse.Namespace) -> None:
     if args.placement:
         print(f"tinkerd: {args.placement.summary}", flush=True)
     private_state_dir(args)
-    log_dir = os.path.join(args.state_dir, "logs")
-    os.makedirs(log_dir, mode=0o700, exist_ok=True)
-    args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
     check_listeners(settings.from_args(GatewaySettings, args, trainer="", samplers=[]))
     args.port = args.port or free_port()
     args.internal_port = args.internal_port or free_port()
+    claim_state_dir(args)                   # before anything is written there
+    log_dir = os.path.join(args.state_dir, "logs")
+    os.makedirs(log_dir, mode=0o700, exist_ok=True)
+    args.service_token_file = args.service_token_file or service_token_file(args.state_dir)
     procs: dict[str, subprocess.Popen] = {}
 
     unwind_on_stop_signals()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -190,3 +191,31 @@ def start_trainer_process(model_dir: str, state_dir: str, *flags: str):
         proc.wait(timeout=30)
         pytest.fail("tinkerd trainer did not start:\n" + proc.stderr.read()[-3000:])
     return proc, port
+
+
+_HOLD = """
+import sys
+from tinkerd import state_lock
+state_lock.hold(sys.argv[1], sys.argv[2], sys.argv[3])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def held_elsewhere(state_dir, name: str, holder: str):
+    """Another process holding `name`'s state-dir lock (tinkerd/state_lock.py) on `state_dir` as
+    `holder` until the block ends (or it is killed). Test modules import it."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(state_dir), name, holder], cwd=root,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)

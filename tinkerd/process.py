@@ -109,6 +109,25 @@ def serve_until_signal(server, port: int, name: str, on_start=None, on_stop=None
         on_stop()
 
 
+def stop_with_parent():
+    """For Popen's preexec_fn (Linux; None elsewhere): the child is sent SIGTERM, a service's clean
+    stop, when the process that started it dies, however it dies (SIGKILL, the OOM killer, its
+    terminal closed). A service started in a session of its own (so that a Ctrl-C reaches only
+    `tinkerd up`, which stops them in order) is otherwise left serving, holding its ports, its GPU
+    memory and the state dir (tinkerd/state_lock.py). Start children from a thread that lives as
+    long as the process: the kernel ties this to the thread that forked."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl     # looked up here: the child only calls it
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(1, signal.SIGTERM)        # PR_SET_PDEATHSIG, kept across exec
+        if os.getppid() != parent:      # the parent died before that
+            os._exit(1)
+    return in_child
+
+
 def exit_now(code: int = 0) -> None:
     """Ends the process at once, logs and output flushed, without the interpreter's teardown: for
     a service whose shutdown is done (on a sampler the teardown spent ~2 s garbage-collecting

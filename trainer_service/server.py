@@ -38,6 +38,7 @@ def serve(s: TrainerSettings) -> None:
     init_logging("trainer" if world == 1 else f"trainer[rank {rank}/{world}]")
     # tcmalloc: launcher/cli.py re-executes `tinkerd trainer` with it before its imports.
     logging.getLogger("trainer").info("memory allocator: %s", allocator())
+    from tinkerd import state_lock
     from tinkerd.health import ServiceHealth
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import trainer_pb2_grpc
@@ -49,6 +50,9 @@ def serve(s: TrainerSettings) -> None:
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of model loading
     state_dir = os.path.abspath(s.state_dir)
+    if rank == 0:        # the rank that writes the models' state: alone on its state dir
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        state_lock.hold(state_dir, "trainer", f"`tinkerd trainer` (--listen {s.listen})")
     engine = build_engine(s, threads, DurableModels(state_dir, s.durable_interval_s))
     if not engine.ranks.leader:
         engine.ranks.follow(engine)        # until rank 0 stops; losing it exits non-zero
