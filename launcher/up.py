@@ -43,7 +43,7 @@ from gateway.storage import state_dir
 from launcher import gpus, keys
 from sampler_service import server as sampler_server
 from sampler_service.settings import SamplerSettings
-from tinkerd import process, settings, state_lock
+from tinkerd import model_dir, process, settings, state_lock
 from tinkerd.errors import UserError
 from trainer_service.settings import TrainerSettings
 
@@ -373,6 +373,7 @@ def up(args: argparse.Namespace) -> None:
     args.dtype = process.service_dtype(args.dtype, args.allow_slow_dtype)
     args.base_model, args.state_dir = os.path.abspath(args.base_model), os.path.abspath(args.state_dir)
     try:
+        model_dir.check(args.base_model)           # before anything is made: the state dir, a child
         args.placement = gpus.place(args, sampler_names(args))      # None on a host without GPUs
     except UserError as e:
         raise SystemExit(f"tinkerd: {e}") from None

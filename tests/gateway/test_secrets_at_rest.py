@@ -93,11 +93,12 @@ def test_a_state_dir_others_may_use_is_refused_with_the_fix(tmp_path, mode):
 
 
 @pytest.mark.parametrize("command", ["up", "gateway"])
-def test_tinkerd_up_and_gateway_refuse_a_0755_state_dir_before_starting_anything(tmp_path, command):
+def test_tinkerd_up_and_gateway_refuse_a_0755_state_dir_before_starting_anything(tmp_path, command,
+                                                                                tiny_model_dir):
     state = tmp_path / "state"
     state.mkdir()
     os.chmod(state, 0o755)
-    argv = [sys.executable, "-m", "launcher.cli", command, "--base-model", str(tmp_path / "model"),
+    argv = [sys.executable, "-m", "launcher.cli", command, "--base-model", tiny_model_dir,
             "--state-dir", str(state), "--port", "0", "--start-timeout", "5"]
     if command == "gateway":
         argv = [a for a in argv if a not in ("--start-timeout", "5")] + ["--trainer", "127.0.0.1:1"]
