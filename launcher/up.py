@@ -44,7 +44,7 @@ from launcher import gpus, keys
 from sampler_service import server as sampler_server
 from sampler_service.settings import SamplerSettings
 from tinkerd import model_dir, process, settings, state_lock
-from tinkerd.errors import UserError
+from tinkerd.errors import StateDirError, UserError
 from trainer_service.settings import TrainerSettings
 
 CHILDREN = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
@@ -345,12 +345,12 @@ def private_state_dir(args: argparse.Namespace) -> None:
     """The state dir made 0700, or refused (before anything starts) if its group or others may use
     it; everything the services write there is owner-only (umask 077, inherited by the children)."""
     os.umask(state_dir.PRIVATE_UMASK)
-    state_dir.make_private_dir(args.state_dir)
-    if args.private_state_dir:
-        try:
+    try:
+        state_dir.make_private_dir(args.state_dir)
+        if args.private_state_dir:
             state_dir.check_private(args.state_dir, "the state dir", "700")
-        except state_dir.StateDirError as e:
-            raise SystemExit(f"tinkerd: {e}") from None
+    except StateDirError as e:
+        raise SystemExit(f"tinkerd: {e}") from None
 
 
 def claim_state_dir(args: argparse.Namespace) -> None:
@@ -360,7 +360,7 @@ def claim_state_dir(args: argparse.Namespace) -> None:
         state_lock.hold(args.state_dir, "up", f"`tinkerd up` serving {scheme(args)}://{_reachable(args.host)}:"
                                               f"{args.port}")
         state_lock.check_free(args.state_dir, "trainer")
-    except state_lock.StateDirInUse as e:
+    except StateDirError as e:
         raise SystemExit(f"tinkerd: {e}") from None
 
 
@@ -379,8 +379,8 @@ def up(args: argparse.Namespace) -> None:
         raise SystemExit(f"tinkerd: {e}") from None
     if args.placement:
         print(f"tinkerd: {args.placement.summary}", flush=True)
-    private_state_dir(args)
     check_listeners(settings.from_args(GatewaySettings, args, trainer="", samplers=[]))
+    private_state_dir(args)
     args.port = args.port or free_port()
     args.internal_port = args.internal_port or free_port()
     claim_state_dir(args)                   # before anything is written there

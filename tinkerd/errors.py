@@ -19,6 +19,10 @@ class UserError(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class StateDirError(UserError):
+    """A --state-dir that cannot serve as given; the message says what to change."""
+
+
 class NotFoundError(UserError):
     code = grpc.StatusCode.NOT_FOUND
 

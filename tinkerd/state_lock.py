@@ -16,15 +16,24 @@ import fcntl
 import logging
 import os
 
-from tinkerd.errors import UserError
+from tinkerd.errors import StateDirError
 
 log = logging.getLogger(__name__)
 
 _held: dict[str, int] = {}          # lock file path -> its open descriptor, kept for the process's life
 
 
-class StateDirInUse(UserError):
+class StateDirInUse(StateDirError):
     pass
+
+
+def make_state_dir(path: str) -> None:
+    """`path` made 0700 if missing (an existing one keeps its mode); StateDirError if it cannot be."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise StateDirError(f"cannot make the state dir {path}: {e.strerror} (--state-dir: a directory this "
+                            f"user may create and write in)") from None
 
 
 def hold(state_dir: str, name: str, holder: str) -> None:
@@ -34,7 +43,11 @@ def hold(state_dir: str, name: str, holder: str) -> None:
     path = _path(state_dir, name)
     if path in _held:
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise StateDirError(f"cannot write in the state dir {os.path.dirname(path)}: {e.strerror} (--state-dir: "
+                            f"a directory this user may create and write in)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

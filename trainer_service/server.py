@@ -51,7 +51,7 @@ def serve(s: TrainerSettings) -> None:
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of model loading
     state_dir = os.path.abspath(s.state_dir)
     if rank == 0:        # the rank that writes the models' state: alone on its state dir
-        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        state_lock.make_state_dir(state_dir)
         state_lock.hold(state_dir, "trainer", f"`tinkerd trainer` (--listen {s.listen})")
     engine = build_engine(s, threads, DurableModels(state_dir, s.durable_interval_s))
     if not engine.ranks.leader:

@@ -16,13 +16,10 @@ import stat
 from sqlalchemy.engine import make_url
 
 from gateway.identity import signing_keys
-from tinkerd.errors import UserError
+from tinkerd import state_lock
+from tinkerd.errors import StateDirError
 
 PRIVATE_UMASK = 0o077
-
-
-class StateDirError(UserError):
-    pass
 
 
 def check_private(path: str, what: str, fix_mode: str) -> None:
@@ -36,8 +33,8 @@ def check_private(path: str, what: str, fix_mode: str) -> None:
 
 
 def make_private_dir(path: str) -> None:
-    """`path` made 0700 if missing (an existing one keeps its mode)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    """`path` made 0700 if missing (an existing one keeps its mode); StateDirError if it cannot be."""
+    state_lock.make_state_dir(path)
 
 
 def _owner_only_file(path: str) -> None:

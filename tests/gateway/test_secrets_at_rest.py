@@ -109,6 +109,20 @@ def test_tinkerd_up_and_gateway_refuse_a_0755_state_dir_before_starting_anything
     assert os.listdir(state) == []
 
 
+@pytest.mark.parametrize("command", ["up", "gateway", "trainer"])
+def test_a_state_dir_that_cannot_be_made_is_refused_saying_so(tmp_path, command, tiny_model_dir):
+    (tmp_path / "a-file").write_text("")
+    state = tmp_path / "a-file" / "state"
+    argv = [sys.executable, "-m", "launcher.cli", command, "--base-model", tiny_model_dir, "--state-dir", str(state)]
+    argv += {"up": ["--port", "0"], "gateway": ["--trainer", "127.0.0.1:1"], "trainer": ["--listen", "127.0.0.1:0"]}[
+        command]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert f"cannot make the state dir {state}: Not a directory" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
 def test_the_database_holds_nothing_that_signs_a_token(gateway):
     """Everything a read-only open of the database gives, tried as a signing key (raw and
     hex-decoded, with and without a kid), mints nothing the gateway accepts."""

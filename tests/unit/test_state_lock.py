@@ -46,3 +46,12 @@ def test_a_file_system_without_locks_is_logged_and_let_be(tmp_path, monkeypatch,
         state_lock.check_free(str(tmp_path), "trainer")
     assert "has no locks" in caplog.text and "nothing stops a second trainer" in caplog.text
     state_lock.release(str(tmp_path), "trainer")
+
+
+def test_a_state_dir_that_cannot_hold_the_lock_is_refused_saying_so(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(state_lock.StateDirError, match=f"cannot write in the state dir {tmp_path / 'a-file'}: "
+                                                       "Not a directory"):
+        state_lock.hold(str(tmp_path / "a-file"), "trainer", "me")
+    with pytest.raises(state_lock.StateDirError, match="cannot make the state dir .*: Not a directory"):
+        state_lock.make_state_dir(str(tmp_path / "a-file" / "state"))

@@ -6,9 +6,16 @@ gateway's "Address already in use" when it was drawn from that range)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
+
+import pytest
 
 from launcher import up
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_the_gateways_port_is_free_and_no_port_0_bind_meanwhile_gets_it():
@@ -25,3 +32,26 @@ def test_the_gateways_port_is_free_and_no_port_0_bind_meanwhile_gets_it():
         assert port not in given and all(low <= p <= high for p in given)
         with socket.socket() as gateway:
             gateway.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("command, flag", [("up", "--port"), ("up", "--internal-port"), ("gateway", "--port"),
+                                           ("gateway", "--internal-port")])
+def test_a_port_another_process_holds_is_refused_before_anything_starts(tmp_path, tiny_model_dir, command, flag):
+    """Not a gateway that dies after the trainer and the samplers have started (seconds later, with
+    a traceback in its log): the flag to change, at once, and no state dir made."""
+    state = tmp_path / "state"
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        argv = [sys.executable, "-m", "launcher.cli", command, "--base-model", tiny_model_dir,
+                "--state-dir", str(state), flag, str(port)]
+        if command == "gateway":
+            argv += ["--trainer", "127.0.0.1:1"]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    where = "--host/--port" if flag == "--port" else "--internal-host/--internal-port"
+    assert f"cannot listen on 127.0.0.1:{port} ({where}): Address already in use" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not state.exists()
