@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from gateway.identity import keys, signing_keys
 from gateway.settings import GatewaySettings, database_url
@@ -101,6 +102,10 @@ def _run(args: argparse.Namespace) -> None:
         print(f"signing key {kid} signs from now on (gateways re-read the file within "
               f"{signing_keys.RELOAD_S:.0f} s); the previous {args.keep - 1} still verify")
         return
+    sqlite = private.sqlite_file(database_url(args.state_dir, args.db_url, args.db_password_file))
+    if sqlite and not os.path.exists(sqlite):       # a mistyped --state-dir is a database of its own
+        print(f"tinkerd keys: there was no database at {sqlite}; a new one is made. A stack started with another "
+              f"--state-dir does not see it: give the one `tinkerd up` runs with.", file=sys.stderr, flush=True)
     db = open_database(args.state_dir, args.db_url, args.db_password_file)
     if args.keys_command == "create":
         print(new_key(db, args.user, org=args.org, email=args.email, admin=args.admin))

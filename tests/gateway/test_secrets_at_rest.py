@@ -263,3 +263,17 @@ def test_a_token_with_a_non_ascii_signature_is_a_401(gateway):
     for bad in (f"{head}.{body}.é", f"{head}.{body}é.x", f"é{head}.{body}.x"):
         r = api.client.post("/api/v1/create_session", json={}, headers={"X-API-Key": bad.encode()})
         assert r.status_code == 401, bad
+
+
+def test_tinkerd_keys_on_a_state_dir_without_a_database_says_it_made_a_new_one(tmp_path, capsys):
+    """A mistyped --state-dir gives a key no running stack knows: said at once, not found at the 401."""
+    from launcher import cli
+
+    argv = ["keys", "create", "--user", "bob", "--state-dir", str(tmp_path / "typo")]
+    keys_cli.run(cli.build_parser().parse_args(argv))
+    first = capsys.readouterr()
+    assert first.out.startswith("tml-")
+    assert f"there was no database at {tmp_path / 'typo' / 'tinkerd.db'}; a new one is made" in first.err
+    keys_cli.run(cli.build_parser().parse_args(argv[:1] + ["list"] + argv[4:]))
+    again = capsys.readouterr()
+    assert "bob" in again.out and again.err == ""
