@@ -64,16 +64,21 @@ class ModelLimits:
     max_model_len: int               # the sampler's context: prompt + max_tokens
 
 
+# The context of a model whose config.json names none, with --max-model-len 0 (as vLLM's fallback).
+UNNAMED_CONTEXT = 2048
+
+
 @functools.lru_cache(maxsize=8)
 def model_limits(base_model_dir: str, max_model_len: int) -> ModelLimits:
-    """From the base model's config.json (read once)."""
+    """From the base model's config.json (read once); `max_model_len` 0: the model's own context."""
     try:
         with open(os.path.join(base_model_dir, "config.json")) as f:
             config = json.load(f)
     except (OSError, ValueError):
-        return ModelLimits(None, None, max_model_len)
+        return ModelLimits(None, None, max_model_len or UNNAMED_CONTEXT)
     config = config.get("text_config", config)
-    return ModelLimits(config.get("vocab_size"), config.get("max_position_embeddings"), max_model_len)
+    positions = config.get("max_position_embeddings")
+    return ModelLimits(config.get("vocab_size"), positions, max_model_len or positions or UNNAMED_CONTEXT)
 
 
 def _check_tokens(tokens: list[int], where: str, vocab_size: int | None) -> None:

@@ -78,7 +78,8 @@ class GatewaySettings(ServiceAuthSettings):
                                                   "times the vocabulary): more is a 400")
     # The sampler's setting of the same name (one `tinkerd up` flag): the gateway refuses a sample
     # that cannot fit before it reaches a replica.
-    max_model_len: int = setting(1024, help="context length: prompt + max_tokens")
+    max_model_len: int = setting(0, help="context length: prompt + max_tokens; 0: the model's own (config.json; "
+                                         "a replica whose KV cache holds fewer tokens refuses beyond what it holds)")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
     sampler_wait_s: float = setting(60.0, help="how long a sample waits for a live sampler replica (the SDK "
                                                "keeps polling meanwhile) before it fails")

@@ -58,8 +58,8 @@ def build_tokenizer(vocab_size: int = 1024):
 
 
 def build_tiny_model(out_dir: str | pathlib.Path, *, vocab_size: int = 1024, hidden_size: int = 64,
-                     num_layers: int = 2, seed: int = 0) -> pathlib.Path:
-    """Writes a random-weight Llama (head_dim 32) and its tokenizer to `out_dir`."""
+                     num_layers: int = 2, seed: int = 0, context: int = 1024) -> pathlib.Path:
+    """Writes a random-weight Llama (head_dim 32) of `context` positions and its tokenizer to `out_dir`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -69,7 +69,7 @@ def build_tiny_model(out_dir: str | pathlib.Path, *, vocab_size: int = 1024, hid
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=1,
-        head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
+        head_dim=32, max_position_embeddings=context, tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         torch_dtype="float32",
     )

@@ -84,17 +84,21 @@ _PARKED_POLL_S = 0.02
 CPU_KV_BLOCK_TOKENS = 32
 
 
-def engine_args(model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024, max_num_seqs: int = 64,
+def engine_args(model_dir: str, *, dtype: str = "auto", max_model_len: int = 0, max_num_seqs: int = 64,
                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0, kv_cache_mib: int = 0,
                 kv_block_tokens: int = 0, seed: int = 0) -> dict:
     """vLLM EngineArgs of every engine of a replica (LoRA and merged ones); LoRA options aside.
     `kv_block_tokens` 0: CPU_KV_BLOCK_TOKENS on CPU, vLLM's own choice on a GPU;
-    `gpu_memory_utilization` 0: vLLM's 0.9 (an engine with its GPU to itself)."""
+    `gpu_memory_utilization` 0: vLLM's 0.9 (an engine with its GPU to itself);
+    `max_model_len` 0: the model's context, cut to what the KV cache holds (vLLM's -1)."""
+    if max_model_len < 0:
+        raise UserError(f"--max-model-len must be 0 (the model's own context) or a number of tokens, "
+                        f"got {max_model_len}")
     if not 0 <= gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization must be a share of the GPU's memory, above 0 and at most 1 "
                         f"(0: the default), got {gpu_memory_utilization:g}")
     gpu_memory_utilization = gpu_memory_utilization or ALONE_GPU_MEMORY_UTILIZATION
-    args = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
+    args = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len or -1, seed=seed,
                 max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
                 gpu_memory_utilization=gpu_memory_utilization)
     if kv_block_tokens < 0:
@@ -146,7 +150,7 @@ def check_parallelism(tensor_parallel_size: int, gpu_count: int) -> None:
 
 
 class SamplerEngine:
-    def __init__(self, model_dir: str, *, dtype: str = "auto", max_model_len: int = 1024,
+    def __init__(self, model_dir: str, *, dtype: str = "auto", max_model_len: int = 0,
                  max_loras: int = 4, max_cpu_loras: int = 64, max_lora_rank: int = 64,
                  max_num_seqs: int = 64, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0,
                  kv_cache_mib: int = 0, kv_block_tokens: int = 0, seed: int = 0,
@@ -162,7 +166,11 @@ class SamplerEngine:
         self._engine = self._new_engine(
             enable_lora=True, max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank)
         self._engine.collective_rpc("tinkerd_install_lora_fixes")   # see worker_ext.py
-        self.max_model_len = max_model_len
+        # What vLLM took (with 0: the model's context, or what its KV cache holds); the merged
+        # slots' engines take the same, so a request never moves to an engine it does not fit.
+        self.max_model_len = self._engine_args["max_model_len"] = self._engine.model_config.max_model_len
+        log.info("context length: %d tokens (prompt + max_tokens)%s", self.max_model_len,
+                 "" if max_model_len else " (--max-model-len 0: the model's own, or what the KV cache holds)")
         self.vocab_size = self._engine.model_config.get_vocab_size()
         tokenizer = self._engine.get_tokenizer()
         self.eos_token_id = tokenizer.eos_token_id

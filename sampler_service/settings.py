@@ -20,7 +20,8 @@ class SamplerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
     listen: str = setting("127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
     state_dir: str = setting("./state", help="snapshots and checkpoints are loaded only from below it "
                                              "(the gateway's and trainer's, on a shared filesystem)")
-    max_model_len: int = setting(1024, help="context length: prompt + max_tokens")
+    max_model_len: int = setting(0, help="context length: prompt + max_tokens; 0: the model's own (config.json), "
+                                         "less if the KV cache holds fewer tokens (the replica logs what it took)")
     max_loras: int = setting(4, help="LoRA snapshots active in one batch")
     max_cpu_loras: int = setting(64, help="LoRA snapshots resident in memory (LRU; evicted ones reload from disk)")
     max_lora_rank: int = setting(64, help="the largest LoRA rank a snapshot may have")

@@ -65,10 +65,11 @@ async def tokenizer_of(gw: Gateway, caller: Caller):
 
 def _check_prompt_chars(gw: Gateway, chars: int, param: str) -> None:
     """Before encoding: longer text cannot fit the context, and encoding it holds the GIL."""
-    cap = prompt_char_cap(gw.settings.max_model_len)
+    context = convert.model_limits(gw.settings.base_model, gw.settings.max_model_len).max_model_len
+    cap = prompt_char_cap(context)
     if chars > cap:
         raise OaiError(f"the prompt has {chars} characters; this server encodes at most {cap} "
-                       f"(8 x its context of {gw.settings.max_model_len} tokens)", param=param,
+                       f"(8 x its context of {context} tokens)", param=param,
                        code="context_length_exceeded")
 
 

@@ -52,6 +52,15 @@ def test_check_sample_holds_tokens_to_the_vocabulary_and_the_context():
     convert.check_sample(_sample([1, 2]), convert.ModelLimits(None, None, 1024))   # unknown vocabulary
 
 
+def test_the_context_is_the_models_own_unless_a_length_is_given(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 100, "max_position_embeddings": 8192}')
+    assert convert.model_limits(str(tmp_path), 0) == convert.ModelLimits(100, 8192, 8192)
+    assert convert.model_limits(str(tmp_path), 1024) == convert.ModelLimits(100, 8192, 1024)
+    (tmp_path / "unnamed").mkdir()
+    (tmp_path / "unnamed" / "config.json").write_text('{"vocab_size": 100}')
+    assert convert.model_limits(str(tmp_path / "unnamed"), 0).max_model_len == convert.UNNAMED_CONTEXT
+
+
 def _fb(tokens, targets):
     datum = convert.DatumArrays(tokens, {"target_tokens": np.asarray(targets, np.int64)}, [])
     return convert.ForwardBackward("m", 1, "cross_entropy", {}, False, [datum])
