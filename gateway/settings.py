@@ -17,14 +17,14 @@ class GatewaySettings(ServiceAuthSettings):
                                                           "may also join by themselves: tinkerd sampler --register-with")
     aliases: list[str] = setting([], flag="alias", help="another accepted name for the base model (repeatable)")
     host: str = setting("127.0.0.1", help="HTTP listen address")
-    port: int = setting(8000, help="HTTP port (0 picks a free one)")
+    port: int = setting(8000, help="HTTP port (0 picks a free one)", at_least=0)
     # The internal listener: replicas joining the pool (/internal/) and Prometheus (/metrics), off
     # the users' port (gateway/listeners.py).
     internal_host: str = setting("127.0.0.1", help="listen address of the internal HTTP listener (/internal/: "
                                                    "sampler replicas register there with the service token; "
                                                    "/metrics); keep it off the users' network")
     internal_port: int = setting(0, help="port of the internal HTTP listener (0 picks a free one, printed as "
-                                         "`INTERNAL gateway PORT`)")
+                                         "`INTERNAL gateway PORT`)", at_least=0)
     https_cert: str = setting("", help="PEM certificate (chain) to serve HTTPS with, on both listeners; not "
                                        "the gRPC --tls-cert")
     https_key: str = setting("", help="PEM private key of --https-cert")
@@ -48,70 +48,76 @@ class GatewaySettings(ServiceAuthSettings):
                                                  "--no-private-state-dir for a volume whose access is controlled "
                                                  "outside, such as a Kubernetes volume with fsGroup")
     session_timeout_s: float = setting(600.0, help="unload the models of sessions without a heartbeat "
-                                                   "or a request for this long (they reload on next use)")
+                                                   "or a request for this long (they reload on next use)", above=0)
     max_pending_samples: int = setting(4096, help="sample requests in flight beyond this get HTTP 429 "
-                                                  "(the SDK backs off and resends)")
+                                                  "(the SDK backs off and resends)", at_least=1)
     auth: bool = setting(True, help="require an API key (tinkerd keys create) on every request; --no-auth makes "
                                     "every caller the one admin user, for local experiments only")
-    token_ttl_s: float = setting(3600.0, help="lifetime of the JWTs the SDK exchanges its API key for")
+    token_ttl_s: float = setting(3600.0, help="lifetime of the JWTs the SDK exchanges its API key for", above=0)
     # Half the trainer's --max-resident-models (32) by default: one user cannot pin every slot.
     max_models_per_user: int = setting(16, help="training runs one user may have in open sessions, those being "
                                                 "created included; keep it below the trainer's "
-                                                "--max-resident-models")
-    max_sessions_per_user: int = setting(256, help="sessions (ServiceClients) one user may have open")
+                                                "--max-resident-models", at_least=1)
+    max_sessions_per_user: int = setting(256, help="sessions (ServiceClients) one user may have open", at_least=1)
     max_sampling_sessions_per_user: int = setting(1024, help="sampling sessions (create_sampling_session) one user "
-                                                             "may have in open sessions")
-    max_queued_per_user: int = setting(256, help="training requests one user may have queued (HTTP 429 beyond)")
-    max_samples_per_user: int = setting(1024, help="sample requests one user may have in flight (HTTP 429 beyond)")
-    max_checkpoint_gb_per_user: float = setting(50.0, help="checkpoint bytes on disk one user may hold (GB)")
+                                                             "may have in open sessions", at_least=1)
+    max_queued_per_user: int = setting(256, help="training requests one user may have queued (HTTP 429 beyond)",
+                                       at_least=1)
+    max_samples_per_user: int = setting(1024, help="sample requests one user may have in flight (HTTP 429 beyond)",
+                                        at_least=1)
+    max_checkpoint_gb_per_user: float = setting(50.0, help="checkpoint bytes on disk one user may hold (GB)",
+                                                at_least=0)
     stability_ttl_s: float = setting(3600.0, help="sampled sequences recorded for stable_reinforce are "
-                                                  "dropped after this long unused")
+                                                  "dropped after this long unused", above=0)
     stability_mb_per_user: float = setting(256.0, help="sampled sequences recorded for stable_reinforce one user "
                                                        "may hold (MB; also at most 100000 of them): beyond it their "
-                                                       "oldest are dropped")
+                                                       "oldest are dropped", at_least=0)
     max_body_bytes: int = setting(32 << 20, help="larger request bodies get HTTP 413, zstd ones also once "
-                                                 "inflated")
+                                                 "inflated", at_least=1)
     # The trainer's setting of the same name (one `tinkerd up` flag): the gateway refuses such a
     # request before it is queued.
     max_batch_tokens: int = setting(1 << 17, help="a forward_backward's datums x its longest datum (the trainer "
                                                   "pads every datum to the longest; its memory grows with this "
-                                                  "times the vocabulary): more is a 400")
+                                                  "times the vocabulary): more is a 400", at_least=1)
     # The sampler's setting of the same name (one `tinkerd up` flag): the gateway refuses a sample
     # that cannot fit before it reaches a replica.
     max_model_len: int = setting(0, help="context length: prompt + max_tokens; 0: the model's own (config.json; "
-                                         "a replica whose KV cache holds fewer tokens refuses beyond what it holds)")
-    max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have")
+                                         "a replica whose KV cache holds fewer tokens refuses beyond what it holds)",
+                                 at_least=0)
+    max_lora_rank: int = setting(64, help="the largest LoRA rank a model may have", at_least=1)
     sampler_wait_s: float = setting(60.0, help="how long a sample waits for a live sampler replica (the SDK "
-                                               "keeps polling meanwhile) before it fails")
+                                               "keeps polling meanwhile) before it fails", at_least=0)
     future_lease_s: float = setting(10.0, help="a gateway renews its hold on the futures it runs every third of "
                                                "this; another gateway on the database re-drives the pending "
-                                               "futures of one that stopped renewing for this long")
+                                               "futures of one that stopped renewing for this long", above=0)
     closed_session_retention_s: float = setting(86400.0, help="a closed session whose runs hold no checkpoint is "
                                                               "deleted this long after it closed, with its runs "
-                                                              "and sampling sessions")
+                                                              "and sampling sessions", at_least=0)
     futures_retention_s: float = setting(86400.0, help="finished futures (with their results) are deleted this "
-                                                       "long after they finished")
+                                                       "long after they finished", above=0)
     snapshot_retention_s: float = setting(86400.0, help="an ephemeral sampler snapshot (save_weights_and_get_"
                                                         "sampling_client) is deleted, files and sampling "
                                                         "sessions, once none of its sampling sessions sampled "
                                                         "for this long and each of their sessions is closed or "
-                                                        "stopped heart-beating; named checkpoints are kept")
+                                                        "stopped heart-beating; named checkpoints are kept", at_least=0)
     superseded_snapshot_retention_s: float = setting(
         3600.0, help="an ephemeral sampler snapshot of a model that has a newer one is deleted once none of "
                      "its sampling sessions sampled for this long, even while its session is live (an RL "
                      "loop leaves one behind per step); a model's newest snapshot is kept")
     max_connections: int = setting(4096, help="open connections or requests in progress beyond this get HTTP "
-                                              "503 at once (the SDK retries); one SDK client opens up to 1000")
+                                              "503 at once (the SDK retries); one SDK client opens up to 1000",
+                                   at_least=1)
     keep_alive_timeout_s: int = setting(75, help="an idle kept-alive HTTP connection is closed after this long "
-                                                 "(longer than a load balancer's usual 60 s, so it closes first)")
+                                                 "(longer than a load balancer's usual 60 s, so it closes first)",
+                                        at_least=1)
     header_timeout_s: float = setting(30.0, help="a connection whose request headers are not all in this long after "
-                                                 "it connected or the request began is closed (slow clients)")
-    trace_spans_per_session: int = setting(10_000, help="request spans kept per session for the console's "
+                                                 "it connected or the request began is closed (slow clients)", above=0)
+    trace_spans_per_session: int = setting(10_000, at_least=0, help="request spans kept per session for the console's "
                                                          "session panels and trace_export (the oldest go first)")
     trace_retention_s: float = setting(7 * 86400.0, help="request spans (trace_export, the session panels) are "
-                                                         "deleted this long after their request finished")
+                                                         "deleted this long after their request finished", at_least=0)
     rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
-                                                "included; calls wait this long for a restarting service")
+                                                "included; calls wait this long for a restarting service", above=0)
 
     @property
     def model_names(self) -> list[str]:

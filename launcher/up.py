@@ -56,16 +56,18 @@ WIRED = {"trainer": ("listen", "metrics_port"),
 
 @dataclasses.dataclass
 class UpSettings:
-    start_timeout: float = settings.setting(600.0, help="seconds the services may take to become ready")
+    start_timeout: float = settings.setting(600.0, help="seconds the services may take to become ready", above=0)
     restart: bool = settings.setting(True, help="restart a service that dies (on its old port); --no-restart "
                                                 "stops the stack and exits non-zero instead, for a supervisor "
                                                 "such as systemd or Kubernetes to act")
     max_restarts: int = settings.setting(5, help="restarts of one service within 10 minutes before `up` gives "
-                                                 "up and exits non-zero")
+                                                 "up and exits non-zero", at_least=0)
     trainer_ranks: int = settings.setting(1, help="run the trainer as one job of this many ranks on this host "
-                                                  "(torchrun; rank 0 serves, the batch is split across ranks)")
+                                                  "(torchrun; rank 0 serves, the batch is split across ranks)",
+                                          at_least=1)
     sampler_replicas: int = settings.setting(1, help="sampler processes (one vLLM engine each) on this host; each "
-                                                     "registers with the gateway like a replica on another host")
+                                                     "registers with the gateway like a replica on another host",
+                                             at_least=1)
     metrics_port: int = settings.setting(0, help="Prometheus /metrics of the trainer (this port) and the sampler "
                                                  "(the next): 0 picks free ones, -1 turns them off; all targets, "
                                                  "the gateway's /metrics too, are listed in <state-dir>/"

@@ -19,10 +19,11 @@ import typing
 _REQUIRED = dataclasses.MISSING
 
 
-def setting(default=_REQUIRED, *, help: str, flag: str | None = None, choices=None):
+def setting(default=_REQUIRED, *, help: str, flag: str | None = None, choices=None, at_least=None, above=None):
     """A settings field. `flag` overrides the flag's name (default: the field name in kebab-case);
-    a list default makes a repeatable flag."""
-    metadata = {"help": help, "flag": flag, "choices": choices}
+    a list default makes a repeatable flag. `at_least` / `above`: a number's bounds, checked as the
+    flag is parsed (a usage error naming the flag, not a service that dies later)."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "at_least": at_least, "above": above}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -71,8 +72,24 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...]
         elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = kind
+            kwargs["type"] = _bounded(kind, field.metadata.get("at_least"), field.metadata.get("above"))
         parser.add_argument(flag_name(field), **kwargs)
+
+
+def _bounded(kind: type, at_least, above):
+    """`kind` as argparse's type, refusing values out of bounds with what is allowed."""
+    if at_least is None and above is None:
+        return kind
+
+    def parse(text: str):
+        value = kind(text)
+        if at_least is not None and value < at_least:
+            raise argparse.ArgumentTypeError(f"must be at least {at_least}, got {text}")
+        if above is not None and not value > above:
+            raise argparse.ArgumentTypeError(f"must be more than {above}, got {text}")
+        return value
+    parse.__name__ = kind.__name__          # argparse's "invalid int value" names the type by it
+    return parse
 
 
 def from_args(cls, args: argparse.Namespace, **overrides):

@@ -54,3 +54,34 @@ def test_a_repeatable_setting_with_choices_reaches_the_trainer_and_refuses_other
     with pytest.raises(SystemExit):
         _up_args("--weight-transport", "tcp")
     assert "invalid choice: 'tcp'" in capsys.readouterr().err
+
+
+def _bounded_fields():
+    for cls in (*up.CHILDREN.values(), up.UpSettings):
+        for field in settings.fields(cls):
+            if field.metadata.get("at_least") is not None or field.metadata.get("above") is not None:
+                yield pytest.param(cls, field, id=f"{cls.__name__}.{field.name}")
+
+
+@pytest.mark.parametrize("cls, field", list(_bounded_fields()))
+def test_a_number_out_of_its_bounds_is_a_usage_error_naming_the_flag(cls, field, capsys):
+    """`--max-num-seqs 0` used to start the stack, then the sampler died with vLLM's traceback in
+    its log; every bounded number is refused as it is parsed, by `up` and by the service alike."""
+    at_least, above = field.metadata.get("at_least"), field.metadata.get("above")
+    bad = at_least - 1 if at_least is not None else above
+    flag, command = settings.flag_name(field), {up.UpSettings: "up"}.get(cls) or next(
+        name for name, child in up.CHILDREN.items() if child is cls)
+    wiring = {"gateway": ["--trainer", "t:1"]}.get(command, [])
+    kind = settings._kind(cls, field)
+    for argv in ([command, "--base-model", "/m", *wiring, flag, str(kind(bad))],
+                 ["up", "--base-model", "/m", flag, str(kind(bad))]):
+        with pytest.raises(SystemExit) as usage:
+            cli.build_parser().parse_args(argv)
+        assert usage.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: must be" in err and f"got {kind(bad)}" in err, err
+    default = settings.default_of(field)
+    assert (at_least is None or default >= at_least) and (above is None or default > above)  # the default passes
+    ok = at_least if at_least is not None else (above + 1)
+    parsed = cli.build_parser().parse_args([command, "--base-model", "/m", *wiring, flag, str(kind(ok))])
+    assert getattr(parsed, field.name) == kind(ok)
