@@ -370,7 +370,7 @@ def up(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     if args.sampler_replicas < 1:
         raise SystemExit("tinkerd: --sampler-replicas must be at least 1")
-    sampler_server.check_parallelism_or_exit(args.tensor_parallel_size)   # not minutes later, in a log
+    sampler_server.check_flags_or_exit(args)        # not minutes later, in a log
     # One decision for both services, so trainer and sampler run the same dtype.
     args.dtype = process.service_dtype(args.dtype, args.allow_slow_dtype)
     args.base_model, args.state_dir = os.path.abspath(args.base_model), os.path.abspath(args.state_dir)

@@ -25,7 +25,7 @@ def serve(s: SamplerSettings) -> None:
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of engine start
     check_urls(s.register_with, auth.tls or bool(s.register_ca))
-    check_parallelism_or_exit(s.tensor_parallel_size)
+    check_flags_or_exit(s)
     from tinkerd import cores, hardware
     cores.configure(threads, cpu=not hardware.has_gpu())     # before the engine thread reads it
     engine = engine_from(s)
@@ -59,6 +59,16 @@ def engine_from(s: SamplerSettings):
                          kv_block_tokens=s.kv_block_tokens,
                          merged=MergedSettings(_merged_slots(s, dtype), s.merge_window, s.merge_share,
                                                s.merge_min_requests, s.merge_wait_s))
+
+
+def check_flags_or_exit(s) -> None:
+    """The sampler's flags that vLLM would refuse deep in its start (minutes in, in a log), checked
+    first: by `tinkerd sampler`, and by `tinkerd up` before it starts anything. `s`: SamplerSettings,
+    or `up`'s parsed flags."""
+    if s.max_cpu_loras < s.max_loras:
+        raise SystemExit(f"tinkerd sampler: --max-cpu-loras {s.max_cpu_loras} is below --max-loras {s.max_loras}: "
+                         f"the snapshots resident in memory must include those active in a batch")
+    check_parallelism_or_exit(s.tensor_parallel_size)
 
 
 def check_parallelism_or_exit(tensor_parallel_size: int) -> None:

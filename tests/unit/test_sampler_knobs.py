@@ -11,6 +11,8 @@ import os
 import pytest
 
 from launcher import cli, up
+from sampler_service import server
+from sampler_service.settings import SamplerSettings
 from tinkerd import settings
 from tinkerd.errors import UserError
 
@@ -26,7 +28,6 @@ def test_the_sampler_flags_reach_vllms_engine_args(monkeypatch, tmp_path):
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from sampler_service import server
 
     def capture(engine_args, *a, **kw):
         raise _Built(engine_args)
@@ -100,8 +101,6 @@ def test_merged_serving_is_on_by_default_in_float32_only():
     by default only a float32 replica serves hot snapshots merged; a number asks for it anyway."""
     import dataclasses
 
-    from sampler_service import server
-    from sampler_service.settings import SamplerSettings
 
     base = SamplerSettings(base_model="m")
     assert base.merged_slots == -1
@@ -123,9 +122,24 @@ def test_tinkerd_up_checks_one_rank_without_importing_torch():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("command", ["up", "sampler"])
+def test_fewer_resident_snapshots_than_active_ones_is_refused_before_anything_starts(tmp_path, command):
+    """vLLM refuses max_cpu_loras < max_loras inside its engine start: the sampler died with a
+    pydantic traceback in its log, after `up` had started the stack."""
+    args = cli.build_parser().parse_args([command, "--base-model", "m", "--state-dir", str(tmp_path / "state"),
+                                          "--max-loras", "8", "--max-cpu-loras", "4"])
+    with pytest.raises(SystemExit, match="--max-cpu-loras 4 is below --max-loras 8"):
+        if command == "up":
+            up.up(args)
+        else:
+            server.serve(settings.from_args(SamplerSettings, args))
+    assert not (tmp_path / "state").exists()
+    server.check_flags_or_exit(settings.from_args(SamplerSettings, cli.build_parser().parse_args(
+        ["sampler", "--base-model", "m", "--max-loras", "4", "--max-cpu-loras", "4"])))
+
+
 def test_merge_wait_reaches_the_engine_settings_and_a_negative_one_is_refused():
     from sampler_service.engine import MergedSettings
-    from sampler_service.settings import SamplerSettings
 
     args = cli.build_parser().parse_args(["sampler", "--base-model", "m", "--merge-wait-s", "2.5"])
     assert settings.from_args(SamplerSettings, args).merge_wait_s == 2.5
