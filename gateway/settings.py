@@ -145,6 +145,13 @@ def database_url(state_dir: str, db_url: str | None, password_file: str = "") ->
         return url
     import sqlalchemy
 
-    with open(password_file) as f:
-        password = f.read().strip()
-    return sqlalchemy.engine.make_url(url).set(password=password).render_as_string(hide_password=False)
+    from tinkerd.errors import UserError
+    try:
+        with open(password_file) as f:
+            password = f.read().strip()
+        return sqlalchemy.engine.make_url(url).set(password=password).render_as_string(hide_password=False)
+    except OSError as e:
+        raise UserError(f"--db-password-file {password_file}: {e.strerror}") from None
+    except sqlalchemy.exc.ArgumentError:
+        raise UserError("--db-url is not a database URL (not shown: it may hold a password); e.g. "
+                        "postgresql+psycopg://USER@HOST/DB") from None

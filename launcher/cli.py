@@ -23,8 +23,7 @@ if sys.argv[1:2] in (["sampler"], ["trainer"]):
 from gateway.storage.state_dir import PRIVATE_UMASK  # noqa: E402
 from launcher import keys, up  # noqa: E402
 from tinkerd import model_dir, settings  # noqa: E402
-from tinkerd.errors import StateDirError  # noqa: E402
-from tinkerd.model_dir import NotAModelDir  # noqa: E402
+from tinkerd.errors import UserError  # noqa: E402
 
 # Each service: its entry module (a `serve(settings)` function) and a line of help. Its flags
 # come from its settings class (launcher.up.CHILDREN).
@@ -38,7 +37,7 @@ def _run_service(args: argparse.Namespace) -> None:
     try:
         model_dir.check(service_settings.base_model)
         importlib.import_module(SERVICES[args.command][0]).serve(service_settings)
-    except (NotAModelDir, StateDirError) as e:     # what to fix, not a traceback
+    except UserError as e:          # a start-up refusal (model dir, state dir, database): what to fix
         raise SystemExit(f"tinkerd {args.command}: {e}") from None
     exit_now()
 

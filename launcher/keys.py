@@ -70,8 +70,11 @@ def new_key(db: Database, user: str, *, org: str = "default", email: str = "", a
 
 def first_admin_key(state_dir: str, db_url: str | None, password_file: str = "") -> str | None:
     """For `tinkerd up`: on a database without API keys, a key for its admin user (written once to
-    write_key_file's file)."""
-    db = open_database(state_dir, db_url, password_file)
+    write_key_file's file). A database it cannot open ends `up` with the reason."""
+    try:
+        db = open_database(state_dir, db_url, password_file)
+    except UserError as e:
+        raise SystemExit(f"tinkerd: {e}") from None
     try:
         return None if keys.list_keys(db) else new_key(db, "admin", admin=True)
     finally:

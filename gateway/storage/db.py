@@ -13,11 +13,12 @@ from typing import Callable, Iterator
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Index, Integer, LargeBinary, String, Text, and_, case,
                         bindparam, create_engine, event, func, or_, select, text, update)
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from gateway.storage import schema
+from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -320,9 +321,26 @@ def _cache_key(row) -> tuple[str, str]:
     return type(row).__name__, row.__mapper__.primary_key_from_instance(row)[0]
 
 
+class DatabaseUnusable(UserError):
+    """--db-url names no database this gateway can open; the message says why (never the password)."""
+
+
+def shown(url: str) -> str:
+    """A database URL as a message may show it: without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "(not shown: it does not parse, and may hold a password)"
+
+
 class Database:
     def __init__(self, url: str):
-        self.engine = create_engine(url, future=True)
+        try:
+            self.engine = create_engine(url, future=True)
+        except (ArgumentError, NoSuchModuleError, ImportError) as e:
+            raise DatabaseUnusable(f"--db-url {shown(url)} is not a database URL this gateway can use "
+                                   f"({type(e).__name__}: {str(e).splitlines()[0]}); e.g. postgresql+psycopg://"
+                                   f"USER@HOST/DB, or none for SQLite in the state dir") from None
         if url.startswith("sqlite"):
             @event.listens_for(self.engine, "connect")
             def _sqlite_pragmas(conn, _):
@@ -331,7 +349,11 @@ class Database:
                 cur.execute("PRAGMA synchronous=NORMAL")
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
-        schema.upgrade(self.engine, Base.metadata)
+        try:
+            schema.upgrade(self.engine, Base.metadata)
+        except OperationalError as e:
+            raise DatabaseUnusable(f"cannot open the database at {shown(url)}: {str(e.orig).strip().splitlines()[0]}"
+                                   ) from None
         self._cache: dict[tuple[str, str], object] = {}
 
     def session(self) -> Session:

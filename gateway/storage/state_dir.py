@@ -14,6 +14,7 @@ import os
 import stat
 
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from gateway.identity import signing_keys
 from tinkerd import state_lock
@@ -45,7 +46,12 @@ def _owner_only_file(path: str) -> None:
 
 
 def sqlite_file(database_url: str) -> str | None:
-    url = make_url(database_url)
+    """The SQLite database file `database_url` names; None for another database, or a URL that
+    does not parse (Database says so when it opens it)."""
+    try:
+        url = make_url(database_url)
+    except ArgumentError:
+        return None
     if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
         return None
     return url.database
