@@ -368,8 +368,6 @@ def claim_state_dir(args: argparse.Namespace) -> None:
 
 def up(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
-    if args.sampler_replicas < 1:
-        raise SystemExit("tinkerd: --sampler-replicas must be at least 1")
     sampler_server.check_flags_or_exit(args)        # not minutes later, in a log
     # One decision for both services, so trainer and sampler run the same dtype.
     args.dtype = process.service_dtype(args.dtype, args.allow_slow_dtype)
