@@ -31,6 +31,20 @@ def _listening_socket(host: str, port: int, flags: str) -> socket.socket:
     return sock
 
 
+def _check_certificate(cert: str, key: str) -> None:
+    """Loaded as uvicorn will load them, before anything starts: a file that is no PEM certificate
+    or key, or a key of another certificate, killed the gateway after the trainer and the samplers
+    had started (an ssl traceback in its log)."""
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise SystemExit(f"tinkerd: --https-cert {cert} with --https-key {key} cannot serve HTTPS "
+                         f"({getattr(e, 'reason', None) or e}): a PEM certificate (its chain after it) and the "
+                         f"PEM private key of that certificate, unencrypted") from None
+
+
 def check_listeners(settings: GatewaySettings) -> None:
     """Refuses listener settings that cannot serve (before anything starts, not in a log later)."""
     if settings.port and settings.port == settings.internal_port:
@@ -45,6 +59,8 @@ def check_listeners(settings: GatewaySettings) -> None:
     for path in (settings.https_cert, settings.https_key):
         if path and not os.path.isfile(path):
             raise SystemExit(f"tinkerd: {path} (--https-cert/--https-key) is not a file")
+    if settings.https_cert:
+        _check_certificate(settings.https_cert, settings.https_key)
     problem = public_url.check(settings.public_url, settings.trusted_proxies)
     if problem:
         raise SystemExit(f"tinkerd: {problem}")

@@ -14,6 +14,7 @@ import io
 import os
 import ssl
 import subprocess
+import sys
 import tarfile
 import urllib.error
 import urllib.parse
@@ -110,3 +111,22 @@ def test_the_sdk_trains_and_downloads_a_checkpoint_over_https(start_stack, tiny_
             plain = url.replace("https://", "http://")
             with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
                 urllib.request.urlopen(f"{plain}/api/v1/healthz", timeout=10)
+
+
+def test_a_certificate_that_cannot_serve_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
+    """A file that is no PEM certificate, or the key of another certificate, killed the gateway
+    after the trainer and the sampler had started (an ssl traceback in its log)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cert, _ = self_signed(tmp_path / "a")
+    _, other_key = self_signed(tmp_path / "b")
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    for pair, says in (((str(tmp_path / "garbage.pem"), other_key), "PEM"), ((cert, other_key), "KEY_VALUES_MISMATCH")):
+        state = tmp_path / "state"
+        r = subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--base-model", tiny_model_dir, "--port", "0",
+                            "--state-dir", str(state), "--https-cert", pair[0], "--https-key", pair[1]],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert f"--https-cert {pair[0]} with --https-key {pair[1]} cannot serve HTTPS" in r.stderr, r.stderr
+        assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not state.exists()
