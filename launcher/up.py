@@ -43,7 +43,7 @@ from gateway.storage import state_dir
 from launcher import gpus, keys
 from sampler_service import server as sampler_server
 from sampler_service.settings import SamplerSettings
-from tinkerd import model_dir, process, settings, state_lock
+from tinkerd import metrics, model_dir, process, settings, state_lock
 from tinkerd.errors import StateDirError, UserError
 from trainer_service.settings import TrainerSettings
 
@@ -355,6 +355,19 @@ def private_state_dir(args: argparse.Namespace) -> None:
         raise SystemExit(f"tinkerd: {e}") from None
 
 
+def check_metrics_ports(args: argparse.Namespace) -> None:
+    """A fixed --metrics-port (the trainer's; the replicas take the next ones) free now, not found
+    taken by a service after it loaded its model."""
+    for name in ["trainer", *sampler_names(args)]:
+        port = metrics_port_of(args.metrics_port, name)
+        if port > 0:
+            try:
+                metrics.check_port("127.0.0.1", port)
+            except UserError as e:
+                raise SystemExit(f"tinkerd: {e} (the trainer takes --metrics-port, sampler replica k the k-th "
+                                 f"after it)") from None
+
+
 def claim_state_dir(args: argparse.Namespace) -> None:
     """This `up` alone on its state dir (tinkerd/state_lock.py), refused before anything starts if
     another `up` runs there, or a trainer an earlier one left running when it was killed."""
@@ -380,6 +393,7 @@ def up(args: argparse.Namespace) -> None:
     if args.placement:
         print(f"tinkerd: {args.placement.summary}", flush=True)
     check_listeners(settings.from_args(GatewaySettings, args, trainer="", samplers=[]))
+    check_metrics_ports(args)
     private_state_dir(args)
     args.port = args.port or free_port()
     args.internal_port = args.internal_port or free_port()

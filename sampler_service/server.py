@@ -28,12 +28,12 @@ def serve(s: SamplerSettings) -> None:
     check_flags_or_exit(s)
     from tinkerd import cores, hardware
     cores.configure(threads, cpu=not hardware.has_gpu())     # before the engine thread reads it
+    serve_metrics(s, s.listen, "sampler")        # its port taken: said now, not after the engine starts
     engine = engine_from(s)
     # Each Sample call holds a handler thread while vLLM works on it: allow a full batch and more.
     server, port = create_server(s.listen, max_workers=max(256, 2 * s.max_num_seqs), auth=auth,
                                  allow_insecure=s.allow_insecure)
     metrics.SNAPSHOTS.set_function(engine.num_snapshots)
-    serve_metrics(s, s.listen, "sampler")
     sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine, state_dir=os.path.abspath(s.state_dir)),
                                                    server)
     registration = Registration(s.register_with, advertised_address(s.listen, port, s.advertise_address),

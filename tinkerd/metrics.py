@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import time
 
 import grpc
 from prometheus_client import Histogram
 
+from tinkerd.errors import UserError
 from tinkerd.settings import setting
 
 log = logging.getLogger(__name__)
@@ -42,17 +44,37 @@ class MetricsSettings:
 
 def serve(settings: MetricsSettings, listen: str, name: str) -> int | None:
     """Starts the /metrics endpoint (a daemon thread) if asked; returns its port. Printed as
-    `METRICS <name> <port>` for `tinkerd up`, which lists it in <state-dir>/prometheus-targets.json."""
+    `METRICS <name> <port>` for `tinkerd up`, which lists it in <state-dir>/prometheus-targets.json.
+    A port it cannot take is a UserError naming the flag (call it before loading a model)."""
     if settings.metrics_port < 0:
         return None
     from prometheus_client import start_http_server
 
     host = listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-    server, _ = start_http_server(settings.metrics_port, addr=host)
+    try:
+        server, _ = start_http_server(settings.metrics_port, addr=host)
+    except OSError as e:
+        raise UserError(cannot_serve(host, settings.metrics_port, e)) from None
     port = server.server_port
     log.info("%s serving Prometheus metrics at http://%s:%d/metrics", name, host, port)
     print(f"METRICS {name} {port}", flush=True)
     return port
+
+
+def check_port(host: str, port: int) -> None:
+    """Raises UserError if /metrics could not be served on host:port now (for a launcher, before it
+    starts the service that will)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)       # as http.server's listener
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(cannot_serve(host, port, e)) from None
+
+
+def cannot_serve(host: str, port: int, e: OSError) -> str:
+    return (f"cannot serve /metrics on {host}:{port} (--metrics-port): {e.strerror}; pick another port, "
+            f"0 for a free one, or -1 for none")
 
 
 class RpcMetrics(grpc.ServerInterceptor):

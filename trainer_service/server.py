@@ -53,6 +53,7 @@ def serve(s: TrainerSettings) -> None:
     if rank == 0:        # the rank that writes the models' state: alone on its state dir
         state_lock.make_state_dir(state_dir)
         state_lock.hold(state_dir, "trainer", f"`tinkerd trainer` (--listen {s.listen})")
+        serve_metrics(s, s.listen, "trainer")        # its port taken: said now, not after the model loads
     engine = build_engine(s, threads, DurableModels(state_dir, s.durable_interval_s))
     if not engine.ranks.leader:
         engine.ranks.follow(engine)        # until rank 0 stops; losing it exits non-zero
@@ -60,7 +61,6 @@ def serve(s: TrainerSettings) -> None:
     # Handler threads wait in the fair scheduler, one per model with work in flight.
     server, port = create_server(s.listen, max_workers=256, auth=auth, allow_insecure=s.allow_insecure)
     metrics.RESIDENT_MODELS.set_function(lambda: len(engine.models.ids()))
-    serve_metrics(s, s.listen, "trainer")
     servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
                                auth=auth, weight_transports=s.weight_transports, durable_idle_s=s.durable_idle_s)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)

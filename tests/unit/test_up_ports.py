@@ -55,3 +55,21 @@ def test_a_port_another_process_holds_is_refused_before_anything_starts(tmp_path
     assert f"cannot listen on 127.0.0.1:{port} ({where}): Address already in use" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert not state.exists()
+
+
+@pytest.mark.parametrize("command", ["up", "trainer", "sampler"])
+def test_a_metrics_port_another_process_holds_is_refused_before_the_model_loads(tmp_path, tiny_model_dir, command):
+    """The trainer found it taken after loading its model (a bind traceback in its log; minutes for
+    a large model), and `up` had started everything by then."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "launcher.cli", command, "--base-model", tiny_model_dir,
+                            "--state-dir", str(tmp_path / "state"), "--metrics-port", str(port)],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert f"cannot serve /metrics on 127.0.0.1:{port} (--metrics-port): Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr and "READY" not in r.stdout, r.stderr
+    assert command != "up" or not (tmp_path / "state").exists()
