@@ -56,3 +56,25 @@ def test_a_trainer_on_a_state_dir_in_use_exits_before_loading_the_model(tmp_path
     assert (f"tinkerd trainer: the state dir {tmp_path} is in use by `tinkerd trainer` (--listen 127.0.0.1:7001) "
             f"(pid {first.pid}): two trainers") in second.stderr, second.stderr
     assert "Traceback" not in second.stderr and "READY" not in second.stdout
+
+
+def test_the_services_of_a_killed_up_stop_and_free_the_state_dir(start_stack, tiny_model_dir, tmp_path):
+    """`tinkerd up` killed outright (SIGKILL, the OOM killer, its terminal closed) used to leave its
+    trainer, sampler and gateway serving on their own, holding the ports and the state dir: each now
+    gets SIGTERM, its clean stop, and the next `up` finds the state dir free."""
+    import signal
+
+    import psutil
+
+    from harness.stack import service_pids
+    from tinkerd import state_lock
+
+    state = tmp_path / "state"
+    with start_stack(tiny_model_dir, state) as stack:
+        services = [psutil.Process(pid) for pid in service_pids(stack.pid).values()]
+        assert len(services) == 3
+        os.kill(stack.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(services, timeout=60)
+        assert not alive, [p.cmdline()[:4] for p in alive]
+    for name in ("up", "trainer"):
+        state_lock.check_free(str(state), name)
