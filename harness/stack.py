@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -55,12 +56,12 @@ def running_stack(model_dir: str, state, *extra_args: str):
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        m = re.match(r"(?:export )?TINKER_(BASE_URL|API_KEY)=(\$\(cat \S+\)|\S+)", line)
+        m = re.match(r"(?:export )?TINKER_(BASE_URL|API_KEY)=(\$\(cat .+\)|\S+)$", line.rstrip("\n"))
         if line.startswith("internal listener: "):
             internal_url = line.split()[2]
         if m and m.group(1) == "API_KEY":
             # `export TINKER_API_KEY=$(cat FILE)`: up writes the key to a file of mode 0600.
-            with open(m.group(2).removeprefix("$(cat ").removesuffix(")")) as f:
+            with open(shlex.split(m.group(2).removeprefix("$(cat ").removesuffix(")"))[0]) as f:
                 api_key = f.read().strip()
         elif m:
             url = m.group(2)

@@ -28,6 +28,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -417,7 +418,7 @@ def up(args: argparse.Namespace) -> None:
         if key_file:
             print("the admin's API key is in its file (readable by you only; more keys with `tinkerd keys create "
                   "--user NAME`):", flush=True)
-            print(f"export TINKER_API_KEY=$(cat {key_file})", flush=True)
+            print(f"export TINKER_API_KEY=$(cat {shlex.quote(key_file)})", flush=True)   # a shell line
         elif not args.auth:
             print("auth is OFF (--no-auth): every caller acts as the admin user", flush=True)
         print(f"TINKER_BASE_URL={url}", flush=True)

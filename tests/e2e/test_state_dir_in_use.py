@@ -69,7 +69,7 @@ def test_the_services_of_a_killed_up_stop_and_free_the_state_dir(start_stack, ti
     from harness.stack import service_pids
     from tinkerd import state_lock
 
-    state = tmp_path / "state"
+    state = tmp_path / "a state dir"          # (a space: `up` prints its key file's path quoted for the shell)
     with start_stack(tiny_model_dir, state) as stack:
         services = [psutil.Process(pid) for pid in service_pids(stack.pid).values()]
         assert len(services) == 3
