@@ -112,8 +112,9 @@ class GatewaySettings(ServiceAuthSettings):
                                         at_least=1)
     header_timeout_s: float = setting(30.0, help="a connection whose request headers are not all in this long after "
                                                  "it connected or the request began is closed (slow clients)", above=0)
-    trace_spans_per_session: int = setting(10_000, at_least=0, help="request spans kept per session for the console's "
-                                                         "session panels and trace_export (the oldest go first)")
+    trace_spans_per_session: int = setting(10_000, help="request spans kept per session for the console's "
+                                                         "session panels and trace_export (the oldest go first)",
+                                           at_least=0)
     trace_retention_s: float = setting(7 * 86400.0, help="request spans (trace_export, the session panels) are "
                                                          "deleted this long after their request finished", at_least=0)
     rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
