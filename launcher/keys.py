@@ -18,7 +18,7 @@ from gateway.identity import keys, signing_keys
 from gateway.settings import GatewaySettings, database_url
 from gateway.storage import state_dir as private
 from gateway.storage.db import Database
-from tinkerd import settings
+from tinkerd import settings, state_lock
 from tinkerd.errors import UserError
 
 
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def open_database(state_dir: str, db_url: str | None, password_file: str = "") -> Database:
-    private.make_private_dir(state_dir)
+    state_lock.make_state_dir(state_dir)
     url = database_url(state_dir, db_url, password_file)
     private.owner_only_database(url)
     return Database(url)
@@ -58,7 +58,7 @@ def rotate_signing_key(state_dir: str, signing_keys_file: str, keep: int) -> str
     config = GatewaySettings(base_model="", trainer="", state_dir=state_dir, signing_keys_file=signing_keys_file)
     path = config.signing_keys_path
     if not signing_keys_file:
-        private.make_private_dir(state_dir)
+        state_lock.make_state_dir(state_dir)
         signing_keys.create_if_missing(path)
     return signing_keys.rotate(path, keep)
 

@@ -349,7 +349,7 @@ def private_state_dir(args: argparse.Namespace) -> None:
     it; everything the services write there is owner-only (umask 077, inherited by the children)."""
     os.umask(state_dir.PRIVATE_UMASK)
     try:
-        state_dir.make_private_dir(args.state_dir)
+        state_lock.make_state_dir(args.state_dir)
         if args.private_state_dir:
             state_dir.check_private(args.state_dir, "the state dir", "700")
     except StateDirError as e:

@@ -174,9 +174,14 @@ class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", 
     pass
 
 
+def _token_header(token: str) -> tuple[str, str]:
+    """The metadata pair that carries the service token on a call."""
+    return ("authorization", f"Bearer {token}")
+
+
 class _SendToken(grpc.UnaryUnaryClientInterceptor):
     def __init__(self, token: str):
-        self._header = ("authorization", f"Bearer {token}")
+        self._header = _token_header(token)
 
     def intercept_unary_unary(self, continuation, details, request):
         metadata = [*(details.metadata or ()), self._header]
@@ -186,7 +191,7 @@ class _SendToken(grpc.UnaryUnaryClientInterceptor):
 
 class _SendTokenAio(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str):
-        self._header = ("authorization", f"Bearer {token}")
+        self._header = _token_header(token)
 
     async def intercept_unary_unary(self, continuation, details, request):
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
@@ -256,7 +261,7 @@ class AioCallsWithMetadata:
 
     def __init__(self, stub, token: str, metadata: Callable[[], Iterable[tuple[str, str]]] = tuple):
         self._stub, self._metadata = stub, metadata
-        self._token = (("authorization", f"Bearer {token}"),) if token else ()
+        self._token = (_token_header(token),) if token else ()
 
     def __getattr__(self, method: str):
         call = getattr(self._stub, method)

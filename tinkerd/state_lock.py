@@ -20,6 +20,7 @@ from tinkerd.errors import StateDirError
 
 log = logging.getLogger(__name__)
 
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)      # a file system without flock
 _held: dict[str, int] = {}          # lock file path -> its open descriptor, kept for the process's life
 
 
@@ -55,7 +56,7 @@ def hold(state_dir: str, name: str, holder: str) -> None:
         raise StateDirInUse(_in_use(state_dir, name, path)) from None
     except OSError as e:
         os.close(fd)
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+        if e.errno not in _NO_LOCKS:
             raise
         log.warning("%s: this file system has no locks (%s); nothing stops a second %s on %s", path,
                     e.strerror, name, state_dir)
@@ -77,7 +78,7 @@ def check_free(state_dir: str, name: str) -> None:
     except BlockingIOError:
         raise StateDirInUse(_in_use(state_dir, name, path)) from None
     except OSError as e:
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+        if e.errno not in _NO_LOCKS:
             raise
     finally:
         os.close(fd)

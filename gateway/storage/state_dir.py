@@ -33,11 +33,6 @@ def check_private(path: str, what: str, fix_mode: str) -> None:
             f"--no-private-state-dir where access is controlled outside, e.g. a Kubernetes volume with fsGroup)")
 
 
-def make_private_dir(path: str) -> None:
-    """`path` made 0700 if missing (an existing one keeps its mode); StateDirError if it cannot be."""
-    state_lock.make_state_dir(path)
-
-
 def _owner_only_file(path: str) -> None:
     """`path` exists, 0600: made so, or an existing one (a database from before) narrowed."""
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
@@ -71,7 +66,7 @@ def prepare(settings) -> str:
     """Before the gateway opens anything: the state dir (made 0700, or refused unless private), its
     SQLite database 0600 (SQLite gives its -wal and -shm files the database's mode), and the
     signing keys file (made 0600 if it is the default one and missing). Returns the keys file."""
-    make_private_dir(settings.state_dir)
+    state_lock.make_state_dir(settings.state_dir)
     if settings.private_state_dir:
         check_private(settings.state_dir, "the state dir", "700")
     owner_only_database(settings.database_url)
