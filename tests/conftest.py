@@ -175,6 +175,17 @@ def assert_reproducible_sampling(sampler, prompt) -> None:
     assert seeded[0] == seeded[1], seeded
 
 
+def run_tinkerd(*argv: str, timeout: float = 120):
+    """`tinkerd ARGV` (python -m launcher.cli, from the repo root, one OpenMP thread) run to its end:
+    the CompletedProcess, its output captured as text. Test modules import it."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def start_trainer_process(model_dir: str, state_dir: str, *flags: str):
     """A real `tinkerd trainer` alone (no rank variables) on a free loopback port, once READY:
     (process, port); the caller stops it. Test modules import it."""

@@ -14,7 +14,6 @@ import io
 import os
 import ssl
 import subprocess
-import sys
 import tarfile
 import urllib.error
 import urllib.parse
@@ -28,7 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from conftest import sft_data
+from conftest import run_tinkerd, sft_data
 from harness.stack import sampler_pool
 from sdk_venvs import sdk_python
 
@@ -123,9 +122,8 @@ def test_a_certificate_that_cannot_serve_is_refused_before_anything_starts(tmp_p
     (tmp_path / "garbage.pem").write_text("not a certificate\n")
     for pair, says in (((str(tmp_path / "garbage.pem"), other_key), "PEM"), ((cert, other_key), "KEY_VALUES_MISMATCH")):
         state = tmp_path / "state"
-        r = subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--base-model", tiny_model_dir, "--port", "0",
-                            "--state-dir", str(state), "--https-cert", pair[0], "--https-key", pair[1]],
-                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = run_tinkerd("up", "--base-model", tiny_model_dir, "--port", "0", "--state-dir", str(state),
+                        "--https-cert", pair[0], "--https-key", pair[1])
         assert r.returncode == 1, (r.stdout, r.stderr)
         assert f"--https-cert {pair[0]} with --https-key {pair[1]} cannot serve HTTPS" in r.stderr, r.stderr
         assert says in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -6,27 +6,18 @@ trainer of an earlier, killed one still runs, and a `tinkerd trainer` started by
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import urllib.request
 
 import pytest
-from conftest import held_elsewhere
+from conftest import held_elsewhere, run_tinkerd
 
 pytestmark = pytest.mark.e2e
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _tinkerd(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *argv], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_tinkerd_up_on_a_running_stacks_state_dir_is_refused_and_the_stack_serves_on(stack, tiny_model_dir):
     logs_before = {f: os.path.getsize(os.path.join(stack.state_dir, "logs", f))
                    for f in os.listdir(os.path.join(stack.state_dir, "logs"))}
-    second = _tinkerd("up", "--base-model", tiny_model_dir, "--state-dir", stack.state_dir, "--port", "0")
+    second = run_tinkerd("up", "--base-model", tiny_model_dir, "--state-dir", stack.state_dir, "--port", "0")
     assert second.returncode == 1, (second.stdout, second.stderr)
     assert f"is in use by `tinkerd up` serving {stack.url}" in second.stderr, second.stderr
     assert "two stacks" in second.stderr and "Traceback" not in second.stderr, second.stderr
@@ -42,7 +33,7 @@ def test_tinkerd_up_beside_a_trainer_left_running_is_refused_naming_it(tmp_path,
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     with held_elsewhere(state, "trainer", "`tinkerd trainer` (--listen 127.0.0.1:0)") as trainer:
-        up = _tinkerd("up", "--base-model", tiny_model_dir, "--state-dir", str(state), "--port", "0")
+        up = run_tinkerd("up", "--base-model", tiny_model_dir, "--state-dir", str(state), "--port", "0")
         assert up.returncode == 1, (up.stdout, up.stderr)
         assert f"in use by `tinkerd trainer` (--listen 127.0.0.1:0) (pid {trainer.pid})" in up.stderr, up.stderr
         assert sorted(os.listdir(state)) == ["trainer.lock", "up.lock"]     # nothing started, nothing written
@@ -50,7 +41,7 @@ def test_tinkerd_up_beside_a_trainer_left_running_is_refused_naming_it(tmp_path,
 
 def test_a_trainer_on_a_state_dir_in_use_exits_before_loading_the_model(tmp_path, tiny_model_dir):
     with held_elsewhere(tmp_path, "trainer", "`tinkerd trainer` (--listen 127.0.0.1:7001)") as first:
-        second = _tinkerd("trainer", "--base-model", tiny_model_dir, "--state-dir", str(tmp_path),
+        second = run_tinkerd("trainer", "--base-model", tiny_model_dir, "--state-dir", str(tmp_path),
                           "--listen", "127.0.0.1:0")
     assert second.returncode == 1, (second.stdout, second.stderr)
     assert (f"tinkerd trainer: the state dir {tmp_path} is in use by `tinkerd trainer` (--listen 127.0.0.1:7001) "

@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+from conftest import run_tinkerd
 
 from gateway.storage.db import Database, DatabaseUnusable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOBODY_LISTENS = "postgresql+psycopg://tinkerd:s3cret-pw@127.0.0.1:1/tinkerd"     # port 1: refused at once
 
 
@@ -30,9 +28,7 @@ def test_a_database_that_cannot_be_used_is_refused_without_its_password(url, say
                                      ["keys", "list"]])
 def test_each_command_refuses_it_at_once_with_the_reason(tmp_path, tiny_model_dir, command):
     model = [] if command[0] == "keys" else ["--base-model", tiny_model_dir]
-    r = subprocess.run([sys.executable, "-m", "launcher.cli", *command, *model, "--state-dir", str(tmp_path / "s"),
-                        "--db-url", NOBODY_LISTENS], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = run_tinkerd(*command, *model, "--state-dir", str(tmp_path / "s"), "--db-url", NOBODY_LISTENS)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "cannot open the database at postgresql+psycopg://tinkerd:***@127.0.0.1:1/tinkerd" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "s3cret-pw" not in r.stderr + r.stdout

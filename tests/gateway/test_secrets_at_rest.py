@@ -11,11 +11,10 @@ import json
 import os
 import sqlite3
 import stat
-import subprocess
-import sys
 import time
 
 import pytest
+from conftest import run_tinkerd
 import sqlalchemy
 from fastapi.testclient import TestClient
 from gateway_fakes import gateway  # noqa: F401 - the fixture
@@ -29,7 +28,6 @@ from gateway.storage.db import Base, UserRow
 from gateway.storage.state_dir import StateDirError
 from launcher import keys as keys_cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _b64(data: bytes) -> str:
@@ -98,12 +96,10 @@ def test_tinkerd_up_and_gateway_refuse_a_0755_state_dir_before_starting_anything
     state = tmp_path / "state"
     state.mkdir()
     os.chmod(state, 0o755)
-    argv = [sys.executable, "-m", "launcher.cli", command, "--base-model", tiny_model_dir,
-            "--state-dir", str(state), "--port", "0", "--start-timeout", "5"]
+    argv = [command, "--base-model", tiny_model_dir, "--state-dir", str(state), "--port", "0", "--start-timeout", "5"]
     if command == "gateway":
         argv = [a for a in argv if a not in ("--start-timeout", "5")] + ["--trainer", "127.0.0.1:1"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = run_tinkerd(*argv, timeout=300)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert f"chmod 700 {state}" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert os.listdir(state) == []
@@ -113,11 +109,8 @@ def test_tinkerd_up_and_gateway_refuse_a_0755_state_dir_before_starting_anything
 def test_a_state_dir_that_cannot_be_made_is_refused_saying_so(tmp_path, command, tiny_model_dir):
     (tmp_path / "a-file").write_text("")
     state = tmp_path / "a-file" / "state"
-    argv = [sys.executable, "-m", "launcher.cli", command, "--base-model", tiny_model_dir, "--state-dir", str(state)]
-    argv += {"up": ["--port", "0"], "gateway": ["--trainer", "127.0.0.1:1"], "trainer": ["--listen", "127.0.0.1:0"]}[
-        command]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wiring = {"up": ["--port", "0"], "gateway": ["--trainer", "127.0.0.1:1"], "trainer": ["--listen", "127.0.0.1:0"]}
+    r = run_tinkerd(command, "--base-model", tiny_model_dir, "--state-dir", str(state), *wiring[command], timeout=300)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert f"cannot make the state dir {state}: Not a directory" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from conftest import run_tinkerd
 
 from tinkerd import model_dir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _model(path, config: str | None = '{"model_type": "llama"}', weights: str | None = "model.safetensors"):
@@ -54,12 +52,10 @@ def test_the_tiny_test_model_passes(tiny_model_dir):
 @pytest.mark.parametrize("command", ["up", "trainer", "sampler", "gateway"])
 def test_each_command_refuses_a_mistyped_base_model_before_it_starts(tmp_path, command):
     state = tmp_path / "state"
-    argv = [sys.executable, "-m", "launcher.cli", command, "--base-model", str(tmp_path / "SmolLM2-135m"),
-            "--state-dir", str(state)]
+    argv = [command, "--base-model", str(tmp_path / "SmolLM2-135m"), "--state-dir", str(state)]
     if command == "gateway":
         argv += ["--trainer", "127.0.0.1:1"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = run_tinkerd(*argv)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert f"--base-model {tmp_path / 'SmolLM2-135m'}: no such directory" in r.stderr, r.stderr
     assert "fetch-smollm2" in r.stderr and "Traceback" not in r.stderr, r.stderr

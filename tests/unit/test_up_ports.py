@@ -6,16 +6,13 @@ gateway's "Address already in use" when it was drawn from that range)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
+from conftest import run_tinkerd
 
 from launcher import up
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_the_gateways_port_is_free_and_no_port_0_bind_meanwhile_gets_it():
@@ -44,12 +41,10 @@ def test_a_port_another_process_holds_is_refused_before_anything_starts(tmp_path
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        argv = [sys.executable, "-m", "launcher.cli", command, "--base-model", tiny_model_dir,
-                "--state-dir", str(state), flag, str(port)]
+        argv = [command, "--base-model", tiny_model_dir, "--state-dir", str(state), flag, str(port)]
         if command == "gateway":
             argv += ["--trainer", "127.0.0.1:1"]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = run_tinkerd(*argv)
     assert r.returncode == 1, (r.stdout, r.stderr)
     where = "--host/--port" if flag == "--port" else "--internal-host/--internal-port"
     assert f"cannot listen on 127.0.0.1:{port} ({where}): Address already in use" in r.stderr, r.stderr
@@ -65,10 +60,8 @@ def test_a_metrics_port_another_process_holds_is_refused_before_the_model_loads(
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "launcher.cli", command, "--base-model", tiny_model_dir,
-                            "--state-dir", str(tmp_path / "state"), "--metrics-port", str(port)],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = run_tinkerd(command, "--base-model", tiny_model_dir, "--state-dir", str(tmp_path / "state"),
+                        "--metrics-port", str(port))
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert f"cannot serve /metrics on 127.0.0.1:{port} (--metrics-port): Address already in use" in r.stderr
     assert "Traceback" not in r.stderr and "READY" not in r.stdout, r.stderr
