@@ -27,17 +27,32 @@ import functools
 import torch
 
 
-def _skip_when_no_adapter(cls) -> None:
+def _group_lora_rows_per_step(cls) -> None:
     """A step whose batch has no adapter token (base-model requests only) skips the LoRA math:
     on CPU the PyTorch punica ops otherwise cost as much as the model itself (measured 4x on the
-    tiny model)."""
+    tiny model). A step with adapter tokens has its rows grouped by slot once, for every LoRA
+    linear layer of the step (grouped_lora.add_lora_linear)."""
+    from sampler_service import grouped_lora
+
     update = cls.update_metadata
 
     @functools.wraps(update)
     def update_metadata(self, mapping, *args, **kwargs):
         update(self, mapping, *args, **kwargs)
         self._tinkerd_idle = not any(i > 0 for i in mapping.index_mapping)
+        self._tinkerd_plan = None if self._tinkerd_idle else grouped_lora.plan_from_tokens(self.token_lora_indices)
     cls.update_metadata = update_metadata
+
+    linear = cls.add_lora_linear
+
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
+                        **kwargs):
+        plan = getattr(self, "_tinkerd_plan", None)
+        if buffer is not None or plan is None or len(self.token_lora_indices) != x.shape[0]:
+            return linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer,
+                          **kwargs)
+        grouped_lora.add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, plan)
+    cls.add_lora_linear = functools.wraps(linear)(add_lora_linear)
 
     for name in ("add_lora_linear", "add_lora_logits", "add_lora_embedding"):
         apply = getattr(cls, name)
@@ -57,7 +72,7 @@ def _patch_cpu_punica_ops() -> None:
 
     grouped_lora.install(lora_ops, punica_cpu)    # the sgmv ops call bgmv through lora_ops
     if not getattr(punica_cpu.PunicaWrapperCPU, "_tinkerd_patched", False):
-        _skip_when_no_adapter(punica_cpu.PunicaWrapperCPU)
+        _group_lora_rows_per_step(punica_cpu.PunicaWrapperCPU)
         punica_cpu.PunicaWrapperCPU._tinkerd_patched = True
 
 

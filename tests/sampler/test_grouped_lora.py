@@ -121,6 +121,65 @@ def test_bf16_weights_into_an_fp32_buffer_and_back():
     torch.testing.assert_close(y_got.float(), y_want.float(), rtol=2e-2, atol=2e-2)
 
 
+def _per_op_lora_linear(y, x, a_slices, b_slices, scale, output_slices, idx):
+    """vLLM's CPU add_lora_linear (punica_cpu.py) over the grouped ops: each slice shrunk into a
+    zeroed fp32 buffer of the engine's maximum rank, then expanded from it, adding."""
+    buffers = [torch.zeros(len(idx), b.shape[-1]) for b in b_slices]
+    for buf, a in zip(buffers, a_slices):
+        grouped_lora.bgmv_shrink(x, a, buf, idx, scale)
+    offset = 0
+    for buf, b, size in zip(buffers, b_slices, output_slices):
+        grouped_lora.bgmv_expand_slice(buf, b, y, idx, offset, size, True)
+        offset += size
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_fused_lora_linear_is_the_per_op_path_bit_for_bit(pattern, dtype, scale):
+    """grouped_lora.add_lora_linear (a qkv-like layer of three slices, the plan made once) gives
+    exactly the per-op path's numbers, in fp32 and bf16, whatever the slots' ranks (slot 3's B
+    reaches past its A's rank; slot 2 is all zero); calling it again uses the cached fp32 A."""
+    gen = torch.Generator().manual_seed(4)
+    outs = (OUT, 8, 8)
+    a_slices, b_slices = [], []
+    for out in outs:
+        a = torch.zeros(MAX_LORAS, 1, MAX_RANK, HIDDEN)
+        b = torch.zeros(MAX_LORAS, 1, out, MAX_RANK)
+        for slot, (ra, rb) in enumerate([(4, 4), (16, 16), (0, 0), (5, 9)]):
+            a[slot, 0, :ra] = torch.randn(ra, HIDDEN, generator=gen)
+            b[slot, 0, :, :rb] = torch.randn(out, rb, generator=gen)
+        a_slices.append(a.to(dtype)), b_slices.append(b.to(dtype))
+    idx = _tokens(pattern)
+    x = torch.randn(len(idx), HIDDEN, generator=gen).to(dtype)
+    y0 = torch.randn(len(idx), sum(outs), generator=gen).to(dtype)
+    want = y0.clone()
+    _per_op_lora_linear(want, x, a_slices, b_slices, scale, outs, idx)
+    plan = grouped_lora.plan_from_tokens(idx)
+    for _ in range(2):
+        got = y0.clone()
+        grouped_lora.add_lora_linear(got, x, tuple(a_slices), tuple(b_slices), scale, outs, plan)
+        assert torch.equal(got, want)
+    assert torch.equal(got[idx < 0], y0[idx < 0])       # base rows: untouched
+
+
+def test_fused_lora_linear_sees_a_slot_rewritten():
+    """A new adapter written into a slot (vLLM's zero, then copy) is used at once, not the
+    fp32 copy of the old one kept for speed."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = _stacked(gen)
+    idx = _tokens([(0, 3), (-1, 1)])
+    plan = grouped_lora.plan_from_tokens(idx)
+    x = torch.randn(len(idx), HIDDEN, generator=gen)
+    grouped_lora.add_lora_linear(torch.zeros(len(idx), OUT), x, (a,), (b,), 1.0, (OUT,), plan)
+    a[0] = 0
+    a[0, 0, :6].copy_(torch.randn(6, HIDDEN, generator=gen))
+    want, got = torch.zeros(len(idx), OUT), torch.zeros(len(idx), OUT)
+    _per_op_lora_linear(want, x, [a], [b], 1.0, (OUT,), idx)
+    grouped_lora.add_lora_linear(got, x, (a,), (b,), 1.0, (OUT,), plan)
+    assert torch.equal(got, want)
+
+
 def test_prompt_logits_map_each_scored_token_to_its_adapter_for_cpu_ops_and_gpu_kernels():
     """worker_ext.scoring_tokens, on vLLM's real punica wrapper and kernel metadata: while one
     request's prompt tokens are scored, the sampler indices (CPU ops) and the prompt kernel
