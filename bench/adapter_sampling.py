@@ -6,9 +6,10 @@ greedy, ignore EOS, the same prompts; rounds alternate among them:
   raw      vLLM configured for just this adapter (max_lora_rank=rank, max_loras=1), its own ops;
   vllm-64  vLLM as our sampler starts it (max_lora_rank=64, max_loras=4), vLLM's own ops: every
            token gathers a whole rank-64 matrix per LoRA layer (before);
-  ours-64  the same engine with sampler_service/grouped_lora.py installed (after).
-The op swap is module-global and the engine runs in this process, so vllm-64 and ours-64 are one
-engine with the ops swapped between runs. The figure of merit is ours-64 / raw.
+  ours-64  the same engine with our CPU LoRA path installed (after: sampler_service/grouped_lora.py,
+           put in place by worker_ext.patch_cpu_punica_ops, as the sampler does).
+The swap is process-global and the engine runs in this process, so vllm-64 and ours-64 are one
+engine with the path swapped between runs. The figure of merit is ours-64 / raw.
 
 Merged: our SamplerEngine (LoRA engine + one merged slot, as the sampler runs it) with the rank-8
 snapshot promoted, every request through SamplerEngine.generate, against raw vLLM without LoRA on
@@ -44,11 +45,9 @@ def _engine(model_dir: str, max_lora_rank: int = 0, max_loras: int = 0, kv_cache
 
 
 def _ops(grouped: bool) -> None:
-    from vllm.lora.ops.torch_ops import lora_ops
-    from vllm.lora.punica_wrapper import punica_cpu
-
-    from sampler_service import grouped_lora
-    (grouped_lora.install if grouped else grouped_lora.uninstall)(lora_ops, punica_cpu)
+    """Our CPU LoRA path (what the sampler installs) or vLLM's own."""
+    from sampler_service import worker_ext
+    (worker_ext.patch_cpu_punica_ops if grouped else worker_ext.unpatch_cpu_punica_ops)()
 
 
 def _runner(llm, grouped: bool, prompts, max_tokens: int, adapter: str, seen: dict, key: str,

@@ -27,53 +27,75 @@ import functools
 import torch
 
 
-def _group_lora_rows_per_step(cls) -> None:
-    """A step whose batch has no adapter token (base-model requests only) skips the LoRA math:
-    on CPU the PyTorch punica ops otherwise cost as much as the model itself (measured 4x on the
-    tiny model). A step with adapter tokens has its rows grouped by slot once, for every LoRA
-    linear layer of the step (grouped_lora.add_lora_linear)."""
-    from sampler_service import grouped_lora
-
-    update = cls.update_metadata
-
-    @functools.wraps(update)
-    def update_metadata(self, mapping, *args, **kwargs):
-        update(self, mapping, *args, **kwargs)
-        self._tinkerd_idle = not any(i > 0 for i in mapping.index_mapping)
-        self._tinkerd_plan = None if self._tinkerd_idle else grouped_lora.plan_from_tokens(self.token_lora_indices)
-    cls.update_metadata = update_metadata
-
-    linear = cls.add_lora_linear
-
-    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
-                        **kwargs):
-        plan = getattr(self, "_tinkerd_plan", None)
-        if buffer is not None or plan is None or len(self.token_lora_indices) != x.shape[0]:
-            return linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer,
-                          **kwargs)
-        grouped_lora.add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, plan)
-    cls.add_lora_linear = functools.wraps(linear)(add_lora_linear)
-
-    for name in ("add_lora_linear", "add_lora_logits", "add_lora_embedding"):
-        apply = getattr(cls, name)
-
-        def skipping(self, *args, _apply=apply, **kwargs):
-            if getattr(self, "_tinkerd_idle", False):
-                return None           # the ops work in place and return None too
-            return _apply(self, *args, **kwargs)
-        setattr(cls, name, functools.wraps(apply)(skipping))
+_PATCHED = ("add_lora_linear", "add_lora_logits", "add_lora_embedding")
 
 
-def _patch_cpu_punica_ops() -> None:
+def _step(punica) -> tuple[bool, list]:
+    """(no adapter token in the batch, its rows grouped by slot): worked out once a step, when
+    the wrapper's per-token mapping is written (its version moves), not once per layer."""
+    indices = punica.token_lora_indices
+    key = (punica._token_lora_indices._version, len(indices))
+    cached = getattr(punica, "_tinkerd_step", None)
+    if cached is None or cached[0] != key:
+        from sampler_service import grouped_lora
+        plan = grouped_lora.plan_from_tokens(indices)
+        cached = punica._tinkerd_step = (key, all(slot < 0 for slot, _ in plan), plan)
+    return cached[1], cached[2]
+
+
+def patch_cpu_punica_ops() -> None:
+    """Our CPU LoRA path in vLLM's punica wrapper: the grouped ops for every op call
+    (grouped_lora.py), each LoRA linear layer done whole (`grouped_lora.add_lora_linear`, with the
+    rows grouped once a step), and a step whose batch has no adapter token (base-model requests
+    only) skipping the LoRA math: on CPU the PyTorch punica ops otherwise cost as much as the
+    model itself (measured 4x on the tiny model)."""
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
     from sampler_service import grouped_lora
 
     grouped_lora.install(lora_ops, punica_cpu)    # the sgmv ops call bgmv through lora_ops
-    if not getattr(punica_cpu.PunicaWrapperCPU, "_tinkerd_patched", False):
-        _group_lora_rows_per_step(punica_cpu.PunicaWrapperCPU)
-        punica_cpu.PunicaWrapperCPU._tinkerd_patched = True
+    cls = punica_cpu.PunicaWrapperCPU
+    if "_tinkerd_originals" in cls.__dict__:
+        return
+    cls._tinkerd_originals = {name: cls.__dict__.get(name) for name in _PATCHED}
+    linear = cls.add_lora_linear
+
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
+                        **kwargs):
+        if buffer is not None or len(self.token_lora_indices) != x.shape[0]:
+            return linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer,
+                          **kwargs)
+        grouped_lora.add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, _step(self)[1])
+    cls.add_lora_linear = functools.wraps(linear)(add_lora_linear)
+
+    for name in _PATCHED:
+        apply = getattr(cls, name)
+
+        def skipping(self, *args, _apply=apply, **kwargs):
+            if _step(self)[0]:
+                return None           # the ops work in place and return None too
+            return _apply(self, *args, **kwargs)
+        setattr(cls, name, functools.wraps(apply)(skipping))
+
+
+def unpatch_cpu_punica_ops() -> None:
+    """vLLM's own CPU LoRA path back, ops and wrapper methods (a benchmark compares the two in
+    one process; patch_cpu_punica_ops puts ours back)."""
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    from sampler_service import grouped_lora
+
+    grouped_lora.uninstall(lora_ops, punica_cpu)
+    cls = punica_cpu.PunicaWrapperCPU
+    for name, method in cls.__dict__.get("_tinkerd_originals", {}).items():
+        if method is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, method)
+    if "_tinkerd_originals" in cls.__dict__:
+        del cls._tinkerd_originals
 
 
 def _language_punica_wrapper(model_runner):
@@ -210,7 +232,7 @@ class SnapshotWorkerExtension:
             return False
         _per_token_prompt_logits(runner)
         if isinstance(_language_punica_wrapper(runner), PunicaWrapperCPU):
-            _patch_cpu_punica_ops()
+            patch_cpu_punica_ops()
         runner._tinkerd_fixed = True
         return True
 

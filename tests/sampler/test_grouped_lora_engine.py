@@ -1,5 +1,5 @@
 """A vLLM engine configured as our sampler configures it (max_lora_rank 64, max_loras 4, our
-worker extension) gives the same logprobs with the grouped LoRA ops as with vLLM's own: prompt
+worker extension) gives the same logprobs with our CPU LoRA path as with vLLM's own: prompt
 and sampled logprobs, adapters of ranks 8, 16 and 64 in one batch, and base-model requests in a
 mixed batch equal to the base model alone."""
 
@@ -45,11 +45,9 @@ def engine(tiny_model_dir, tmp_path_factory):
 
 
 def _grouped(on: bool) -> None:
-    from vllm.lora.ops.torch_ops import lora_ops
-    from vllm.lora.punica_wrapper import punica_cpu
-
-    from sampler_service import grouped_lora
-    (grouped_lora.install if on else grouped_lora.uninstall)(lora_ops, punica_cpu)
+    """Our CPU LoRA path (grouped ops, each LoRA linear layer whole) or vLLM's own."""
+    from sampler_service import worker_ext
+    (worker_ext.patch_cpu_punica_ops if on else worker_ext.unpatch_cpu_punica_ops)()
 
 
 def _generate(llm, prompts, loras) -> list[tuple[list[int], torch.Tensor]]:
