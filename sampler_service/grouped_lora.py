@@ -151,7 +151,7 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple, lor
     fp32 buffer per slice, then expand from it in y's dtype), bit for bit, without the work that
     is the same for every slice or every step: x widened once, not once per slice; each slot's A
     widened once until vLLM rewrites the slot (`_widened`); no buffer, no padding to the engine's
-    maximum rank and back; and the plan made once per step (`plan`, update_metadata) instead of
+    maximum rank and back; and the plan made once per step (`plan`, worker_ext._step) instead of
     once per op. At the RL recipe's decode shape (SmolLM2 bf16, 128 rows, rank 32, 2 cores) a
     step's LoRA layers went from 56 to 35 ms. The fp32 copies of A cost at most twice the bf16
     slots' A in memory."""

@@ -34,9 +34,12 @@ def _step(punica) -> tuple[bool, list]:
     """(no adapter token in the batch, its rows grouped by slot): worked out once a step, when
     the wrapper's per-token mapping is written (its version moves), not once per layer."""
     indices = punica.token_lora_indices
-    key = (punica._token_lora_indices._version, len(indices))
+    try:
+        key = (punica._token_lora_indices._version, len(indices))
+    except RuntimeError:          # an inference tensor keeps no version: worked out every call
+        key = None
     cached = getattr(punica, "_tinkerd_step", None)
-    if cached is None or cached[0] != key:
+    if cached is None or key is None or cached[0] != key:
         from sampler_service import grouped_lora
         plan = grouped_lora.plan_from_tokens(indices)
         cached = punica._tinkerd_step = (key, all(slot < 0 for slot, _ in plan), plan)
