@@ -37,7 +37,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         reaper = asyncio.create_task(housekeeping.run_forever(gw))
         leases = asyncio.create_task(gw.futures.keep_leases_forever())   # re-drives a stopped gateway's futures
         spans = asyncio.create_task(gw.traces.flush_forever())           # request spans to the database
+        completions = asyncio.create_task(gw.futures.completions.watch_forever())   # other gateways' samples
         yield
+        completions.cancel()
         spans.cancel()
         leases.cancel()
         reaper.cancel()

@@ -1,15 +1,17 @@
-"""Completion queues for retrieve_futures: an SDK with `sample_use_retrieve_futures` (0.28 and
-later) long-polls one queue per (sampling session, clone) for its finished samples, in place of
-one retrieve_future long-poll per sample, then fetches each payload with retrieve_future.
+"""Completions for retrieve_futures: an SDK with `sample_use_retrieve_futures` (0.28 and later)
+long-polls one queue per (sampling session, clone) for its finished samples, in place of one
+retrieve_future long-poll per sample, then fetches each payload with retrieve_future.
 
-Only an index, in memory: the futures table stays the source of truth for states and payloads.
-An entry is a finished sample's id under a cursor. It leaves the queue when
-- the client acknowledges it (a later poll's prev_cursor is at or past it),
-- its payload is fetched with retrieve_future (the SDK does that only after the entry was
-  reported; an SDK that does not poll fetches payloads directly, so its queues stay empty), or
-- more than `max_entries` are queued over all sessions (abandoned clients): oldest first.
-Cursors count up from the process's start time in microseconds, so they stay above the cursors
-an earlier gateway process gave out and a client that polled it trims nothing new.
+The queue is the `completions` table (gateway/storage/db.py CompletionRow), so a poll on any
+gateway reports a sample finished on any other, and no gateway's restart loses one:
+- a row is written in the transaction that finishes its sample (Database.finish_future);
+- a poll answers the target's rows not reported yet, and those reported under a cursor after
+  its `prev_cursor` (that answer never reached the client), and gives them a new cursor;
+- the next poll's `prev_cursor` acknowledges them (deleted), as do `retrieved_request_ids` and
+  a payload fetched with retrieve_future (older SDKs fetch without polling);
+- rows live at most as long as their futures (housekeeping).
+A row another gateway writes wakes a poll waiting here within WATCH_S: one watcher per gateway
+reads the rows new since it last looked while some poll waits.
 """
 
 from __future__ import annotations
@@ -17,108 +19,155 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import itertools
+import logging
 import time
 
+from sqlalchemy import and_, delete, func, or_, select, update
+
+from gateway.storage.db import CompletionRow, Database, now
+
+log = logging.getLogger(__name__)
+
 Target = tuple[str, int]        # (sampling_session_id, cloned_sampler_id)
-MAX_ENTRIES = 200_000
+WATCH_S = 0.05                  # how often the watcher looks for other gateways' completions
+# The watcher re-reads this far back: a row's seq is drawn before its transaction commits, so
+# (on Postgres) a row may become visible after rows with larger seqs.
+_COMMIT_LAG_S = 1.0
+
+_T = CompletionRow.__table__
+_C = _T.c
 
 
 @dataclasses.dataclass(slots=True)
 class Completion:
-    cursor: int
     request_id: str
     failed: bool
     size: int                   # the payload's bytes (the SDK reserves its memory before fetching)
 
 
-class _Queue:
-    __slots__ = ("entries", "arrived", "waiters")
-
-    def __init__(self):
-        self.entries: collections.OrderedDict[str, Completion] = collections.OrderedDict()  # cursor order
-        self.arrived = asyncio.Event()
-        self.waiters = 0
+def _of(target: Target):
+    return and_(_C.sampling_session_id == target[0], _C.clone == target[1])
 
 
 class Completions:
-    def __init__(self, max_entries: int = MAX_ENTRIES):
-        self.max_entries = max_entries
-        self._cursor = self.started = time.time_ns() // 1000    # cursors below `started` came from an earlier process
-        self._queues: dict[Target, _Queue] = {}
-        self._where: collections.OrderedDict[str, Target] = collections.OrderedDict()   # oldest first
+    def __init__(self, db: Database, watch_s: float = WATCH_S):
+        self.db = db
+        self.watch_s = watch_s
+        self._waiting: dict[Target, list[asyncio.Event]] = {}     # polls waiting here, by target
+        self._seen: collections.deque[tuple[float, int]] = collections.deque()   # (when, highest seq then)
 
-    def add(self, target: Target, request_id: str, failed: bool, size: int) -> None:
-        """A sample of `target` finished (again, for a resend: it moves to the end)."""
-        self._cursor += 1
-        queue = self._queues.get(target)
-        if queue is None:
-            queue = self._queues[target] = _Queue()
-        queue.entries.pop(request_id, None)
-        queue.entries[request_id] = Completion(self._cursor, request_id, failed, size)
-        self._where.pop(request_id, None)
-        self._where[request_id] = target
-        queue.arrived.set()
-        while len(self._where) > self.max_entries:
-            old, old_target = self._where.popitem(last=False)
-            self._drop(old_target, old)
+    @staticmethod
+    def row(target: Target, failed: bool, size: int) -> dict:
+        """A sample's completion as Database.finish_future writes it."""
+        return {"sampling_session_id": target[0], "clone": target[1], "failed": failed, "size": size}
+
+    def arrived(self, target: Target) -> None:
+        """A sample of `target` finished here: wake the polls waiting for it at once."""
+        for event in self._waiting.get(target, ()):
+            event.set()
+
+    def report_again(self, target: Target, request_id: str, failed: bool, size: int) -> None:
+        """A resent sample that had finished: the client may have missed its report."""
+        with self.db.engine.begin() as conn:
+            conn.execute(delete(_T).where(_C.request_id == request_id, _of(target)))
+            conn.execute(_T.insert(), {**self.row(target, failed, size), "request_id": request_id,
+                                       "reported_cursor": None, "finished_at": now()})
+        self.arrived(target)
 
     def discard(self, request_id: str, target: Target | None = None) -> None:
-        """The payload was fetched: the client has it, whether or not it polled. With `target`,
-        only if queued there (a client acknowledges only its own target's)."""
-        where = self._where.get(request_id)
-        if where is not None and (target is None or where == target):
-            del self._where[request_id]
-            self._drop(where, request_id)
+        """The client has the payload: the row goes, if any. With `target`, only the target's row
+        (a client acknowledges only its own sampling session's)."""
+        where = _C.request_id == request_id
+        with self.db.engine.begin() as conn:
+            conn.execute(delete(_T).where(where if target is None else and_(where, _of(target))))
 
-    def _drop(self, target: Target, request_id: str) -> None:
-        queue = self._queues.get(target)
-        if queue is not None:
-            queue.entries.pop(request_id, None)
-            self._forget_if_idle(target, queue)
+    def discard_all(self, request_ids: list[str], target: Target) -> None:
+        """The target's rows of these samples go (retrieve_futures' `retrieved_request_ids`)."""
+        with self.db.engine.begin() as conn:
+            for i in range(0, len(request_ids), 500):
+                conn.execute(delete(_T).where(_of(target), _C.request_id.in_(request_ids[i:i + 500])))
 
-    def _forget_if_idle(self, target: Target, queue: _Queue) -> None:
-        if not queue.entries and not queue.waiters:
-            del self._queues[target]
-
-    def _acknowledge(self, queue: _Queue, prev_cursor: int) -> None:
-        entries = queue.entries
-        while entries:
-            request_id, first = next(iter(entries.items()))
-            if first.cursor > prev_cursor:
-                break
-            del entries[request_id]
-            self._where.pop(request_id, None)
+    def _take(self, target: Target, prev_cursor: int, limit: int) -> tuple[list[Completion], int]:
+        """One transaction: acknowledges what `prev_cursor` covers, then reports (at most `limit`)
+        the rows not reported yet or reported after it, under a new cursor."""
+        with self.db.engine.begin() as conn:
+            conn.execute(delete(_T).where(_of(target), _C.reported_cursor <= prev_cursor))
+            rows = conn.execute(select(_C.seq, _C.request_id, _C.failed, _C.size).where(
+                _of(target), or_(_C.reported_cursor.is_(None), _C.reported_cursor > prev_cursor))
+                .order_by(_C.seq).limit(limit)).all()
+            if not rows:
+                return [], prev_cursor
+            # Above prev_cursor, so the next poll acknowledges these rows and no others.
+            cursor = max(prev_cursor + 1, rows[-1].seq)
+            seqs = [r.seq for r in rows]
+            for i in range(0, len(seqs), 500):
+                conn.execute(update(_T).where(_C.seq.in_(seqs[i:i + 500])).values(reported_cursor=cursor))
+        return [Completion(r.request_id, r.failed, r.size) for r in rows], cursor
 
     async def poll(self, target: Target, prev_cursor: int, timeout_s: float, limit: int,
                    gather_s: float = 0.0) -> tuple[list[Completion], int]:
         """The target's completions after `prev_cursor` (which acknowledges those before), at
         most `limit`, waiting up to `timeout_s` for one, then `gather_s` more for others that
         finish just after it (samples of one burst finish close together: one answer, not one
-        each); and the cursor to send back next: the last one returned, or `prev_cursor` itself
-        when none (a larger one would make the SDK send an acknowledgement for nothing)."""
-        queue = self._queues.get(target)
-        if queue is not None:
-            self._acknowledge(queue, prev_cursor)
-        if (queue is None or not queue.entries) and timeout_s > 0:
-            if queue is None:
-                queue = self._queues[target] = _Queue()
-            queue.arrived.clear()
-            queue.waiters += 1
-            try:
-                await asyncio.wait_for(queue.arrived.wait(), timeout_s)
+        each); and the cursor to send back next: `prev_cursor` itself when none (a larger one
+        would make the SDK send an acknowledgement for nothing)."""
+        if timeout_s <= 0:
+            return self._take(target, prev_cursor, limit)
+        event = asyncio.Event()
+        waiters = self._waiting.setdefault(target, [])
+        if not self._seen:
+            self._seen.append((time.monotonic(), self._highest()))   # before the first look: no row slips by
+        waiters.append(event)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                found, cursor = self._take(target, prev_cursor, limit)
+                left = deadline - time.monotonic()
+                if found or left <= 0:
+                    return found, cursor
+                event.clear()
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except asyncio.TimeoutError:
+                    continue
                 if gather_s > 0:
                     await asyncio.sleep(gather_s)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                queue.waiters -= 1
-        if queue is None:
-            return [], prev_cursor
-        found = list(itertools.islice(queue.entries.values(), limit))
-        if target in self._queues:
-            self._forget_if_idle(target, queue)
-        return found, (found[-1].cursor if found else prev_cursor)
+        finally:
+            waiters.remove(event)
+            if not waiters:
+                del self._waiting[target]
+
+    def _highest(self) -> int:
+        with self.db.engine.connect() as conn:
+            return conn.execute(select(func.coalesce(func.max(_C.seq), 0))).scalar()
+
+    def look(self) -> None:
+        """Wakes the polls waiting here for rows written since the watcher last looked (less
+        _COMMIT_LAG_S), by any gateway."""
+        if not self._waiting:
+            self._seen.clear()
+            return
+        stamp = time.monotonic()
+        while len(self._seen) > 1 and self._seen[1][0] < stamp - _COMMIT_LAG_S:
+            self._seen.popleft()
+        low = self._seen[0][1]
+        with self.db.engine.connect() as conn:
+            rows = conn.execute(select(_C.seq, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(
+                _C.seq > low)).all()
+        self._seen.append((stamp, max([low] + [r.seq for r in rows])))
+        for r in rows:
+            if r.reported_cursor is None:
+                self.arrived((r.sampling_session_id, r.clone))
+
+    async def watch_forever(self) -> None:
+        while True:
+            try:
+                self.look()
+            except Exception:  # noqa: BLE001 - a database hiccup: the polls still end at their timeout
+                log.exception("could not look for completions")
+            await asyncio.sleep(self.watch_s)
 
     def queued(self) -> int:
-        return len(self._where)
+        with self.db.engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(_T)).scalar()
+

@@ -14,7 +14,7 @@ Any gateway on the database answers any future, and a killed gateway loses none:
 - a future running elsewhere is waited for by polling its row (POLL_S).
 
 Training jobs of one model run in seq_id order (gateway/futures/order.py); samples run concurrently.
-Waiting for a future (the long-poll) and a restarted client's recovery are gateway/futures/waits.py.
+Waiting for a future (the long-poll) is gateway/futures/waits.py.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Futures:
         self.order = ModelOrder(self.run, lambda key: self.db.future_type_by_key(key) is not None)
         self._jobs: dict[str, asyncio.Task] = {}       # unordered jobs (samples) still running
         self._cancelled: set[str] = set()              # finished by cancel(); their jobs still running
-        self.completions = Completions()
+        self.completions = Completions(db)
         self.waits = Waits(self)
         self._stopping = False
 
@@ -175,7 +175,7 @@ class Futures:
                             f"request ({row.request_type}); every request needs its own seq_id")
         if row.request_id != request_id or row.request_id in self._pending:
             if target is not None and row.status != "pending":    # reported again: the client may have missed it
-                self.completions.add(target, row.request_id, row.status == "failed", len(row.result or b""))
+                self.completions.report_again(target, row.request_id, row.status == "failed", len(row.result or b""))
             return row    # a resend: scheduled (here or on another gateway) or finished
         self._schedule(row.request_id, request_type, self.job_of(request_type, request), owner, model_id,
                        seq_id, target)
@@ -264,17 +264,17 @@ class Futures:
     def _finish(self, request_id: str, status: str, content_type: str, body: bytes) -> None:
         pending = self._pending.pop(request_id)
         self.traces.finished(request_id, "cancelled" if request_id in self._cancelled else status)
-        if self.db.finish_future(request_id, status, content_type, body):
+        completion = None if pending.target is None else Completions.row(pending.target, status == "failed", len(body))
+        if self.db.finish_future(request_id, status, content_type, body, completion):
             row = FutureRow(request_id=request_id, status=status, content_type=content_type, result=body,
-                            owner=pending.owner)
+                            owner=pending.owner, request_type=pending.request_type)
+            if pending.target is not None:
+                self.completions.arrived(pending.target)
         else:      # finished elsewhere first (cancelled there, or re-driven by a gateway that thought us dead)
             row = self.db.get(FutureRow, request_id)
-            status, body = row.status, row.result or b""
         self._finished.put(row)
         if request_id not in self._jobs:      # an unordered job releases its place when its task ends
             self._release(pending.request_type, pending.owner)
-        if pending.target is not None:
-            self.completions.add(pending.target, request_id, status == "failed", len(body))
         pending.done.set()
 
     def _release(self, request_type: str, owner: str) -> None:
@@ -301,7 +301,10 @@ class Futures:
             if row is None or row.owner != owner:
                 return None
             if row.status == "pending" and row.request_type == "sample":    # running on another gateway
-                if self.db.finish_future(request_id, "failed", "application/json", _cancelled_body(request_id)):
+                body = _cancelled_body(request_id)
+                target = (row.extra or {}).get("target")
+                completion = Completions.row(tuple(target), True, len(body)) if target else None
+                if self.db.finish_future(request_id, "failed", "application/json", body, completion):
                     return Cancelled(True, "cancelled")
                 row = self.db.get(FutureRow, request_id)
             elif row.status == "pending":

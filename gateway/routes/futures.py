@@ -63,9 +63,7 @@ async def retrieve_futures(request: Request):
     caller = caller_of(request)
     gw.sessions.sampling_session(caller, body.target.sampling_session_id)
     target = (body.target.sampling_session_id, body.target.cloned_sampler_id)
-    gw.futures.waits.recover(target, caller.user_id, body.prev_cursor)
-    for request_id in body.retrieved_request_ids:
-        gw.futures.waits.retrieved(request_id, caller.user_id, target)
+    gw.futures.waits.retrieved(body.retrieved_request_ids, caller.user_id, target)
     timeout = LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S)
     found, cursor = await gw.futures.completions.poll(target, body.prev_cursor, timeout, MAX_COMPLETIONS, GATHER_S)
     CALLS["completions_reported"] += len(found)

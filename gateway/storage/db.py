@@ -201,6 +201,25 @@ class StabilityRecordRow(Base):
     used: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
 
 
+class CompletionRow(Base):
+    """A finished sample not yet acknowledged by its sampling session's retrieve_futures poller
+    (gateway/futures/completions.py). Written in the transaction that finishes the sample, so it
+    is there for a poll on any gateway; deleted once acknowledged or its payload fetched. `seq`
+    orders a target's rows; `reported_cursor` is the cursor of the last poll answer that held the
+    row (NULL: not reported yet), which that poll's successor acknowledges."""
+    __tablename__ = "completions"
+    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                     autoincrement=True)
+    sampling_session_id: Mapped[str] = mapped_column(String(128))
+    clone: Mapped[int] = mapped_column(BigInteger)
+    request_id: Mapped[str] = mapped_column(String(64), index=True)
+    failed: Mapped[bool] = mapped_column(Boolean)
+    size: Mapped[int] = mapped_column(BigInteger)           # the payload's bytes (the SDK reserves them)
+    reported_cursor: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    finished_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
+    __table_args__ = (Index("ix_completions_target", "sampling_session_id", "clone", "seq"),)
+
+
 class TraceSpanRow(Base):
     """One request of a session as it went through the gateway (gateway/traces/spans.py), or a
     rate-limit refusal (kind "rate_limited", no request_id): what the console's session panels
@@ -252,7 +271,8 @@ _FUTURES = FutureRow.__table__.c
 _FINISH_FUTURE = FutureRow.__table__.update().where(
     _FUTURES.request_id == bindparam("rid"), _FUTURES.status == "pending").values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
-    completed_at=bindparam("completed_at"), lease_until=None)
+    completed_at=bindparam("completed_at"), lease_until=None, request_args=None, request_body=None)
+_INSERT_COMPLETION = CompletionRow.__table__.insert()
 
 # Counts for the per-user limits, written so that they use ix_futures_pending: the literal
 # `status = 'pending'` (a bound parameter would not match the partial index's condition).
@@ -480,11 +500,20 @@ class Database:
             with self.session() as s:
                 return s.scalars(select(FutureRow).where(FutureRow.idempotency_key == row.idempotency_key)).one()
 
-    def finish_future(self, request_id: str, status: str, content_type: str, result: bytes) -> bool:
-        """Records the result of a pending future; False if it had finished already (elsewhere)."""
+    def finish_future(self, request_id: str, status: str, content_type: str, result: bytes,
+                      completion: dict | None = None) -> bool:
+        """Records the result of a pending future and drops its stored request (nothing re-drives
+        a finished future); False if it had finished already (elsewhere). A sample's `completion`
+        (a CompletionRow's values) is written in the same transaction: no gateway can finish a
+        sample that no retrieve_futures poll will report."""
+        stamp = now()
         with self.engine.begin() as conn:
-            return conn.execute(_FINISH_FUTURE, {"rid": request_id, "status": status, "content_type": content_type,
-                                                 "result": result, "completed_at": now()}).rowcount > 0
+            finished = conn.execute(_FINISH_FUTURE, {"rid": request_id, "status": status, "content_type": content_type,
+                                                     "result": result, "completed_at": stamp}).rowcount > 0
+            if finished and completion is not None:
+                conn.execute(_INSERT_COMPLETION, {**completion, "request_id": request_id, "reported_cursor": None,
+                                                  "finished_at": stamp})
+            return finished
 
     def future_status(self, request_id: str) -> str | None:
         with self.engine.connect() as conn:
@@ -528,6 +557,7 @@ class Database:
     def delete_finished_futures(self, before: datetime.datetime) -> int:
         """Drops futures that finished before `before` (their retention ended)."""
         with self.engine.begin() as conn:
+            conn.execute(CompletionRow.__table__.delete().where(CompletionRow.__table__.c.finished_at < before))
             return conn.execute(FutureRow.__table__.delete().where(_FUTURES.completed_at < before)).rowcount
 
     def pending_samples(self, owner: str) -> tuple[int, int]:
