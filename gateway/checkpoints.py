@@ -97,16 +97,18 @@ _BLOCK = 512
 
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One file of an archive: its name, size, and its bytes as they are sent."""
+    """One file of an archive: its name, size, and its bytes from an offset on, as they are sent
+    (an offset, so a ranged download starts where it asks without making what comes before)."""
     name: str
     size: int
-    chunks: Callable[[], Iterator[bytes]]
+    chunks: Callable[[int], Iterator[bytes]]
     mtime: int = 0          # its source's: the same checkpoint downloads as the same bytes
 
 
 def file_member(path: str, name: str) -> Member:
-    def chunks() -> Iterator[bytes]:
+    def chunks(offset: int) -> Iterator[bytes]:
         with open(path, "rb") as f:      # checkpoint files never change
+            f.seek(offset)
             while chunk := f.read(1 << 20):
                 yield chunk
     stat = os.stat(path)
@@ -114,12 +116,12 @@ def file_member(path: str, name: str) -> Member:
 
 
 def bytes_member(name: str, data: bytes, mtime: int = 0) -> Member:
-    return Member(name, len(data), lambda: iter((data,)), mtime)
+    return Member(name, len(data), lambda offset: iter((data[offset:],)), mtime)
 
 
-def archive(directory: str, extra: Sequence[Member] = ()) -> tuple[int, Iterator[bytes]]:
-    """(size in bytes, chunks) of an uncompressed tar of the checkpoint's files at its root, plus
-    `extra` and the completion marker, made as it is sent (no copy on disk, no whole file in memory)."""
+def archive(directory: str, extra: Sequence[Member] = ()) -> Tar:
+    """An uncompressed tar of the checkpoint's files at its root, plus `extra` and the completion
+    marker, made as it is sent (no copy on disk, no whole file in memory)."""
     members = [file_member(os.path.join(directory, rel), rel)
                for rel in sorted(os.path.relpath(os.path.join(root, f), directory)
                                  for root, _, names in os.walk(directory) for f in names)
@@ -127,31 +129,57 @@ def archive(directory: str, extra: Sequence[Member] = ()) -> tuple[int, Iterator
     return tar([*members, *extra, bytes_member(COMPLETE_MARKER, b"")])
 
 
-def tar(members: list[Member]) -> tuple[int, Iterator[bytes]]:
-    """(size, chunks) of an uncompressed tar of `members`. A member whose bytes come out another
-    size than it said ends the stream with an error (a short, broken download, never a tar
-    whose files are silently wrong)."""
-    headers = []
+@dataclasses.dataclass(frozen=True)
+class Tar:
+    """An uncompressed tar of `members`: `size` bytes, any range of which `chunks` makes as it is
+    sent. Its layout is known from the members' sizes alone, so a range skips whole members."""
+    size: int
+    parts: list[tuple[int, bytes | Member]]        # (offset, a header / padding, or a member's bytes)
+
+    def chunks(self, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        """Bytes [start, end) of the tar. A member whose bytes come out another size than it said
+        ends the stream with an error (a short, broken download, never a tar whose files are
+        silently wrong)."""
+        end = self.size if end is None else end
+        for offset, part in self.parts:
+            size = part.size if isinstance(part, Member) else len(part)
+            if offset + size <= start or size == 0:
+                continue
+            if offset >= end:
+                return
+            first, last = max(start - offset, 0), min(end - offset, size)
+            if isinstance(part, Member):
+                yield from _member_bytes(part, first, last)
+            else:
+                yield part[first:last]
+
+
+def _member_bytes(m: Member, first: int, last: int) -> Iterator[bytes]:
+    at, chunks = first, m.chunks(first)
+    for chunk in chunks:
+        if at + len(chunk) >= last:
+            # At the member's end: no byte past it either (a file that grew since it was sized).
+            if at + len(chunk) > m.size or (last == m.size and any(chunks)):
+                break
+            yield chunk[:last - at]
+            return
+        at += len(chunk)
+        yield chunk
+    raise RuntimeError(f"archive member {m.name} did not come out {m.size} bytes")
+
+
+def tar(members: list[Member]) -> Tar:
+    """A PAX tar of `members`, laid out (nothing is read until its chunks are)."""
+    parts: list[tuple[int, bytes | Member]] = []
+    offset = 0
     for m in members:
         info = tarfile.TarInfo(m.name)
         info.size, info.mtime, info.mode = m.size, m.mtime, 0o644
-        headers.append(info.tobuf(tarfile.PAX_FORMAT))
-    size = sum(len(h) + m.size + (-m.size % _BLOCK) for h, m in zip(headers, members)) + 2 * _BLOCK
-
-    def chunks() -> Iterator[bytes]:
-        for header, m in zip(headers, members):
-            yield header
-            sent = 0
-            for chunk in m.chunks():
-                sent += len(chunk)
-                if sent > m.size:
-                    break
-                yield chunk
-            if sent != m.size:
-                raise RuntimeError(f"archive member {m.name} came out {sent} bytes, not {m.size}")
-            yield b"\0" * (-m.size % _BLOCK)
-        yield b"\0" * (2 * _BLOCK)
-    return size, chunks()
+        for part in (info.tobuf(tarfile.PAX_FORMAT), m, b"\0" * (-m.size % _BLOCK)):
+            parts.append((offset, part))
+            offset += part.size if isinstance(part, Member) else len(part)
+    parts.append((offset, b"\0" * (2 * _BLOCK)))
+    return Tar(offset + 2 * _BLOCK, parts)
 
 
 def checkpoint_dir(state_dir: str, model_id: str, kind: str, name: str) -> str:

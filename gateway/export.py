@@ -56,7 +56,7 @@ def adapter_notes(row: CheckpointRow) -> Member:
     return bytes_member(merged_export.NOTES, text.encode(), _mtime(row))
 
 
-def peft_archive(row: CheckpointRow) -> tuple[int, Iterator[bytes]]:
+def peft_archive(row: CheckpointRow) -> checkpoints.Tar:
     return checkpoints.archive(row.directory, [adapter_notes(row)])
 
 
@@ -72,16 +72,22 @@ _merging: weakref.WeakSet = weakref.WeakSet()    # their streams: one dropped un
 _merging_lock = threading.Lock()
 
 
-def merged_archive(base_model_dir: str, row: CheckpointRow) -> tuple[int, Iterator[bytes]]:
-    plan = merged_plan(base_model_dir, row)
+def merged_archive(base_model_dir: str, row: CheckpointRow) -> checkpoints.Tar:
+    """The merged export's tar, laid out: nothing is merged until its chunks are read, through
+    `merging`."""
+    return _merged_tar(base_model_dir, merged_plan(base_model_dir, row), row)
+
+
+def merging(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """A merged archive's chunks (or a range of them), counted among the exports being made
+    until they end; an OverLimit where MAX_MERGED_EXPORTS are being made already."""
     with _merging_lock:
         if len(_merging) >= MAX_MERGED_EXPORTS:
             raise OverLimit(f"{len(_merging)} merged exports are being made on this gateway (the limit is "
                             f"{MAX_MERGED_EXPORTS}); retry when one has finished", retry_after_s=30)
-        size, chunks = _merged_tar(base_model_dir, plan, row)
         stream = _Merging(chunks)
         _merging.add(stream)
-    return size, stream
+    return stream
 
 
 class _Merging:
@@ -103,12 +109,13 @@ class _Merging:
             raise
 
 
-def _merged_tar(base_model_dir: str, plan: merged_export.Plan, row: CheckpointRow) -> tuple[int, Iterator[bytes]]:
+def _merged_tar(base_model_dir: str, plan: merged_export.Plan, row: CheckpointRow) -> checkpoints.Tar:
     mtime = _mtime(row)
     config = json.dumps(plan.config, indent=2).encode()
     members = [bytes_member("config.json", config, mtime),
                *(file_member(os.path.join(base_model_dir, f), f) for f in plan.small_files),
-               Member(merged_export.WEIGHTS, plan.weights_size, lambda: merged_export.weights_chunks(plan), mtime),
+               Member(merged_export.WEIGHTS, plan.weights_size,
+                      lambda offset: merged_export.weights_chunks(plan, offset), mtime),
                bytes_member(merged_export.NOTES, merged_export.notes(plan, row.tinker_path).encode(), mtime),
                bytes_member(checkpoints.COMPLETE_MARKER, b"", mtime)]
     return checkpoints.tar(members)

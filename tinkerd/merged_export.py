@@ -187,34 +187,46 @@ def plan(base_model_dir: str, adapter_dir: str) -> Plan:
     return Plan(base_model_dir, adapter_dir, tensors, config, lora_scale(adapter_config), untied, small)
 
 
-def weights_chunks(p: Plan) -> Iterator[bytes]:
-    """The merged model.safetensors, as it is made (see the module doc)."""
+def weights_chunks(p: Plan, offset: int = 0) -> Iterator[bytes]:
+    """The merged model.safetensors from byte `offset` on, as it is made (see the module doc). A
+    ranged download starts at the block of rows holding its first byte: the blocks are the full
+    file's, so its bytes are the same, and nothing before that block is made."""
     from safetensors import safe_open
 
+    header = p.header()
+    if offset < len(header):
+        yield header[offset:]
+    at = len(header)                # where the next tensor starts in the file
     adapter = os.path.join(p.adapter_dir, "adapter_model.safetensors")
-    yield p.header()
     with safe_open(adapter, framework="pt") as lora:
         for t in p.tensors:
+            skip, at = offset - at, at + t.num_bytes        # skip: its bytes before `offset`
+            if t.num_bytes == 0 or at <= offset:
+                continue
+            skip = max(skip, 0)
             with safe_open(t.file, framework="pt") as f:
-                if t.num_bytes == 0:
-                    continue
                 if t.module is None and len(t.shape) < 2:
-                    yield _raw(f.get_tensor(t.source))
+                    yield _raw(f.get_tensor(t.source))[skip:]
                     continue
                 source = f.get_slice(t.source)
                 a = b = None
                 if t.module is not None:
                     a = lora.get_tensor(f"{_PEFT_PREFIX}{t.module}.lora_A.weight").double()
                     b = lora.get_tensor(f"{_PEFT_PREFIX}{t.module}.lora_B.weight").double()
-                rows = max(1, ROWS_BYTES // max(1, t.num_bytes // t.shape[0]))
-                for start in range(0, t.shape[0], rows):
+                row_bytes = t.num_bytes // t.shape[0]
+                rows = max(1, ROWS_BYTES // max(1, row_bytes))
+                first = skip // row_bytes // rows * rows
+                skip -= first * row_bytes
+                for start in range(first, t.shape[0], rows):
                     block = source[start:start + rows]
                     if a is not None:
                         dtype = block.dtype
                         # In float64: the rounding to the stored dtype is the only one, and the
                         # bytes do not depend on how many rows a block holds.
                         block = block.double().addmm_(b[start:start + rows], a, alpha=p.scale).to(dtype)
-                    yield _raw(block)
+                    data = _raw(block)
+                    yield data[skip:] if skip else data
+                    skip = 0
 
 
 def _raw(tensor) -> bytes:

@@ -3,17 +3,24 @@ CLI downloads them without credentials, so each URL carries its own expiry and s
 routes/checkpoints.py: external_urls, archive_url). The signature covers the checkpoint's row as it
 was (its generation and owner) and who made the URL, and both are checked again here: a URL ends
 when the checkpoint is deleted or saved again, when it is unpublished (for a URL made by another
-user), or when the API key that made it is revoked. Every download is in the audit log."""
+user), or when the API key that made it is revoked. Every download is in the audit log.
+
+Like an object store's URLs, each answers HEAD (the GET's headers, Content-Length included, and
+no body) and a ranged GET (`Range: bytes=a-b`, one range: 206 with Content-Range, 416 where it
+starts past the end), so a client can check a download's size, resume it, or fetch it in parts.
+An archive is made as it is sent, and a range starts making it where the range starts."""
 
 from __future__ import annotations
 
 import os
 import re
+from typing import Callable, Iterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from gateway import checkpoints, export
+from gateway.errors import error_response
 from gateway.identity import audit
 from gateway.identity.keys import Caller
 from gateway.state import Gateway, GatewayDep
@@ -23,6 +30,8 @@ from tinkerd.errors import NotFoundError
 router = APIRouter()
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
 _REFUSED = "this download link is unknown, has expired or no longer grants access; ask for a new one"
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE)
+GET_HEAD = ["GET", "HEAD"]
 
 
 def _authorized(request: Request, gw: Gateway, signed_path: str, row: CheckpointRow | None) -> Caller:
@@ -61,8 +70,67 @@ def _downloaded(gw: Gateway, signer: Caller, row: CheckpointRow, what: str) -> N
                             file=what)
 
 
-@router.get("/files/{run_id}/external_weights/{name}/{relative:path}")
+class RangeError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def byte_range(request: Request, size: int) -> tuple[int, int] | None:
+    """The [start, end) a GET's Range header asks of `size` bytes, or None for all of them (RFC
+    9110). One range of bytes is served; several, or a malformed one, is a 400 that says so; one
+    that starts past the end is a 416. A unit other than bytes is ignored, as is a Range under an
+    If-Range: that asks for the range only if the file is the one it names, and these files carry
+    no validator to match, so the whole file is sent."""
+    header = request.headers.get("range")
+    spec = "".join((header or "").split())
+    if header is None or "if-range" in request.headers or not spec.lower().startswith("bytes="):
+        return None
+    match = _RANGE.match(spec)
+    if not match or match.groups() == ("", ""):
+        raise RangeError(400, f"Range {header!r} is not served: ask for one range of bytes, "
+                              f"'bytes=FIRST-LAST', 'bytes=FIRST-' or 'bytes=-SUFFIX_LENGTH'")
+    first, last = match.groups()
+    if not first:                                    # 'bytes=-N': the last N bytes
+        if int(last) == 0:
+            raise RangeError(416, f"Range {header!r} asks for no bytes of the {size}")
+        start, end = max(size - int(last), 0), size
+    elif last and int(last) < int(first):
+        raise RangeError(400, f"Range {header!r} ends before it starts")
+    else:
+        start, end = int(first), min(int(last) + 1, size) if last else size
+    if start >= size:
+        raise RangeError(416, f"Range {header!r} starts past the end: the file is {size} bytes")
+    return start, end
+
+
+def ranged(request: Request, size: int, chunks: Callable[[int, int], Iterator[bytes]], headers: dict,
+           media_type: str) -> Response:
+    """The answer to a GET or HEAD of a file of `size` bytes whose bytes [start, end) `chunks`
+    makes: all of it (200) or the Range asked for (206), with no body for a HEAD."""
+    try:
+        span = byte_range(request, size)
+    except RangeError as e:
+        extra = {"Content-Range": f"bytes */{size}"} if e.status == 416 else None
+        return error_response(str(e), e.status, extra)
+    start, end = span or (0, size)
+    headers = {**headers, "Accept-Ranges": "bytes", "Content-Length": str(end - start)}
+    if span is not None:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    status = 200 if span is None else 206
+    if request.method == "HEAD":
+        return Response(status_code=status, headers=headers, media_type=media_type)
+    return StreamingResponse(chunks(start, end), status_code=status, headers=headers, media_type=media_type)
+
+
+def byte_response(request: Request, body: bytes, headers: dict, media_type: str) -> Response:
+    """`ranged` for bytes in memory."""
+    return ranged(request, len(body), lambda start, end: iter((body[start:end],)), headers, media_type)
+
+
+@router.api_route("/files/{run_id}/external_weights/{name}/{relative:path}", methods=GET_HEAD)
 async def get_file(run_id: str, name: str, relative: str, request: Request, gw: GatewayDep) -> FileResponse:
+    """One file, sent by starlette's FileResponse, which answers HEAD and Range itself."""
     row = gw.db.get(CheckpointRow, f"tinker://{run_id}/external_weights/{name}")
     signer = _authorized(request, gw, checkpoints.download_path(run_id, f"external_weights/{name}", relative), row)
     if "\x00" in relative:                     # os.path refuses it with a ValueError
@@ -70,7 +138,8 @@ async def get_file(run_id: str, name: str, relative: str, request: Request, gw: 
     path = os.path.realpath(os.path.join(row.directory, relative))
     if not path.startswith(os.path.realpath(row.directory) + os.sep) or not os.path.isfile(path):
         raise NotFoundError(f"no file {relative!r} in {row.tinker_path}")
-    _downloaded(gw, signer, row, relative)
+    if request.method == "GET":
+        _downloaded(gw, signer, row, relative)
     return FileResponse(path)
 
 
@@ -81,28 +150,28 @@ def _archived(request: Request, gw, run_id: str, kind: str, name: str, format: s
     signer = _authorized(request, gw, checkpoints.archive_path(run_id, f"{kind}/{name}", format), row)
     if not os.path.isdir(row.directory):
         raise NotFoundError("the checkpoint's files are gone (deleted since the link was made?)")
-    _downloaded(gw, signer, row, "merged.tar" if format == "merged" else "archive.tar")
+    if request.method == "GET":              # a HEAD downloads nothing
+        _downloaded(gw, signer, row, "merged.tar" if format == "merged" else "archive.tar")
     return row
 
 
-def _tar_response(size: int, chunks, filename: str) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="application/x-tar", headers={
-        "Content-Length": str(size), "Content-Disposition": f'attachment; filename="{filename}"'})
+def _tar_response(request: Request, archive: checkpoints.Tar, filename: str,
+                  stream: Callable[[Iterator[bytes]], Iterator[bytes]] = iter) -> Response:
+    return ranged(request, archive.size, lambda start, end: stream(archive.chunks(start, end)),
+                  {"Content-Disposition": f'attachment; filename="{filename}"'}, "application/x-tar")
 
 
-@router.get("/files/{run_id}/{kind}/{name}/archive.tar")
-async def get_archive(run_id: str, kind: str, name: str, request: Request, gw: GatewayDep) -> StreamingResponse:
+@router.api_route("/files/{run_id}/{kind}/{name}/archive.tar", methods=GET_HEAD)
+async def get_archive(run_id: str, kind: str, name: str, request: Request, gw: GatewayDep) -> Response:
     # Registered after get_file: an external_weights file named archive.tar is that file.
     row = _archived(request, gw, run_id, kind, name, "peft")
-    size, chunks = export.peft_archive(row)
-    return _tar_response(size, chunks, f"{name}.tar")
+    return _tar_response(request, export.peft_archive(row), f"{name}.tar")
 
 
-@router.get("/files/{run_id}/{kind}/{name}/merged.tar")
-async def get_merged_archive(run_id: str, kind: str, name: str, request: Request,
-                             gw: GatewayDep) -> StreamingResponse:
+@router.api_route("/files/{run_id}/{kind}/{name}/merged.tar", methods=GET_HEAD)
+async def get_merged_archive(run_id: str, kind: str, name: str, request: Request, gw: GatewayDep) -> Response:
     """The adapter merged into the base model (gateway/export.py); made as it is sent, in
-    starlette's thread pool (a sync iterator), off the event loop."""
+    starlette's thread pool (a sync iterator), off the event loop. A HEAD merges nothing."""
     row = _archived(request, gw, run_id, kind, name, "merged")
-    size, chunks = export.merged_archive(gw.settings.base_model, row)
-    return _tar_response(size, chunks, f"{name}-merged.tar")
+    return _tar_response(request, export.merged_archive(gw.settings.base_model, row), f"{name}-merged.tar",
+                         export.merging)

@@ -19,7 +19,7 @@ from gateway import checkpoints, public_url
 from gateway.identity.auth import CallerDep
 from gateway.identity.keys import Caller
 from gateway.identity.tokens import DownloadGrant
-from gateway.routes.files import signed_for, url_signer
+from gateway.routes.files import GET_HEAD, byte_response, signed_for, url_signer
 from gateway.state import Gateway, GatewayDep
 from gateway.storage.db import SessionRow
 from gateway.traces import pftrace
@@ -57,7 +57,7 @@ def _grant(session: SessionRow, path: str, expires: int, signer: Caller) -> Down
                          session.owner or "", "owner")
 
 
-@router.get("/files/session_traces/{session_id}/{until_us}.pftrace")
+@router.api_route("/files/session_traces/{session_id}/{until_us}.pftrace", methods=GET_HEAD)
 async def trace_file(session_id: str, until_us: int, request: Request, gw: GatewayDep) -> Response:
     expires, signer = url_signer(request, gw)
     session = await asyncio.to_thread(gw.db.get, SessionRow, session_id)
@@ -66,6 +66,6 @@ async def trace_file(session_id: str, until_us: int, request: Request, gw: Gatew
         raise NotFoundError("this download link is unknown or has expired; call export_session_trace again")
     spans = await asyncio.to_thread(gw.traces.of_session, session_id, until_us)
     body = await asyncio.to_thread(pftrace.build, session_id, spans)
-    return Response(body, media_type="application/octet-stream",
-                    headers={"Content-Disposition": f'attachment; filename="{session_id}.pftrace"'})
+    return byte_response(request, body, {"Content-Disposition": f'attachment; filename="{session_id}.pftrace"'},
+                         "application/octet-stream")
 

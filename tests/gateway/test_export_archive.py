@@ -176,7 +176,7 @@ def test_merged_exports_at_once_are_capped_with_a_429(gateway, tmp_path, monkeyp
         shutil.copy(tmp_path / "adapter" / f, os.path.join(directory, f))
     row = gateway.api.client.app.state.gateway.db.get(CheckpointRow, f"tinker://{model_id}/weights/c")
 
-    _, held = export.merged_archive(gateway.settings.base_model, row)     # one in progress
+    held = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks())    # one in progress
     next(held)
     redirect = gateway.api.get(f"training_runs/{model_id}/checkpoints/weights/c/archive",
                                params={"format": "merged"}, follow_redirects=False)
@@ -187,6 +187,6 @@ def test_merged_exports_at_once_are_capped_with_a_429(gateway, tmp_path, monkeyp
     for _ in held:            # it finishes
         pass
     assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200
-    _, dropped = export.merged_archive(gateway.settings.base_model, row)
+    dropped = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks())
     del dropped               # never read
     assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200
