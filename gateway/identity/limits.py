@@ -115,14 +115,21 @@ class Limits:
                                 f"reuse a SamplingClient, or close its ServiceClient to free them")
         return admit
 
-    def check_samples(self, caller: Caller) -> None:
-        """The server's samples in flight (--max-pending-samples, all gateways), then the caller's."""
-        queued, pending = self.db.pending_samples(caller.user_id)
-        if queued >= self.settings.max_pending_samples:
-            raise OverLimit(f"{queued} sample requests are queued; retry shortly", retry_after_s=1)
-        if pending >= self.settings.max_samples_per_user:
-            raise OverLimit(f"{pending} of your sample requests are in flight (limit "
-                            f"{self.settings.max_samples_per_user}); retry when some finish")
+    def admit_sample(self, caller: Caller) -> Admit:
+        """What admits a sample's future (Database.insert_future): the server's samples in flight
+        (--max-pending-samples, every user on every gateway), then the caller's. The server-wide
+        count is taken one sample at a time (Database.samples_turn), so a burst of several users
+        cannot pass it either."""
+        def admit(conn: Connection) -> None:
+            self.db.samples_turn(conn)
+            queued, pending = self.db.pending_samples_in(conn, caller.user_id)
+            if queued > self.settings.max_pending_samples:
+                raise OverLimit(f"{queued - 1} sample requests are queued (limit {self.settings.max_pending_samples}, "
+                                f"--max-pending-samples); retry shortly", retry_after_s=1)
+            if pending > self.settings.max_samples_per_user:
+                raise OverLimit(f"{pending - 1} of your sample requests are in flight (limit "
+                                f"{self.settings.max_samples_per_user}); retry when some finish")
+        return admit
 
     def check_checkpoint_bytes(self, caller: Caller) -> None:
         """Before a checkpoint made outside the queue (copy_weights): the user's checkpoints and

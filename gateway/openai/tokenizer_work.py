@@ -29,8 +29,18 @@ def prompt_char_cap(max_model_len: int) -> int:
     return CHARS_PER_TOKEN * max_model_len
 
 
-@functools.lru_cache(maxsize=4)
+_LOADING = threading.Lock()
+
+
 def load(model_dir: str):
+    """The tokenizer, loaded once. Under a lock: transformers' lazy module raced itself when
+    several pool threads imported it at once (one got ImportError: a bare 500 to its client)."""
+    with _LOADING:
+        return _load(model_dir)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(model_dir: str):
     from transformers import AutoTokenizer
 
     from tinkerd.process import freeze_heap

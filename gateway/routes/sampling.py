@@ -62,15 +62,14 @@ async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
     session = gw.sessions.live_sampling_session(caller, body.sampling_session_id)
     convert.check_sample(body, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
     msg = convert.sample_request(body, session.snapshot_id, session.snapshot_path)
-    with gw.traces.refusals(session.session_id, "sample"):       # a 429 is in the session's trace
-        gw.limits.check_samples(caller)
     gw.sessions.used(session)
     record_for = session.session_id if body.record_stability_info else None
     msg.request_id = new_request_id()      # the future's id (a resend gets the first one's back)
-    row = gw.futures.submit(Sample(msg, record_for),
-                            owner=caller.user_id, fingerprint=fingerprint("sample", body.model_dump_json()),
-                            idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
-                            target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN),
-                            request_id=msg.request_id)
+    with gw.traces.refusals(session.session_id, "sample"):       # a 429 is in the session's trace
+        row = gw.futures.submit(Sample(msg, record_for),
+                                owner=caller.user_id, fingerprint=fingerprint("sample", body.model_dump_json()),
+                                idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
+                                target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN),
+                                request_id=msg.request_id, admit=gw.limits.admit_sample(caller))
     return FutureResponse(request_id=row.request_id,
                           sample_sequence_ids=[f"{row.request_id}:{i}" for i in range(body.num_samples)])

@@ -322,6 +322,7 @@ _OPEN_SAMPLING_SESSIONS = select(func.count()).select_from(SamplingSessionRow.__
     _SAMPLING.owner == bindparam("owner"), _SESSIONS.finished.is_(False),
     or_(_SAMPLING.snapshot_id == "", _SAMPLING.model_path.is_not(None)))
 _LOCK_OWNER = text("SELECT pg_advisory_xact_lock(:key)")
+_SAMPLES_LOCK_KEY = 0x74696E6B73616D70     # "tinksamp": the server-wide sample count (Database.samples_turn)
 
 
 def _owner_lock_key(owner: str) -> int:
@@ -560,11 +561,20 @@ class Database:
             conn.execute(CompletionRow.__table__.delete().where(CompletionRow.__table__.c.finished_at < before))
             return conn.execute(FutureRow.__table__.delete().where(_FUTURES.completed_at < before)).rowcount
 
-    def pending_samples(self, owner: str) -> tuple[int, int]:
+    @staticmethod
+    def pending_samples_in(conn: Connection, owner: str) -> tuple[int, int]:
         """(sample futures pending on every gateway, those of `owner`): one indexed query."""
-        with self.engine.connect() as conn:
-            total, mine = conn.execute(_PENDING_SAMPLES, {"owner": owner}).one()
+        total, mine = conn.execute(_PENDING_SAMPLES, {"owner": owner}).one()
         return total, mine
+
+    @staticmethod
+    def samples_turn(conn: Connection) -> None:
+        """In an admitting transaction (owner_turn): one sample admission at a time over all
+        users, for the server-wide count. Postgres: an advisory lock to the commit, taken last
+        (after the owner's), so no two transactions wait on each other. SQLite: the insert
+        holds the write lock already."""
+        if conn.dialect.name == "postgresql":
+            conn.execute(_LOCK_OWNER, {"key": _SAMPLES_LOCK_KEY})
 
     def prunable_snapshots(self, unused_before: datetime.datetime, lapsed_before: datetime.datetime,
                            superseded_unused_before: datetime.datetime) -> dict[str, tuple[str, list[str]]]:

@@ -274,3 +274,36 @@ def test_unpublishing_cuts_off_the_sampling_sessions_others_made(gateway):
     assert alice.client.delete(f"/api/v1/training_runs/{model}/checkpoints/sampler_weights/pub",
                                headers={"X-API-Key": alice.api_key}).status_code == 200
     assert_user_error(alice.post("asample", {**body, "sampling_session_id": own, "seq_id": 1}), 404, "deleted")
+
+
+def test_a_burst_of_samples_over_two_gateways_passes_neither_sample_cap(db_url, tmp_path):
+    """Measured before: the sample caps were counted, then the future inserted after an await, so
+    a burst of 40 OpenAI completions under a cap of 4 admitted 5. Now each sample is counted in
+    its insert's transaction, the server-wide count one sample at a time over every user."""
+    settings = GatewaySettings(base_model="m", trainer="t", state_dir=str(tmp_path), max_samples_per_user=4,
+                               max_pending_samples=10)
+    dbs = [Database(db_url), Database(db_url)]
+    users = [create_user(dbs[0], f"sampler-{i}") for i in range(3)]
+    limits = [Limits(settings, db) for db in dbs]
+    n = 36
+    start = threading.Barrier(n)
+
+    def insert(i: int):
+        user = users[i % 3]
+        caller = Caller(user.user_id, user.name, user.org_id, "", False, key_id="")
+        row = FutureRow(request_id=f"s{i}", owner=user.user_id, request_type="sample", extra={}, request_args={})
+        start.wait()
+        try:
+            dbs[i % 2].insert_future(row, limits[i % 2].admit_sample(caller))
+        except OverLimit as e:
+            return e
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        refusals = [e for e in pool.map(insert, range(n)) if e is not None]
+    with dbs[0].engine.connect() as conn:
+        per_user = [Database.pending_samples_in(conn, u.user_id)[1] for u in users]
+        total = Database.pending_samples_in(conn, users[0].user_id)[0]
+    assert total == 10 == n - len(refusals), (total, per_user, refusals)
+    assert all(n <= 4 for n in per_user), per_user
+    assert all("--max-pending-samples" in str(e) or "of your sample requests" in str(e) for e in refusals)
