@@ -20,7 +20,7 @@ from gateway import protocol
 from gateway import tinker_wire_pb2 as tw
 from gateway.settings import GatewaySettings
 from gateway.stability import Span
-from tinkerd import dtypes
+from tinkerd import dtypes, tensors
 from tinkerd.errors import UserError
 from tinkerd.tensors import from_numpy, to_numpy
 from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
@@ -28,7 +28,6 @@ from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
 DEFAULT_MAX_TOKENS = 128
 MAX_BODY_BYTES = GatewaySettings.max_body_bytes
 MAX_DATUMS = 1024                  # the SDK's fwdbwd_max_chunk_len: it never sends more at once
-MAX_TENSOR_ELEMENTS = 1 << 24      # a sparse tensor made dense (64 MiB as float32)
 MAX_BATCH_TOKENS = GatewaySettings.max_batch_tokens     # datums x longest datum
 _Stop = sampler_pb2.SamplingParams.StopMode
 
@@ -94,6 +93,8 @@ def check_forward_backward(fb: "ForwardBackward", limits: ModelLimits) -> None:
             raise UserError(f"datum {i}: {len(d.tokens)} tokens exceed the model's context of {limits.max_positions}")
         _check_tokens(d.tokens, f"datum {i}: model_input", limits.vocab_size)
         targets = d.inputs.get("target_tokens")
+        if isinstance(targets, Sparse):     # the values sent; the others are 0, a token of every vocabulary
+            targets = targets.values
         if targets is not None and targets.dtype.kind in "iu":
             _check_tokens(targets.reshape(-1).tolist(), f"datum {i}: target_tokens", limits.vocab_size)
 
@@ -113,10 +114,38 @@ def check_sample(body: protocol.SampleRequest, limits: ModelLimits) -> None:
 
 # ---- forward_backward: SDK protobuf -> arrays -> trainer request ---------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Sparse:
+    """A sparse 2-D loss_fn_input as the SDK sent it (CSR), kept so up to the trainer, which makes
+    it dense (tinkerd/tensors.py): a few bytes on the wire stay a few bytes in the queued job and
+    its stored row."""
+    crow_indices: bytes
+    col_indices: bytes
+    values: np.ndarray
+    shape: tuple[int, int]
+
+    ndim = 2
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def dense(self) -> np.ndarray:
+        return tensors.dense(self.crow_indices, self.col_indices, self.values, self.shape)
+
+
+def dense(array: "np.ndarray | Sparse") -> np.ndarray:
+    return array.dense() if isinstance(array, Sparse) else array
+
+
 @dataclasses.dataclass
 class DatumArrays:
     tokens: list[int]
-    inputs: dict[str, np.ndarray]      # loss_fn_inputs, dense
+    inputs: dict[str, "np.ndarray | Sparse"]      # loss_fn_inputs: dense, or sparse as sent
     spans: list[Span]                  # loss_fn_input_spans (provenance); empty where none sent
 
 
@@ -137,12 +166,12 @@ class ForwardBackward:
 class Budget:
     """What one forward_backward may cost, checked on the parsed body before any array is made:
     a sparse tensor of a few bytes can stand for gigabytes once dense."""
-    max_elements: int = MAX_BODY_BYTES // 4       # loss_fn_inputs elements, all datums and keys (dense)
+    max_dense_bytes: int = MAX_BODY_BYTES         # loss_fn_inputs made dense on the trainer, all datums and keys
     max_batch_tokens: int = MAX_BATCH_TOKENS      # datums x longest datum: the trainer pads to the longest
 
     @classmethod
     def of(cls, settings) -> "Budget":
-        return cls(settings.max_body_bytes // 4, settings.max_batch_tokens)
+        return cls(settings.max_body_bytes, settings.max_batch_tokens)
 
 
 def forward_backward(body: bytes, budget: Budget = Budget()) -> ForwardBackward:
@@ -169,7 +198,8 @@ def parse_forward_backward(body: bytes) -> tw.ForwardBackwardRequest:
 
 def check_cost(msg: tw.ForwardBackwardRequest, budget: Budget) -> None:
     """From shapes alone: every loss_fn_input has one row per input token (as the trainer
-    requires), their dense elements in all stay within budget.max_elements, and the padded batch
+    requires), their bytes once dense on the trainer stay within budget.max_dense_bytes (a sparse
+    int64 tensor of ~200 bytes on the wire can declare 64 MiB), and the padded batch
     within budget.max_batch_tokens. A custom loss may also take one value per datum (its rank-0
     inputs, shape [] or [1]; gateway/custom_losses.py checks each input's rank against the loss)."""
     total, longest = 0, 0
@@ -184,17 +214,18 @@ def check_cost(msg: tw.ForwardBackwardRequest, budget: Budget) -> None:
                 raise UserError(f"{where}: negative dimension in shape {shape}")
             if not t.HasField("sparse_csr"):
                 shape = shape or [len(t.dense) // _itemsize(t, where)]     # no shape: 1-D
+            itemsize = 4 if t.dtype == tw.DTYPE_BFLOAT16 else np.dtype(_numpy_dtype(t, where)).itemsize
             if per_datum_values and len(shape) <= 1 and math.prod(shape) == 1:
-                total += 1
+                total += itemsize
                 continue
             if not shape or shape[0] != n:
                 raise UserError(f"{where} has shape {shape}, expected leading dimension {n} (the number of "
                                 f"input tokens)")
-            total += math.prod(shape)
-            if total > budget.max_elements:
-                raise UserError(f"loss_fn_inputs hold more than {budget.max_elements} elements in all (counted "
-                                f"dense, over every datum and key; the limit is --max-body-bytes / 4): send "
-                                f"fewer datums per request")
+            total += math.prod(shape) * itemsize
+            if total > budget.max_dense_bytes:
+                raise UserError(f"loss_fn_inputs hold more than {budget.max_dense_bytes} bytes in all once dense "
+                                f"(over every datum and key, as the trainer holds them; the limit is "
+                                f"--max-body-bytes): send fewer datums per request, or smaller inputs")
     if len(msg.data) * longest > budget.max_batch_tokens:
         raise UserError(f"{len(msg.data)} datums padded to the longest ({longest} tokens) make "
                         f"{len(msg.data) * longest} tokens, over this server's --max-batch-tokens "
@@ -246,7 +277,8 @@ def _datum(datum: tw.Datum, i: int) -> DatumArrays:
         tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
     inputs = {key: _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]") for key, t in datum.loss_fn_inputs.items()}
     for key, array in inputs.items():      # one NaN makes every gradient, then every weight, NaN
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
+        values = array.values if isinstance(array, Sparse) else array
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
             raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] holds NaN or infinite values")
     return DatumArrays(tokens, inputs, [_span(p) for p in datum.loss_fn_input_spans])
 
@@ -276,32 +308,21 @@ def _numpy_dtype(t: tw.Tensor, where: str):
     return numpy_dtype
 
 
-def _tensor(t: tw.Tensor, where: str) -> np.ndarray:
+def _tensor(t: tw.Tensor, where: str) -> "np.ndarray | Sparse":
     values, shape = _values(t, where), tuple(t.shape)
     if any(n < 0 for n in shape):
         raise UserError(f"{where}: negative dimension in shape {list(shape)}")
     if t.HasField("sparse_csr"):
-        return _densify(t.sparse_csr, values, shape, where)
+        try:
+            tensors.csr_indices(t.sparse_csr.crow_indices, t.sparse_csr.col_indices, len(values), shape)
+        except ValueError as e:
+            raise UserError(f"{where}: {e}") from None
+        return Sparse(t.sparse_csr.crow_indices, t.sparse_csr.col_indices, values, shape)
     if not shape:
         shape = (values.size,)
     if math.prod(shape) != values.size:     # Python ints: no overflow on huge shapes
         raise UserError(f"{where}: {values.size} values do not fill shape {list(shape)}")
     return values.reshape(shape)
-
-
-def _densify(csr: tw.SparseCsr, values: np.ndarray, shape: tuple, where: str) -> np.ndarray:
-    if len(shape) != 2:
-        raise UserError(f"{where}: a sparse tensor needs a 2-D shape, got {list(shape)}")
-    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
-        raise UserError(f"{where}: sparse shape {list(shape)} is over {MAX_TENSOR_ELEMENTS} elements when dense")
-    crow = _frombuffer(csr.crow_indices, "<i8", where + " crow_indices")
-    col = _frombuffer(csr.col_indices, "<i8", where + " col_indices")
-    if (len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0 or crow[-1] != len(col)
-            or (np.diff(crow) < 0).any() or (len(col) and (col.min() < 0 or col.max() >= shape[1]))):
-        raise UserError(f"{where}: malformed sparse CSR tensor")
-    dense = np.zeros(shape, dtype=values.dtype)
-    dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values
-    return dense
 
 
 def _span(p: tw.ProvenanceSpan) -> Span:
@@ -318,7 +339,17 @@ def trainer_request(fb: ForwardBackward) -> trainer_pb2.ForwardBackwardRequest:
     for datum in fb.data:
         d = out.data.add(tokens=datum.tokens)
         for key, array in datum.inputs.items():
-            d.loss_fn_inputs[key].CopyFrom(from_numpy(array))
+            d.loss_fn_inputs[key].CopyFrom(_wire_tensor(array))
+    return out
+
+
+def _wire_tensor(array: "np.ndarray | Sparse") -> common_pb2.Tensor:
+    if not isinstance(array, Sparse):
+        return from_numpy(array)
+    out = from_numpy(array.values)
+    del out.shape[:]
+    out.shape.extend(array.shape)
+    out.sparse_csr.crow_indices, out.sparse_csr.col_indices = array.crow_indices, array.col_indices
     return out
 
 

@@ -182,8 +182,14 @@ class StabilityRecords:
         for i, datum in enumerate(fb.data):
             if "target_tokens" not in datum.inputs:
                 raise UserError(f"datum {i}: loss_fn_inputs is missing 'target_tokens'")
-            targets = datum.inputs["target_tokens"].reshape(-1)
+            targets = _dense(datum.inputs["target_tokens"]).reshape(-1)
             client = datum.inputs.get("logprobs")
+            client = None if client is None else _dense(client)
             if client is not None and client.size != targets.size:
                 raise UserError(f"datum {i}: logprobs has {client.size} values, target_tokens {targets.size}")
             datum.inputs["logprobs"] = self.behaviour_logprobs(session_id, i, datum.spans, targets, client, found)
+
+
+def _dense(array):
+    """A loss_fn_input as an array (gateway.convert.Sparse, as the SDK sent it, made dense)."""
+    return array.dense() if hasattr(array, "dense") else array

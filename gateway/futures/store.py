@@ -4,8 +4,8 @@ retrieve_futures poll (gateway/futures/completions.py), and a pending one can be
 
 Any gateway on the database answers any future, and a killed gateway loses none:
 - the row stores the request: its typed job (gateway/jobs/), as JSON arguments plus the serialized
-  gRPC message; the job that runs is always decoded from that stored form (`job_of`), at submission
-  and when re-driven, so there is one way to run a request;
+  gRPC message (sparse inputs as the SDK sent them), until the future finishes; the submitted job
+  runs as it is, and a re-driven one is decoded from that stored form (`job_of`);
 - the gateway running a future holds a lease on its row (claimed_by, lease_until) and renews it
   every lease/3; a gateway claims pending rows whose lease lapsed (at start-up and every few
   seconds) and runs them again. The trainer answers a resent (model_id, seq_id) with its first
@@ -144,8 +144,8 @@ class Futures:
         return now() + datetime.timedelta(seconds=self.lease_s)
 
     def job_of(self, request_type: str, request: StoredRequest) -> Job | None:
-        """The one way a request becomes a job: from its stored form, at submission and when
-        re-driven from its row. None if this gateway cannot run it (stored by an older one)."""
+        """A re-driven request's job, from its stored form. None if this gateway cannot run it
+        (stored by an older one)."""
         job_class = self.jobs.get(request_type)
         try:
             job = job_class.from_stored(request) if job_class else None
@@ -177,7 +177,9 @@ class Futures:
             if target is not None and row.status != "pending":    # reported again: the client may have missed it
                 self.completions.report_again(target, row.request_id, row.status == "failed", len(row.result or b""))
             return row    # a resend: scheduled (here or on another gateway) or finished
-        self._schedule(row.request_id, request_type, self.job_of(request_type, request), owner, model_id,
+        # The job in hand runs (its stored form is decoded only to re-drive it: tests/unit/test_jobs.py
+        # keeps the two the same).
+        self._schedule(row.request_id, request_type, functools.partial(job.run, self.gateway), owner, model_id,
                        seq_id, target)
         return row
 

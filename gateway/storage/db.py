@@ -342,6 +342,14 @@ def _cache_key(row) -> tuple[str, str]:
     return type(row).__name__, row.__mapper__.primary_key_from_instance(row)[0]
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class DatabaseUnusable(UserError):
     """--db-url names no database this gateway can open; the message says why (never the password)."""
 
@@ -458,6 +466,8 @@ class Database:
         cached = self._cache.get((cls.__name__, key))
         if cached is not None and cached[1] > time.monotonic():
             return cached[0]
+        if isinstance(key, str) and not _encodable(key):
+            return None              # a lone surrogate from JSON: no row has it, and no driver takes it
         with self.session() as s:
             row = s.get(cls, key)
         if row is not None and cls.__name__ in _CACHED:

@@ -169,7 +169,7 @@ BAD_PROTOBUF = {
     "sparse cols out of range": (lambda r, d, w: w.CopyFrom(_sparse([3, 2], [0, 1, 1, 2], [-7, 1], [1, 1])),
                                  "sparse"),
     "sparse rows backwards": (lambda r, d, w: w.CopyFrom(_sparse([3, 2], [0, 2, 1, 2], [0, 1], [1, 1])), "sparse"),
-    "huge sparse": (lambda r, d, w: w.CopyFrom(_sparse([3, 2**40], [0, 0, 0, 0], [], [])), "elements"),
+    "huge sparse": (lambda r, d, w: w.CopyFrom(_sparse([3, 2**40], [0, 0, 0, 0], [], [])), "bytes in all once dense"),
     "image chunk": (lambda r, d, w: d.model_input.add().image.SetInParent(), "image"),
 }
 

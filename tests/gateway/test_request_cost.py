@@ -63,21 +63,21 @@ def test_a_tiny_body_declaring_huge_sparse_inputs_is_refused_without_allocating(
     body = _sparse_bomb(model_id)
     assert len(body) < 1024
     response, peak = _peak_of(lambda: _post(gateway, body))
-    assert_user_error(response, 400, f"more than {gateway.settings.max_body_bytes // 4} elements",
-                      "--max-body-bytes / 4")
+    assert_user_error(response, 400, f"more than {gateway.settings.max_body_bytes} bytes in all once dense",
+                      "--max-body-bytes")
     assert peak < 4 << 20, f"the gateway allocated {peak} bytes for a {len(body)}-byte body"
     assert gateway.trainer.of("ForwardBackward") == []
 
 
-def test_the_element_budget_is_over_all_datums_and_keys(gateway):
+def test_the_dense_byte_budget_is_over_all_datums_and_keys(gateway):
     """Each datum alone is small; together they are over the budget."""
     model_id = gateway.api.model(gateway.api.session())
     req = _request(model_id)
     for _ in range(64):
-        _empty_sparse(_datum(req, [5]).loss_fn_inputs["weights"], [1, 1 << 18])   # 64 x 2^18 = 2^24
-    gateway.settings.max_body_bytes = 32 << 20      # budget 2^23 elements
+        _empty_sparse(_datum(req, [5]).loss_fn_inputs["weights"], [1, 1 << 18])   # 64 x 2^18 x 4 B = 64 MiB
+    gateway.settings.max_body_bytes = 32 << 20
     response, peak = _peak_of(lambda: _post(gateway, req.SerializeToString()))
-    assert_user_error(response, 400, "elements in all")
+    assert_user_error(response, 400, "bytes in all once dense")
     assert peak < 4 << 20
 
 
@@ -151,3 +151,51 @@ def test_adam_parameters_are_bounded(gateway, params, field):
                                                              "adam_params": params}), 400, field)
     assert "less than or equal to" in body["error"]
     assert gateway.trainer.of("OptimStep") == []
+
+
+def _int64_sparse_body(model_id: str, width: int) -> bytes:
+    """The review's body: 16 one-token datums, each with an empty sparse int64 input [1, width]."""
+    req = tw.ForwardBackwardRequest(model_id=model_id, seq_id=1, loss_fn="cross_entropy")
+    for _ in range(16):
+        datum = _datum(req, [5])
+        t = datum.loss_fn_inputs["weights"]
+        t.dtype, t.shape[:] = tw.DTYPE_INT64, [1, width]
+        t.sparse_csr.crow_indices = np.zeros(2, "<i8").tobytes()
+    return req.SerializeToString()
+
+
+def test_int64_counts_eight_bytes_a_value(gateway):
+    """Measured before: a 230-byte zstd body of 16 x [1, 524284] int64 passed the element budget
+    and stored a 64 MiB futures row. Counted in bytes, it is over the budget."""
+    model_id = gateway.api.model(gateway.api.session())
+    body = _int64_sparse_body(model_id, 524284)
+    assert len(body) < 2048
+    response, peak = _peak_of(lambda: _post(gateway, body))
+    assert_user_error(response, 400, "bytes in all once dense")
+    assert peak < 4 << 20
+
+
+def test_a_sparse_input_is_stored_and_queued_as_sent(gateway):
+    """Under the budget, a sparse input stays sparse up to the trainer: the future's row holds the
+    few bytes that came, not 25 MiB of zeros; the trainer gets it sparse and makes it dense; and
+    a finished future's stored request is dropped."""
+    from gateway.storage.db import FutureRow
+    from tinkerd.tensors import to_numpy
+
+    api = gateway.api
+    model_id = api.model(api.session())
+    app_db = api.client.app.state.gateway.db
+    body = _int64_sparse_body(model_id, 200_000)      # 16 x 200,000 x 8 B = 25.6 MB once dense
+    response = _post(gateway, body)
+    assert response.status_code == 200, response.text
+    request_id = response.json()["request_id"]
+    assert api.result({"request_id": request_id}).status_code == 200
+    message = gateway.trainer.of("ForwardBackward")[-1]       # what the future's row stored, too
+    assert message.ByteSize() < 8 << 10, message.ByteSize()
+    sent = message.data[0].loss_fn_inputs["weights"]
+    assert sent.HasField("sparse_csr") and to_numpy(sent).shape == (1, 200_000) and not to_numpy(sent).any()
+    with app_db.engine.connect() as conn:
+        from sqlalchemy import select
+        row = conn.execute(select(FutureRow.__table__.c.request_body, FutureRow.__table__.c.request_args).where(
+            FutureRow.__table__.c.request_id == request_id)).one()
+    assert row == (None, None)

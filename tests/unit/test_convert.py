@@ -49,7 +49,9 @@ def test_sample_response_decodes_in_the_sdk():
     assert out.sequences[0].logprobs == [-0.5, -0.25]
 
 
-def test_sparse_csr_inputs_are_densified():
+def test_sparse_csr_inputs_stay_sparse_up_to_the_trainer():
+    """The trainer's request carries a sparse input as it came (its few bytes, not the dense
+    array): the trainer makes it dense (tinkerd/tensors.to_numpy)."""
     req = ours.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
     d = req.data.add()
     d.model_input.add().encoded_text.tokens = np.array([1, 2], dtype="<i4").tobytes()
@@ -59,9 +61,11 @@ def test_sparse_csr_inputs_are_densified():
     t.sparse_csr.crow_indices = np.array([0, 1, 2], dtype="<i8").tobytes()
     t.sparse_csr.col_indices = np.array([2, 0], dtype="<i8").tobytes()
     fb = convert.forward_backward(req.SerializeToString())
-    assert fb.data[0].inputs["weights"].tolist() == [[0, 0, 0.5], [2.0, 0, 0]]
+    assert fb.data[0].inputs["weights"].dense().tolist() == [[0, 0, 0.5], [2.0, 0, 0]]
     assert fb.data[0].tokens == [1, 2]
     from tinkerd.tensors import to_numpy
     msg = convert.trainer_request(fb)
-    assert to_numpy(msg.data[0].loss_fn_inputs["weights"]).tolist() == [[0, 0, 0.5], [2.0, 0, 0]]
+    wire = msg.data[0].loss_fn_inputs["weights"]
+    assert wire.HasField("sparse_csr") and len(wire.data) == 8
+    assert to_numpy(wire).tolist() == [[0, 0, 0.5], [2.0, 0, 0]]
     assert list(msg.data[0].tokens) == [1, 2]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tinkerd/v1/common.proto\x12\ntinkerd.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.tinkerd.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x9d\x01\n\x05\x44\x61tum\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12;\n\x0eloss_fn_inputs\x18\x02 \x03(\x0b\x32#.tinkerd.v1.Datum.LossFnInputsEntry\x1aG\n\x11LossFnInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.tinkerd.v1.Tensor:\x02\x38\x01\"t\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\x04seed\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\ntrain_attn\x18\x03 \x01(\x08\x12\x11\n\ttrain_mlp\x18\x04 \x01(\x08\x12\x15\n\rtrain_unembed\x18\x05 \x01(\x08\x42\x07\n\x05_seed\"|\n\nAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x06 \x01(\x01\"\x0f\n\rHealthRequest\"x\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x33\n\x0fweight_endpoint\x18\x04 \x01(\x0b\x32\x1a.tinkerd.v1.WeightEndpoint\".\n\x0eWeightEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x0f\n\x0b\x44TYPE_INT32\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x11\n\rDTYPE_FLOAT16\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tinkerd/v1/common.proto\x12\ntinkerd.v1\"r\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.tinkerd.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12)\n\nsparse_csr\x18\x04 \x01(\x0b\x32\x15.tinkerd.v1.SparseCsr\"6\n\tSparseCsr\x12\x14\n\x0c\x63row_indices\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63ol_indices\x18\x02 \x01(\x0c\"\x9d\x01\n\x05\x44\x61tum\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12;\n\x0eloss_fn_inputs\x18\x02 \x03(\x0b\x32#.tinkerd.v1.Datum.LossFnInputsEntry\x1aG\n\x11LossFnInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.tinkerd.v1.Tensor:\x02\x38\x01\"t\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\x04seed\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\ntrain_attn\x18\x03 \x01(\x08\x12\x11\n\ttrain_mlp\x18\x04 \x01(\x08\x12\x15\n\rtrain_unembed\x18\x05 \x01(\x08\x42\x07\n\x05_seed\"|\n\nAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x06 \x01(\x01\"\x82\x01\n\x0c\x44imuonParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\x0f\n\x07\x64\x61mping\x18\x03 \x01(\x01\x12#\n\x1brank_lr_correction_exponent\x18\x04 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x05 \x01(\x01\"\x0f\n\rHealthRequest\"x\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x33\n\x0fweight_endpoint\x18\x04 \x01(\x0b\x32\x1a.tinkerd.v1.WeightEndpoint\".\n\x0eWeightEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x0f\n\x0b\x44TYPE_INT32\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x11\n\rDTYPE_FLOAT16\x10\x05*Q\n\tOptimizer\x12\x19\n\x15OPTIMIZER_UNSPECIFIED\x10\x00\x12\x13\n\x0fOPTIMIZER_ADAMW\x10\x01\x12\x14\n\x10OPTIMIZER_DIMUON\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,22 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DATUM_LOSSFNINPUTSENTRY']._loaded_options = None
   _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=703
-  _globals['_DTYPE']._serialized_end=825
+  _globals['_DTYPE']._serialized_start=935
+  _globals['_DTYPE']._serialized_end=1057
+  _globals['_OPTIMIZER']._serialized_start=1059
+  _globals['_OPTIMIZER']._serialized_end=1140
   _globals['_TENSOR']._serialized_start=39
-  _globals['_TENSOR']._serialized_end=110
-  _globals['_DATUM']._serialized_start=113
-  _globals['_DATUM']._serialized_end=270
-  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_start=199
-  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_end=270
-  _globals['_LORACONFIG']._serialized_start=272
-  _globals['_LORACONFIG']._serialized_end=388
-  _globals['_ADAMPARAMS']._serialized_start=390
-  _globals['_ADAMPARAMS']._serialized_end=514
-  _globals['_HEALTHREQUEST']._serialized_start=516
-  _globals['_HEALTHREQUEST']._serialized_end=531
-  _globals['_HEALTHRESPONSE']._serialized_start=533
-  _globals['_HEALTHRESPONSE']._serialized_end=653
-  _globals['_WEIGHTENDPOINT']._serialized_start=655
-  _globals['_WEIGHTENDPOINT']._serialized_end=701
+  _globals['_TENSOR']._serialized_end=153
+  _globals['_SPARSECSR']._serialized_start=155
+  _globals['_SPARSECSR']._serialized_end=209
+  _globals['_DATUM']._serialized_start=212
+  _globals['_DATUM']._serialized_end=369
+  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_start=298
+  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_end=369
+  _globals['_LORACONFIG']._serialized_start=371
+  _globals['_LORACONFIG']._serialized_end=487
+  _globals['_ADAMPARAMS']._serialized_start=489
+  _globals['_ADAMPARAMS']._serialized_end=613
+  _globals['_DIMUONPARAMS']._serialized_start=616
+  _globals['_DIMUONPARAMS']._serialized_end=746
+  _globals['_HEALTHREQUEST']._serialized_start=748
+  _globals['_HEALTHREQUEST']._serialized_end=763
+  _globals['_HEALTHRESPONSE']._serialized_start=765
+  _globals['_HEALTHRESPONSE']._serialized_end=885
+  _globals['_WEIGHTENDPOINT']._serialized_start=887
+  _globals['_WEIGHTENDPOINT']._serialized_end=933
 # @@protoc_insertion_point(module_scope)

@@ -15,22 +15,41 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
+
+class Optimizer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OPTIMIZER_UNSPECIFIED: _ClassVar[Optimizer]
+    OPTIMIZER_ADAMW: _ClassVar[Optimizer]
+    OPTIMIZER_DIMUON: _ClassVar[Optimizer]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_INT64: DType
 DTYPE_INT32: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
+OPTIMIZER_UNSPECIFIED: Optimizer
+OPTIMIZER_ADAMW: Optimizer
+OPTIMIZER_DIMUON: Optimizer
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "sparse_csr")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_CSR_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    sparse_csr: SparseCsr
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., sparse_csr: _Optional[_Union[SparseCsr, _Mapping]] = ...) -> None: ...
+
+class SparseCsr(_message.Message):
+    __slots__ = ("crow_indices", "col_indices")
+    CROW_INDICES_FIELD_NUMBER: _ClassVar[int]
+    COL_INDICES_FIELD_NUMBER: _ClassVar[int]
+    crow_indices: bytes
+    col_indices: bytes
+    def __init__(self, crow_indices: _Optional[bytes] = ..., col_indices: _Optional[bytes] = ...) -> None: ...
 
 class Datum(_message.Message):
     __slots__ = ("tokens", "loss_fn_inputs")
@@ -76,6 +95,20 @@ class AdamParams(_message.Message):
     weight_decay: float
     grad_clip_norm: float
     def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
+
+class DimuonParams(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "damping", "rank_lr_correction_exponent", "grad_clip_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    DAMPING_FIELD_NUMBER: _ClassVar[int]
+    RANK_LR_CORRECTION_EXPONENT_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    damping: float
+    rank_lr_correction_exponent: float
+    grad_clip_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., damping: _Optional[float] = ..., rank_lr_correction_exponent: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

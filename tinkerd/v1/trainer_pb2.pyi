@@ -18,34 +18,38 @@ class CheckpointRef(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class CreateModelRequest(_message.Message):
-    __slots__ = ("model_id", "lora_config", "base_model", "load_checkpoint", "load_optimizer")
+    __slots__ = ("model_id", "lora_config", "base_model", "load_checkpoint", "load_optimizer", "optimizer")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LOAD_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LOAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     lora_config: _common_pb2.LoraConfig
     base_model: str
     load_checkpoint: CheckpointRef
     load_optimizer: bool
-    def __init__(self, model_id: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model: _Optional[str] = ..., load_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., load_optimizer: _Optional[bool] = ...) -> None: ...
+    optimizer: _common_pb2.Optimizer
+    def __init__(self, model_id: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model: _Optional[str] = ..., load_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., load_optimizer: _Optional[bool] = ..., optimizer: _Optional[_Union[_common_pb2.Optimizer, str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "base_model", "lora_config", "step", "num_params", "resident")
+    __slots__ = ("model_id", "base_model", "lora_config", "step", "num_params", "resident", "optimizer")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     base_model: str
     lora_config: _common_pb2.LoraConfig
     step: int
     num_params: int
     resident: bool
-    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., step: _Optional[int] = ..., num_params: _Optional[int] = ..., resident: _Optional[bool] = ...) -> None: ...
+    optimizer: _common_pb2.Optimizer
+    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., step: _Optional[int] = ..., num_params: _Optional[int] = ..., resident: _Optional[bool] = ..., optimizer: _Optional[_Union[_common_pb2.Optimizer, str]] = ...) -> None: ...
 
 class DeleteModelRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -121,14 +125,16 @@ class ForwardBackwardResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[DatumOutput, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id", "adam_params")
+    __slots__ = ("model_id", "seq_id", "adam_params", "dimuon_params")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ADAM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    DIMUON_PARAMS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
     adam_params: _common_pb2.AdamParams
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ...) -> None: ...
+    dimuon_params: _common_pb2.DimuonParams
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., dimuon_params: _Optional[_Union[_common_pb2.DimuonParams, _Mapping]] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("metrics",)
