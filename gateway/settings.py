@@ -63,6 +63,9 @@ class GatewaySettings(ServiceAuthSettings):
                                                              "may have in open sessions", at_least=1)
     max_queued_per_user: int = setting(256, help="training requests one user may have queued (HTTP 429 beyond)",
                                        at_least=1)
+    max_queued_mib_per_user: int = setting(1024, help="bytes of request one user's queued training requests may "
+                                                      "hold, as stored and held in memory (MiB; HTTP 429 beyond)",
+                                           at_least=1)
     max_samples_per_user: int = setting(1024, help="sample requests one user may have in flight (HTTP 429 beyond)",
                                         at_least=1)
     max_checkpoint_gb_per_user: float = setting(50.0, help="checkpoint bytes on disk one user may hold (GB)",

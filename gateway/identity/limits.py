@@ -64,6 +64,11 @@ class Limits:
                 raise OverLimit(f"{queued} of your training requests are queued (limit "
                                 f"{self.settings.max_queued_per_user}, --max-queued-per-user); retry when some "
                                 f"finish")
+            held = self.db.pending_training_bytes_in(conn, caller.user_id)
+            if held > self.settings.max_queued_mib_per_user << 20:
+                raise OverLimit(f"your queued training requests hold {held / 2**20:.1f} MiB (limit "
+                                f"{self.settings.max_queued_mib_per_user} MiB, --max-queued-mib-per-user); retry "
+                                f"when some finish")
         return admit
 
     def _admit_run(self, conn: Connection, caller: Caller) -> None:

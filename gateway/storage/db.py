@@ -284,6 +284,8 @@ _PENDING_SAMPLES = select(
                  _FUTURES.owner == bindparam("owner")).scalar_subquery())
 _PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sample'"),
                                  _FUTURES.owner == bindparam("owner"))
+_PENDING_TRAINING_BYTES = select(func.coalesce(func.sum(func.length(_FUTURES.request_body)), 0)).where(
+    _PENDING_OF, _FUTURES.request_type != text("'sample'"), _FUTURES.owner == bindparam("owner"))
 
 # Requests that make a new training run, and those that write a checkpoint or snapshot to disk:
 # pending ones are counted against the model cap and the checkpoint quota (gateway/identity/limits.py).
@@ -423,6 +425,11 @@ class Database:
     def pending_training_in(conn: Connection, owner: str) -> int:
         """`owner`'s training futures pending on every gateway (queued or running)."""
         return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
+
+    @staticmethod
+    def pending_training_bytes_in(conn: Connection, owner: str) -> int:
+        """The bytes of request `owner`'s pending training futures hold (stored, and queued in memory)."""
+        return int(conn.execute(_PENDING_TRAINING_BYTES, {"owner": owner}).scalar())
 
     @staticmethod
     def runs_of(conn: Connection, owner: str) -> int:

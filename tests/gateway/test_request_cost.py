@@ -199,3 +199,21 @@ def test_a_sparse_input_is_stored_and_queued_as_sent(gateway):
         row = conn.execute(select(FutureRow.__table__.c.request_body, FutureRow.__table__.c.request_args).where(
             FutureRow.__table__.c.request_id == request_id)).one()
     assert row == (None, None)
+
+
+def test_queued_training_requests_are_capped_in_bytes(gateway):
+    """Requests waiting for their turn (seq_id 1 never came) are held in memory and stored: a
+    user's queue is capped in bytes too, not only in requests (429, as for a full queue)."""
+    gateway.settings.max_queued_mib_per_user = 1
+    model_id = gateway.api.model(gateway.api.session())
+
+    def body(seq_id: int) -> bytes:
+        req = _request(model_id, seq_id)
+        weights = _datum(req, [5]).loss_fn_inputs["weights"]
+        weights.dtype, weights.shape[:] = tw.DTYPE_FLOAT32, [1, 150_000]       # 600 KB, dense
+        weights.dense = np.ones(150_000, "<f4").tobytes()
+        return req.SerializeToString()
+    assert _post(gateway, body(2)).status_code == 200
+    response = _post(gateway, body(3))
+    assert response.status_code == 429 and "--max-queued-mib-per-user" in response.json()["error"], response.text
+    assert response.headers["retry-after"]
