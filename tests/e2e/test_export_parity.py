@@ -140,9 +140,9 @@ def test_a_tied_base_takes_the_lm_head_adapter_and_its_merged_export(tiny_model_
     base = _tied_copy(tiny_model_dir, tmp_path / "tied")
     adapter = build_lora_adapter(base, tmp_path / "adapter", rank=8, seed=3, std=0.05)
     row = type("Row", (), {"directory": str(adapter), "tinker_path": "tinker://r:train:0/sampler_weights/x"})()
-    size, chunks = export.merged_archive(str(base), row)
-    blob = b"".join(chunks)
-    assert len(blob) == size
+    archive = export.merged_archive(str(base), row)
+    blob = b"".join(archive.chunks())
+    assert len(blob) == archive.size
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(tmp_path / "merged", filter="data")
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is False

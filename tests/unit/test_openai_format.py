@@ -30,9 +30,9 @@ def test_archive_is_a_tar_of_the_files_plus_the_completion_marker(tmp_path):
     files = {"adapter_config.json": b"{}", "adapter_model.safetensors": os.urandom(70_000), "sub/x.bin": b"x" * 512}
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
-    size, chunks = checkpoints.archive(str(tmp_path))
-    blob = b"".join(chunks)
-    assert len(blob) == size
+    archive = checkpoints.archive(str(tmp_path))
+    blob = b"".join(archive.chunks())
+    assert len(blob) == archive.size
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
     assert got == {**files, checkpoints.COMPLETE_MARKER: b""}
