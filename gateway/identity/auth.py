@@ -8,8 +8,8 @@ which makes the SDK exchange its key for a fresh one (and fail with Authenticati
 key itself is no longer valid). A plain ASGI middleware: it is on the futures hot path.
 
 The internal listener's routes (gateway/listeners.py) take an admin's credential; a tenant's is
-refused with 403. The replicas' (`/internal/v1/samplers/`: joining the pool) also take the service
-token that the services' gRPC calls carry. Being on this machine counts for nothing: a local user or a local
+refused with 403. The replicas' (`/internal/v1/samplers/`) take the service token that the services'
+gRPC calls carry; joining or leaving the pool takes only it (an organisation admin is no operator). Being on this machine counts for nothing: a local user or a local
 reverse proxy is not the operator. Checked here too, so a bad credential is a 401 before any body
 is read or bounded. A path on the wrong listener is a 404 before any credential is looked at.
 """
@@ -64,14 +64,21 @@ def internal_refusal(token: str | None, auth: Authenticator, scope) -> tuple[tup
     replica). The replicas' routes take the service token as a bearer credential; every internal
     route takes an admin's API key or token."""
     credential = _credential(scope)
-    replica_route = scope.get("path", "").startswith(REPLICA_PREFIX)
-    wanted = "the service token (Authorization: Bearer) or an admin's API key" if replica_route else \
-        "an admin's API key"
+    path = scope.get("path", "")
+    replica_route = path.startswith(REPLICA_PREFIX)
+    # Joining or leaving the pool makes the gateway dial an address with the service token and the
+    # trainer push adapters there: the operator's credential only (an organisation admin is not one).
+    operator_only = replica_route and path != REPLICA_PREFIX + "list"
+    wanted = ("the service token (Authorization: Bearer)" if operator_only else
+              "the service token (Authorization: Bearer) or an admin's API key" if replica_route else
+              "an admin's API key")
     if not credential:
         return (401, f"missing credential: {wanted}"), None
     # Bytes: compare_digest refuses a non-ASCII str (latin-1 round-trips the header's bytes).
     if replica_route and token and hmac.compare_digest(credential.encode("latin-1"), token.encode()):
         return None, None
+    if operator_only:
+        return (403, f"{path} takes {wanted}, not an API key"), None
     caller, _ = auth.caller(credential)
     if caller is None:
         return (401, f"wrong credential: {wanted}"), None

@@ -70,6 +70,11 @@ def test_internal_routes_take_the_service_token_or_an_admin_and_refuse_a_tenant(
     assert internal.get(listing, headers={"X-API-Key": admin}).status_code == 200
     assert internal.post("/internal/v1/samplers/register", json={"address": "10.0.0.9:5"},
                          headers={"authorization": f"Bearer {TOKEN}"}).json() == {"status": "registered"}
+    # An organisation admin may list the pool, not change it: registering would make the gateway
+    # dial any address with the service token, and the trainer push adapters there.
+    for action in ("register", "deregister"):
+        assert_user_error(internal.post(f"/internal/v1/samplers/{action}", json={"address": "10.0.0.66:5"},
+                                        headers={"X-API-Key": admin}), 403, "service token")
     # The other internal routes (benchmarks' no-op futures, futures stats) are an admin's only: the
     # service token is for replicas joining the pool.
     for credential, status in ((TOKEN, 401), (tenant, 403)):
