@@ -126,9 +126,15 @@ class Request(Body):
 
 # ---- sessions ----------------------------------------------------------------------------
 
+ProjectId = Annotated[str, Field(max_length=128)]         # gateway/projects.py checks its form
+DisplayName = Annotated[str, Field(max_length=512)]
+
+
 class CreateSessionRequest(Request):
     tags: list[Annotated[str, Field(max_length=256)]] = Field([], max_length=64)
     user_metadata: dict[str, Any] = {}
+    project_id: ProjectId | None = None        # None: the caller's default project
+    display_name: DisplayName | None = None
 
     @model_validator(mode="after")
     def _small(self):
@@ -144,6 +150,94 @@ class CreateSessionResponse(BaseModel):
 
 class SessionHeartbeatRequest(Request):
     session_id: Id = ""
+
+
+class FinishReason(Body):
+    type: Literal["success", "errored", "interrupted"] = "success"
+
+
+class FinishSessionRequest(Request):
+    """ServiceClient.close(status, detail): kept as the session's status (search_sessions)."""
+    reason: FinishReason | None = None
+    detail: Annotated[str, Field(max_length=4096)] | None = None
+
+
+class AssignProjectRequest(Request):
+    project_id: ProjectId = ""
+
+
+class OwnSearchOwner(Body):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["own"] = "own"
+
+
+class AccessibleSearchOwner(Body):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["accessible"] = "accessible"
+
+
+class UserSearchOwner(Body):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["user"] = "user"
+    owner_urns: list[Id] = Field(min_length=1, max_length=10)
+
+
+class StatusQuery(Body):
+    """One of SessionStatusQuery's kinds; `reasons` only with client_finished."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _reasons_only_when_finished(self):
+        if self.reasons is not None and self.type != "client_finished":
+            raise ValueError(f"reasons go with type client_finished, not {self.type}")
+        return self
+
+
+class SearchCursor(Body):
+    model_config = ConfigDict(extra="forbid")
+    last_created_at: datetime.datetime
+    last_session_id: Id
+
+    @field_validator("last_created_at")
+    @classmethod
+    def _aware(cls, v: datetime.datetime) -> datetime.datetime:
+        if v.tzinfo is None:
+            raise ValueError("must carry a time zone (pass next_cursor back unchanged)")
+        return v.astimezone(datetime.timezone.utc)
+
+
+class SessionSearchRequest(Request):
+    """SDK 0.38's SessionSearchRequest (gateway/session_search.py runs it)."""
+    session_id: Id | None = None
+    project_ids: list[ProjectId] | None = Field(None, max_length=100)
+    user_metadata: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]] = \
+        Field({}, max_length=32)
+    display_name: DisplayName | None = Field(None, min_length=1)
+    owner: Annotated[OwnSearchOwner | AccessibleSearchOwner | UserSearchOwner, Field(discriminator="type")] = \
+        OwnSearchOwner()
+    statuses: list[StatusQuery] | None = Field(None, min_length=1, max_length=16)
+    limit: int = Field(50, ge=1, le=200)
+    cursor: SearchCursor | None = None
+
+
+class SessionSummary(BaseModel):
+    session_id: str
+    created_at: str
+    owner: str
+    project_id: str
+    status: dict[str, Any] | None = None
+    checkpoints_count: int
+    display_name: str | None = None
+    user_metadata: dict[str, str] | None = None
+    checkpoint_storage_bytes: int | None = None
+
+
+class SessionSearchResponse(BaseModel):
+    sessions: list[SessionSummary]
+    next_cursor: dict[str, str] | None = None
+
 
 
 # ---- training ----------------------------------------------------------------------------
@@ -462,11 +556,18 @@ class SessionResponse(BaseModel):
     training_run_ids: list[str]
     sampler_ids: list[str]
     user_metadata: dict[str, Any] | None = None
+    display_name: str | None = None
+    project_id: str | None = None
 
 
 class Page(Body):
     limit: int = Field(100, ge=1, le=10_000)
     offset: int = Field(0, ge=0, le=INT64)
+
+
+class RunsPage(Page):
+    """list_training_runs' query: `project_id` keeps the runs of that project's sessions."""
+    project_id: ProjectId | None = None
 
 
 # --- identity ---

@@ -111,7 +111,7 @@ class Sessions:
             raise NotFoundError(f"unknown checkpoint {tinker_path!r}")
         return row
 
-    def close(self, caller: Caller, session_id: str) -> bool:
-        """Marks the caller's session closed; False if it already was."""
+    def close(self, caller: Caller, session_id: str, reason: str | None = None, detail: str | None = None) -> bool:
+        """Marks the caller's session closed, with the reason its client gave; False if it already was."""
         self.session(caller, session_id)
-        return self.db.close_session(session_id)
+        return self.db.close_session(session_id, reason, detail)

@@ -91,6 +91,7 @@ async def sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> dict:
     return {"sessions": [
         {"session_id": r.session_id, "created_at": iso(r.created_at), "last_heartbeat": iso(r.last_heartbeat),
          "closed": bool(r.finished), "tags": r.tags or [], "user_metadata": r.user_metadata or {},
+         "project_id": r.project_id, "display_name": r.display_name,
          "training_run_ids": [m.model_id for m in runs if m.session_id == r.session_id],
          "sampler_ids": [s.sampling_session_id for s in samplers if s.session_id == r.session_id]}
         for r in rows]}

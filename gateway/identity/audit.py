@@ -17,6 +17,7 @@ from gateway.storage.db import AuditRow, CheckpointRow, Database, UserRow
 # event -> the SDK's event_type filter it belongs to
 EVENTS = {"api_key_created": "organizations", "api_key_revoked": "organizations",
           "session_created": "projects", "session_closed": "projects", "training_run_created": "projects",
+          "project_created": "projects", "session_project_assigned": "projects",
           "checkpoint_saved": "checkpoints", "checkpoint_published": "checkpoints",
           "checkpoint_unpublished": "checkpoints", "checkpoint_ttl_set": "checkpoints",
           "checkpoint_deleted": "checkpoints", "checkpoint_expired": "checkpoints",

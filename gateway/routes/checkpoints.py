@@ -14,11 +14,13 @@ from sqlalchemy import select
 from gateway import checkpoints
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
+from gateway.errors import error_response
 from gateway.identity.keys import Caller
+from gateway.projects import Forbidden, Projects
 from gateway.sessions import mine
 from gateway.storage.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow
 from gateway.protocol import (CheckpointsResponse, CopyWeightsRequest, CopyWeightsResponse, Cursor,
-                              Page, SessionResponse, SessionsResponse, SetTtlRequest,
+                              Page, RunsPage, SessionResponse, SessionsResponse, SetTtlRequest,
                               TrainingRun, TrainingRunsResponse, WeightsInfoRequest, WeightsInfoResponse)
 from gateway.state import Gateway, GatewayDep
 from tinkerd.errors import NotFoundError, UserError
@@ -61,8 +63,11 @@ def _visible(request: Request, stmt):
 
 
 @router.get("/training_runs")
-async def list_runs(page: PageDep, caller: CallerDep, gw: GatewayDep) -> TrainingRunsResponse:
+async def list_runs(page: Annotated[RunsPage, Query()], caller: CallerDep, gw: GatewayDep) -> TrainingRunsResponse:
     stmt = select(ModelRow).where(ModelRow.owner == caller.user_id).order_by(ModelRow.created_at)
+    if page.project_id is not None:         # a run is in its session's project
+        stmt = stmt.where(ModelRow.session_id.in_(select(SessionRow.session_id).where(
+            SessionRow.project_id == page.project_id)))
     rows = gw.db.select(stmt.offset(page.offset).limit(page.limit))
     return TrainingRunsResponse(training_runs=[checkpoints.run_json(gw.db, r) for r in rows],
                                 cursor=Cursor(offset=page.offset, limit=page.limit, total_count=gw.db.count(stmt)))
@@ -146,7 +151,10 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
     checkpoints.parse_tinker_path(body.source_path)
     source = gw.sessions.readable_checkpoint(caller, body.source_path)
     gw.limits.check_checkpoint_bytes(caller)
-    session_id = _copy_session(gw, caller, body, request.headers.get("x-idempotency-key") or uuid.uuid4().hex)
+    try:
+        session_id = _copy_session(gw, caller, body, request.headers.get("x-idempotency-key") or uuid.uuid4().hex)
+    except Forbidden as e:
+        return error_response(str(e), 403)
     run_id = f"{session_id}:train:{body.model_seq_id if body.session_id is not None else 0}"
     path = checkpoints.tinker_path(run_id, *source.checkpoint_id.split("/", 1))
     existing = gw.db.get(ModelRow, run_id)
@@ -163,16 +171,20 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
 
 
 def _copy_session(gw: Gateway, caller: Caller, body: CopyWeightsRequest, idempotency_key: str) -> str:
+    """The session the copy's run is in: the one named (the copy is in its project), else a
+    closed session of its own in destination_project_id (Forbidden where the caller is no member)."""
     if body.session_id is not None:
         return gw.sessions.session(caller, body.session_id).session_id
     if not body.destination_project_id:
         raise UserError("copy_weights needs destination_project_id, or session_id and model_seq_id")
+    project_id = Projects(gw.db).place(caller, str(body.destination_project_id))
     key = f"{caller.user_id}\0{idempotency_key}"        # one user's key never names another's copy
     session_id = "sess-copy-" + hashlib.sha256(key.encode()).hexdigest()[:12]
     if gw.db.get(SessionRow, session_id) is None:
         gw.db.add(SessionRow(session_id=session_id, owner=caller.user_id, tags=["copy"], finished=True,
-                             user_metadata={"project_id": str(body.destination_project_id)}))
+                             project_id=project_id))
     return session_id
+
 
 
 @router.get("/sessions")
@@ -188,4 +200,5 @@ async def get_session(session_id: str, caller: CallerDep, gw: GatewayDep) -> Ses
     runs = gw.db.select(select(ModelRow.model_id).where(ModelRow.session_id == session_id))
     samplers = gw.db.select(select(SamplingSessionRow.sampling_session_id)
                             .where(SamplingSessionRow.session_id == session_id))
-    return SessionResponse(training_run_ids=runs, sampler_ids=samplers, user_metadata=row.user_metadata or None)
+    return SessionResponse(training_run_ids=runs, sampler_ids=samplers, user_metadata=row.user_metadata or None,
+                           display_name=row.display_name, project_id=row.project_id)

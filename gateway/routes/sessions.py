@@ -10,7 +10,8 @@ from gateway import housekeeping
 from gateway.errors import error_response
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
-from gateway.protocol import CreateSessionRequest, CreateSessionResponse, SessionHeartbeatRequest
+from gateway.projects import Forbidden, Projects
+from gateway.protocol import CreateSessionRequest, CreateSessionResponse, FinishSessionRequest, SessionHeartbeatRequest
 from gateway.state import GatewayDep
 from gateway.storage.db import SessionRow, now
 
@@ -19,9 +20,16 @@ router = APIRouter(prefix="/api/v1")
 
 @router.post("/create_session")
 async def create_session(body: CreateSessionRequest, caller: CallerDep, gw: GatewayDep) -> CreateSessionResponse:
+    """In the project named (made if new; 403 if it is others' and the caller is no member), else
+    in the caller's default project (gateway/projects.py)."""
+    try:
+        project_id = Projects(gw.db).place(caller, body.project_id)
+    except Forbidden as e:
+        return error_response(str(e), 403)
     session_id = f"sess-{uuid.uuid4().hex[:12]}"
     gw.db.add_admitted(SessionRow(session_id=session_id, owner=caller.user_id, tags=body.tags,
-                                  user_metadata=body.user_metadata), gw.limits.admit_session(caller))
+                                  user_metadata=body.user_metadata, project_id=project_id,
+                                  display_name=body.display_name or None), gw.limits.admit_session(caller))
     audit.record(gw.db, "session_created", user_id=caller.user_id, org_id=caller.org_id, session_id=session_id)
     return CreateSessionResponse(session_id=session_id)
 
@@ -35,8 +43,11 @@ async def heartbeat(body: SessionHeartbeatRequest, caller: CallerDep, gw: Gatewa
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
-    if gw.sessions.close(caller, session_id):
+async def finish_session(session_id: str, caller: CallerDep, gw: GatewayDep,
+                         body: FinishSessionRequest | None = None) -> dict:
+    """ServiceClient.close(status, detail): the reason is the session's status in search_sessions."""
+    body = body or FinishSessionRequest()
+    if gw.sessions.close(caller, session_id, body.reason and body.reason.type, body.detail):
         audit.record(gw.db, "session_closed", user_id=caller.user_id, org_id=caller.org_id, session_id=session_id)
         gw.in_background(housekeeping.release_models(gw, session_id))
     return {}

@@ -12,7 +12,7 @@ import time
 from typing import Callable, Iterator
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Index, Integer, LargeBinary, String, Text, and_, case,
-                        bindparam, create_engine, event, func, or_, select, text, update)
+                        bindparam, create_engine, event, func, literal, or_, select, text, update)
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -76,6 +76,27 @@ class SessionRow(Base):
     tags: Mapped[list] = mapped_column(JSON, default=list)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
     finished: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The project it is listed in (gateway/projects.py; its owner's default project unless named),
+    # and a name for people; search_sessions walks the indexes below newest first.
+    project_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    display_name: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    # How its client said it ended (ServiceClient.close): success | errored | interrupted.
+    finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    finish_detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    __table_args__ = (Index("ix_sessions_created", "created_at", "session_id"),
+                      Index("ix_sessions_owner_created", "owner", "created_at", "session_id"),
+                      Index("ix_sessions_project_created", "project_id", "created_at", "session_id"))
+
+
+class ProjectRow(Base):
+    """A project sessions are grouped in (gateway/projects.py), made when first named. Who may
+    list it: the user who made it, the users whose sessions are in it, and their org's admins."""
+    __tablename__ = "projects"
+    project_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    created_by: Mapped[str] = mapped_column(String(64), index=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
 
 
 class ModelRow(Base):
@@ -682,17 +703,23 @@ class Database:
         with self.session() as s:
             for cls in (SessionRow, ModelRow, FutureRow, SamplingSessionRow, CheckpointRow):
                 s.execute(update(cls).where(cls.owner.is_(None)).values(owner=owner))
+            # Sessions from before projects: their owner's default project (gateway/projects.py).
+            name = select(UserRow.name).where(UserRow.user_id == SessionRow.owner).scalar_subquery()
+            s.execute(update(SessionRow).where(SessionRow.project_id.is_(None), SessionRow.owner.is_not(None))
+                      .values(project_id=literal("default-") + name))
             s.commit()
 
-    def close_session(self, session_id: str) -> bool:
-        """Marks a session closed; False if it was already (of two gateways closing it at once,
-        exactly one gets True: one conditional UPDATE). Its last_heartbeat becomes the time it
-        closed, from which its row is kept for --closed-session-retention-s."""
+    def close_session(self, session_id: str, reason: str | None = None, detail: str | None = None) -> bool:
+        """Marks a session closed, with its client's `reason` and `detail` if given; False if it
+        was already (of two gateways closing it at once, exactly one gets True: one conditional
+        UPDATE). Its last_heartbeat becomes the time it closed, from which its row is kept for
+        --closed-session-retention-s."""
         self._cache.pop(("SessionRow", session_id), None)
         with self.engine.begin() as conn:
             return conn.execute(update(SessionRow.__table__).where(
                 SessionRow.__table__.c.session_id == session_id,
-                SessionRow.__table__.c.finished.is_(False)).values(finished=True, last_heartbeat=now())).rowcount > 0
+                SessionRow.__table__.c.finished.is_(False)).values(
+                finished=True, last_heartbeat=now(), finish_reason=reason, finish_detail=detail)).rowcount > 0
 
     def prune_closed_sessions(self, closed_before: datetime.datetime, limit: int = 500) -> list[str]:
         """Deletes sessions closed before `closed_before` whose runs hold no checkpoint (those are

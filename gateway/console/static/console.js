@@ -248,14 +248,18 @@ async function checkpointsPage() {
 
 async function sessionsPage() {
   const data = await api("GET", "/api/v1/console/sessions?limit=1000");
-  const rows = data.sessions.map(s => el("tr", { "data-session-id": s.session_id },
+  // Grouped by project (newest first within one: the order the API gives).
+  const sessions = data.sessions.slice().sort((a, b) => (a.project_id || "").localeCompare(b.project_id || ""));
+  const rows = sessions.map(s => el("tr", { "data-session-id": s.session_id },
+    el("td", { class: "mono" }, s.project_id || ""),
     el("td", {}, el("a", { href: `#/sessions/${encodeURIComponent(s.session_id)}`, class: "mono" }, s.session_id)),
+    el("td", {}, s.display_name || ""),
     el("td", {}, when(s.created_at)), el("td", {}, when(s.last_heartbeat)), el("td", {}, s.closed ? "closed" : "open"),
     el("td", {}, s.tags.join(", ")), el("td", {}, s.training_run_ids.map(id => el("div", {}, runLink(id)))),
     el("td", { class: "mono" }, s.sampler_ids.map(id => el("div", {}, id)))));
   show(el("h1", {}, "Sessions"),
-       table(["Session", "Created", "Last heartbeat", "State", "Tags", "Training runs", "Sampling sessions"], rows,
-             { id: "sessions-table" }));
+       table(["Project", "Session", "Name", "Created", "Last heartbeat", "State", "Tags", "Training runs",
+              "Sampling sessions"], rows, { id: "sessions-table" }));
 }
 
 async function snapshotsPage() {
