@@ -100,7 +100,11 @@ def check_forward_backward(fb: "ForwardBackward", limits: ModelLimits) -> None:
 
 
 def check_sample(body: protocol.SampleRequest, limits: ModelLimits) -> None:
-    """Prompt and stop token ids against the vocabulary; prompt + max_tokens against the context."""
+    """Prompt and stop token ids against the vocabulary; prompt + max_tokens against the context
+    (the length first: an over-long prompt is refused before its tokens are gathered)."""
+    length = sum(len(c.tokens) for c in body.prompt.chunks if c.type == "encoded_text")
+    if length > limits.max_model_len:
+        raise UserError(f"the prompt has {length} tokens; the context length is {limits.max_model_len}")
     tokens = prompt_tokens(body.prompt)
     _check_tokens(tokens, "prompt", limits.vocab_size)
     stop = body.sampling_params.stop

@@ -313,6 +313,9 @@ class SaveWeightsForSamplerRequest(Request):
     seq_id: SeqId = 0
     path: Id | None = None                         # a name: a named sampler checkpoint
     sampling_session_seq_id: SeqId = 0             # no name: an ephemeral sampling session
+    # snapshot: fixed weights; inflight: the model's shared weights, which later inflight saves
+    # update (the contract: SDK 0.38 types/sampling_client_kind.py)
+    kind: Literal["snapshot", "inflight"] = "snapshot"
     ttl_seconds: Ttl | None = None
 
 

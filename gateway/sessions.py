@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from gateway.identity.keys import Caller
 from gateway.settings import GatewaySettings
-from gateway.storage.db import CheckpointRow, Database, ModelRow, SamplingSessionRow, SessionRow, aware, now
+from gateway.storage.db import (CheckpointRow, Database, InflightTargetRow, ModelRow, SamplingSessionRow, SessionRow,
+                                aware, now)
 from tinkerd.errors import NotFoundError, UserError
 
 
@@ -103,6 +104,18 @@ class Sessions:
                                     f"was deleted, replaced or unpublished since; its weights can no longer be "
                                     f"sampled")
         return row
+
+    def weights(self, row: SamplingSessionRow) -> tuple[str, str, str]:
+        """What a sampling session samples now: (snapshot id, its path, prefix-cache namespace).
+        A snapshot client: its own snapshot, cache shared. An inflight one: its model's newest
+        inflight save (read uncached: it only moves forward, so the client never gets weights
+        older than it was made with), in a cache namespace of its own."""
+        if row.inflight_model_id is None:
+            return row.snapshot_id, row.snapshot_path, ""
+        target = self.db.get(InflightTargetRow, row.inflight_model_id)
+        if target is None:
+            return row.snapshot_id, row.snapshot_path, row.sampling_session_id
+        return target.snapshot_id, target.snapshot_path, row.sampling_session_id
 
     def readable_checkpoint(self, caller: Caller, tinker_path: str) -> CheckpointRow:
         """The caller's checkpoint, or a published one."""

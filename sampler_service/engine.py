@@ -230,15 +230,16 @@ class SamplerEngine:
         return snap
 
     def generate(self, prompt_tokens: list[int], params, num_samples: int,
-                 snapshot_id: str = "", snapshot_path: str = "") -> concurrent.futures.Future:
-        """Future of a list of `num_samples` vLLM RequestOutputs (one sequence each)."""
+                 snapshot_id: str = "", snapshot_path: str = "", cache_namespace: str = "") -> concurrent.futures.Future:
+        """Future of a list of `num_samples` vLLM RequestOutputs (one sequence each). A
+        `cache_namespace` keeps its prefix-cache entries apart from every other namespace's."""
         self._check_prompt(prompt_tokens, params.max_tokens)
         snap = self.snapshot(snapshot_id, snapshot_path)
         self.merged.observe(snap.snapshot_id if snap else "", snapshot_path or (snap.path if snap else ""),
                             len(prompt_tokens) + num_samples * params.max_tokens)
         future: concurrent.futures.Future = concurrent.futures.Future()
         metrics.track_sample(future, len(prompt_tokens))
-        self._inbox.put(_Pending("generate", (prompt_tokens, params, num_samples, snap), future))
+        self._inbox.put(_Pending("generate", (prompt_tokens, params, num_samples, snap, cache_namespace), future))
         return future
 
     def abort(self, future: concurrent.futures.Future) -> None:
@@ -390,7 +391,10 @@ class SamplerEngine:
     def _start(self, item: _Pending, slot) -> None:
         from vllm.lora.request import LoRARequest
 
-        prompt_tokens, params, num_samples, snap = item.payload
+        prompt_tokens, params, num_samples, snap, cache_namespace = item.payload
+        prompt = {"prompt_token_ids": prompt_tokens}
+        if cache_namespace:
+            prompt["cache_salt"] = cache_namespace
         if slot is not None:                 # a hot snapshot: its merged weights, no LoRA
             engine, lora = slot.engine, None
             slot.requests += 1
@@ -407,7 +411,7 @@ class SamplerEngine:
             if params.seed is not None and i > 0:
                 p = params.clone()
                 p.seed = params.seed + i  # distinct but reproducible samples
-            engine.add_request(f"{group}-{i}", {"prompt_token_ids": prompt_tokens}, p, lora_request=lora)
+            engine.add_request(f"{group}-{i}", prompt, p, lora_request=lora)
 
     def _abort(self, future: concurrent.futures.Future) -> None:
         """The group behind `future` out of its engine (generate's item came through the inbox

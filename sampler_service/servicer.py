@@ -56,7 +56,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         if path and not self._holds(request.snapshot_id):
             persisted_copy.wait_for(path, COPY_WAIT_S)
         future = self.engine.generate(list(request.prompt_tokens), params, request.num_samples, request.snapshot_id,
-                                      path)
+                                      path, request.cache_namespace)
         # The caller cancelled (cancel_future) or went away: stop generating for nobody.
         if not context.add_callback(lambda: self.engine.abort(future)):
             self.engine.abort(future)          # it ended before the callback could be added

@@ -65,7 +65,8 @@ class Job:
     @classmethod
     def from_stored(cls, request: StoredRequest) -> "Job":
         """Raises KeyError or TypeError for a row stored in another shape (an older gateway's)."""
-        values = {name: _typed(hint, request.args[name]) for name, hint in _argument_hints(cls)}
+        values = {name: _typed(hint, request.args[name]) for name, hint in _argument_hints(cls)
+                  if name in request.args or name not in _defaults(cls)}
         if cls.message_type is not None:
             values["message"] = cls.message_type.FromString(request.body)
         return cls(**values)
@@ -77,6 +78,12 @@ def _argument_hints(cls: type[Job]) -> tuple[tuple[str, Any], ...]:
     rest of decoding a small job, and every submitted request is decoded once)."""
     hints = typing.get_type_hints(cls)
     return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.name != "message")
+
+
+@functools.cache
+def _defaults(cls: type[Job]) -> frozenset[str]:
+    """Arguments with a default: a row stored before they existed runs with the default."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING)
 
 
 def _plain(value: Any) -> Any:

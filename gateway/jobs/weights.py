@@ -11,7 +11,7 @@ from gateway import metrics
 from gateway.identity import audit
 from gateway.jobs.base import Job, Owner, Result, json_body
 from gateway.jobs.training import NewRun
-from gateway.storage.db import CheckpointRow, SamplingSessionRow, now
+from gateway.storage.db import CheckpointRow, InflightTargetRow, SamplingSessionRow, now
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
@@ -28,7 +28,9 @@ def _audit_saved(gw, owner: Owner, model_id: str, path: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class PushWeights(Job):
     """save_weights_for_sampler: the snapshot goes to every live replica, then is recorded as a
-    named sampler checkpoint (`path`) or as an ephemeral sampling session."""
+    named sampler checkpoint (`path`) or as an ephemeral sampling session. An `inflight` save
+    is written to disk only and becomes its model's inflight target (InflightTargetRow): it is
+    done without waiting for the replicas, which load it from disk on first use."""
     kinds = ("save_weights_for_sampler",)
     message_type = trainer_pb2.PushWeightsRequest
     message: trainer_pb2.PushWeightsRequest
@@ -38,6 +40,7 @@ class PushWeights(Job):
     path: str | None
     sampling_session_id: str | None
     expires_at: str | None          # ISO time, for a named checkpoint with a ttl
+    inflight: bool = False
 
     async def run(self, gw) -> Result:
         push, sid = trainer_pb2.PushWeightsRequest(), self.sampling_session_id
@@ -48,12 +51,15 @@ class PushWeights(Job):
         if existing and existing.snapshot_id != push.snapshot_id:
             raise UserError(f"sampling session {sid} exists already: every "
                             f"save_weights_for_sampler needs its own sampling_session_seq_id")
-        await gw.backends.samplers.refresh()      # a replica that died since the last check would stall the push
-        push.sampler_addresses[:] = gw.backends.samplers.live_addresses()
+        if not self.inflight:
+            await gw.backends.samplers.refresh()      # a replica that died since the last check would stall the push
+            push.sampler_addresses[:] = gw.backends.samplers.live_addresses()
         t0 = time.perf_counter()
         pushed = await gw.trainer.PushWeights(push)      # a resent (model_id, seq_id) gets the first push's reply
         metrics.pushed(pushed, time.perf_counter() - t0)
         gw.backends.samplers.holds(push.snapshot_id, list(push.sampler_addresses), dict(pushed.transports))
+        if self.inflight:
+            _publish_inflight(gw, push, pushed.persisted_path)
         if self.path is not None:
             gw.db.put(CheckpointRow(tinker_path=self.path, model_id=push.model_id, owner=self.caller.user_id,
                                     checkpoint_type="sampler", name=self.path.rsplit("/", 1)[1],
@@ -64,11 +70,20 @@ class PushWeights(Job):
         elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
                 sampling_session_id=sid, owner=self.caller.user_id, session_id=self.session_id,
                 base_model=self.base_model, snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
-                snapshot_bytes=pushed.num_bytes)):
+                snapshot_bytes=pushed.num_bytes, inflight_model_id=push.model_id if self.inflight else None)):
             # Another request took this sampling_session_seq_id while the weights were pushed.
             raise UserError(f"sampling session {sid} was created meanwhile by another request: every "
                             f"save_weights_for_sampler needs its own sampling_session_seq_id")
         return json_body({"path": self.path, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
+
+
+def _publish_inflight(gw, push: trainer_pb2.PushWeightsRequest, path: str) -> None:
+    """The model's inflight target becomes this save's snapshot, unless a later save's is there
+    already (a re-driven save must not move it back)."""
+    current = gw.db.get(InflightTargetRow, push.model_id)
+    if current is None or current.seq_id < push.seq_id:
+        gw.db.put(InflightTargetRow(model_id=push.model_id, seq_id=push.seq_id, snapshot_id=push.snapshot_id,
+                                    snapshot_path=path, updated_at=now()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,9 +65,10 @@ def openai_errors(route):
     return wrapped
 
 
-async def json_body(request: Request) -> dict:
+def json_object(raw: bytes) -> dict:
+    """A body as a JSON object, or OpenAI's error (gateway/bodies.py reads it off the loop)."""
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise OaiError(f"the body is not valid JSON: {e}") from None
     if not isinstance(body, dict):

@@ -25,7 +25,7 @@ import time
 from fastapi import APIRouter, Request
 from sqlalchemy import select
 
-from gateway import convert, protocol
+from gateway import bodies, convert, protocol
 from gateway import tinker_wire_pb2 as tw
 from gateway.futures.store import new_request_id
 from gateway.identity.auth import caller_of
@@ -34,7 +34,7 @@ from gateway.jobs.sampling import Sample
 from gateway.storage.db import CheckpointRow
 from gateway.openai.format import (ChatRequest, Choice, CommonRequest, CompletionRequest, OaiError, TokenTexts,
                                    answer_json, answer_response, chat_logprob, check_logprob_entries,
-                                   completion_logprobs, decode_choices, events, json_body, openai_errors, stream,
+                                   completion_logprobs, decode_choices, events, json_object, openai_errors, stream,
                                    usage)
 from gateway.openai.tokenizer_work import load, pool, prompt_char_cap
 from gateway.state import Gateway, gateway_of
@@ -154,7 +154,7 @@ def _chat_prompt(gw: Gateway, tok, req: ChatRequest) -> list[int]:
 @openai_errors
 async def chat_completions(request: Request):
     gw, caller = gateway_of(request), caller_of(request)
-    req = ChatRequest.model_validate(await json_body(request))
+    req = await bodies.model_of(request, ChatRequest, json_object)
     req.refuse_unsupported()
     _check_prompt_chars(gw, sum(len(m.text()) for m in req.messages), "messages")
     tok = await tokenizer_of(gw, caller)
@@ -202,7 +202,7 @@ def _chat_answer(tok, req: ChatRequest, prompt: list[int], request_id: str, repl
 @openai_errors
 async def completions(request: Request):
     gw, caller = gateway_of(request), caller_of(request)
-    req = CompletionRequest.model_validate(await json_body(request))
+    req = await bodies.model_of(request, CompletionRequest, json_object)
     req.refuse_unsupported()
     if req.echo or req.suffix:
         raise OaiError("echo and suffix are not supported by this server", param="echo" if req.echo else "suffix")

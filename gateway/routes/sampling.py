@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
-from gateway import convert
+from gateway import bodies, convert
 from gateway.futures.store import fingerprint, new_request_id
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
@@ -58,10 +58,13 @@ async def get_sampler(sampler_id: str, caller: CallerDep, gw: GatewayDep) -> Get
 
 
 @router.post("/asample")
-async def asample(body: SampleRequest, caller: CallerDep, gw: GatewayDep):
+async def asample(request: Request, caller: CallerDep, gw: GatewayDep):
+    body = await bodies.model_of(request, SampleRequest)       # a long prompt is parsed off the loop
     session = gw.sessions.live_sampling_session(caller, body.sampling_session_id)
     convert.check_sample(body, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
-    msg = convert.sample_request(body, session.snapshot_id, session.snapshot_path)
+    snapshot_id, snapshot_path, cache_namespace = gw.sessions.weights(session)
+    msg = convert.sample_request(body, snapshot_id, snapshot_path)
+    msg.cache_namespace = cache_namespace
     gw.sessions.used(session)
     record_for = session.session_id if body.record_stability_info else None
     msg.request_id = new_request_id()      # the future's id (a resend gets the first one's back)

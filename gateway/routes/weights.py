@@ -40,11 +40,15 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
                 raise UserError(f"checkpoint {path} already exists")
         else:
             sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
+        if body.kind == "inflight" and body.path is not None:
+            raise UserError("kind 'inflight' is for a sampling client's save "
+                            "(save_weights_and_get_sampling_client), not a named checkpoint's (path)")
     push = trainer_pb2.PushWeightsRequest(
         model_id=body.model_id, seq_id=body.seq_id, snapshot_id=f"{body.model_id}@{body.seq_id}-{uuid.uuid4().hex[:8]}",
-        persist=True, copy_in_background=body.path is None)   # a named checkpoint's files exist when it is listed
+        # A named checkpoint's files exist when it is listed; an inflight save's once it is the target.
+        persist=True, copy_in_background=body.path is None and body.kind != "inflight")
     job = PushWeights(push, Owner.of(caller), model.session_id, model.base_model, path, sampling_session_id,
-                      expires_at.isoformat() if expires_at else None)
+                      expires_at.isoformat() if expires_at else None, body.kind == "inflight")
     return gw.submit_training(caller, body.model_id, body.seq_id, job,
                               # The SDK takes a new sampling_session_seq_id on each try of one request.
                               fingerprint("save_weights_for_sampler",

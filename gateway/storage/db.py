@@ -98,7 +98,6 @@ class ProjectRow(Base):
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
-
 class ModelRow(Base):
     __tablename__ = "models"
     model_id: Mapped[str] = mapped_column(String(256), primary_key=True)
@@ -107,6 +106,8 @@ class ModelRow(Base):
     base_model: Mapped[str] = mapped_column(String(512))
     lora_rank: Mapped[int] = mapped_column(Integer)
     lora_config: Mapped[dict] = mapped_column(JSON)
+    # Chosen at creation, fixed for the run's life: "adamw" or "dimuon" (tinkerd/optimizers.py).
+    optimizer: Mapped[str] = mapped_column(String(16), server_default="adamw")
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
     last_request_time: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
     # False once unloaded for a lapsed session; the trainer reloads it on next use.
@@ -170,6 +171,22 @@ class SamplingSessionRow(Base):
     # An ephemeral snapshot's bytes on disk (the trainer's reply), counted in its owner's
     # --max-checkpoint-gb-per-user; NULL for the base model and a checkpoint's path.
     snapshot_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # An inflight sampling client's (save_weights_and_get_sampling_client(kind="inflight")): it samples
+    # the training model's newest inflight save (InflightTargetRow); its own snapshot is the one
+    # saved when it was made, the oldest weights it may be served. NULL: a snapshot client.
+    inflight_model_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+
+
+class InflightTargetRow(Base):
+    """A training model's shared inflight weights: the snapshot of its newest inflight save,
+    which every inflight sampling client of the model samples. Only a later save replaces it (a
+    model's saves run in seq_id order), so a client never goes back to older weights."""
+    __tablename__ = "inflight_targets"
+    model_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    seq_id: Mapped[int] = mapped_column(BigInteger)            # the save's
+    snapshot_id: Mapped[str] = mapped_column(String(256))
+    snapshot_path: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
 class CheckpointRow(Base):

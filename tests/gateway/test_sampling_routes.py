@@ -112,3 +112,34 @@ def test_a_sampling_session_id_taken_mid_push_is_a_user_error_not_a_500(gateway)
     again = api.post("create_sampling_session", taken)
     assert again.json()["sampling_session_id"] == f"{session}:sample:1"
     assert api.get(f"samplers/{session}:sample:1").json()["model_path"] is None
+
+
+def test_inflight_clients_sample_the_newest_inflight_save_in_their_own_cache_namespace(gateway):
+    """An inflight save is written to disk only (no replica push) and becomes its model's target;
+    every inflight client samples the newest target, each in a prefix-cache namespace of its own
+    (vLLM's cache_salt); a snapshot client samples its own snapshot with the cache shared."""
+    api = gateway.api
+    model_id = api.model(api.session())
+
+    def save(seq_id: int, ss_seq: int, kind: str) -> tuple[str, str]:
+        r = api.post("save_weights_for_sampler", {"model_id": model_id, "seq_id": seq_id,
+                                                  "sampling_session_seq_id": ss_seq, "kind": kind})
+        assert r.status_code == 200, r.text
+        sid = api.result(r.json()).json()["sampling_session_id"]
+        return sid, gateway.trainer.of("PushWeights")[-1]
+
+    first, push = save(1, 0, "inflight")
+    assert list(push.sampler_addresses) == [] and not push.copy_in_background
+    snapshot, snap_push = save(2, 1, "snapshot")
+    second, newest = save(3, 2, "inflight")
+
+    def sampled(sid: str) -> sampler_pb2.SampleRequest:
+        r = api.post("asample", {"sampling_session_id": sid, "seq_id": 0, "num_samples": 1,
+                                 "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]}})
+        assert api.result(r.json()).status_code == 200
+        return gateway.sampler.requests[-1]
+    for sid in (first, second):
+        request = sampled(sid)
+        assert (request.snapshot_id, request.cache_namespace) == (newest.snapshot_id, sid)
+    request = sampled(snapshot)
+    assert (request.snapshot_id, request.cache_namespace) == (snap_push.snapshot_id, "")

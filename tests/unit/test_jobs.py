@@ -30,6 +30,8 @@ def _examples() -> list[Job]:
         Refused("s:train:0", 6, "datum 0: loss_fn_inputs['weights'] has shape [3], expected leading dimension 4"),
         PushWeights(trainer_pb2.PushWeightsRequest(model_id="s:train:0", seq_id=6, snapshot_id="x"), OWNER, "s",
                     "tiny", None, "s:sample:1", None),
+        PushWeights(trainer_pb2.PushWeightsRequest(model_id="s:train:0", seq_id=9, snapshot_id="y"), OWNER, "s",
+                    "tiny", None, "s:sample:2", None, True),
         SaveState(trainer_pb2.SaveStateRequest(model_id="s:train:0", seq_id=7, kind="external_weights", name="a"),
                   OWNER, "tinker://s:train:0/weights/a", "training", "2026-11-25T00:00:00+00:00", {"k": "v"},
                   "save_weights_external"),
@@ -55,7 +57,7 @@ def test_every_job_comes_back_from_its_stored_form():
         again = JOBS[job.kind()].from_stored(StoredRequest(stored.args, stored.body))
         assert again == job, job
     assert ForwardBackward(trainer_pb2.ForwardBackwardRequest(forward_only=True)).kind() == "forward"
-    assert examples[6].kind() == "save_external_weights"
+    assert examples[7].kind() == "save_external_weights"
 
 
 def test_job_arguments_are_typed():
@@ -75,3 +77,12 @@ def test_a_row_in_another_shape_is_not_run():
 
     with pytest.raises(KeyError):
         CreateModel.from_stored(StoredRequest({"caller": {"user_id": "u", "org_id": "o"}, "run": {}}, b""))
+
+
+def test_a_row_from_before_an_argument_with_a_default_runs_with_the_default():
+    """A save_weights_for_sampler stored before `inflight` existed is re-driven as a snapshot save."""
+    job = PushWeights(trainer_pb2.PushWeightsRequest(model_id="s:train:0", seq_id=6, snapshot_id="x"), OWNER, "s",
+                      "tiny", None, "s:sample:1", None)
+    stored = job.stored()
+    del stored.args["inflight"]
+    assert PushWeights.from_stored(stored) == job and not job.inflight

@@ -46,7 +46,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_mode: _Optional[_Union[SamplingParams.StopMode, str]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("request_id", "snapshot_id", "prompt_tokens", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "topk_sample_logprobs", "snapshot_path")
+    __slots__ = ("request_id", "snapshot_id", "prompt_tokens", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "topk_sample_logprobs", "snapshot_path", "cache_namespace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class SampleRequest(_message.Message):
     PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     TOPK_SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_PATH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     snapshot_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +68,8 @@ class SampleRequest(_message.Message):
     prompt_logprobs_last_n: int
     topk_sample_logprobs: int
     snapshot_path: str
-    def __init__(self, request_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., snapshot_path: _Optional[str] = ...) -> None: ...
+    cache_namespace: str
+    def __init__(self, request_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., snapshot_path: _Optional[str] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class TopkLogprobs(_message.Message):
     __slots__ = ("k", "token_ids", "logprobs")
