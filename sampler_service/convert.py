@@ -27,7 +27,7 @@ def sampling_params(request: sampler_pb2.SampleRequest):
         prompt_k = max(request.topk_prompt_logprobs, 0)
     # top_k=1 is greedy: vLLM's top-k keeps every logit equal to the k-th (logits < kth are
     # masked), so a tie for the maximum, common among bf16 logits, was sampled at random and n
-    # samples of one top_k=1 request differed (seen on the tiny model, bf16, issue 23); its greedy
+    # samples of one top_k=1 request differed (seen in bf16); its greedy
     # path takes the argmax, the same token every time.
     greedy = p.top_k == 1
     kwargs = dict(

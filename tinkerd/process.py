@@ -20,20 +20,20 @@ def init_logging(name: str) -> None:
 def freeze_heap(collect: bool = True) -> None:
     """Moves every object alive now out of the cyclic collector's reach (gc.freeze), as vLLM's
     engine does after start-up: modules, the app, a tokenizer's tables live as long as the
-    process, and each full collection walked them all. In the gateway, with transformers loaded
-    (~480k objects), one took 75-250 ms on 2 busy cores, holding the GIL: every request waited
-    (healthz p95 0.17 s while a client asked for 128 choices with top-20 logprobs). Frozen
-    objects are still freed when their last reference goes; only cycles among them stay.
-    `collect` first (a pause of its own) so the garbage of start-up is not frozen with them;
-    skip it where the caller must not pause the process."""
+    process, and each full collection walked them all. In the gateway, with transformers loaded,
+    one held the GIL long enough for every request to wait
+    (docs/benchmarks.md#in-the-gateway-and-every-process). Frozen objects are still freed when
+    their last reference goes; only cycles among them stay. `collect` first (a pause of its own)
+    so the garbage of start-up is not frozen with them; skip it where the caller must not pause
+    the process."""
     if collect:
         gc.collect()
     gc.freeze()
 
 
 def cpu_defaults() -> str:
-    """Measured on 2-core CPU hosts: more than one OpenMP thread per process oversubscribes
-    the cores once trainer and sampler run side by side (10-20x slower steps); so a service
+    """More than one OpenMP thread per process oversubscribes the cores once trainer and
+    sampler run side by side (docs/benchmarks.md#in-the-gateway-and-every-process); so a service
     starts with one, and takes more from the host's core board (tinkerd/cores.py). Returns the
     CPU threads setting for cores.configure, read before OMP_NUM_THREADS gets its default."""
     from tinkerd import cores
@@ -67,11 +67,12 @@ def tcmalloc_library() -> str | None:
 
 def reexec_with_tcmalloc() -> None:
     """Runs this process again (same pid, same command line) with tcmalloc preloaded. The sampler:
-    vLLM's CPU backend asks for it (SmolLM2 through a rank-8 adapter, 26.9 against 23.3 tokens/s,
-    2026-11-23). The trainer: glibc returns its large blocks (a step's logits and their gradients,
-    ~80 MB each) to the kernel at every free, so each step faults them in again, zeroed; tcmalloc
-    keeps them for the next step (bench/allocator.py). A preload must be in place when the
-    process starts, hence the exec; call it before anything heavy is imported."""
+    vLLM's CPU backend asks for it, and samples faster under it
+    (docs/benchmarks.md#in-the-gateway-and-every-process). The trainer: glibc returns its large
+    blocks (a step's logits and their gradients, ~80 MB each) to the kernel at every free, so
+    each step faults them in again, zeroed; tcmalloc keeps them for the next step
+    (bench/allocator.py). A preload must be in place when the process starts, hence the exec;
+    call it before anything heavy is imported."""
     preload = tcmalloc_preload(os.environ)
     if preload is None:
         return

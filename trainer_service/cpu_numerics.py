@@ -1,12 +1,10 @@
 """A 16-bit base model on CPU rounded the way the sampler's vLLM CPU kernels round it, so the
-trainer's logprobs are the sampler's (issue 23: RL's importance ratios rest on them).
+trainer's logprobs are the sampler's (RL's importance ratios rest on them).
 
-Hooked op by op on SmolLM2-135M in bf16, vLLM 0.32's CPU kernels against transformers' modules
-given vLLM's own inputs: embeddings, every Linear (oneDNN either way), SiLU*mul, a plain RMSNorm
-and the logits agree bit for bit; three ops did not (17-27% of their output elements one bf16
-step apart, in every layer), and they drifted the two forwards apart by 0.5-2.5% of the hidden
-state by the last layer: mean |delta logprob| 0.03-0.05 nats per token, max 0.13-0.39, over four
-texts. vLLM rounds once where transformers rounds every step:
+Hooked op by op in bf16, vLLM 0.32's CPU kernels against transformers' modules given vLLM's own
+inputs: embeddings, every Linear (oneDNN either way), SiLU*mul, a plain RMSNorm and the logits
+agree bit for bit; three ops did not, in every layer, and they drift the two forwards apart
+layer by layer (docs/benchmarks.md#in-the-trainer). vLLM rounds once where transformers rounds every step:
 - rotary embedding: vLLM's CPU kernel multiplies in fp32 (cos/sin rounded to bf16, the
   cache's dtype) and rounds q and k once; transformers multiplies and adds in bf16.
 - attention: vLLM's CPU attention computes in fp32 from bf16 q, k, v and rounds the output
@@ -17,7 +15,7 @@ texts. vLLM rounds once where transformers rounds every step:
 - the residual add before each RMSNorm: vLLM's fused add + RMSNorm (the native op on CPU)
   rounds the sum into the bf16 residual but normalizes the fp32 sum; transformers normalizes the
   rounded residual.
-And the LoRA delta (after training the base fix alone left mean 0.030 / max 0.17): PEFT adds
+And the LoRA delta (after training, the base fix alone still left a gap): PEFT adds
 x @ A^T @ B^T * scaling computed in fp32 from the fp32 adapter to the base output and rounds once;
 the sampler holds the adapter in bf16 (the push sends the serving dtype), folds the scaling into
 B in bf16 (vLLM's LoRALayerWeights.optimize), and its CPU punica ops (grouped_lora.py) shrink in
@@ -30,17 +28,14 @@ so it is more precise than before, not less.
 install_lora() gives PEFT's LoRA layers the sampler's LoRA arithmetic: bf16 copies of the fp32
 adapter weights in the forward, so the gradients reach the fp32 weights through bf16 matmuls
 (autocast's mixed precision; before, the LoRA path was fp32 throughout).
-Measured (bench/bf16_gap.py, 6 texts, 273 tokens, AVX512-BF16): SmolLM2 untrained mean 0.039
--> 0, max 0.39 -> 0; after 10 SFT steps mean 0.037 -> 0, max 0.29 -> 0, equal at every position
-(with keys in whole vectors, 2026-12-02; before that, 0.00004 / 0.012 untrained and, by the
-adapter's seed, 0 to 0.13 max after training). On AMX each text alone is equal too (2026-12-04,
-once the sampler ran its small GEMMs on oneDNN, worker_ext._gemms_on_onednn), but not batched:
-there oneDNN's bf16 GEMM sums a row otherwise in calls of over 32 rows, so each side's logprobs
-move with its batch (0.03 mean / 0.2-0.4 max, docs/benchmarks.md). Llama-shaped
-models were measured (SmolLM2, the tiny test model); Qwen2, Qwen3 and Mistral layers are the same
-code in both libraries (not measured). fp32 models are left alone (every op is fp32 already:
-trainer = sampler exactly, as before), and so are GPUs, whose vLLM kernels are others (not
-measured).
+With native bf16 and no AMX the trainer's logprobs are then the sampler's at every position,
+untrained and trained (bench/bf16_gap.py). On AMX each text alone is equal too (once the sampler
+runs its small GEMMs on oneDNN, worker_ext._gemms_on_onednn), but not batched: there oneDNN's
+bf16 GEMM sums a row otherwise in calls of over 32 rows, so each side's logprobs move with its
+batch (docs/benchmarks.md#bf16_gap). Llama-shaped models were measured; Qwen2, Qwen3 and Mistral
+layers are the same code in both libraries (not measured). fp32 models are left alone (every op
+is fp32 already: trainer = sampler exactly, as before), and so are GPUs, whose vLLM kernels are
+others (not measured).
 """
 
 from __future__ import annotations
@@ -93,8 +88,8 @@ def _attention_fp32(module, query, key, value, attention_mask, dropout=0.0, scal
     batch (57, the last 10 masked) came out a float32 ulp apart, now and then one bf16 step
     after rounding. Where the GEMMs do not move with the batch (AVX512-BF16 without AMX) the
     sampler (vLLM) gives a sequence the same logprobs alone and batched; with whole vectors of
-    keys so does the trainer, and they are vLLM's own (the figures are in the module docstring
-    and docs/benchmarks.md; on AMX the GEMMs move, on both sides).
+    keys so does the trainer, and they are vLLM's own (docs/benchmarks.md#bf16_gap; on AMX the
+    GEMMs move, on both sides).
 
     SDPA is called here, not through transformers' sdpa_attention_forward: that one repeats the
     key/value heads whenever a mask is passed, where SDPA's own GQA (enable_gqa) computes the

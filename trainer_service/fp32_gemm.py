@@ -2,14 +2,13 @@
 bf16/fp16 math.
 
 There PyTorch has no 16-bit GEMM kernel (oneDNN's needs AVX512-BF16/AMX) and falls back to
-generic loops: measured on an AVX2-only CPU, one thread, SmolLM2's shapes (4x64 tokens), a bf16
-MLP projection takes 79 ms forward and 260 ms for its input gradient against 14 and 13 ms in
-fp32, and the lm_head's input gradient (K = 49152) 66 s against 0.4 s: that one matmul was most
-of a bf16 training step. Widening the operands to fp32, one MKL sgemm, and rounding the result
-back computes what a native bf16 GEMM does (bf16 operands are exact in fp32, the sum is
-accumulated in fp32, the output is rounded to bf16), so weights and activations stay 16-bit and
-logprobs stay the dtype's; only the kernel changes. Where the hardware has bf16 math this is not
-installed (its kernels are faster than widening).
+generic loops, many times slower than fp32's; the lm_head's input gradient over a large
+vocabulary alone was most of a bf16 training step (docs/benchmarks.md#in-the-trainer). Widening
+the operands to fp32, one MKL sgemm, and rounding the result back computes what a native bf16
+GEMM does (bf16 operands are exact in fp32, the sum is accumulated in fp32, the output is
+rounded to bf16), so weights and activations stay 16-bit and logprobs stay the dtype's; only the
+kernel changes. Where the hardware has bf16 math this is not installed (its kernels are faster
+than widening).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The plain way (a CausalLM's forward, then a cross-entropy over [batch, longest, vocabulary]
 logits) computes the unembedding for padding too, and holds fp32 logits of the whole batch,
-plus their gradient in the backward: 8 x 512 tokens x 49,152 (SmolLM2) is 805 MB, x 128,256
-(Llama 3) 2.1 GB. For the model types whose CausalLM forward is just `lm_head(model(...))`:
+plus their gradient in the backward: 8 x 512 tokens x a 49,152-token vocabulary is 805 MB, x
+128,256 2.1 GB. For the model types whose CausalLM forward is just `lm_head(model(...))`:
 - only the real positions (not the padding) go through lm_head;
 - when their logits would exceed `max_logits_bytes`, they go in chunks, each chunk's logits
   recomputed in the backward instead of kept (torch.utils.checkpoint): memory bounded by one
@@ -23,8 +23,7 @@ from torch.utils.checkpoint import checkpoint
 PLAIN_HEADS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 DEFAULT_MAX_LOGITS_BYTES = 1 << 30
 # On a GPU, the whole batch's logits up to this share of the activation budget (a quarter of the
-# card): chunking costs one more lm_head forward, and Llama 3 1B at 8x512 (2.1 GB of logits) on an
-# H200 stepped at 0.884x plain PyTorch chunked and 0.925x whole (2026-12-04, bench/trainer_only).
+# card): chunking costs one more lm_head forward, which a GPU step shows (docs/benchmarks.md#in-the-trainer).
 GPU_LOGITS_SHARE = 8
 
 

@@ -1,8 +1,8 @@
 """A forward_backward's datums in micro-batches whose saved activations fit a memory budget.
 
-What a batch keeps for its backward grows with its tokens: SmolLM2-135M in fp32 keeps 1.36 MiB a
-token, so the cookbook's arithmetic RL batch (128 datums of ~70 tokens) held ~12 GiB at once and
-the trainer was OOM-killed on a 24 GiB host (2026-11-27; the SDK's retries hid it as a slow step).
+What a batch keeps for its backward grows with its tokens: even a small model in fp32 keeps over
+a MiB a token, so an RL batch of 128 datums held many GiB at once and the trainer was OOM-killed
+(docs/benchmarks.md#in-the-trainer; the SDK's retries hid it as a slow step).
 Losses are sums, so the datums may go through forward and backward in groups whose gradients add
 up: the same gradient, summed in another order, with the memory of one group.
 
@@ -10,10 +10,8 @@ A group that goes as token trees (prefix_tree.py: an RL batch's rollouts of one 
 much less than its padded size: each shared token is one position, and only the attention, run
 path by path, keeps copies per datum token. So where the model packs, the plan prices a group
 by its trees (`TreeCost`: per tree position and per path token, fitted at start-up from a packed
-probe against the padded ones) and keeps more datums together. SmolLM2 fp32, 128 rollouts of 47
-tokens (groups of 8 sharing 35, all sharing 20), 1.5 GiB budget: priced padded, 6 micro-batches
-of ~0.6 GiB, each computing the shared prompt again; priced as trees, 4: 11.8 s a step against
-12.5 s (one pass, 3.6 GiB: 10.7 s; medians of 5 in turn, 2 cores).
+probe against the padded ones) and keeps more datums together: fewer micro-batches, fewer
+computing the shared prompt again (docs/benchmarks.md#in-the-trainer).
 
 What a token costs is measured once, at start-up (`measure`): forwards of padded batches
 through a scratch adapter of the largest rank on every target module (the costliest adapter
@@ -35,7 +33,7 @@ from trainer_service.logprobs import token_logprobs
 
 PROBE_LENGTHS = (64, 256)     # two batch lengths: what a token keeps, and how that grows with the length
 # Real batches keep 0-8% more than the probes say (their shapes differ: many short rows, loss
-# inputs, the head's chunks; tiny and SmolLM2, 3-256 tokens, tests/trainer/test_microbatches.py).
+# inputs, the head's chunks; the tests' models, 3-256 tokens, tests/trainer/test_microbatches.py).
 MARGIN = 1 / 8
 
 
@@ -75,8 +73,8 @@ def default_budget_bytes(device: torch.device) -> int:
     """--activation-mib 0: a quarter of the GPU's memory (of its --gpu-memory-fraction share), or a
     sixteenth of the host's (its cgroup limit where lower). A step's peak is about twice its budget over the trainer's resting size
     (the backward's gradients of the activations, the logits' chunk, the allocator's slack:
-    SmolLM2 fp32, an RL batch of 128 datums, budget 1 GiB -> +2.3 GiB, 3 GiB -> +6.3 GiB, the
-    step as fast), and the host also holds the base model and on one machine the sampler."""
+    docs/benchmarks.md#in-the-trainer), and the host also holds the base model and on one
+    machine the sampler."""
     if device.type == "cuda":
         from tinkerd import hardware
         return hardware.gpu_memory_bytes(device) // 4

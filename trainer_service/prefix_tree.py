@@ -9,8 +9,8 @@ position id is its depth.
 Causal attention makes a position's value depend on its ancestors alone, so each datum gets what
 it would get alone (up to the order of float sums) and the gradients of shared positions add up.
 Each datum's logprobs are read at the positions of its path; a (position, target) pair that
-several datums share is unembedded once. SmolLM2 fp32, that RL batch: 5,888 padded positions ->
-1,664, forward+backward 74 s -> 19-25 s on 2 cores.
+several datums share is unembedded once: that RL batch computes under a third of its padded
+positions (docs/benchmarks.md#in-the-trainer).
 
 Attention runs path by path (`attention`): each datum's path (the tokens of one root-to-leaf
 walk of a tree) gathered into a sequence of its own, attended causally by the model's own
@@ -19,12 +19,10 @@ datum's logprobs in a tree are bit for bit its logprobs alone, in bf16 too (the 
 each sequence alone, and RL's importance ratios rest on the two agreeing). A tree row attended
 as one sequence under the 4-D mask is not: the kernel's sums over a row's keys, masked ones
 among them, group a path's terms differently from a sequence of its own, and bf16 rounds the
-difference into the next layer (SmolLM2 bf16, 4 x 8 rollouts, with the sampler's rounding:
-mean 0.0079 / max 0.17 nats from alone; padded 0.0011 / 0.12; path by path 0 / 0, on AVX2).
+difference into the next layer (docs/benchmarks.md#in-the-trainer).
 Where the attention kernel's sums for a query depend on the sequence's length (SDPA's fp32 CPU
-kernel on AVX512: 15 against 16 tokens, 4.8e-7), a datum whose prompt is computed in a longer
-path is not bit for bit alone (SmolLM2 bf16: 22 of 613 positions, max 0.12 nats, as padded:
-docs/benchmarks.md); a prefix computed once cannot be. Attention
+kernel on AVX-512), a datum whose prompt is computed in a longer path is not bit for bit alone
+(no further apart than padded); a prefix computed once cannot be. Attention
 costs the paths' own lengths squared instead of the rows' widths squared, in one call per
 distinct path length and layer (ops a GPU launches: why padded batches keep their masked rows).
 

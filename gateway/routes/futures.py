@@ -36,8 +36,9 @@ CALLS: collections.Counter[str] = collections.Counter()
 
 @router.post("/api/v1/retrieve_future")
 async def retrieve_future(request: Request):
-    """The hottest route (every future polls it): read and checked by hand, without the
-    dependency and body machinery, which cost ~0.5 ms a request on a 2-core VM."""
+    """The hottest route (every future polls it): read and checked by hand, without FastAPI's
+    dependency and body machinery, whose cost counts on every poll
+    (docs/benchmarks.md#in-the-gateway-and-every-process)."""
     body = RetrieveFutureRequest.model_validate(await _json(request))
     CALLS["retrieve_future"] += 1
     gw = gateway_of(request)
