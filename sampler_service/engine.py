@@ -78,9 +78,8 @@ _PARKED_POLL_S = 0.02
 
 # vLLM's CPU backend pages its KV cache in 128-token blocks unless told otherwise, and caches
 # prefixes in whole blocks: an RL group's 8 samples of a 35-token prompt shared nothing. 32 (the
-# smallest its CPU attention takes): the cookbook's arithmetic batch (16 prompts x 8 samples x 12
-# tokens, SmolLM2 fp32, LoRA on) 31 -> 24 s, without LoRA 17 -> 8.5 s; 8 x 64 tokens from a
-# 20-token prompt and 4 x 64 from a 900-token one unchanged (within noise), 2026-11-27.
+# smallest its CPU attention takes) lets them share, and long prompts lose nothing
+# (docs/benchmarks.md#in-the-sampler).
 CPU_KV_BLOCK_TOKENS = 32
 
 
@@ -133,10 +132,10 @@ def check_parallelism(tensor_parallel_size: int, gpu_count: int) -> None:
     """Refuses, at start-up, a tensor-parallel size this machine should not run. On CPU, vLLM
     0.32 runs each rank as a worker process bound to a NUMA node of its own, and stops deep in its
     start-up on a machine with fewer nodes than ranks unless VLLM_CPU_OMP_THREADS_BIND binds cores
-    by hand; bound by hand on this 2-core machine, 2 ranks of the tiny model took 10 s for 8
-    tokens, and tinkerd's LoRA registration (in-process tensors, worker_ext.py) is not verified
-    across worker processes. A CPU pool scales with replicas instead. On a GPU the replica needs
-    that many GPUs visible."""
+    by hand; bound by hand, 2 ranks of the tiny model took seconds for a few tokens
+    (docs/benchmarks.md#in-the-sampler), and tinkerd's LoRA registration (in-process tensors,
+    worker_ext.py) is not verified across worker processes. A CPU pool scales with replicas
+    instead. On a GPU the replica needs that many GPUs visible."""
     if tensor_parallel_size < 1:
         raise UserError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
     if tensor_parallel_size > 1 and gpu_count == 0:
