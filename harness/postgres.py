@@ -7,6 +7,9 @@ commit (it failed with ENOMEM in the suite while stacks ran beside it).
 
     with postgres(directory, "tinkerd") as url:     # a SQLAlchemy URL (psycopg) of a new database
         ...
+
+`postgres_on(host, directory, "tinkerd")` runs it on a harness/hosts.py host instead, listening on
+TCP at the host's address (port 5432; every client on the bridge trusted): a database host.
 """
 
 from __future__ import annotations
@@ -36,7 +39,28 @@ def postgres(directory, database: str) -> Iterator[str]:
             proc.kill()
 
 
-def _serve(directory: str, database: str) -> None:
+@contextlib.contextmanager
+def postgres_on(host, directory, database: str) -> Iterator[str]:
+    """PostgreSQL on `host` (harness/hosts.py), reached over TCP at its address."""
+    proc = host.popen([sys.executable, "-m", "harness.postgres", str(directory), database, host.address],
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        uri = proc.stdout.readline().strip()
+        if not uri.startswith("postgresql://"):
+            raise RuntimeError(f"pgserver did not start on host {host.name} (exit {proc.wait(timeout=60)})")
+        yield f"postgresql+psycopg://postgres@{host.address}:{PORT}/{database}"
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+PORT = 5432
+
+
+def _serve(directory: str, database: str, address: str = "") -> None:
     import pgserver
 
     server = pgserver.get_server(directory, cleanup_mode="stop")
@@ -45,10 +69,25 @@ def _serve(directory: str, database: str) -> None:
     server.psql("ALTER SYSTEM SET fsync = off;")
     server.psql("SELECT pg_reload_conf();")
     server.psql(f"CREATE DATABASE {database};")
+    if address:
+        _listen_on(server, address)
     print(server.get_uri(), flush=True)
     sys.stdin.read()                  # until the parent closes it
     server.cleanup()
 
 
+def _listen_on(server, address: str) -> None:
+    """Restarts the server listening on TCP at `address` too (pgserver starts it with `-h ""`,
+    which a setting cannot override), trusting every client: only the test's bridge reaches it."""
+    from pgserver._commands import pg_ctl
+
+    info = server.get_postmaster_info()
+    with open(server.pgdata / "pg_hba.conf", "a") as f:
+        f.write("host all all 0.0.0.0/0 trust\n")
+    pg_ctl(["-w", "stop"], pgdata=server.pgdata, user=server.system_user)
+    pg_ctl(["-w", "-o", f'-h "{address}"', "-o", f"-p {PORT}", "-o", f"-k {info.socket_dir}",
+            "-l", str(server.log), "start"], pgdata=server.pgdata, user=server.system_user, timeout=30)
+
+
 if __name__ == "__main__":
-    _serve(sys.argv[1], sys.argv[2])
+    _serve(*sys.argv[1:4])

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import time
+from typing import Callable
 
 from tinkerd.process import stop_with_parent
 
@@ -20,16 +21,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Service:
     """A `tinkerd` service in its own process group; stdout and stderr go to its log file."""
 
-    def __init__(self, name: str, command: list[str], log_dir, env: dict):
-        self.name, self.command, self.env = name, command, env
+    def __init__(self, name: str, command: list[str], log_dir, env: dict, enter: Callable[[], None] | None = None):
+        """`enter`: run in the child before the command (harness/hosts.py: onto another host)."""
+        self.name, self.command, self.env, self.enter = name, command, env, enter
         self.log = os.path.join(log_dir, f"{name}.log")
         self.start()
 
     def start(self) -> None:
         self.offset = os.path.getsize(self.log) if os.path.exists(self.log) else 0
+        stop, enter = stop_with_parent(), self.enter           # none left serving if we are killed
         self.proc = subprocess.Popen(self.command, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                                      env=self.env, cwd=ROOT, start_new_session=True,
-                                     preexec_fn=stop_with_parent())     # none left serving if we are killed
+                                     preexec_fn=(lambda: (stop(), enter())) if enter else stop)
 
     def text(self) -> str:
         """This start's log."""

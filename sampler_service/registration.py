@@ -17,16 +17,14 @@ another host is refused (check_urls): the service token would cross the network 
 from __future__ import annotations
 
 import json
-import ipaddress
 import logging
-import socket
 import ssl
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from tinkerd.rpc import is_loopback
+from tinkerd.rpc import advertised_host, is_local_address, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +34,17 @@ RETRY_S = 1.0          # after a failed registration (the gateway may still be s
 
 def advertised_address(listen: str, port: int, given: str = "") -> str:
     """host:port the gateways and the trainer are told to reach this replica at."""
-    if given:
-        return given
-    host = listen.rsplit(":", 1)[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return f"127.0.0.1:{port}"
-    if host not in ("0.0.0.0", "::", ""):
-        return f"{host}:{port}"                      # listens on one interface: that one
-    name = socket.gethostname()
-    try:
-        ip = socket.gethostbyname(name)
-    except OSError:
-        return f"{name}:{port}"
-    return f"{name if ipaddress.ip_address(ip).is_loopback else ip}:{port}"
+    return given or f"{advertised_host(listen)}:{port}"
+
+
+def check_advertised(address: str, gateways: list[str]) -> None:
+    """Refuses to register a loopback address with a gateway on another host: neither it nor the
+    trainer could reach this replica there (a replica listening on 127.0.0.1 by default, say)."""
+    remote = [url for url in gateways if not is_local_address(urllib.parse.urlsplit(url).hostname or "")]
+    if remote and is_loopback(address):
+        raise SystemExit(f"tinkerd sampler: this replica would register {address} with {remote[0]}, another "
+                         f"host, which cannot reach it there: --listen on an address of this host that the "
+                         f"gateways and the trainer reach (or 0.0.0.0 and --advertise-address HOST:PORT)")
 
 
 def check_urls(gateways: list[str], tls: bool) -> None:

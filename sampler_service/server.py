@@ -15,7 +15,7 @@ def serve(s: SamplerSettings) -> None:
     init_logging("sampler")
     logging.getLogger("sampler").info("memory allocator: %s", allocator())
     from sampler_service import metrics
-    from sampler_service.registration import Registration, advertised_address, check_urls
+    from sampler_service.registration import Registration, advertised_address, check_advertised, check_urls
     from sampler_service.servicer import SamplerServicer
     from tinkerd.health import ServiceHealth
     from tinkerd.metrics import serve as serve_metrics
@@ -25,6 +25,7 @@ def serve(s: SamplerSettings) -> None:
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of engine start
     check_urls(s.register_with, auth.tls or bool(s.register_ca))
+    check_advertised(advertised_address(s.listen, 0, s.advertise_address), s.register_with)
     check_flags_or_exit(s)
     from tinkerd import cores, hardware
     cores.configure(threads, cpu=not hardware.has_gpu())     # before the engine thread reads it
@@ -92,8 +93,7 @@ def _merged_slots(s: SamplerSettings, dtype: str) -> int:
     """Merged serving runs a second vLLM engine in this process. On a GPU that engine would need
     its own share of GPU memory next to the first one's (not budgeted yet), so it is CPU-only. By
     default it is on in float32 only: merged 16-bit weights W + scale*B@A round away the small
-    deltas of a trained adapter (SmolLM2 bf16 after 10 SFT steps: mean 0.056 / max 0.88 nats per
-    token against the trainer, 0 / 0 through LoRA; bench/bf16_gap.py)."""
+    deltas of a trained adapter, which LoRA serving keeps (docs/benchmarks.md#bf16_gap)."""
     import torch
 
     if s.merged_slots < 0:

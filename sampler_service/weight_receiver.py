@@ -172,11 +172,14 @@ class WeightReceiver:
             self._links.pop(key, None)          # the trainer has given the old one up
         store = weight_stream.create_store(rv.host, rv.port, rv.world_size, is_master=False,
                                            timeout_s=rv.timeout_seconds)
-        group = weight_stream.join_group(store, rv.rank, rv.world_size, rv.backend, rv.timeout_seconds, rv.group)
+        bind = weight_stream.local_address_to(rv.host)
+        group = weight_stream.join_group(store, rv.rank, rv.world_size, rv.backend, rv.timeout_seconds, rv.group,
+                                         bind_host=bind)
         link = _Link(rv.group, group)
         with self._lock:
             self._links[key] = link
-        log.info("weight group %s with %s:%d formed", rv.group, rv.host, rv.port)
+        log.info("weight group %s with %s:%d formed (%s, this end on %s)", rv.group, rv.host, rv.port, rv.backend,
+                 bind)
         return link
 
     def _drop(self, rv: sampler_pb2.Rendezvous, link: _Link) -> None:

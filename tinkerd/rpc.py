@@ -19,6 +19,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import socket
 from typing import Callable, Iterable
 
 import grpc
@@ -96,6 +97,36 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False        # a host name or "" (every interface): assume reachable from elsewhere
+
+
+def advertised_host(listen: str) -> str:
+    """The host other processes are told to reach a server listening at `listen` by (the rule
+    every service follows where no flag names it): 127.0.0.1 for a loopback listener; the
+    address itself for one interface; for every interface (0.0.0.0, ::, ""), this host's
+    address as its own name resolves here (a container's or pod's IP: Docker and Kubernetes map
+    the hostname to it), or the name itself where it maps to loopback or nowhere."""
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if is_loopback(f"{host}:0"):
+        return "127.0.0.1"
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    name = socket.gethostname()
+    try:
+        ip = socket.gethostbyname(name)
+    except OSError:
+        return name
+    return name if ipaddress.ip_address(ip).is_loopback else ip
+
+
+def is_local_address(host: str) -> bool:
+    """Whether `host` names an address of this host (a socket can be bound to it)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.bind(infos[0][4])
+    except OSError:
+        return False
+    return True
 
 
 def check_exposure(address: str, auth: ServiceAuth, allow_insecure: bool) -> None:
@@ -256,8 +287,8 @@ class AioCallsWithMetadata:
     """A grpc.aio stub whose every call carries the service token and the pairs `metadata()`
     makes at call time. Added per call rather than by aio interceptors: grpc.aio runs an
     intercepted call as a task of its own before it sends it, a turn of the event loop in which
-    whatever else is ready runs first. On a 2-core host a forward_backward reached the trainer
-    ~1 ms sooner without the gateway's two (docs/benchmarks.md)."""
+    whatever else is ready runs first, and the request reaches the trainer later
+    (docs/benchmarks.md#in-the-gateway-and-every-process)."""
 
     def __init__(self, stub, token: str, metadata: Callable[[], Iterable[tuple[str, str]]] = tuple):
         self._stub, self._metadata = stub, metadata

@@ -95,8 +95,9 @@ def allocate(chunk_num_bytes: list[int], flat: torch.Tensor | None = None) -> li
 
 def touched(num_bytes: int) -> torch.Tensor:
     """A buffer whose pages are already mapped. Touching fresh memory costs more than copying
-    into memory already touched (measured 17-44 ms vs 12 ms for 45 MB in the 2-core VM: a page
-    fault per 4 KiB, in the guest and the host), so a hot path fills buffers made beforehand."""
+    into memory already touched (a page fault per 4 KiB, in the guest and the host:
+    docs/benchmarks.md#in-the-gateway-and-every-process), so a hot path fills buffers made
+    beforehand."""
     return torch.zeros(num_bytes, dtype=torch.uint8)
 
 
@@ -179,6 +180,17 @@ def _listening_socket(host: str, port: int) -> tuple[int, int]:
         sock.close()
         raise
     return sock.detach(), port    # the store closes the descriptor when it goes
+
+
+def local_address_to(host: str) -> str:
+    """This host's address on the interface its route to `host` leaves by: where a receiver's
+    gloo connections must listen for the sender to reach them. (Left to itself gloo binds to the
+    address this host's name resolves to, and to loopback where it resolves to nothing: wrong for
+    a sender on another host either way.) The kernel's choice of source address; nothing is sent."""
+    family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
 
 
 def create_store(host: str, port: int, world_size: int, *, is_master: bool,

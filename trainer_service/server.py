@@ -20,7 +20,7 @@ def build_engine(s: TrainerSettings, threads: str, durable=None):
     that loads the model runs 1 OpenMP thread. With OMP_NUM_THREADS=N in the environment it would
     load with N and keep that pool of workers for good; beside the computing thread's own pool, the
     process then holds more pooled threads than cores, and libgomp makes every parallel op wait for
-    its workers to wake (SmolLM2 fp32 steps 1,430-1,500 ms against 1,130-1,200)."""
+    its workers to wake, a whole step slower (docs/benchmarks.md#in-the-trainer)."""
     from tinkerd import cores, hardware
     from trainer_service.engine import TrainerEngine
 
@@ -40,7 +40,7 @@ def serve(s: TrainerSettings) -> None:
     logging.getLogger("trainer").info("memory allocator: %s", allocator())
     from tinkerd import state_lock
     from tinkerd.health import ServiceHealth
-    from tinkerd.rpc import ServiceAuth, check_exposure, create_server
+    from tinkerd.rpc import ServiceAuth, advertised_host, check_exposure, create_server, is_local_address
     from tinkerd.v1 import trainer_pb2_grpc
     from trainer_service.durable import DurableModels
     from tinkerd.metrics import serve as serve_metrics
@@ -49,6 +49,12 @@ def serve(s: TrainerSettings) -> None:
 
     auth = ServiceAuth.of(s)
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of model loading
+    advertise_host = s.advertise_host or advertised_host(s.listen)
+    if rank == 0 and not is_local_address(advertise_host):     # samplers would be sent where nothing listens
+        given = f"--advertise-host {advertise_host}" if s.advertise_host else \
+            f"{advertise_host} (what --listen {s.listen} advertises)"
+        raise SystemExit(f"tinkerd trainer: {given} is not an address of this host: give --advertise-host, the "
+                         f"address of this host's interface that the sampler hosts reach")
     state_dir = os.path.abspath(s.state_dir)
     if rank == 0:        # the rank that writes the models' state: alone on its state dir
         state_lock.make_state_dir(state_dir)
@@ -61,7 +67,7 @@ def serve(s: TrainerSettings) -> None:
     # Handler threads wait in the fair scheduler, one per model with work in flight.
     server, port = create_server(s.listen, max_workers=256, auth=auth, allow_insecure=s.allow_insecure)
     metrics.RESIDENT_MODELS.set_function(lambda: len(engine.models.ids()))
-    servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=s.advertise_host,
+    servicer = TrainerServicer(engine, state_dir=state_dir, advertise_host=advertise_host,
                                auth=auth, weight_transports=s.weight_transports, durable_idle_s=s.durable_idle_s)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     health = ServiceHealth(server, "tinkerd.v1.Trainer")

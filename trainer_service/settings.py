@@ -17,8 +17,10 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
     base_model: str = setting(help="local directory of the HF base model")
     aliases: list[str] = setting([], flag="alias", help="another name clients may use for the base model")
     listen: str = setting("127.0.0.1:0", help="gRPC address (port 0 picks a free one)")
-    advertise_host: str = setting("127.0.0.1", help="host samplers connect to for weight streaming (the "
-                                                    "stream's store listens on this interface only)")
+    advertise_host: str = setting("", help="host samplers connect to for weight streaming (the stream's store "
+                                           "and gloo listen on this interface only); default: --listen's host "
+                                           "(127.0.0.1 for loopback; for 0.0.0.0, this host's address as its "
+                                           "hostname resolves); refused at start unless it is this host's")
     state_dir: str = setting("./state", help="checkpoints, snapshots and models' durable state; every path is "
                                              "derived below it from ids (the gateway's, on a shared filesystem)")
     zero_stage: int = setting(2, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (on one rank 1 and 2 run as 0: "

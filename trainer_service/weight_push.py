@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import ipaddress
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -326,7 +328,21 @@ class WeightPusher:
         link.receiver = weight_transport.Endpoint.of(health.weight_endpoint)
         link.untried = weight_transport.candidates(self.endpoint, link.receiver, self.transports)
         link.refused = {}
+        if link.receiver.host and link.receiver.host != self.endpoint.host and self._loopback_advertised():
+            # The group's store and connections listen on loopback: another host cannot reach them.
+            for transport in weight_transport.GROUP_TRANSPORTS:
+                if transport in link.untried:
+                    link.untried.remove(transport)
+                    link.refused[transport] = (f"this trainer's weight streams listen on {self.advertise_host} "
+                                               f"(--advertise-host, or --listen's host), loopback, which a "
+                                               f"sampler on another host cannot reach")
         self._next_transport(link, address)
+
+    def _loopback_advertised(self) -> bool:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(self.advertise_host)).is_loopback
+        except OSError:
+            return False
 
     def _next_transport(self, link: _Link, address: str) -> None:
         if not link.untried:
