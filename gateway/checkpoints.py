@@ -271,7 +271,7 @@ def copy_checkpoint(db: Database, state_dir: str, source: CheckpointRow, run_id:
     shutil.rmtree(directory, ignore_errors=True)
     shutil.copytree(source.directory, directory, copy_function=_link_or_copy)
     db.add(ModelRow(model_id=run_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
-                    lora_rank=source_run.lora_rank, resident=False,
+                    lora_rank=source_run.lora_rank, resident=False, optimizer=source_run.optimizer,
                     lora_config={**(source_run.lora_config or {}), "copied_from": source.tinker_path}))
     path = tinker_path(run_id, kind, name)
     db.add(CheckpointRow(tinker_path=path, model_id=run_id, owner=owner, checkpoint_type=source.checkpoint_type,

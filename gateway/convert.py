@@ -22,6 +22,7 @@ from gateway.settings import GatewaySettings
 from gateway.stability import Span
 from tinkerd import dtypes, tensors
 from tinkerd.errors import UserError
+from tinkerd.optimizers import ADAMW, DIMUON, PARAMS_CLASS
 from tinkerd.tensors import from_numpy, to_numpy
 from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
 
@@ -379,9 +380,37 @@ def lora_config(lora: protocol.LoraConfig) -> common_pb2.LoraConfig:
 
 def adam_params(p: protocol.AdamParams) -> common_pb2.AdamParams:
     if p.type not in ("adam", "adamw"):
-        raise UserError(f"optimizer {p.type!r} is not supported; use Adam")
+        raise UserError(f"optimizer {p.type!r} is not supported; use AdamParams or DimuonParams")
     return common_pb2.AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
                                  weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
+
+
+def dimuon_params(p: protocol.DimuonParams) -> common_pb2.DimuonParams:
+    """A nonpositive grad_clip_norm disables clipping (the SDK's doc): 0 on the wire."""
+    return common_pb2.DimuonParams(learning_rate=p.learning_rate, beta1=p.beta1, damping=p.damping,
+                                   rank_lr_correction_exponent=p.rank_lr_correction_exponent,
+                                   grad_clip_norm=max(p.grad_clip_norm, 0.0))
+
+
+def params_optimizer(p: protocol.AdamParams | protocol.DimuonParams) -> str:
+    """The optimizer an optim_step's parameters are for."""
+    return DIMUON if isinstance(p, protocol.DimuonParams) else ADAMW
+
+
+def optim_step_request(model_id: str, seq_id: int, p: protocol.AdamParams | protocol.DimuonParams,
+                       optimizer: str) -> trainer_pb2.OptimStepRequest:
+    """The trainer's request for a model of `optimizer`; the other family's parameters are refused
+    (a model's optimizer is fixed when it is created)."""
+    given = params_optimizer(p)
+    if given != optimizer:
+        raise UserError(f"model {model_id} was created with the {optimizer} optimizer; optim_step got "
+                        f"{PARAMS_CLASS[given]}: send {PARAMS_CLASS[optimizer]}")
+    if given == DIMUON:
+        return trainer_pb2.OptimStepRequest(model_id=model_id, seq_id=seq_id, dimuon_params=dimuon_params(p))
+    return trainer_pb2.OptimStepRequest(model_id=model_id, seq_id=seq_id, adam_params=adam_params(p))
+
+
+OPTIMIZERS = {ADAMW: common_pb2.OPTIMIZER_ADAMW, DIMUON: common_pb2.OPTIMIZER_DIMUON}
 
 
 # ---- sampling: JSON body -> sampler request; sampler reply -> SDK protobuf -------------------

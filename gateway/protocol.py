@@ -2,7 +2,10 @@
 
 Requests ignore fields they do not know (every SDK version sends some we do not use) and treat
 an explicit null like an absent field (the SDK leaves None out, other clients send null), so
-the defaults below are the API's. A body that does not fit is a 400 naming the field
+the defaults below are the API's. A field of the Tinker API this server does not serve is in its
+request's `refused`: asking for it is a 400 that names it, never a request served otherwise
+(tests/unit/test_wire_coverage.py holds every field of the SDK's requests to being served here,
+refused, or listed there as informational). A body that does not fit is a 400 naming the field
 (gateway/errors.py). The SDK's binary bodies (forward_backward, sample results) are in
 gateway/convert.py.
 
@@ -13,14 +16,16 @@ the engines accept, and no string carries NUL or a lone surrogate (neither can b
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tinkerd.adam import ADAM_MAX
+from tinkerd.optimizers import DIMUON_DEFAULTS, DIMUON_MAX
 
 INT32, INT64 = 2**31 - 1, 2**63 - 1
 MAX_JSON_DEPTH = 32
@@ -114,14 +119,36 @@ class Body(BaseModel):
         return data
 
 
+@dataclasses.dataclass(frozen=True)
+class NotServed:
+    """A field of the Tinker API this server does not serve, and why. A request asks for it with
+    any value but null, `default` (what the SDK sends when its caller asks for nothing) or an
+    empty list or object."""
+    why: str
+    default: Any = None
+
+    def asked(self, value: Any) -> bool:
+        return value is not None and value != self.default and value not in ([], {})
+
+
 class Request(Body):
-    """A whole request body: checked as JSON once (check_json), then field by field."""
+    """A whole request body: checked as JSON once (check_json), then field by field. `refused`:
+    its fields this server does not serve, by name; a request that asks for one is refused."""
+    refused: ClassVar[dict[str, NotServed]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _plain_json(cls, data: Any) -> Any:
         check_json(data)
+        if isinstance(data, dict):
+            for name, field in cls.refused.items():
+                if field.asked(data.get(name)):
+                    raise ValueError(f"{name} is not served by this server: {field.why}")
         return data
+
+
+NO_ACCESS_TOKENS = NotServed("there are no weights access tokens here: use a checkpoint your API key can "
+                             "read (your own, or a published one)")
 
 
 # ---- sessions ----------------------------------------------------------------------------
@@ -249,11 +276,25 @@ class LoraConfig(Body):
     train_mlp: bool = True
     train_unembed: bool = True
 
+class OptimizerConfig(Body):
+    """The optimizer a model is created with, fixed for its life (tinkerd/optimizers.py). An
+    unknown type, or a field this server does not know, is a 400: it would not be honoured."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["adamw", "dimuon"] = "adamw"
+    version: Literal[1] = 1
+
+
+def optimizer_config(name: str) -> dict[str, Any]:
+    """A model's optimizer as the SDK's OptimizerConfig (get_info, weights_info)."""
+    return {"type": "dimuon", "version": 1} if name == "dimuon" else {"type": "adamw"}
+
+
 
 class CreateModelRequest(Request):
     session_id: Id = ""
     model_seq_id: SeqId = 0
     base_model: Id = ""
+    optimizer_config: OptimizerConfig = OptimizerConfig()
     lora_config: LoraConfig = LoraConfig()
 
 
@@ -295,16 +336,39 @@ class AdamParams(Body):
     weight_decay: float = Field(0.0, ge=0, le=ADAM_MAX["weight_decay"])
     grad_clip_norm: float = Field(0.0, ge=0)
 
+class DimuonParams(Body):
+    """One Dimuon step (trainer_service/dimuon.py), bounded as AdamParams (tinkerd/optimizers.py).
+    The defaults are Tinker's for what an older SDK leaves out; a field this server does not know
+    (weight_decay, say) is a 400, not dropped."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["dimuon"] = "dimuon"
+    learning_rate: float = Field(ge=0, le=DIMUON_MAX["learning_rate"])
+    grad_clip_norm: float = DIMUON_DEFAULTS["grad_clip_norm"]     # nonpositive: no clipping (the SDK's doc)
+    beta1: float = Field(DIMUON_DEFAULTS["beta1"], ge=0, lt=1)
+    damping: float = Field(DIMUON_DEFAULTS["damping"], gt=0, le=DIMUON_MAX["damping"])
+    rank_lr_correction_exponent: float = Field(DIMUON_DEFAULTS["rank_lr_correction_exponent"],
+                                               ge=-DIMUON_MAX["rank_lr_correction_exponent"],
+                                               le=DIMUON_MAX["rank_lr_correction_exponent"])
+
+
 
 class OptimStepRequest(Request):
     model_id: Id = ""
     seq_id: SeqId = 0
-    adam_params: AdamParams | None = None
-    optim_params: AdamParams | None = None         # older and non-Adam spellings of the same
-    optimizer_params: AdamParams | None = None
+    adam_params: AdamParams | DimuonParams | None = None
+    optim_params: AdamParams | DimuonParams | None = None       # older and non-Adam spellings of the same
+    optimizer_params: AdamParams | DimuonParams | None = None
+
+    @field_validator("adam_params", "optim_params", "optimizer_params", mode="wrap")
+    @classmethod
+    def _by_type(cls, value: Any, handler) -> AdamParams | DimuonParams:
+        """DimuonParams where `type` says "dimuon", else AdamParams (the SDK sends those without a
+        type); an error names the field as sent (adam_params.learning_rate), not a union member."""
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return (DimuonParams if kind == "dimuon" else AdamParams).model_validate(value)
 
     @property
-    def params(self) -> AdamParams:
+    def params(self) -> AdamParams | DimuonParams:
         return self.adam_params or self.optim_params or self.optimizer_params or AdamParams()
 
 
@@ -321,6 +385,8 @@ class SaveWeightsForSamplerRequest(Request):
 
 class SaveWeightsRequest(Request):
     """save_weights (adapter + optimizer state) and save_weights_external (adapter files)."""
+    refused = {"age_encryption_recipients": NotServed("exported files are not encrypted here: leave it unset and "
+                                                      "encrypt the files once downloaded")}
     model_id: Id = ""
     seq_id: SeqId = 0
     path: Id | None = None
@@ -337,11 +403,15 @@ class SaveWeightsRequest(Request):
 
 class LoadWeightsRequest(Request):
     """Create-via-load (session_id + model_seq_id) or, legacy, load into model_id."""
+    refused = {"base_model": NotServed("a checkpoint loads on the base model it was trained on: leave "
+                                       "base_model unset"),
+               "weights_access_token": NO_ACCESS_TOKENS}
     path: Id = ""
     optimizer: bool = False
     model_id: Id | None = None
     seq_id: SeqId = 0
     session_id: Id = ""
+    optimizer_config: OptimizerConfig | None = None   # a new weights-only model's; None: AdamW
     model_seq_id: SeqId = 0
 
 
@@ -402,6 +472,9 @@ class GetSamplerResponse(BaseModel):
 
 
 class SampleRequest(Request):
+    refused = {"target_prompt_logprobs": NotServed("logprobs of chosen token ids are not served: ask for "
+                                                   "topk_prompt_logprobs, or prompt_logprobs of a prompt "
+                                                   "holding those tokens")}
     sampling_session_id: Id = ""
     seq_id: SeqId = 0
     num_samples: int = Field(1, ge=1, le=MAX_NUM_SAMPLES)
@@ -526,6 +599,7 @@ class WeightsInfoRequest(Request):
 
 
 class WeightsInfoResponse(BaseModel):
+    optimizer_config: dict[str, Any] = {"type": "adamw"}
     base_model: str
     is_lora: bool = True
     lora_rank: int
@@ -540,6 +614,7 @@ class ExternalWeightsUrlsResponse(BaseModel):
 
 
 class CopyWeightsRequest(Request):
+    refused = {"weights_access_token": NO_ACCESS_TOKENS}
     source_path: Id = ""
     session_id: Id | None = None                   # SDK 0.30: a run in this session
     model_seq_id: SeqId = 0

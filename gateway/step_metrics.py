@@ -50,7 +50,8 @@ def record(db: Database, request, reply) -> None:
                 metrics["loss:mean"] = metrics["loss:sum"] / metrics["weights:sum"]   # comparable across batch sizes
         elif isinstance(request, trainer_pb2.OptimStepRequest):
             kind = "optim_step"
-            metrics = {**dict(reply.metrics), "learning_rate": request.adam_params.learning_rate}
+            params = request.dimuon_params if request.HasField("dimuon_params") else request.adam_params
+            metrics = {**dict(reply.metrics), "learning_rate": params.learning_rate}
         else:
             raise TypeError(f"not a training request: {type(request).__name__}")
         with db.engine.begin() as conn:

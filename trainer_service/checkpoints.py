@@ -4,14 +4,15 @@ A checkpoint directory: adapter_model.safetensors + adapter_config.json (PEFT fo
 by peft and vLLM as they are), tinkerd_state.json (LoRA spec, step), and, for full state,
 optimizer/: a stage-0 trainer's (one rank runs ZeRO-1/2 as stage 0) is adamw.safetensors, each
 parameter's AdamW moments and step count; a ZeRO-1/2/3 trainer's of several ranks is a DeepSpeed
-checkpoint, one optimizer partition per rank. Directories are written under a temporary name and
+checkpoint, one optimizer partition per rank. A Dimuon model's (always stage 0: dimuon.py) is
+dimuon.safetensors, each parameter's momentum; the spec in tinkerd_state.json names the optimizer
+(none named: AdamW, as every checkpoint from before Dimuon). Directories are written under a temporary name and
 renamed into place, so a reader never sees half of one.
 
 Why stage 0 writes its own file: DeepSpeed's checkpoint pickles the adapter a second time beside
-the moments, and its tensor-only unpickling is pure Python. For SmolLM2's rank-32 adapter (45 MB
-of weights, 86 MB of moments) it took 195-455 ms to write and ~270 ms to read, against 90-120 ms
-and 25-50 ms for the safetensors file (2026-11-29, 2 cores): a durable write follows an RL step's
-optim_step, and the next push waits for it.
+the moments, and its tensor-only unpickling is pure Python: several times slower to write and
+read than the safetensors file (docs/benchmarks.md#in-the-trainer), and a durable write follows
+an RL step's optim_step, which the next push waits for.
 
 Optimizer state loads under the ZeRO stage that wrote it, with conversions into stage 0: a
 one-rank ZeRO-1/2 checkpoint (from before stage 0, or from a trainer run with keep_zero_stage)
@@ -36,6 +37,8 @@ import torch
 
 from tinkerd import weight_stream
 from tinkerd.errors import UserError
+from tinkerd.optimizers import ADAMW, DIMUON
+from trainer_service.deepspeed_setup import model_zero_stage
 from trainer_service.lora import LoraSpec
 from trainer_service.registry import LoraModel
 
@@ -44,6 +47,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 STATE = "tinkerd_state.json"
 OPTIMIZER = "optimizer"
 ADAMW_STATE = "adamw.safetensors"      # in OPTIMIZER: a stage-0 trainer's moments (module doc)
+DIMUON_STATE = "dimuon.safetensors"    # in OPTIMIZER: a Dimuon model's momentum
+STATE_FILES = {ADAMW: ADAMW_STATE, DIMUON: DIMUON_STATE}
+# Each optimizer's per-parameter state: tensors of their parameter's shape, and scalars.
+STATE_KEYS = {ADAMW: (("exp_avg", "exp_avg_sq"), ("step",)), DIMUON: (("momentum",), ())}
 
 
 def export_adapter(peft_model, model: LoraModel, *, zero_stage: int,
@@ -109,24 +116,25 @@ def write_state(tmp: str, model: LoraModel, adapter: weight_stream.Packed, confi
 
 
 def write_optimizer(tmp: str, model: LoraModel, *, leader: bool) -> None:
-    """The optimizer state into `tmp`. Stage 0: the leader writes adamw.safetensors (every rank
-    holds the same state). ZeRO-1/2/3: DeepSpeed's checkpoint, collective, each rank writes its
-    partition."""
+    """The optimizer state into `tmp`. Stage 0: the leader writes adamw.safetensors (or
+    dimuon.safetensors; every rank holds the same state). ZeRO-1/2/3: DeepSpeed's checkpoint,
+    collective, each rank writes its partition."""
     if model.engine.zero_optimization_stage() == 0:
         if leader:
-            _write_adamw(os.path.join(tmp, OPTIMIZER, ADAMW_STATE), model)
+            _write_moments(os.path.join(tmp, OPTIMIZER, STATE_FILES[model.spec.optimizer]), model)
         return
     model.engine.save_checkpoint(os.path.join(tmp, OPTIMIZER), tag="state",
                                  client_state={"step": model.step}, save_latest=False)
 
 
-def _write_adamw(path: str, model: LoraModel) -> None:
-    """AdamW's per-parameter state (exp_avg, exp_avg_sq, step), keyed `<name>.<parameter index>`
-    in the order of model.params; empty before the first step."""
+def _write_moments(path: str, model: LoraModel) -> None:
+    """The optimizer's per-parameter state (STATE_KEYS), keyed `<name>.<parameter index>` in the
+    order of model.params; empty before the first step. Copied: Dimuon's momenta are views of
+    one buffer per shape, which safetensors will not write as they are."""
     import safetensors.torch
 
     state = model.engine.optimizer.state_dict()["state"]
-    tensors = {f"{name}.{i}": value.detach().to("cpu").contiguous()
+    tensors = {f"{name}.{i}": value.detach().to("cpu", copy=True).contiguous()
                for i, moments in state.items() for name, value in moments.items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     safetensors.torch.save_file(tensors, path)
@@ -176,12 +184,13 @@ def read_state(directory: str, *, with_optimizer: bool,
         raise UserError(f"no checkpoint at {directory}: {e.filename} is missing") from None
     if with_optimizer and not meta.get("has_optimizer"):
         raise UserError(f"the checkpoint at {directory} holds weights only; load it without optimizer state")
-    saved_stage = meta.get("zero_stage")
+    spec = LoraSpec(**meta["spec"])
+    saved_stage, zero_stage = meta.get("zero_stage"), model_zero_stage(zero_stage, spec.optimizer)
     if with_optimizer and saved_stage != zero_stage and not _converts(saved_stage, zero_stage):
         hint = " (a trainer of one rank runs ZeRO-1/2 as stage 0)" if saved_stage == 0 else ""
         raise UserError(f"the optimizer state at {directory} was written under ZeRO stage {saved_stage}{hint}; "
                         f"this trainer runs stage {zero_stage}: load it without optimizer state")
-    return LoraSpec(**meta["spec"]), tensors, int(meta["step"]), int(meta.get("seq", 0))
+    return spec, tensors, int(meta["step"]), int(meta.get("seq", 0))
 
 
 def _converts(saved_stage, zero_stage: int) -> bool:
@@ -230,14 +239,16 @@ _FIRST_ZERO_PARTITION = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
 def restore_optimizer(model: LoraModel, directory: str, step: int) -> None:
-    """The AdamW state and step count from a full checkpoint, into a model made from it."""
+    """The optimizer state and step count from a full checkpoint, into a model made from it."""
     engine = model.engine
     state_dir = os.path.join(directory, OPTIMIZER, "state")
-    adamw = os.path.join(directory, OPTIMIZER, ADAMW_STATE)
+    moments = os.path.join(directory, OPTIMIZER, STATE_FILES[model.spec.optimizer])
     try:
         partition = os.path.join(state_dir, _FIRST_ZERO_PARTITION)
-        if os.path.exists(adamw):                # read_state let it through to stage 0 only
-            _restore_adamw(model, adamw, directory)
+        if os.path.exists(moments):                # read_state let it through to stage 0 only
+            _restore_moments(model, moments, directory)
+        elif model.spec.optimizer == DIMUON:
+            raise UserError(f"the checkpoint at {directory} holds no Dimuon state ({OPTIMIZER}/{DIMUON_STATE})")
         elif engine.zero_optimization_stage() == 0 and os.path.exists(partition):
             _restore_from_zero_partition(model, partition, directory)
         else:
@@ -248,29 +259,29 @@ def restore_optimizer(model: LoraModel, directory: str, step: int) -> None:
     model.step = step
 
 
-_ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")      # the moments have their parameter's shape; step is a scalar
-
-
-def _restore_adamw(model: LoraModel, path: str, directory: str) -> None:
-    """adamw.safetensors into the stage-0 engine's AdamW, each moment checked against its parameter."""
+def _restore_moments(model: LoraModel, path: str, directory: str) -> None:
+    """adamw.safetensors or dimuon.safetensors into the stage-0 engine's optimizer, each tensor
+    checked against its parameter."""
     import safetensors.torch
 
     try:
         saved = safetensors.torch.load_file(path)
     except Exception as e:          # safetensors raises its own error types for a damaged file
         raise UserError(f"the optimizer state at {directory} is unreadable: {str(e)[:200]}") from None
+    shaped, scalars = STATE_KEYS[model.spec.optimizer]
     params, state = model.params, {}
     for key, value in saved.items():
         name, _, index = key.rpartition(".")
         i = int(index) if index.isdigit() else -1
-        if name not in _ADAMW_KEYS or not 0 <= i < len(params) or \
-                tuple(value.shape) != (() if name == "step" else tuple(params[i].shape)):
+        if name not in shaped + scalars or not 0 <= i < len(params) or \
+                tuple(value.shape) != (() if name in scalars else tuple(params[i].shape)):
             raise UserError(f"the optimizer state at {directory} does not fit this adapter "
                             f"({key} of shape {tuple(value.shape)}; {len(params)} parameters here)")
         state.setdefault(i, {})[name] = value       # load_state_dict puts each where its parameter wants it
-    if state and (len(state) != len(params) or any(len(moments) != len(_ADAMW_KEYS) for moments in state.values())):
+    width = len(shaped + scalars)
+    if state and (len(state) != len(params) or any(len(moments) != width for moments in state.values())):
         raise UserError(f"the optimizer state at {directory} does not fit this adapter "
-                        f"(AdamW state of {len(state)} parameters, {len(params)} here)")
+                        f"({model.spec.optimizer} state of {len(state)} parameters, {len(params)} here)")
     optimizer = model.engine.optimizer
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 

@@ -6,15 +6,30 @@ import torch
 
 from tinkerd import dtypes, tensors, weight_stream
 from tinkerd.errors import UserError
+from tinkerd.optimizers import ADAMW, DIMUON
 from tinkerd.v1 import common_pb2, sampler_pb2, trainer_pb2
 from trainer_service.lora import LoraSpec
 from trainer_service.registry import LoraModel
-from trainer_service.training import AdamParams, DatumInput
+from trainer_service.training import AdamParams, DatumInput, DimuonParams
 
 
-def lora_spec(msg: common_pb2.LoraConfig) -> LoraSpec:
+# The wire's optimizers by the names the engine uses (tinkerd/optimizers.py).
+OPTIMIZERS = {common_pb2.OPTIMIZER_ADAMW: ADAMW, common_pb2.OPTIMIZER_DIMUON: DIMUON}
+
+
+def optimizer(value: int) -> str | None:
+    """A CreateModelRequest's optimizer; None where unspecified (the engine decides)."""
+    if value == common_pb2.OPTIMIZER_UNSPECIFIED:
+        return None
+    if value not in OPTIMIZERS:
+        raise UserError(f"optimizer {value} is not one this trainer knows: {sorted(OPTIMIZERS)}")
+    return OPTIMIZERS[value]
+
+
+def lora_spec(msg: common_pb2.LoraConfig, optimizer_name: str | None = None) -> LoraSpec:
     return LoraSpec(rank=msg.rank, seed=msg.seed if msg.HasField("seed") else None,
-                    train_attn=msg.train_attn, train_mlp=msg.train_mlp, train_unembed=msg.train_unembed)
+                    train_attn=msg.train_attn, train_mlp=msg.train_mlp, train_unembed=msg.train_unembed,
+                    optimizer=optimizer_name or ADAMW)
 
 
 def model_info(model_id: str, base_model: str, model: LoraModel | None, num_params: int = 0) -> trainer_pb2.ModelInfo:
@@ -26,8 +41,10 @@ def model_info(model_id: str, base_model: str, model: LoraModel | None, num_para
                                  train_unembed=s.train_unembed)
     if s.seed is not None:
         lora.seed = s.seed
+    wire = {name: value for value, name in OPTIMIZERS.items()}
     return trainer_pb2.ModelInfo(model_id=model_id, base_model=base_model, lora_config=lora,
-                                 step=model.step, num_params=num_params, resident=True)
+                                 step=model.step, num_params=num_params, resident=True,
+                                 optimizer=wire[s.optimizer])
 
 
 def datum(msg: common_pb2.Datum, index: int) -> DatumInput:
@@ -51,6 +68,22 @@ def forward_backward_response(outputs: list[dict[str, torch.Tensor]],
 def adam_params(msg: common_pb2.AdamParams) -> AdamParams:
     return AdamParams(learning_rate=msg.learning_rate, beta1=msg.beta1, beta2=msg.beta2, eps=msg.eps,
                       weight_decay=msg.weight_decay, grad_clip_norm=msg.grad_clip_norm)
+
+
+def dimuon_params(msg: common_pb2.DimuonParams) -> DimuonParams:
+    return DimuonParams(learning_rate=msg.learning_rate, beta1=msg.beta1, damping=msg.damping,
+                        rank_lr_correction_exponent=msg.rank_lr_correction_exponent,
+                        grad_clip_norm=msg.grad_clip_norm)
+
+
+def optim_params(msg: trainer_pb2.OptimStepRequest) -> AdamParams | DimuonParams:
+    """An OptimStepRequest's parameters: dimuon_params where set, else adam_params (as every
+    caller from before Dimuon sends)."""
+    if msg.HasField("dimuon_params"):
+        if msg.HasField("adam_params"):
+            raise UserError("optim_step takes adam_params or dimuon_params, not both")
+        return dimuon_params(msg.dimuon_params)
+    return adam_params(msg.adam_params)
 
 
 def tensor_specs(packed: weight_stream.Packed) -> list[sampler_pb2.TensorSpec]:

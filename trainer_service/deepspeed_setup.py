@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from tinkerd.optimizers import ADAMW, DIMUON
+from trainer_service.dimuon import Dimuon
 from trainer_service.lora import AdapterModule
 
 
@@ -61,15 +63,28 @@ def deepspeed_config(zero_stage: int) -> dict:
     }
 
 
-def adapter_engine(peft_model, adapter_name: str, params: list[torch.nn.Parameter], zero_stage: int):
-    """A DeepSpeed engine around one adapter's parameters, with its own AdamW (optimizer state,
-    gradients and step count never mix between adapters), its accumulation window open."""
+def model_zero_stage(job_stage: int, optimizer: str) -> int:
+    """The ZeRO stage a model's engine runs: the job's, but stage 0 for a Dimuon model under
+    ZeRO-1/2, whose matrix-sign step needs each LoRA matrix's gradient and momentum whole (its
+    momentum is then held whole on every rank, the step taken alike on each). ZeRO-3 partitions
+    the parameters themselves: no Dimuon model there (ModelRegistry.check_spec)."""
+    return 0 if optimizer == DIMUON and job_stage in (1, 2) else job_stage
+
+
+def adapter_engine(peft_model, adapter_name: str, params: list[torch.nn.Parameter], zero_stage: int,
+                   optimizer: str = ADAMW, rank: int = 0):
+    """A DeepSpeed engine around one adapter's parameters, with its own optimizer (AdamW, or
+    Dimuon for a model of LoRA rank `rank`: state, gradients and step count never mix between
+    adapters), its accumulation window open."""
     import deepspeed
 
-    # One fused kernel, on CUDA and on CPU (PyTorch's CPU default is a per-tensor loop; foreach
-    # is ~12 ops per tensor: a tiny model's 30 LoRA tensors stepped in 1.0 ms that way, 0.4 fused).
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, fused=True)
+    if optimizer == DIMUON:
+        step = Dimuon(params, rank)
+    else:
+        # One fused kernel, on CUDA and on CPU (PyTorch's CPU default is a per-tensor loop; foreach
+        # is ~12 ops per tensor: a tiny model's 30 LoRA tensors stepped in 1.0 ms that way, 0.4 fused).
+        step = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, fused=True)
     engine, *_ = deepspeed.initialize(model=AdapterModule(peft_model, adapter_name, params),
-                                      optimizer=optimizer, config=deepspeed_config(zero_stage))
+                                      optimizer=step, config=deepspeed_config(zero_stage))
     engine.set_gradient_accumulation_boundary(False)
     return engine

@@ -2,8 +2,10 @@
 
 Layout: one PEFT model holds the base and every adapter (named m0, m1, ...). Each LoRA model
 gets a DeepSpeed ZeRO engine around an `AdapterModule` holding only its own parameters, with
-its own torch AdamW: optimizer state, gradients and step count never mix between models. On one
-rank, ZeRO-1 and -2 partition nothing and run as stage 0 (deepspeed_setup.effective_zero_stage).
+its own optimizer, torch's AdamW or Dimuon (dimuon.py), chosen at creation and fixed: optimizer
+state, gradients and step count never mix between models. On one rank, ZeRO-1 and -2 partition
+nothing and run as stage 0 (deepspeed_setup.effective_zero_stage); a Dimuon model's engine runs as
+stage 0 on any number of ranks (deepspeed_setup.model_zero_stage).
 
 This class is the facade over the rooms that do the work: registry.py (which models exist),
 checkpoints.py (the adapter in PEFT form and the checkpoint directory format), training.py
@@ -27,18 +29,19 @@ import torch
 
 from tinkerd import cores, dtypes, hardware, weight_stream
 from tinkerd.errors import NotFoundError, UserError
+from tinkerd.optimizers import ADAMW, DIMUON, PARAMS_CLASS
 from trainer_service import adapter_snapshot, checkpoints, cpu_numerics, fp32_gemm, microbatches, prefix_tree, training
 from trainer_service.durable import DurableModels
 from trainer_service.logprobs import default_logits_bytes
 from trainer_service.deepspeed_setup import (deepspeed_config, effective_zero_stage,  # noqa: F401 - public here
-                                             init_distributed_once)
+                                             init_distributed_once, model_zero_stage)
 from trainer_service.custom_loss import Losses
 from trainer_service.losses import get_loss
 from trainer_service.lora import LoraSpec
 from trainer_service.metrics import EVICTIONS, RELOADS
 from trainer_service.ranks import Ranks, collective
 from trainer_service.registry import LoraModel, ModelRegistry, num_params
-from trainer_service.training import AdamParams, DatumInput  # noqa: F401 - public here
+from trainer_service.training import AdamParams, DatumInput, DimuonParams  # noqa: F401 - public here
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +246,7 @@ class TrainerEngine:
                         checkpoints.write_optimizer(tmp, model, leader=False)
                     return 0
                 checkpoints.write_state(tmp, model, packed, config, base_model_dir=self.base_model_dir,
-                                        zero_stage=self.zero_stage, with_optimizer=with_optimizer)
+                                        zero_stage=self._stage(model), with_optimizer=with_optimizer)
             except BaseException:
                 # Nothing half-written stays beside the last checkpoint: a trainer retrying its
                 # durable write on a full disk would otherwise fill it further, write after write.
@@ -254,12 +257,17 @@ class TrainerEngine:
         return checkpoints.commit_state(tmp, directory)
 
     @collective
-    def load_state(self, model_id: str, directory: str, *, with_optimizer: bool, resume: bool = False) -> LoraModel:
-        """Creates `model_id` from a checkpoint: its adapter weights, and with_optimizer its AdamW
-        state and step count too. `resume`: the checkpoint is this model's own durable state, so
-        it also carries on its seq_id count."""
+    def load_state(self, model_id: str, directory: str, *, with_optimizer: bool, resume: bool = False,
+                   optimizer: str | None = None) -> LoraModel:
+        """Creates `model_id` from a checkpoint: its adapter weights, and with_optimizer its
+        optimizer (the checkpoint's), that optimizer's state and the step count too. `optimizer`:
+        the new model's (None: AdamW, or with_optimizer the checkpoint's, which it must match).
+        `resume`: the checkpoint is this model's own durable state, so it also carries on its
+        seq_id count."""
         spec, tensors, step, seq = checkpoints.read_state(directory, with_optimizer=with_optimizer,
                                                           zero_stage=self.zero_stage)
+        spec = _with_optimizer(spec, optimizer, restored=with_optimizer, directory=directory)
+        self.models.check_spec(spec)
         if with_optimizer:
             self.ranks.check_partitions(os.path.join(directory, checkpoints.OPTIMIZER, "state"))
         with self._lock:
@@ -296,7 +304,7 @@ class TrainerEngine:
         """The adapter in weight-stream chunks, cast to `dtype` (None: as trained), and its config;
         call the chunks' `release` once done with them. On one rank it is gathered straight into
         reused chunks with the PEFT names kept per model (adapter_snapshot.py), not through PEFT's
-        state-dict walk over every tenant's adapter (~60 ms for SmolLM2, more with tenants)."""
+        state-dict walk over every tenant's adapter (docs/benchmarks.md#in-the-trainer)."""
         with self._lock:
             if self.ranks.world > 1:      # every rank joins the gather (ZeRO-3); rank 0 packs what it got
                 tensors, config = self.export_adapter(model_id)
@@ -308,6 +316,10 @@ class TrainerEngine:
             return packed, checkpoints.adapter_config(self.peft, model, self.base_model_dir)
 
     # ---- training -------------------------------------------------------------------------
+
+    def _stage(self, model: LoraModel) -> int:
+        """The ZeRO stage the model's engine runs (a Dimuon model's may be 0 in a ZeRO-1/2 job)."""
+        return model_zero_stage(self.zero_stage, model.spec.optimizer)
 
     @collective
     def forward_backward(self, model_id: str, data: list[training.DatumInput], loss_fn: str,
@@ -335,7 +347,7 @@ class TrainerEngine:
                 [self._micro_batches([data[i] for i in share]) for share in shares]
             outputs, metrics = training.forward_backward(model, mine, loss_impl, loss_fn_config,
                                                          forward_only=forward_only, device=self.device,
-                                                         ranks=self.ranks.world, zero_stage=self.zero_stage,
+                                                         ranks=self.ranks.world, zero_stage=self._stage(model),
                                                          max_logits_bytes=self.max_logits_bytes,
                                                          groups=plans[self.ranks.rank],
                                                          steps=max(1, *map(len, plans)), packable=self.packable)
@@ -355,16 +367,36 @@ class TrainerEngine:
         return microbatches.plan([len(t) for t in tokens], self.token_cost, self.activation_budget, order, tokens)
 
     @collective
-    def optim_step(self, model_id: str, adam: training.AdamParams, *, seq: int | None = None) -> dict[str, float]:
-        """`seq`: the request's seq_id, recorded as the last one the model's state includes."""
-        training.check_adam(adam)
+    def optim_step(self, model_id: str, params: training.OptimParams, *, seq: int | None = None) -> dict[str, float]:
+        """`params`: AdamParams or DimuonParams, of the optimizer the model was created with.
+        `seq`: the request's seq_id, recorded as the last one the model's state includes."""
+        if isinstance(params, training.DimuonParams):
+            training.check_dimuon(params)
+        else:
+            training.check_adam(params)
         with self._lock, cores.share().computing():
             model = self.get(model_id)
-            metrics = training.optim_step(model, adam, zero_stage=self.zero_stage, device=self.device,
+            given = DIMUON if isinstance(params, training.DimuonParams) else ADAMW
+            if given != model.spec.optimizer:
+                raise UserError(f"model {model_id} was created with the {model.spec.optimizer} optimizer; "
+                                f"optim_step got {PARAMS_CLASS[given]}: send {PARAMS_CLASS[model.spec.optimizer]}")
+            metrics = training.optim_step(model, params, zero_stage=self._stage(model), device=self.device,
                                           ranks=self.ranks.world)
             model.pending_grads = False
             model.state_seq = model.step if seq is None else seq
             return metrics
+
+
+def _with_optimizer(spec: LoraSpec, optimizer: str | None, *, restored: bool, directory: str) -> LoraSpec:
+    """A checkpoint's spec with the optimizer of the model made from it: with its optimizer state
+    restored, the checkpoint's (a request naming another is refused); else the request's, AdamW
+    by default (tinkerd_state.json may name the optimizer that trained the weights: not this one's)."""
+    if not restored:
+        return dataclasses.replace(spec, optimizer=optimizer or ADAMW)
+    if optimizer and optimizer != spec.optimizer:
+        raise UserError(f"the checkpoint at {directory} holds {spec.optimizer} optimizer state; a {optimizer} "
+                        f"model cannot resume from it: load it without optimizer state, or as a {spec.optimizer} model")
+    return spec
 
 
 def _stage_for_this_job(configured: int) -> int:

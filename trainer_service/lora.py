@@ -10,6 +10,7 @@ import torch
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from tinkerd.optimizers import ADAMW
 from trainer_service.logprobs import token_logprobs
 
 # Attribute on the shared PEFT model: the `_Active` adapter AdapterModule last activated (None
@@ -27,6 +28,7 @@ class LoraSpec:
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    optimizer: str = ADAMW       # fixed for the model's life (tinkerd/optimizers.py)
 
 
 def linear_groups(base: torch.nn.Module) -> dict[str, list[str]]:
@@ -132,9 +134,10 @@ class AdapterModule(torch.nn.Module):
     def activate(self) -> None:
         """Makes this adapter the active one (and its parameters the ones requiring grad).
         PEFT's set_adapter walks every module and sets requires_grad on every adapter's every
-        layer: with 32 adapters on a 1B model a step round-robin over them took 0.62x a step on
-        one (H100). After the first full switch only two adapters change: the one that was active
-        and this one; the engine clears the mark whenever adapters are added or removed."""
+        layer, which made a step round-robin over many adapters far slower than a step on one
+        (docs/benchmarks.md#in-the-trainer). After the first full switch only two adapters
+        change: the one that was active and this one; the engine clears the mark whenever
+        adapters are added or removed."""
         active = getattr(self._peft_model, ACTIVE_MARK, None)
         if active is not None and active.name == self.adapter_name:
             return

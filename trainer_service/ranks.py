@@ -43,7 +43,7 @@ from tinkerd import dtypes
 from tinkerd.errors import UnavailableError, UserError
 from tinkerd.process import exit_now
 from trainer_service.lora import LoraSpec
-from trainer_service.training import AdamParams, DatumInput
+from trainer_service.training import AdamParams, DatumInput, DimuonParams
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ COMMAND_TIMEOUT = datetime.timedelta(minutes=30)   # the longest one call may ta
 _PING, _STOP = "_ping", "_stop"
 _OK, _USER, _FAILED = 0, 1, 2
 # What a command may carry besides JSON values and tensors.
-_TYPES = {cls.__name__: cls for cls in (LoraSpec, AdamParams, DatumInput)}
+_TYPES = {cls.__name__: cls for cls in (LoraSpec, AdamParams, DimuonParams, DatumInput)}
 
 
 # ---- the wire form of a call: JSON + raw tensor bytes -------------------------------------------

@@ -20,8 +20,9 @@ import os
 import torch
 
 from tinkerd.errors import UserError
+from tinkerd.optimizers import DIMUON, OPTIMIZERS
 from trainer_service import cpu_numerics
-from trainer_service.deepspeed_setup import adapter_engine
+from trainer_service.deepspeed_setup import adapter_engine, model_zero_stage
 from trainer_service.lora import ACTIVE_MARK, LoraSpec, install_fused_forward, linear_groups, peft_config
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,11 @@ class ModelRegistry:
             raise UserError(f"LoRA rank must be in 1..{self.max_lora_rank}, got {spec.rank}")
         if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
             raise UserError("at least one of train_attn, train_mlp, train_unembed must be true")
+        if spec.optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer {spec.optimizer!r} is not supported: use one of {list(OPTIMIZERS)}")
+        if spec.optimizer == DIMUON and self.zero_stage == 3:
+            raise UserError("the dimuon optimizer steps each LoRA matrix whole, and this trainer partitions "
+                            "them (ZeRO-3): use adamw here, or a trainer run with --zero-stage 0, 1 or 2")
 
     def add(self, model_id: str, spec: LoraSpec, initial: dict[str, torch.Tensor] | None, *,
             reuse: bool = False) -> LoraModel:
@@ -107,7 +113,9 @@ class ModelRegistry:
         params = [p for _, p in named]
         for p in params:
             p.requires_grad_(True)
-        model = LoraModel(model_id, name, spec, adapter_engine(self.peft, name, params, self.zero_stage), params)
+        engine = adapter_engine(self.peft, name, params, model_zero_stage(self.zero_stage, spec.optimizer),
+                                spec.optimizer, spec.rank)
+        model = LoraModel(model_id, name, spec, engine, params)
         self._models[model_id] = model
         log.info("created %s (adapter %s, rank %d, %d params)", model_id, name, spec.rank, num_params(model))
         return model
@@ -192,5 +200,5 @@ class ModelRegistry:
 
 
 def _shape(spec: LoraSpec) -> tuple:
-    """What decides an adapter's parameter shapes (everything but the seed)."""
-    return spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed
+    """What decides an adapter's parameter shapes and its engine's optimizer (all but the seed)."""
+    return spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed, spec.optimizer

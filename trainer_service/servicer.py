@@ -80,9 +80,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         """An optim_step's durable write. With --durable-interval-s 0 (every step) before its reply:
         an answered step is on disk. Otherwise the state may lag by the interval anyway, so the write
         goes right after the reply, as the model's tenant's next turn: the step's caller has its reply
-        sooner, though its next call on the model waits for the write (an RL loop's weight push: ~0.4 s
-        for SmolLM2 rank 32 in fp32 on 2 cores, the write ~0.2 s of it). Deferred past the push, it
-        ran beside a CPU sampler's compute and cost the step more than that (docs/benchmarks.md)."""
+        sooner, though its next call on the model waits for the write (an RL loop's weight push).
+        Deferred past the push, it ran beside a CPU sampler's compute and cost the step more than
+        that (docs/benchmarks.md#in-the-trainer)."""
         if self.engine.durable.interval_s <= 0:
             self.engine.save_durable(model_id)
             return
@@ -158,10 +158,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         def create():
             if self.engine.is_resident(request.model_id) or self.engine.on_disk(request.model_id):
                 return self.engine.get(request.model_id)   # a resent create: its order goes on
+            optimizer = convert.optimizer(request.optimizer)
             if directory is not None:
-                model = self.engine.load_state(request.model_id, directory, with_optimizer=request.load_optimizer)
+                model = self.engine.load_state(request.model_id, directory, with_optimizer=request.load_optimizer,
+                                               optimizer=optimizer)
             else:
-                model = self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config))
+                model = self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config, optimizer))
             self.ledger.created(request.model_id)
             return model
         # Made here, the model's order starts at seq_id 1, before any request of it can come (the
@@ -227,11 +229,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     @rpc_boundary
     def OptimStep(self, request, context):
-        adam = convert.adam_params(request.adam_params)
+        params = convert.optim_params(request)
 
         def step():
             with metrics.STEP_SECONDS.labels("optim_step").time():
-                step_metrics = self.engine.optim_step(request.model_id, adam, seq=request.seq_id)
+                step_metrics = self.engine.optim_step(request.model_id, params, seq=request.seq_id)
             reply = trainer_pb2.OptimStepResponse(metrics=step_metrics)
             self.ledger.record(request.model_id, request.seq_id, "optim_step", reply.SerializeToString())
             if self.engine.durable.due(request.model_id):

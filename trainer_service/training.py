@@ -7,7 +7,7 @@ new one. Losses are sums, so DeepSpeed's 1/GAS scaling is turned off.
 How optim_step closes the window depends on the ZeRO stage:
 - stage 0 (what ZeRO-1/2 run as on one rank): the gradients are plain .grad. Several ranks
   all-reduce them explicitly; then the total norm is taken and clipped here (DeepSpeed's
-  clip_grad is a ZeRO optimizer's), and the adapter's AdamW steps.
+  clip_grad is a ZeRO optimizer's), and the adapter's optimizer (AdamW or Dimuon) steps.
 - stages 1-3: a 1-token zero-loss micro-step at the boundary triggers ZeRO's reduction, and
   the ZeRO optimizer clips and reports the norm.
 
@@ -26,6 +26,7 @@ import math
 import torch
 
 from tinkerd.adam import ADAM_MAX
+from tinkerd.optimizers import DIMUON_MAX
 from tinkerd.errors import UserError
 from trainer_service import prefix_tree
 from trainer_service.custom_loss import CompiledLoss
@@ -53,6 +54,19 @@ class AdamParams:
     eps: float
     weight_decay: float
     grad_clip_norm: float  # 0: no clipping
+
+
+@dataclasses.dataclass
+class DimuonParams:
+    """Every field given, as AdamParams (dimuon.py says what each does)."""
+    learning_rate: float
+    beta1: float
+    damping: float
+    rank_lr_correction_exponent: float
+    grad_clip_norm: float  # 0: no clipping
+
+
+OptimParams = AdamParams | DimuonParams
 
 
 def validate(data: list[DatumInput], *, vocab_size: int, max_positions: int, max_batch_tokens: int,
@@ -330,22 +344,51 @@ def check_adam(adam: AdamParams) -> None:
         raise UserError(f"invalid Adam parameters: eps must be > 0, got {adam.eps}")
 
 
-def optim_step(model: LoraModel, adam: AdamParams, *, zero_stage: int, device: torch.device,
+def check_dimuon(params: DimuonParams) -> None:
+    """Before the step (the gateway checks too), as check_adam."""
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    bad = [k for k, v in values.items() if not math.isfinite(v)]
+    if bad:
+        raise UserError(f"invalid Dimuon parameters: {bad[0]} = {values[bad[0]]} (must be finite)")
+    if params.learning_rate < 0 or params.grad_clip_norm < 0:
+        raise UserError(f"invalid Dimuon parameters: learning_rate and grad_clip_norm must be >= 0, got "
+                        f"{params.learning_rate}, {params.grad_clip_norm}")
+    if not 0 <= params.beta1 < 1:
+        raise UserError(f"invalid Dimuon parameters: beta1 must be in [0, 1), got {params.beta1}")
+    if params.damping <= 0:
+        raise UserError(f"invalid Dimuon parameters: damping must be > 0, got {params.damping}")
+    over = [k for k, limit in DIMUON_MAX.items() if abs(values[k]) > limit]
+    if over:
+        raise UserError(f"invalid Dimuon parameters: {over[0]} = {values[over[0]]} is over {DIMUON_MAX[over[0]]} "
+                        f"in magnitude")
+
+
+def _set_hyperparameters(optimizer: torch.optim.Optimizer, params: OptimParams) -> None:
+    """This step's settings, into the optimizer's one param group."""
+    for group in optimizer.param_groups:
+        if isinstance(params, DimuonParams):
+            group.update(lr=params.learning_rate, beta1=params.beta1, damping=params.damping,
+                         rank_lr_correction_exponent=params.rank_lr_correction_exponent)
+        else:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                         weight_decay=params.weight_decay)
+
+
+def optim_step(model: LoraModel, params: OptimParams, *, zero_stage: int, device: torch.device,
                ranks: int = 1) -> dict[str, float]:
-    """`ranks`: the job's world size (at stage 0 several ranks all-reduce the gradients here).
-    A step whose gradients (or, on any rank, a loss since the last step) are not finite is not
-    taken: its gradients are dropped, the weights and Adam's state stay as they were, and the
-    metrics say "optim_step_skipped:sum" 1 (with no grad_norm, which is not a number then)."""
+    """`params`: of the model's optimizer (the engine checks). `ranks`: the job's world size (at
+    stage 0 several ranks all-reduce the gradients here). A step whose gradients (or, on any
+    rank, a loss since the last step) are not finite is not taken: its gradients are dropped, the
+    weights and the optimizer's state stay as they were, and the metrics say
+    "optim_step_skipped:sum" 1 (with no grad_norm, which is not a number then)."""
     engine = model.engine
-    for group in engine.optimizer.param_groups:
-        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                     weight_decay=adam.weight_decay)
+    _set_hyperparameters(engine.optimizer, params)
     poisoned, model.nonfinite_loss = model.nonfinite_loss, False
     if zero_stage == 0:
-        norm = _step_plain_gradients(model, adam.grad_clip_norm, ranks, poisoned)
+        norm = _step_plain_gradients(model, params.grad_clip_norm, ranks, poisoned)
     else:
         engine.set_gradient_accumulation_boundary(True)
-        engine.optimizer.clip_grad = adam.grad_clip_norm
+        engine.optimizer.clip_grad = params.grad_clip_norm
         _backward(model, _closing_loss(model, zero_stage, device, poisoned), zero_stage)
         engine.step()         # ZeRO's overflow check skips a step whose gradients are not finite
         norm = engine.get_global_grad_norm()
@@ -391,9 +434,9 @@ def _step_plain_gradients(model: LoraModel, max_norm: float, ranks: int, poisone
 
 
 def _step_unless_nonfinite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:
-    """The fused AdamW's step, a no-op where `norm` is not finite, decided on the device (as
-    torch's GradScaler skips a step: the kernel reads `found_inf`, and the step count it added is
-    taken back). Reading the norm first would make the host wait for the backward and leave
+    """The fused AdamW's (or Dimuon's) step, a no-op where `norm` is not finite, decided on the
+    device (as torch's GradScaler skips a step: the kernel reads `found_inf`, and the step count it
+    added is taken back). Reading the norm first would make the host wait for the backward and leave
     the device idle while the step is queued."""
     optimizer.found_inf = torch.logical_not(torch.isfinite(norm)).float()    # shaped as the step counts
     try:

@@ -11,6 +11,7 @@ from gateway.jobs.base import Job, Owner, Result, json_body
 from gateway.storage.db import ModelRow
 from gateway.traces import spans
 from tinkerd.errors import UserError
+from tinkerd.optimizers import ADAMW
 from tinkerd.v1 import trainer_pb2
 
 
@@ -23,6 +24,7 @@ class NewRun:
     base_model: str
     lora_rank: int
     lora_config: dict
+    optimizer: str = ADAMW          # fixed for the run's life
 
     def add(self, gw, owner: Owner) -> None:
         if gw.db.get(ModelRow, self.model_id) is None:

@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import select
 
-from gateway import checkpoints
+from gateway import checkpoints, protocol
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
 from gateway.errors import error_response
@@ -21,7 +21,8 @@ from gateway.sessions import mine
 from gateway.storage.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow
 from gateway.protocol import (CheckpointsResponse, CopyWeightsRequest, CopyWeightsResponse, Cursor,
                               Page, RunsPage, SessionResponse, SessionsResponse, SetTtlRequest,
-                              TrainingRun, TrainingRunsResponse, WeightsInfoRequest, WeightsInfoResponse)
+                              TrainingRun, TrainingRunsResponse, WeightsInfoRequest, WeightsInfoResponse,
+                              optimizer_config)
 from gateway.state import Gateway, GatewayDep
 from tinkerd.errors import NotFoundError, UserError
 
@@ -139,6 +140,7 @@ async def weights_info(body: WeightsInfoRequest, caller: CallerDep, gw: GatewayD
     lora = run.lora_config or {}
     return WeightsInfoResponse(base_model=run.base_model, lora_rank=run.lora_rank,
                                train_unembed=lora.get("train_unembed", True), train_mlp=lora.get("train_mlp", True),
+                               optimizer_config=optimizer_config(run.optimizer),
                                train_attn=lora.get("train_attn", True))
 
 
@@ -148,6 +150,9 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
     """The run is `{session_id}:train:{model_seq_id}` when the client names its session (SDK
     0.30), else run 0 of a new session for the project, named from the idempotency key so that a
     resent request finds the copy it made. The source is the caller's or published."""
+    if "x-tinker-weights-access-token" in request.headers:        # SDK 0.38's weights_access_token
+        raise UserError(f"weights_access_token (the X-Tinker-Weights-Access-Token header) is not served by "
+                        f"this server: {protocol.NO_ACCESS_TOKENS.why}")
     checkpoints.parse_tinker_path(body.source_path)
     source = gw.sessions.readable_checkpoint(caller, body.source_path)
     gw.limits.check_checkpoint_bytes(caller)

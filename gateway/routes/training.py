@@ -14,7 +14,7 @@ from gateway.jobs.base import Owner
 from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimStep
 from gateway.storage.db import ModelRow
 from gateway.protocol import (CreateModelRequest, FutureResponse, GetInfoResponse, ModelData, ModelIdRequest,
-                              OptimStepRequest)
+                              OptimStepRequest, optimizer_config)
 from gateway.state import Gateway, GatewayDep
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
@@ -38,10 +38,12 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
         raise UserError(f"lora_config.rank {body.lora_config.rank} is over this server's --max-lora-rank "
                         f"{gw.settings.max_lora_rank}")
     model_id = f"{session_id}:train:{body.model_seq_id}"      # the model cap is counted as it is queued
+    optimizer = body.optimizer_config.type      # fixed for the model's life
     msg = trainer_pb2.CreateModelRequest(model_id=model_id, base_model=gw.settings.base_model,
-                                         lora_config=convert.lora_config(body.lora_config))
+                                         lora_config=convert.lora_config(body.lora_config),
+                                         optimizer=convert.OPTIMIZERS[optimizer])
     run = NewRun(model_id, session_id, caller.user_id, base, body.lora_config.rank,
-                 body.lora_config.model_dump(exclude_none=True))
+                 body.lora_config.model_dump(exclude_none=True), optimizer)
     return gw.submit_training(caller, model_id, 0, CreateModel(msg, Owner.of(caller), run),
                               fingerprint("create_model", body.model_dump_json()))
 
@@ -50,6 +52,7 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
 async def get_info(body: ModelIdRequest, caller: CallerDep, gw: GatewayDep) -> GetInfoResponse:
     row = gw.sessions.model(caller, body.model_id)
     return GetInfoResponse(model_id=row.model_id, lora_rank=row.lora_rank, model_name=row.base_model,
+                           optimizer_config=optimizer_config(row.optimizer),
                            model_data=ModelData(arch="llama", model_name=row.base_model,
                                                 tokenizer_id=os.path.abspath(gw.settings.base_model)))
 
@@ -78,9 +81,8 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
 
 @router.post("/optim_step")
 async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
-    gw.sessions.live_model(caller, body.model_id)
-    with gw.refusing(caller, body.model_id, body.seq_id):
-        msg = trainer_pb2.OptimStepRequest(model_id=body.model_id, seq_id=body.seq_id,
-                                           adam_params=convert.adam_params(body.params))
+    model = gw.sessions.live_model(caller, body.model_id)
+    with gw.refusing(caller, body.model_id, body.seq_id):       # the other optimizer's parameters: a 400
+        msg = convert.optim_step_request(body.model_id, body.seq_id, body.params, model.optimizer)
     return gw.submit_training(caller, body.model_id, body.seq_id, OptimStep(msg),
                               fingerprint("optim_step", body.model_dump_json()))

@@ -7,7 +7,7 @@ import uuid
 
 from fastapi import APIRouter
 
-from gateway import checkpoints
+from gateway import checkpoints, convert
 from gateway.futures.store import fingerprint
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
@@ -19,6 +19,7 @@ from gateway.protocol import FutureResponse, LoadWeightsRequest, SaveWeightsForS
 from gateway.state import Gateway, GatewayDep
 from gateway.storage.db import CheckpointRow, ModelRow
 from tinkerd.errors import UserError
+from tinkerd.optimizers import ADAMW
 from tinkerd.v1 import trainer_pb2
 
 router = APIRouter(prefix="/api/v1")
@@ -97,14 +98,34 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
     new_run = None
     if body.model_id:
         model_id, seq_id = body.model_id, body.seq_id
-        gw.sessions.live_model(caller, model_id)
+        optimizer = gw.sessions.live_model(caller, model_id).optimizer     # an existing model keeps its own
+        with gw.refusing(caller, model_id, seq_id):
+            _check_optimizer(body, source.optimizer, optimizer,
+                             f"model {model_id} was created with the {optimizer} optimizer")
     else:
         session_id = gw.sessions.open(caller, body.session_id)
         model_id, seq_id = f"{session_id}:train:{body.model_seq_id}", 0
+        requested = body.optimizer_config.type if body.optimizer_config else ADAMW
+        optimizer = source.optimizer if body.optimizer else requested
+        _check_optimizer(body, source.optimizer, requested, "")
         lora = {k: v for k, v in (source.lora_config or {}).items() if k != "copied_from"}
-        new_run = NewRun(model_id, session_id, caller.user_id, source.base_model, source.lora_rank, lora)
+        new_run = NewRun(model_id, session_id, caller.user_id, source.base_model, source.lora_rank, lora,
+                         optimizer)
     create = trainer_pb2.CreateModelRequest(
         model_id=model_id, base_model=gw.settings.base_model, load_optimizer=body.optimizer,
-        load_checkpoint=trainer_pb2.CheckpointRef(model_id=source_run, kind=kind, name=name))
+        load_checkpoint=trainer_pb2.CheckpointRef(model_id=source_run, kind=kind, name=name),
+        optimizer=convert.OPTIMIZERS[optimizer])
     return gw.submit_training(caller, model_id, seq_id, LoadWeights(create, Owner.of(caller), seq_id, body.path, new_run),
                               fingerprint("load_weights", body.model_dump_json()))
+
+
+def _check_optimizer(body: LoadWeightsRequest, saved: str, wanted: str, existing: str) -> None:
+    """A model's optimizer is fixed: restored optimizer state is the checkpoint's optimizer's
+    (`saved`), and an `existing` model (its description; "" for a new one) keeps its own."""
+    if body.optimizer and body.optimizer_config and body.optimizer_config.type != saved:
+        raise UserError(f"{body.path} holds {saved} optimizer state; optimizer_config "
+                        f"{body.optimizer_config.type!r} cannot override it: load it without optimizer state")
+    if existing and body.optimizer_config and body.optimizer_config.type != wanted:
+        raise UserError(f"{existing}; optimizer_config {body.optimizer_config.type!r} cannot change it")
+    if existing and body.optimizer and saved != wanted:
+        raise UserError(f"{existing}; {body.path} holds {saved} optimizer state: load it without optimizer state")

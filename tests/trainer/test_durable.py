@@ -260,7 +260,7 @@ def test_a_write_that_fails_leaves_the_last_state_and_nothing_half_written(tiny_
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoints, "_write_adamw", disk_full)
+    monkeypatch.setattr(checkpoints, "_write_moments", disk_full)
     with pytest.raises(OSError, match="No space"):
         engine.save_durable("m")
     assert (sorted(os.listdir(beside)), sorted(os.listdir(state))) == before
