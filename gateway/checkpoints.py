@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 from sqlalchemy import select
 
-from gateway import protocol
+from gateway import protocol, usage
 from gateway.identity import audit
 from gateway.identity.tokens import DownloadGrant
 from gateway.storage.db import CheckpointRow, Database, ModelRow, UserRow, aware, now
@@ -245,6 +245,7 @@ def delete_expired_checkpoints(db: Database) -> int:
     for row in expired:
         if not db.delete(CheckpointRow, row.tinker_path):
             continue                  # another gateway's housekeeping took it (and records it)
+        usage.checkpoint_gone(db, row.tinker_path)
         delete_checkpoint_files(row)
         owner = db.get(UserRow, row.owner) if row.owner else None
         audit.record(db, "checkpoint_expired", user_id=row.owner or "", org_id=owner.org_id if owner else "",

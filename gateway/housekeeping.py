@@ -35,7 +35,7 @@ import shutil
 import grpc
 from sqlalchemy import select
 
-from gateway import custom_losses
+from gateway import custom_losses, usage
 from gateway.checkpoints import delete_expired_checkpoints
 from gateway.state import Gateway
 from gateway.storage.db import ModelRow, now
@@ -161,6 +161,8 @@ async def run_forever(gw: Gateway) -> None:
             delete_expired_checkpoints(gw.db)
             gw.stability.expire()
             prune_futures(gw)
+            await asyncio.to_thread(usage.reconcile, gw.db,
+                                    now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
             prune_sessions(gw)
             prune_snapshots(gw)
         except Exception:  # noqa: BLE001 - housekeeping must outlive one bad pass

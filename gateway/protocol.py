@@ -648,6 +648,19 @@ class RunsPage(Page):
     project_id: ProjectId | None = None
 
 
+# ---- usage (AdminClient) -----------------------------------------------------------------
+
+class UsageWindow(Body):
+    """GET /billing/usage/events' query; gateway/billing.py checks the window."""
+    starting_on: datetime.datetime
+    ending_before: datetime.datetime
+
+
+class StorageQuery(Body):
+    project_id: ProjectId | None = None
+
+
+
 # --- identity ---
 
 class AuthTokenResponse(BaseModel):

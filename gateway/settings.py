@@ -122,6 +122,18 @@ class GatewaySettings(ServiceAuthSettings):
                                                          "deleted this long after their request finished", at_least=0)
     rpc_timeout_s: float = setting(3600.0, help="deadline of each call to the trainer or a sampler, queueing "
                                                 "included; calls wait this long for a restarting service", above=0)
+    # Unit prices for the usage report's cost estimates (gateway/billing.py); none given: costs are null.
+    price_training_per_mtok: float | None = setting(None, help="USD per million tokens trained (forward_backward "
+                                                               "and forward), for usage cost estimates", at_least=0)
+    price_prefill_per_mtok: float | None = setting(None, help="USD per million prompt tokens prefilled while "
+                                                              "sampling (prefix-cache hits are not told apart: "
+                                                              "all prefill is counted uncached), for usage cost "
+                                                              "estimates", at_least=0)
+    price_sampled_per_mtok: float | None = setting(None, help="USD per million tokens sampled, for usage cost "
+                                                              "estimates", at_least=0)
+    price_storage_per_gb_month: float | None = setting(None, help="USD per GB-month (720 GB-hours, 10^9 bytes) of "
+                                                                  "checkpoint storage, for usage cost estimates",
+                                                       at_least=0)
 
     @property
     def model_names(self) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway import convert, metrics
+from gateway import convert, metrics, usage
 from gateway.jobs.base import Job, Result
 from gateway.traces import spans
 from tinkerd.v1 import sampler_pb2
@@ -21,6 +21,7 @@ class Sample(Job):
     async def run(self, gw) -> Result:
         reply = await gw.backends.samplers.sample(self.message)
         metrics.sampled(reply)
+        await usage.sampled(gw, self.message, reply)
         spans.note(tokens_in=len(self.message.prompt_tokens), tokens_out=sum(len(s.tokens) for s in reply.sequences))
         if self.record_for is not None:
             gw.stability.record_all(self.record_for, {f"{self.message.request_id}:{i}": (seq.tokens, seq.logprobs)

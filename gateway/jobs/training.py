@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway import convert, metrics, step_metrics
+from gateway import convert, metrics, step_metrics, usage
 from gateway.identity import audit
 from gateway.jobs.base import Job, Owner, Result, json_body
 from gateway.storage.db import ModelRow
@@ -62,6 +62,7 @@ class ForwardBackward(Job):
         metrics.trained(self.message)
         spans.note(tokens_in=sum(len(d.tokens) for d in self.message.data))
         step_metrics.record(gw.db, self.message, reply)
+        await usage.trained(gw, self.message)
         return "application/x-protobuf", convert.forward_backward_output(reply)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import datetime
 import time
 
-from gateway import metrics
+from gateway import metrics, usage
 from gateway.identity import audit
 from gateway.jobs.base import Job, Owner, Result, json_body
 from gateway.jobs.training import NewRun
@@ -67,6 +67,7 @@ class PushWeights(Job):
                                     directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
                                     expires_at=_expiry(self.expires_at), created_at=now()))   # overwritten: a new generation
             _audit_saved(gw, self.caller, push.model_id, self.path)
+            await usage.checkpoint_made(gw, self.path, f"{push.model_id}#{push.seq_id}")
         elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
                 sampling_session_id=sid, owner=self.caller.user_id, session_id=self.session_id,
                 base_model=self.base_model, snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
@@ -111,6 +112,7 @@ class SaveState(Job):
         row.directory, row.size_bytes, row.created_at = saved.directory, saved.size_bytes, now()
         gw.db.put(row)
         _audit_saved(gw, self.caller, row.model_id, row.tinker_path)
+        await usage.checkpoint_made(gw, row.tinker_path, f"{save.model_id}#{save.seq_id}")
         return json_body({"path": row.tinker_path, "type": self.response_type})
 
 

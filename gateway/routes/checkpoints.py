@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import select
 
-from gateway import checkpoints, protocol
+from gateway import checkpoints, protocol, usage
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
 from gateway.errors import error_response
@@ -126,6 +126,7 @@ async def set_ttl(run_id: str, checkpoint_id: str, body: SetTtlRequest, caller: 
 async def delete(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
     row = checkpoint_of(gw, caller, run_id, checkpoint_id, change=True)
     gw.db.delete(CheckpointRow, row.tinker_path)
+    usage.checkpoint_gone(gw.db, row.tinker_path)
     checkpoints.delete_checkpoint_files(row)
     _changed(gw, caller, "checkpoint_deleted", row)
     return {}
@@ -172,6 +173,7 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
     audit.read_by_other_user(gw.db, caller, source, "copy_weights")
     audit.record(gw.db, "checkpoint_saved", user_id=caller.user_id, org_id=caller.org_id, model_id=run_id,
                  tinker_path=path, copied_from=body.source_path)
+    await usage.checkpoint_made(gw, path, f"copy:{path}")
     return CopyWeightsResponse(tinker_path=path)
 
 

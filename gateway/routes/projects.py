@@ -7,7 +7,7 @@ import asyncio
 
 from fastapi import APIRouter
 
-from gateway import session_search
+from gateway import session_search, usage
 from gateway.errors import error_response
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
@@ -49,6 +49,7 @@ async def assign_session_project(session_id: str, body: AssignProjectRequest, ca
         return error_response(str(e), 403)
     if row.project_id != project_id:
         Projects(gw.db).move(session_id, project_id)
+        usage.session_moved(gw.db, session_id, project_id)
         audit.record(gw.db, "session_project_assigned", user_id=caller.user_id, org_id=caller.org_id,
                      session_id=session_id, project_id=project_id, previous_project_id=row.project_id)
     return {}

@@ -283,6 +283,44 @@ class TraceSpanRow(Base):
     __table_args__ = (Index("ix_trace_spans_session", "session_id", "span_id"),)
 
 
+class UsageRow(Base):
+    """One hour's usage of one kind by one session of one user on one base model (gateway/usage.py):
+    tokens trained, prefilled or sampled, or checkpoints made. `project_id` is the session's
+    current project (moving the session moves its usage), kept here so a pruned session's usage
+    still names it."""
+    __tablename__ = "usage"
+    bucket_start: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)       # "": none (OpenAI routes)
+    base_model: Mapped[str] = mapped_column(String(512), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), primary_key=True)   # training | sampling_prefill | ...
+    cached: Mapped[bool] = mapped_column(Boolean, primary_key=True)
+    quantity: Mapped[int] = mapped_column(BigInteger)
+    project_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    __table_args__ = (Index("ix_usage_session", "session_id"),)
+
+
+class UsageCountedRow(Base):
+    """A piece of work whose usage was counted (its request's key): a request run again (re-driven
+    by another gateway, answered again by a restarted service) is not counted twice."""
+    __tablename__ = "usage_counted"
+    key: Mapped[str] = mapped_column(String(512), primary_key=True)
+    at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class CheckpointStorageRow(Base):
+    """A checkpoint's bytes on disk from when it was written (`since`: its row's created_at) until it
+    was deleted, expired or overwritten (`until`; NULL while it lasts): storage in GB-hours."""
+    __tablename__ = "checkpoint_storage"
+    tinker_path: Mapped[str] = mapped_column(String(768), primary_key=True)
+    since: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    until: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, index=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    owner: Mapped[str] = mapped_column(String(64))
+    session_id: Mapped[str] = mapped_column(String(128), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+
+
 class CustomLossRow(Base):
     """A server-side custom loss (gateway/custom_losses.py): its checked graph, stored so that any
     gateway can send it with the session's forward_backward requests."""

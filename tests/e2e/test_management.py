@@ -1,11 +1,17 @@
 """SDK 0.38's management surface with the unmodified SDK and its `tinker` CLI against a real
-`tinkerd up`, on SQLite and on PostgreSQL: projects and session search.
+`tinkerd up`, on SQLite and on PostgreSQL: projects and session search, usage for chargeback.
 
 Each test acts as users of its own (keys made in the stack's database), so what they see is
 what those users made."""
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import subprocess
+import sys
+import urllib.request
 import uuid
 
 import pytest
@@ -92,3 +98,98 @@ def test_projects_and_search_through_the_sdk(mstack, tiny_model_dir):
         rest.search_sessions(types.SessionSearchRequest(display_name="nothing like it",
                                                         cursor=first.next_cursor)).result()
     tc.forward_backward(sft_data(tc.get_tokenizer(), ["a session in a project trains"]), "cross_entropy").result()
+
+
+def tinker_cli(stack, api_key: str, *argv: str) -> subprocess.CompletedProcess:
+    """The SDK's own `tinker` command line, pointed at the stack."""
+    env = {**os.environ, "TINKER_BASE_URL": stack.url, "TINKER_API_KEY": api_key, "TINKER_TELEMETRY": "0"}
+    return subprocess.run([sys.executable, "-m", "tinker.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def _disk_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files)
+
+
+def _checkpoint_dirs(mstack, user_key: str) -> list[str]:
+    from sqlalchemy import select
+
+    from gateway.identity.keys import KeyStore
+    from gateway.storage.db import CheckpointRow
+    from launcher import keys
+
+    stack, db_url = mstack
+    db = keys.open_database(stack.state_dir, db_url)
+    owner = KeyStore(db).caller_for_key(user_key).user_id
+    return [r.directory for r in db.select(select(CheckpointRow).where(CheckpointRow.owner == owner))]
+
+
+def _totals(events) -> dict:
+    out: dict = {}
+    for e in events:
+        info = e.event_info
+        value = {"storage": "gigabyte_hours", "checkpoint": "count"}.get(info.type, "token_count")
+        out[info.type] = out.get(info.type, 0) + getattr(info, value)
+    return out
+
+
+def test_usage_equals_the_workload(mstack, tiny_model_dir):
+    """SFT steps, samples and two checkpoints through the SDK: the usage report shows exactly the
+    tokens trained, prefilled and sampled, and the checkpoints' bytes on disk, through
+    AdminClient and `tinker billing`."""
+    stack, _ = mstack
+    key = new_user(mstack, "payer")
+    started = datetime.datetime.now(datetime.timezone.utc).replace(minute=0, second=0, microsecond=0)
+    service = tinker.ServiceClient(project_id="proj-bill", user_metadata={"cost_center": "42"},
+                                   base_url=stack.url, api_key=key)
+    tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=4)
+    data = sft_data(tc.get_tokenizer(), ["usage is counted where the work happens", "tokens in, tokens out"])
+    trained = 0
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        trained += sum(d.model_input.length for d in data)
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompts = [tc.get_tokenizer().encode("count these"), tc.get_tokenizer().encode("and these too")]
+    replies = [sampler.sample(types.ModelInput.from_ints(p), 2, types.SamplingParams(max_tokens=6)).result()
+               for p in prompts]
+    tc.save_state("bill-state").result()
+    tc.save_weights_for_sampler("bill-sampler").result()
+
+    end = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)).replace(
+        minute=0, second=0, microsecond=0)
+    usage = tinker.AdminClient(base_url=stack.url, api_key=key).get_billing_usage(started, end).result()
+    totals = _totals(usage.data)
+    assert totals["training"] == trained
+    assert totals["sampling_prefill"] == sum(len(p) for p in prompts)
+    assert totals["sampling_sample"] == sum(len(s.tokens) for r in replies for s in r.sequences)
+    assert totals["checkpoint"] == 2
+    session = _session_of(tc)
+    assert {(e.session_id, e.project_id) for e in usage.data} == {(session, "proj-bill")}
+    assert usage.sessions[session].user_metadata == {"cost_center": "42"}
+    assert all(e.estimated_cost_usd is None for e in usage.data)
+
+    on_disk = sum(_disk_bytes(d) for d in _checkpoint_dirs(mstack, key))
+    current = tinker.AdminClient(base_url=stack.url, api_key=key).get_current_checkpoint_storage_usage().result()
+    assert [(r.project_id, r.checkpoint_count, r.size_bytes) for r in current.data] == [("proj-bill", 2, on_disk)]
+    hours = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 3600
+    assert 0 < totals["storage"] <= on_disk / 1e9 * hours
+
+    cli = tinker_cli(stack, key, "-f", "json", "billing", "usage", started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                     end.strftime("%Y-%m-%dT%H:%M:%SZ"))
+    assert cli.returncode == 0, cli.stderr
+    assert sum(r["event_info"]["token_count"] for r in json.loads(cli.stdout)["data"]
+               if r["event_info"]["type"] == "training") == trained
+    cli = tinker_cli(stack, key, "-f", "json", "billing", "checkpoint-storage", "--project-id", "proj-bill")
+    assert cli.returncode == 0, cli.stderr
+    assert [r["size_bytes"] for r in json.loads(cli.stdout)["data"]] == [on_disk]
+    too_long = tinker_cli(stack, key, "billing", "usage", "2026-01-01T00:00:00Z", "2026-01-20T00:00:00Z")
+    assert too_long.returncode != 0 and "14 days" in too_long.stderr + too_long.stdout
+
+    # The gateway's Prometheus counters hold the same numbers (an admin's report covers every user).
+    everyone = _totals(tinker.AdminClient(base_url=stack.url, api_key=stack.api_key)
+                       .get_billing_usage(started - datetime.timedelta(hours=1), end).result().data)
+    metrics = urllib.request.urlopen(f"{stack.internal_url}/metrics", timeout=30).read().decode()
+    for kind in ("training", "sampling_prefill", "sampling_sample", "checkpoint"):
+        line = next(x for x in metrics.splitlines() if x.startswith(f'tinkerd_gateway_usage_total{{kind="{kind}"}}'))
+        assert float(line.split()[-1]) == everyone[kind], (kind, line)

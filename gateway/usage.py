@@ -1,0 +1,186 @@
+"""Usage for chargeback, counted where the work happens: once the trainer or a sampler answered a
+request, its job adds what it did to the hour's bucket of its user, session and base model
+(gateway/storage/db.py UsageRow): tokens trained (forward_backward and forward: every datum's
+input tokens), prefilled (a sample's prompt, once per request however many samples) and sampled
+(every sequence's tokens), and checkpoints made. The reports are gateway/billing.py's.
+
+Exactly once: each piece of work has a key (a model's `<model_id>#<seq_id>`, a sample's request
+id), written in the transaction that adds it to the buckets. A request run again -- re-driven by
+another gateway after this one died, or answered again by a restarted trainer from its ledger --
+finds its key and adds nothing; one whose gateway died before counting is counted by the gateway
+that re-drives it. Keys are kept for --futures-retention-s (a finished future never runs again).
+
+Storage: each checkpoint's bytes on disk, measured when it is written, from then until it is
+deleted, expires or is overwritten (CheckpointStorageRow); GB-hours are worked out from those
+intervals for any window. Housekeeping (`reconcile`) closes the interval of a checkpoint whose
+row went by another path and opens one for a checkpoint that has none (made before usage was
+kept), so the current storage always matches the checkpoints there are.
+
+Prefill served from vLLM's prefix cache is not told apart here: all prefill is counted uncached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+import os
+
+from prometheus_client import Counter
+from sqlalchemy import and_, exists, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from gateway.storage.db import (CheckpointRow, CheckpointStorageRow, Database, FutureRow, ModelRow,
+                                SamplingSessionRow, SessionRow, UsageCountedRow, UsageRow, aware, now)
+
+log = logging.getLogger(__name__)
+
+COUNTED = Counter("tinkerd_gateway_usage_total", "usage counted for chargeback (GET /api/v1/billing/usage/"
+                  "events), by kind: tokens trained, prefilled and sampled, checkpoints made", ["kind"])
+_USAGE, _COUNTED, _STORAGE = UsageRow.__table__, UsageCountedRow.__table__, CheckpointStorageRow.__table__
+_BUCKET_KEY = ["bucket_start", "owner", "session_id", "base_model", "kind", "cached"]
+
+
+def hour_of(t: datetime.datetime) -> datetime.datetime:
+    return aware(t).astimezone(datetime.timezone.utc).replace(minute=0, second=0, microsecond=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What one request did: (kind, cached, quantity) for its user, session and base model."""
+    key: str
+    owner: str
+    session_id: str
+    base_model: str
+    quantities: tuple[tuple[str, bool, int], ...]
+
+
+def _insert(conn, table):
+    return (postgresql if conn.dialect.name == "postgresql" else sqlite).insert(table)
+
+
+def count(db: Database, work: Work) -> bool:
+    """Adds `work` to its hour's buckets unless its key was counted already (then False)."""
+    at = now()
+    session = db.get(SessionRow, work.session_id) if work.session_id else None
+    with db.engine.begin() as conn:
+        if not conn.execute(_insert(conn, _COUNTED).values(key=work.key, at=at).on_conflict_do_nothing()).rowcount:
+            return False
+        for kind, cached, quantity in work.quantities:
+            if quantity <= 0:
+                continue
+            stmt = _insert(conn, _USAGE).values(
+                bucket_start=hour_of(at), owner=work.owner, session_id=work.session_id, base_model=work.base_model,
+                kind=kind, cached=cached, quantity=quantity, project_id=session.project_id if session else None)
+            conn.execute(stmt.on_conflict_do_update(index_elements=_BUCKET_KEY,
+                                                    set_={"quantity": _USAGE.c.quantity + stmt.excluded.quantity}))
+    for kind, _, quantity in work.quantities:
+        COUNTED.labels(kind).inc(quantity)
+    return True
+
+
+async def trained(gw, message) -> None:
+    """A forward_backward or forward (trainer_pb2.ForwardBackwardRequest) the trainer answered."""
+    tokens = sum(len(d.tokens) for d in message.data)
+    await asyncio.to_thread(_count_training, gw.db, message.model_id, message.seq_id, tokens)
+
+
+def _count_training(db: Database, model_id: str, seq_id: int, tokens: int) -> None:
+    run = db.get(ModelRow, model_id)
+    if run is None:
+        log.warning("usage: no run %s for its trained tokens", model_id)
+        return
+    count(db, Work(f"train:{model_id}#{seq_id}", run.owner or "", run.session_id, run.base_model,
+                   (("training", False, tokens),)))
+
+
+async def sampled(gw, message, reply) -> None:
+    """A sample (sampler_pb2.SampleRequest) a replica answered with `reply`."""
+    sampled_tokens = sum(len(s.tokens) for s in reply.sequences)
+    await asyncio.to_thread(_count_sample, gw.db, gw.settings.base_model, message.request_id,
+                            len(message.prompt_tokens), sampled_tokens)
+
+
+def _count_sample(db: Database, served_model: str, request_id: str, prompt: int, sampled_tokens: int) -> None:
+    """Whose: the future's owner; which session and base model: its sampling session's (the
+    future's key is `<sampling_session_id>#<seq_id>`; OpenAI requests have none)."""
+    with db.session() as s:
+        future = s.get(FutureRow, request_id)
+    if future is None:
+        log.warning("usage: no future %s for its sampled tokens", request_id)
+        return
+    sampling_id = (future.idempotency_key or "").rpartition("#")[0]
+    sampling = db.get(SamplingSessionRow, sampling_id) if sampling_id else None
+    session_id, base_model = (sampling.session_id, sampling.base_model) if sampling else ("", served_model)
+    count(db, Work(f"sample:{request_id}", future.owner or "", session_id, base_model,
+                   (("sampling_prefill", False, prompt), ("sampling_sample", False, sampled_tokens))))
+
+
+def disk_bytes(directory: str) -> int | None:
+    """The bytes of the files under `directory`; None if it is not there (another host's disk)."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory) for name in names)
+
+
+async def checkpoint_made(gw, tinker_path: str, key: str) -> None:
+    """A named checkpoint was written (save_state, save_weights_for_sampler with a name,
+    save_weights_external, copy_weights): one checkpoint counted, its storage from now on."""
+    await asyncio.to_thread(_checkpoint_made, gw.db, tinker_path, key)
+
+
+def _checkpoint_made(db: Database, tinker_path: str, key: str) -> None:
+    with db.session() as s:          # fresh: the row was just written, maybe replacing another
+        row = s.get(CheckpointRow, tinker_path)
+    run = db.get(ModelRow, row.model_id) if row is not None else None
+    if run is None:
+        log.warning("usage: checkpoint %s or its run is gone", tinker_path)
+        return
+    _store(db, row, run)
+    count(db, Work(f"checkpoint:{key}", row.owner or "", run.session_id, run.base_model, (("checkpoint", False, 1),)))
+
+
+def _store(db: Database, row: CheckpointRow, run: ModelRow) -> None:
+    """Opens the checkpoint's storage interval (closing the one it overwrote)."""
+    since = aware(row.created_at)
+    size = disk_bytes(row.directory)
+    with db.engine.begin() as conn:
+        conn.execute(update(_STORAGE).where(_STORAGE.c.tinker_path == row.tinker_path, _STORAGE.c.until.is_(None),
+                                            _STORAGE.c.since < since).values(until=since))
+        conn.execute(_insert(conn, _STORAGE).values(
+            tinker_path=row.tinker_path, since=since, until=None, size_bytes=size if size is not None else
+            row.size_bytes or 0, owner=row.owner or "", session_id=run.session_id,
+            base_model=run.base_model).on_conflict_do_nothing())
+
+
+def checkpoint_gone(db: Database, tinker_path: str) -> None:
+    """A checkpoint was deleted or expired: its storage ends now."""
+    with db.engine.begin() as conn:
+        conn.execute(update(_STORAGE).where(_STORAGE.c.tinker_path == tinker_path, _STORAGE.c.until.is_(None))
+                     .values(until=now()))
+
+
+def session_moved(db: Database, session_id: str, project_id: str) -> None:
+    """Usage belongs to its session's current project."""
+    with db.engine.begin() as conn:
+        conn.execute(update(_USAGE).where(_USAGE.c.session_id == session_id).values(project_id=project_id))
+
+
+def reconcile(db: Database, keys_before: datetime.datetime, limit: int = 500) -> None:
+    """Housekeeping: drops counted keys older than `keys_before`; ends the storage of checkpoints
+    whose row is gone; starts it for checkpoints that have none open (made before usage was kept)."""
+    checkpoints = CheckpointRow.__table__.c
+    with db.engine.begin() as conn:
+        conn.execute(_COUNTED.delete().where(_COUNTED.c.at < keys_before))
+        conn.execute(update(_STORAGE).where(_STORAGE.c.until.is_(None), ~exists().where(
+            checkpoints.tinker_path == _STORAGE.c.tinker_path)).values(until=now()))
+        missing = list(conn.execute(select(checkpoints.tinker_path).where(~exists().where(
+            and_(_STORAGE.c.tinker_path == checkpoints.tinker_path, _STORAGE.c.until.is_(None)))).limit(limit))
+                       .scalars())
+    for path in missing:
+        with db.session() as s:
+            row = s.get(CheckpointRow, path)
+        run = db.get(ModelRow, row.model_id) if row is not None else None
+        if run is not None:
+            _store(db, row, run)
