@@ -66,8 +66,10 @@ def merged_plan(base_model_dir: str, row: CheckpointRow) -> merged_export.Plan:
 
 
 # Merging takes the gateway's CPU and, per download, a few ROWS_BYTES blocks of memory: at most
-# this many are made at once on a gateway; another download meanwhile is a 429 (retry shortly).
+# this many are made at once on a gateway, and one per checkpoint owner (two slow downloads of one
+# user's checkpoints must not block everyone's); another download meanwhile is a 429.
 MAX_MERGED_EXPORTS = 2
+MAX_MERGED_EXPORTS_PER_OWNER = 1
 _merging: weakref.WeakSet = weakref.WeakSet()    # their streams: one dropped unread frees its place
 _merging_lock = threading.Lock()
 
@@ -78,14 +80,18 @@ def merged_archive(base_model_dir: str, row: CheckpointRow) -> checkpoints.Tar:
     return _merged_tar(base_model_dir, merged_plan(base_model_dir, row), row)
 
 
-def merging(chunks: Iterator[bytes]) -> Iterator[bytes]:
+def merging(chunks: Iterator[bytes], owner: str | None) -> Iterator[bytes]:
     """A merged archive's chunks (or a range of them), counted among the exports being made
-    until they end; an OverLimit where MAX_MERGED_EXPORTS are being made already."""
+    until they end; an OverLimit where MAX_MERGED_EXPORTS are being made already, or
+    MAX_MERGED_EXPORTS_PER_OWNER of the checkpoint owner's."""
     with _merging_lock:
         if len(_merging) >= MAX_MERGED_EXPORTS:
             raise OverLimit(f"{len(_merging)} merged exports are being made on this gateway (the limit is "
                             f"{MAX_MERGED_EXPORTS}); retry when one has finished", retry_after_s=30)
-        stream = _Merging(chunks)
+        if sum(s.owner == owner for s in _merging) >= MAX_MERGED_EXPORTS_PER_OWNER:
+            raise OverLimit(f"a merged export of this user's checkpoints is being made already (the limit is "
+                            f"{MAX_MERGED_EXPORTS_PER_OWNER} at a time); retry when it has finished", retry_after_s=30)
+        stream = _Merging(chunks, owner)
         _merging.add(stream)
     return stream
 
@@ -94,8 +100,8 @@ class _Merging:
     """A merged archive's chunks, counted among those being made until they end (sent, failed,
     or dropped unread: then the WeakSet forgets it)."""
 
-    def __init__(self, chunks: Iterator[bytes]):
-        self._chunks = chunks
+    def __init__(self, chunks: Iterator[bytes], owner: str | None):
+        self._chunks, self.owner = chunks, owner
 
     def __iter__(self):
         return self

@@ -5,6 +5,7 @@ maker may still read the checkpoint (routes/files.py serves them and re-checks).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import email.utils
 import os
@@ -59,8 +60,8 @@ async def archive_url(run_id: str, checkpoint_id: str, request: Request, caller:
     if row.checkpoint_type not in ("training", "sampler"):
         raise UserError(f"{row.tinker_path} is an external_weights checkpoint: download its files with "
                         f"get_external_weights_urls")
-    if format == "merged":
-        export.merged_plan(gw.settings.base_model, row)
+    if format == "merged":        # reads the safetensors headers: off the loop
+        await asyncio.to_thread(export.merged_plan, gw.settings.base_model, row)
     expires = _url_expiry(row)
     url = _signed_url(gw, request, caller, row, checkpoints.archive_path(run_id, checkpoint_id, format), expires)
     audit.read_by_other_user(gw.db, caller, row, "archive_url")

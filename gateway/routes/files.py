@@ -12,6 +12,8 @@ An archive is made as it is sent, and a range starts making it where the range s
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import re
 from typing import Callable, Iterator
@@ -173,5 +175,5 @@ async def get_merged_archive(run_id: str, kind: str, name: str, request: Request
     """The adapter merged into the base model (gateway/export.py); made as it is sent, in
     starlette's thread pool (a sync iterator), off the event loop. A HEAD merges nothing."""
     row = _archived(request, gw, run_id, kind, name, "merged")
-    return _tar_response(request, export.merged_archive(gw.settings.base_model, row), f"{name}-merged.tar",
-                         export.merging)
+    archive = await asyncio.to_thread(export.merged_archive, gw.settings.base_model, row)   # reads headers
+    return _tar_response(request, archive, f"{name}-merged.tar", functools.partial(export.merging, owner=row.owner))

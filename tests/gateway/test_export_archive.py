@@ -176,7 +176,7 @@ def test_merged_exports_at_once_are_capped_with_a_429(gateway, tmp_path, monkeyp
         shutil.copy(tmp_path / "adapter" / f, os.path.join(directory, f))
     row = gateway.api.client.app.state.gateway.db.get(CheckpointRow, f"tinker://{model_id}/weights/c")
 
-    held = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks())    # one in progress
+    held = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), "x")   # one in progress
     next(held)
     redirect = gateway.api.get(f"training_runs/{model_id}/checkpoints/weights/c/archive",
                                params={"format": "merged"}, follow_redirects=False)
@@ -187,6 +187,30 @@ def test_merged_exports_at_once_are_capped_with_a_429(gateway, tmp_path, monkeyp
     for _ in held:            # it finishes
         pass
     assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200
-    dropped = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks())
+    dropped = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), "x")
     del dropped               # never read
     assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200
+
+
+def test_one_owner_takes_one_merged_export_place(gateway, tmp_path, monkeypatch):
+    """Two slow downloads of one user's checkpoints would block everyone's merged exports: one
+    owner's checkpoints take at most MAX_MERGED_EXPORTS_PER_OWNER places; others' still get theirs."""
+    from gateway import export
+
+    monkeypatch.setattr(export, "MAX_MERGED_EXPORTS", 3)
+    _adapter(_base(gateway.settings.base_model, tied=False), tmp_path / "adapter")
+    model_id, directory = _saved(gateway)
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy(tmp_path / "adapter" / f, os.path.join(directory, f))
+    row = gateway.api.client.app.state.gateway.db.get(CheckpointRow, f"tinker://{model_id}/weights/c")
+    redirect = gateway.api.get(f"training_runs/{model_id}/checkpoints/weights/c/archive",
+                               params={"format": "merged"}, follow_redirects=False)
+    url = urllib.parse.urlsplit(redirect.headers["location"])
+    others = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), "another-user")
+    next(others)
+    assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200      # a place of its own
+    mine = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), row.owner)
+    next(mine)
+    busy = gateway.api.client.get(f"{url.path}?{url.query}")
+    assert busy.status_code == 429 and "this user's checkpoints" in busy.json()["error"]
+    del others, mine
