@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 from fastapi import APIRouter, Request
@@ -111,8 +112,14 @@ def _model_card(model_id: str, created: int, owner: str) -> dict:
     return {"id": model_id, "object": "model", "created": created, "owned_by": owner}
 
 
+def _public_names(names: list[str]) -> list[str]:
+    """The base model's names a client is shown: its aliases, not the server's directory (which
+    still works as a name); the directory only when there is no other name."""
+    return [n for n in names if not os.path.isabs(n)] or names
+
+
 def _models(gw: Gateway, caller: Caller) -> list[dict]:
-    cards = [_model_card(name, 0, "tinkerd") for name in gw.settings.model_names]
+    cards = [_model_card(name, 0, "tinkerd") for name in _public_names(gw.settings.model_names)]
     rows = gw.db.select(select(CheckpointRow).where(CheckpointRow.owner == caller.user_id,
                                                     CheckpointRow.checkpoint_type == "sampler")
                         .order_by(CheckpointRow.created_at))
@@ -134,7 +141,8 @@ async def get_model(request: Request):
         row = await asyncio.to_thread(gw.sessions.readable_checkpoint, caller, name)
         if row.checkpoint_type != "sampler":
             raise OaiError(f"{name!r} is not a sampler checkpoint", 404, param="model", code="model_not_found")
-        return _model_card(name, int(row.created_at.timestamp()), row.owner)
+        # A published checkpoint's owner is not the caller's to learn.
+        return _model_card(name, int(row.created_at.timestamp()), row.owner if row.owner == caller.user_id else "tinkerd")
     return _model_card(name, 0, "tinkerd")
 
 

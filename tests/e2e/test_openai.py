@@ -51,8 +51,10 @@ def test_openai_client_over_base_model_and_trained_snapshot(stack, tiny_model_di
 
     # ---- models: the base model's names and the caller's sampler checkpoints
     ids = [m.id for m in client.models.list().data]
-    assert {tiny_model_dir, "tiny/alias-model", snapshot} <= set(ids), ids
+    assert {"tiny/alias-model", snapshot} <= set(ids), ids
+    assert tiny_model_dir not in ids, ids              # the server's directory is not shown (it still works)
     assert client.models.retrieve(snapshot).id == snapshot
+    assert client.models.retrieve(tiny_model_dir).id == tiny_model_dir
 
     # ---- completions from token ids: greedy equals the SDK's greedy sample of the snapshot
     prompt = tok.encode("the cat sat on")
@@ -144,6 +146,8 @@ def test_openai_client_over_base_model_and_trained_snapshot(stack, tiny_model_di
     with pytest.raises(openai.NotFoundError):          # another user's snapshot is as unknown as none
         other.completions.create(model=snapshot, prompt=prompt, max_tokens=2)
     assert snapshot not in [m.id for m in other.models.list().data]
+    service.create_rest_client().publish_checkpoint_from_tinker_path(snapshot).result()
+    assert other.models.retrieve(snapshot).owned_by == "tinkerd"      # published: readable, its owner not shown
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{stack.url}/oai/api/v1", api_key="tml-wrong", max_retries=0).models.list()
     bad = httpx.post(f"{stack.url}/oai/api/v1/completions", content=b"{not json",
