@@ -492,6 +492,9 @@ class SampleRequest(Request):
 
 class RetrieveFutureRequest(Request):
     request_id: Id = ""
+    # The SDK's permission to answer a large result with its size first (it reserves the memory,
+    # then asks again without it).
+    allow_metadata_only: bool = False
 
 
 class TryAgainResponse(BaseModel):

@@ -29,6 +29,7 @@ router = APIRouter()
 LONG_POLL_S = 25.0          # under the SDK's 45 s read timeout
 MAX_COMPLETIONS = 4096      # per retrieve_futures answer; the SDK polls again at once for the rest
 GATHER_S = 0.005            # retrieve_futures waits this long after the first completion for more
+METADATA_ONLY_BYTES = 4 << 20   # a larger result is announced by its size when the SDK allows it
 
 # Calls served, by route (GET /internal/futures_stats): shows which path clients take.
 CALLS: collections.Counter[str] = collections.Counter()
@@ -49,6 +50,9 @@ async def retrieve_future(request: Request):
         queue_state, reason = await _describe_queue(gw, row, caller_of(request).user_id)
         try_again = TryAgainResponse(request_id=body.request_id, queue_state=queue_state, queue_state_reason=reason)
         return JSONResponse(try_again.model_dump(), status_code=408)
+    if body.allow_metadata_only and len(row.result or b"") > METADATA_ONLY_BYTES:
+        # Its size first: the SDK reserves that much of its in-flight budget, then asks for it.
+        return JSONResponse({"status": "complete_metadata", "response_payload_size": len(row.result)})
     return Response(content=row.result, media_type=row.content_type)
 
 

@@ -328,3 +328,17 @@ def test_a_poller_from_before_a_restart_hears_of_its_redriven_samples(tmp_path):
                 assert seen[other_clone]["state"] == "finished"
         finally:
             sampler.release.set()
+
+
+def test_a_large_result_is_announced_by_its_size_when_the_sdk_allows_it(gw, monkeypatch):
+    """SDK 0.38 asks with allow_metadata_only: a result over METADATA_ONLY_BYTES is answered with its
+    size first (the SDK reserves that much, then asks again without the flag for the payload)."""
+    monkeypatch.setattr(futures_routes, "METADATA_ONLY_BYTES", 8)
+    api = gw.api
+    rid = _sample(api, _sampling_session(api), 0)
+    payload = api.result({"request_id": rid})
+    assert payload.status_code == 200 and len(payload.content) > 8
+    first = api.post("retrieve_future", {"request_id": rid, "allow_metadata_only": True})
+    assert first.json() == {"status": "complete_metadata", "response_payload_size": len(payload.content)}
+    again = api.post("retrieve_future", {"request_id": rid, "allow_metadata_only": False})
+    assert again.content == payload.content

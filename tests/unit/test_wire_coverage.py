@@ -101,8 +101,6 @@ INFORMATIONAL = {
     ("ClientConfigRequest", "sdk_version"): "client/config answers every SDK the same (routes/service.py)",
     ("TelemetrySendRequest", "*"): "the SDK's telemetry (events of its own process): accepted and not kept, "
                                    "there is nothing to serve back",
-    ("FutureRetrieveRequest", "allow_metadata_only"): "a permission, not a request: the server may answer a large "
-                                                      "result with its size only; this one answers the whole result",
     ("SampleRequest", "base_model"): "what to sample is the sampling session's (the SDK sends sampling_session_id); "
                                      "asample without one is a 404",
     ("SampleRequest", "model_path"): "as base_model",
