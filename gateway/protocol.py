@@ -147,8 +147,7 @@ class Request(Body):
         return data
 
 
-NO_ACCESS_TOKENS = NotServed("there are no weights access tokens here: use a checkpoint your API key can "
-                             "read (your own, or a published one)")
+AccessToken = Annotated[str, Field(max_length=256)]     # gateway/access_tokens.py
 
 
 # ---- sessions ----------------------------------------------------------------------------
@@ -384,15 +383,15 @@ class SaveWeightsForSamplerRequest(Request):
 
 
 class SaveWeightsRequest(Request):
-    """save_weights (adapter + optimizer state) and save_weights_external (adapter files)."""
-    refused = {"age_encryption_recipients": NotServed("exported files are not encrypted here: leave it unset and "
-                                                      "encrypt the files once downloaded")}
+    """save_weights (adapter + optimizer state) and save_weights_external (adapter files; with
+    age_encryption_recipients each written encrypted to them, tinkerd/age.py)."""
     model_id: Id = ""
     seq_id: SeqId = 0
     path: Id | None = None
     overwrite: bool = False
     ttl_seconds: Ttl | None = None
     user_metadata: dict[str, Any] = {}
+    age_encryption_recipients: list[Annotated[str, Field(max_length=16384)]] | None = Field(None, max_length=64)
 
     @model_validator(mode="after")
     def _small(self):
@@ -404,14 +403,14 @@ class SaveWeightsRequest(Request):
 class LoadWeightsRequest(Request):
     """Create-via-load (session_id + model_seq_id) or, legacy, load into model_id."""
     refused = {"base_model": NotServed("a checkpoint loads on the base model it was trained on: leave "
-                                       "base_model unset"),
-               "weights_access_token": NO_ACCESS_TOKENS}
+                                       "base_model unset")}
     path: Id = ""
     optimizer: bool = False
     model_id: Id | None = None
     seq_id: SeqId = 0
     session_id: Id = ""
     optimizer_config: OptimizerConfig | None = None   # a new weights-only model's; None: AdamW
+    weights_access_token: AccessToken | None = None     # another user's checkpoint, granted by its owner
     model_seq_id: SeqId = 0
 
 
@@ -617,7 +616,8 @@ class ExternalWeightsUrlsResponse(BaseModel):
 
 
 class CopyWeightsRequest(Request):
-    refused = {"weights_access_token": NO_ACCESS_TOKENS}
+    """SDK 0.38 sends its weights_access_token as the X-Tinker-Weights-Access-Token header."""
+    weights_access_token: AccessToken | None = None
     source_path: Id = ""
     session_id: Id | None = None                   # SDK 0.30: a run in this session
     model_seq_id: SeqId = 0
@@ -627,6 +627,16 @@ class CopyWeightsRequest(Request):
 
 class CopyWeightsResponse(BaseModel):
     tinker_path: str
+
+
+class MintAccessTokenRequest(Request):
+    """POST /weights_access_tokens: a token for one of the caller's checkpoints (gateway/access_tokens.py)."""
+    tinker_path: Id = ""
+    ttl_seconds: Ttl | None = None
+
+
+class AccessTokensQuery(Body):
+    tinker_path: Id | None = None
 
 
 class SessionsResponse(BaseModel):

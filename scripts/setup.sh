@@ -25,7 +25,7 @@ compile_bytecode() {   # once per venv: one made before venv-install.sh compiled
   "$1/bin/python" -m compileall -q -j 0 "$1"/lib/python3*/site-packages >/dev/null 2>&1 || true  # (a few py2 files)
   touch "$marker"
 }
-if "$PY" -c "import tinkerd, vllm, deepspeed, tinker, pgserver, psycopg, grpc_health, grpc_reflection, uv, openai, selenium, prometheus_client, perfetto" 2>/dev/null && [ -z "${TINKERD_REINSTALL:-}" ]; then
+if "$PY" -c "import tinkerd, vllm, deepspeed, tinker, pgserver, psycopg, grpc_health, grpc_reflection, uv, openai, selenium, prometheus_client, perfetto, pyrage" 2>/dev/null && [ -z "${TINKERD_REINSTALL:-}" ]; then
   "$PY" -m pip install -q --no-deps -e .
   compile_bytecode "$VENV"
   exit 0

@@ -290,11 +290,13 @@ def signal(group: Group, rank: int, value: int) -> int:
     return int(flag.item())
 
 
-def write_safetensors(path: str, packed: Packed) -> None:
+def write_safetensors(path, packed: Packed) -> None:
     """Writes packed tensors as a .safetensors file straight from the chunk buffers: a JSON header
     and the chunks as they are (tensors in a chunk are contiguous, so the layout is already
     safetensors'). One large write per chunk, which releases the GIL: cheap to run in a thread
-    next to a busy server, unlike serialising tensor by tensor."""
+    next to a busy server, unlike serialising tensor by tensor. `path` may also be an open binary
+    file (trainer_service/checkpoints.py encrypts an export in memory)."""
+    import contextlib
     import json
 
     starts, position = [], 0
@@ -306,7 +308,7 @@ def write_safetensors(path: str, packed: Packed) -> None:
               for s in packed.specs}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)          # the format pads the header to 8 bytes
-    with open(path, "wb") as f:
+    with open(path, "wb") if isinstance(path, str) else contextlib.nullcontext(path) as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for chunk in packed.chunks:

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from tinkerd import weight_stream
+from tinkerd import age, weight_stream
 from tinkerd.errors import UserError
 from tinkerd.optimizers import ADAMW, DIMUON
 from trainer_service.deepspeed_setup import model_zero_stage
@@ -104,15 +104,38 @@ def _rename_into_place(tmp: str, path: str) -> None:
 
 
 def write_state(tmp: str, model: LoraModel, adapter: weight_stream.Packed, config: dict, *,
-                base_model_dir: str, zero_stage: int, with_optimizer: bool) -> None:
-    """The model's checkpoint into the temporary directory `tmp` (see `commit_state`)."""
-    write_peft_adapter(tmp, adapter, config)
+                base_model_dir: str, zero_stage: int, with_optimizer: bool, age_recipients: list[str] = ()) -> None:
+    """The model's checkpoint into the temporary directory `tmp` (see `commit_state`); with
+    `age_recipients`, an export whose files are all encrypted (`write_encrypted`)."""
     meta = {"spec": dataclasses.asdict(model.spec), "step": model.step, "seq": model.state_seq, "base_model": base_model_dir,
             "zero_stage": zero_stage, "has_optimizer": with_optimizer}
+    if age_recipients:
+        if with_optimizer:
+            raise UserError("only an export (save_weights_external) is encrypted, not a training state")
+        write_encrypted(tmp, adapter, config, meta, age_recipients)
+        return
+    write_peft_adapter(tmp, adapter, config)
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(meta, f)
     if with_optimizer:
         write_optimizer(tmp, model, leader=True)
+
+
+def write_encrypted(tmp: str, adapter: weight_stream.Packed, config: dict, meta: dict, recipients: list[str]) -> None:
+    """The export's files, each made in memory and written encrypted to `recipients` as
+    <name>.age: no plaintext byte of it reaches the disk."""
+    import io
+
+    import pyrage
+
+    keys = age.recipients(recipients)
+    weights = io.BytesIO()
+    weight_stream.write_safetensors(weights, adapter)
+    os.makedirs(tmp, exist_ok=True)
+    for name, data in ((ADAPTER_WEIGHTS, weights.getbuffer()), (ADAPTER_CONFIG, json.dumps(config).encode()),
+                       (STATE, json.dumps(meta).encode())):
+        with open(os.path.join(tmp, name + age.SUFFIX), "wb") as out:
+            pyrage.encrypt_io(io.BytesIO(data), out, keys)
 
 
 def write_optimizer(tmp: str, model: LoraModel, *, leader: bool) -> None:

@@ -234,8 +234,9 @@ class TrainerEngine:
     # ---- checkpoints ----------------------------------------------------------------------
 
     @collective
-    def save_state(self, model_id: str, directory: str, *, with_optimizer: bool) -> int:
-        """Writes the checkpoint atomically; returns its size in bytes."""
+    def save_state(self, model_id: str, directory: str, *, with_optimizer: bool, age_recipients=()) -> int:
+        """Writes the checkpoint atomically (an export encrypted to `age_recipients`, if any);
+        returns its size in bytes."""
         with self._lock:
             model = self.get(model_id)
             packed, config = self._packed_adapter(model_id, dtype=None)    # the weights as trained (fp32)
@@ -246,7 +247,8 @@ class TrainerEngine:
                         checkpoints.write_optimizer(tmp, model, leader=False)
                     return 0
                 checkpoints.write_state(tmp, model, packed, config, base_model_dir=self.base_model_dir,
-                                        zero_stage=self._stage(model), with_optimizer=with_optimizer)
+                                        zero_stage=self._stage(model), with_optimizer=with_optimizer,
+                                        age_recipients=list(age_recipients))
             except BaseException:
                 # Nothing half-written stays beside the last checkpoint: a trainer retrying its
                 # durable write on a full disk would otherwise fill it further, write after write.

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 
-from tinkerd import paths, weight_transport
+from tinkerd import age, paths, weight_transport
 from tinkerd.errors import UserError
 from tinkerd.rpc import ServiceAuth, rpc_boundary
 from tinkerd.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
@@ -183,10 +183,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def SaveState(self, request, context):
         if request.kind not in SAVE_KINDS:
             raise UserError(f"checkpoint kind {request.kind!r} must be one of {SAVE_KINDS}")
+        if request.age_recipients:
+            if request.kind != "external_weights":
+                raise UserError("age_recipients: only an export (external_weights) is encrypted")
+            age.recipients(request.age_recipients)
         directory = paths.checkpoint_dir(self.state_dir, request.model_id, request.kind, request.name)
 
         def save():
-            size = self.engine.save_state(request.model_id, directory, with_optimizer=request.with_optimizer)
+            size = self.engine.save_state(request.model_id, directory, with_optimizer=request.with_optimizer,
+                                          age_recipients=request.age_recipients)
             return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size)
         return self._once(request, "save_state", save, context)
 

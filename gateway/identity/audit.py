@@ -21,7 +21,8 @@ EVENTS = {"api_key_created": "organizations", "api_key_revoked": "organizations"
           "checkpoint_saved": "checkpoints", "checkpoint_published": "checkpoints",
           "checkpoint_unpublished": "checkpoints", "checkpoint_ttl_set": "checkpoints",
           "checkpoint_deleted": "checkpoints", "checkpoint_expired": "checkpoints",
-          "checkpoint_read_by_other_user": "checkpoints", "checkpoint_downloaded": "checkpoints"}
+          "checkpoint_read_by_other_user": "checkpoints", "checkpoint_downloaded": "checkpoints",
+          "checkpoint_access_token_created": "checkpoints", "checkpoint_access_token_revoked": "checkpoints"}
 
 
 def record(db: Database, event: str, *, user_id: str, org_id: str, **details) -> None:

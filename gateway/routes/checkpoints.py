@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import select
 
-from gateway import checkpoints, protocol, usage
+from gateway import access_tokens, checkpoints, usage
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
 from gateway.errors import error_response
@@ -150,12 +150,14 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
                        gw: GatewayDep) -> CopyWeightsResponse:
     """The run is `{session_id}:train:{model_seq_id}` when the client names its session (SDK
     0.30), else run 0 of a new session for the project, named from the idempotency key so that a
-    resent request finds the copy it made. The source is the caller's or published."""
-    if "x-tinker-weights-access-token" in request.headers:        # SDK 0.38's weights_access_token
-        raise UserError(f"weights_access_token (the X-Tinker-Weights-Access-Token header) is not served by "
-                        f"this server: {protocol.NO_ACCESS_TOKENS.why}")
+    resent request finds the copy it made. The source is the caller's, published, or granted by a
+    weights access token (its X-Tinker-Weights-Access-Token header)."""
     checkpoints.parse_tinker_path(body.source_path)
-    source = gw.sessions.readable_checkpoint(caller, body.source_path)
+    token = request.headers.get("x-tinker-weights-access-token") or body.weights_access_token
+    try:
+        source = access_tokens.readable(gw.db, gw.sessions, caller, body.source_path, token, "copy_weights")
+    except access_tokens.TokenRefused as e:
+        return error_response(str(e), 403)
     gw.limits.check_checkpoint_bytes(caller)
     try:
         session_id = _copy_session(gw, caller, body, request.headers.get("x-idempotency-key") or uuid.uuid4().hex)
@@ -170,7 +172,6 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
         raise UserError(f"training run {run_id} already exists; use another model_seq_id")
     path = checkpoints.copy_checkpoint(gw.db, gw.settings.state_dir, source, run_id, session_id, body.ttl_seconds,
                                        owner=caller.user_id)
-    audit.read_by_other_user(gw.db, caller, source, "copy_weights")
     audit.record(gw.db, "checkpoint_saved", user_id=caller.user_id, org_id=caller.org_id, model_id=run_id,
                  tinker_path=path, copied_from=body.source_path)
     await usage.checkpoint_made(gw, path, f"copy:{path}")

@@ -7,9 +7,9 @@ import uuid
 
 from fastapi import APIRouter
 
-from gateway import checkpoints, convert
+from gateway import access_tokens, checkpoints, convert
+from gateway.errors import error_response
 from gateway.futures.store import fingerprint
-from gateway.identity import audit
 from gateway.identity.auth import CallerDep
 from gateway.identity.keys import Caller
 from gateway.jobs.base import Owner
@@ -18,6 +18,7 @@ from gateway.jobs.weights import LoadWeights, PushWeights, SaveState
 from gateway.protocol import FutureResponse, LoadWeightsRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest
 from gateway.state import Gateway, GatewayDep
 from gateway.storage.db import CheckpointRow, ModelRow
+from tinkerd import age
 from tinkerd.errors import UserError
 from tinkerd.optimizers import ADAMW
 from tinkerd.v1 import trainer_pb2
@@ -77,8 +78,12 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
                 gw.db.get(CheckpointRow, path) is not None and not body.overwrite:
             raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
         expires_at = checkpoints.expires(body.ttl_seconds)
+        recipients = body.age_encryption_recipients or []
+        if recipients and kind != "external_weights":
+            raise UserError("age_encryption_recipients: only save_weights_external encrypts its files")
+        age.recipients(recipients)          # each parses, before anything is queued
     save = trainer_pb2.SaveStateRequest(model_id=body.model_id, seq_id=body.seq_id, kind=kind, name=name,
-                                        with_optimizer=with_optimizer)
+                                        with_optimizer=with_optimizer, age_recipients=recipients)
     job = SaveState(save, Owner.of(caller), path, checkpoints.KINDS[kind],
                     expires_at.isoformat() if expires_at else None, body.user_metadata, response_type)
     return gw.submit_training(caller, body.model_id, body.seq_id, job, fingerprint(job.kind(), body.model_dump_json()))
@@ -87,13 +92,16 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
 @router.post("/load_weights")
 async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     """Create-via-load ({session_id, model_seq_id}) or load into an existing model (legacy). The
-    checkpoint is the caller's or a published one."""
+    checkpoint is the caller's, a published one, or one its owner granted by weights_access_token."""
     source_run, kind, name = checkpoints.parse_tinker_path(body.path)
-    ckpt = gw.sessions.readable_checkpoint(caller, body.path)
+    try:
+        ckpt = access_tokens.readable(gw.db, gw.sessions, caller, body.path, body.weights_access_token,
+                                      "load_weights")
+    except access_tokens.TokenRefused as e:
+        return error_response(str(e), 403)
     if kind != "weights":
         raise UserError(f"{body.path!r} is not a training checkpoint: load_weights takes a "
                         f"tinker://<run>/weights/<name> path from save_state")
-    audit.read_by_other_user(gw.db, caller, ckpt, "load_weights")
     source = gw.db.get(ModelRow, ckpt.model_id)
     new_run = None
     if body.model_id:

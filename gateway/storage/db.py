@@ -321,6 +321,21 @@ class CheckpointStorageRow(Base):
     base_model: Mapped[str] = mapped_column(String(512))
 
 
+class WeightsAccessTokenRow(Base):
+    """A token with which another user may load or copy one checkpoint (gateway/access_tokens.py):
+    `wat-<token_id>-<secret>`, stored as the SHA-256 of its secret, as API keys are. It grants
+    that checkpoint as it was when the token was made (`generation`), until it expires or is revoked."""
+    __tablename__ = "weights_access_tokens"
+    token_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    tinker_path: Mapped[str] = mapped_column(String(768), index=True)
+    generation: Mapped[str] = mapped_column(String(64))
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    expires_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
 class CustomLossRow(Base):
     """A server-side custom loss (gateway/custom_losses.py): its checked graph, stored so that any
     gateway can send it with the session's forward_backward requests."""

@@ -191,18 +191,20 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., stream_seconds: _Optional[float] = ..., persisted_path: _Optional[str] = ..., transports: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SaveStateRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id", "with_optimizer", "kind", "name")
+    __slots__ = ("model_id", "seq_id", "with_optimizer", "kind", "name", "age_recipients")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    AGE_RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
     with_optimizer: bool
     kind: str
     name: str
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., with_optimizer: _Optional[bool] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    age_recipients: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., with_optimizer: _Optional[bool] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., age_recipients: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SaveStateResponse(_message.Message):
     __slots__ = ("directory", "size_bytes")
