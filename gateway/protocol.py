@@ -489,6 +489,11 @@ class SampleRequest(Request):
 
 # ---- futures -----------------------------------------------------------------------------
 
+class JoinSamplingSessionRequest(Request):
+    sampling_session_id: Id
+    type: Literal["join_sampling_session"] = "join_sampling_session"
+
+
 class RetrieveFutureRequest(Request):
     request_id: Id = ""
     # The SDK's permission to answer a large result with its size first (it reserves the memory,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from gateway import bodies, convert
@@ -11,7 +13,7 @@ from gateway.identity.auth import CallerDep
 from gateway.jobs.sampling import Sample
 from gateway.storage.db import ModelRow, SamplingSessionRow
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
-                              GetSamplerResponse, SAMPLING_CLONE_SPAN, SampleRequest)
+                              GetSamplerResponse, JoinSamplingSessionRequest, SAMPLING_CLONE_SPAN, SampleRequest)
 from gateway.routes.training import supported_base_model
 from gateway.state import GatewayDep
 from tinkerd.errors import UserError
@@ -55,6 +57,18 @@ def _same_sampling_session(existing: SamplingSessionRow, wanted: SamplingSession
 async def get_sampler(sampler_id: str, caller: CallerDep, gw: GatewayDep) -> GetSamplerResponse:
     row = gw.sessions.sampling_session(caller, sampler_id)
     return GetSamplerResponse(sampler_id=row.sampling_session_id, base_model=row.base_model, model_path=row.model_path)
+
+
+@router.post("/join_sampling_session")
+async def join_sampling_session(body: JoinSamplingSessionRequest, caller: CallerDep, gw: GatewayDep) -> dict:
+    """An unpickled SamplingClient's clone id, unique in its sampling session (the original is 0):
+    its request seq_ids (clone id x SAMPLING_CLONE_SPAN + k) never collide with another clone's."""
+    gw.sessions.live_sampling_session(caller, body.sampling_session_id)
+    clone = await asyncio.to_thread(gw.db.next_clone, body.sampling_session_id)
+    if clone >= SAMPLING_CLONE_SPAN:
+        raise UserError(f"sampling session {body.sampling_session_id} has had {SAMPLING_CLONE_SPAN - 1} clones; "
+                        f"make a new SamplingClient")
+    return {"type": "join_sampling_session", "client_counter": clone}
 
 
 @router.post("/asample")

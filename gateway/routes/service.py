@@ -27,7 +27,7 @@ router = APIRouter(prefix="/api/v1")
 # its loss id in one forward_backward (routes/custom_losses.py, gateway/custom_losses.py).
 CLIENT_CONFIG = {"use_pyqwest_transport": False, "proto_compress_fwdbwd": True,
                  "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": True,
-                 "custom_loss_server_side": True, "sample_join_sampling_session": False}
+                 "custom_loss_server_side": True, "sample_join_sampling_session": True}
 
 
 @router.post("/client/config")

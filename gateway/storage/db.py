@@ -175,6 +175,8 @@ class SamplingSessionRow(Base):
     # the training model's newest inflight save (InflightTargetRow); its own snapshot is the one
     # saved when it was made, the oldest weights it may be served. NULL: a snapshot client.
     inflight_model_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # Clones that joined it (join_sampling_session): the last clone id handed out (0: the original's).
+    clones: Mapped[int] = mapped_column(BigInteger, server_default="0", default=0)
 
 
 class InflightTargetRow(Base):
@@ -487,6 +489,13 @@ class Database:
             s.commit()
         if type(row).__name__ in _CACHED:
             self._remember(_cache_key(row), row)
+
+    def next_clone(self, sampling_session_id: str) -> int:
+        """A clone id of the sampling session no other clone got (one atomic increment)."""
+        table = SamplingSessionRow.__table__
+        with self.engine.begin() as conn:
+            return conn.execute(update(table).where(table.c.sampling_session_id == sampling_session_id)
+                                .values(clones=table.c.clones + 1).returning(table.c.clones)).scalar_one()
 
     def add_if_absent(self, row) -> bool:
         """Inserts `row` unless one with its primary key exists (made concurrently, perhaps by

@@ -71,3 +71,22 @@ def test_a_bad_kind_is_refused(stack, tiny_model_dir, body, words):
     error = r.json()["error"]
     for word in words:
         assert word in error, error
+
+
+def test_unpickled_sampling_clients_join_with_their_own_clone_ids(stack, tiny_model_dir):
+    """SDK 0.38 with sample_join_sampling_session: a SamplingClient sent to another process (here,
+    pickled and unpickled) asks join_sampling_session for its clone id before its first sample;
+    every clone gets its own, so their request seq_ids never collide, and each one's samples come
+    back through its own retrieve_futures queue."""
+    import pickle
+
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=stack.url)
+    sampler = service.create_sampling_client(base_model=tiny_model_dir)
+    clones = [pickle.loads(pickle.dumps(sampler)) for _ in range(3)]
+    params = types.SamplingParams(max_tokens=3)
+    for client in [sampler, *clones]:
+        assert len(client.sample(types.ModelInput.from_ints([5, 6, 7]), 1, params).result().sequences) == 1
+    assert sorted(c._cloned_sampler_id for c in clones) == [1, 2, 3]       # the original is 0

@@ -143,3 +143,17 @@ def test_inflight_clients_sample_the_newest_inflight_save_in_their_own_cache_nam
         assert (request.snapshot_id, request.cache_namespace) == (newest.snapshot_id, sid)
     request = sampled(snapshot)
     assert (request.snapshot_id, request.cache_namespace) == (snap_push.snapshot_id, "")
+
+
+def test_join_sampling_session_gives_each_clone_its_own_id(gateway):
+    """SDK 0.38 (client/config sample_join_sampling_session): an unpickled SamplingClient asks for
+    its clone id; each is new in its sampling session (1, 2, ...: the original is 0), another user's
+    sampling session is unknown."""
+    api = gateway.api
+    assert api.post("client/config", {"sdk_version": "0.38.0"}).json()["sample_join_sampling_session"] is True
+    sid = api.post("create_sampling_session", {"session_id": api.session(), "sampling_session_seq_id": 0,
+                                               "base_model": "tiny/base"}).json()["sampling_session_id"]
+    ids = [api.post("join_sampling_session", {"sampling_session_id": sid}).json() for _ in range(3)]
+    assert ids == [{"type": "join_sampling_session", "client_counter": n} for n in (1, 2, 3)]
+    assert_user_error(api.as_user("mallory").post("join_sampling_session", {"sampling_session_id": sid}), 404)
+    assert_user_error(api.post("join_sampling_session", {}), 400, "sampling_session_id")

@@ -49,6 +49,7 @@ SERVED = {
     "CreateSamplingSessionRequest": protocol.CreateSamplingSessionRequest,
     "SampleRequest": protocol.SampleRequest,
     "FutureRetrieveRequest": protocol.RetrieveFutureRequest,
+    "JoinSamplingSessionRequest": protocol.JoinSamplingSessionRequest,
     "FuturesRetrieveRequest": protocol.RetrieveFuturesRequest,
     "CreateCustomLossRequest": custom_losses.CreateCustomLossRequest,
     "SessionSearchRequest": protocol.SessionSearchRequest,
@@ -90,9 +91,7 @@ WHOLE = {
 }
 
 # Requests whose endpoint this server does not have: a call is a 404 or 405, not served otherwise.
-NO_ENDPOINT = {
-    "JoinSamplingSessionRequest": ("POST", "/api/v1/join_sampling_session"),   # client/config turns it off
-}
+NO_ENDPOINT: dict[str, tuple[str, str]] = {}
 
 # Accepted, changing nothing the caller asked for.
 INFORMATIONAL = {
@@ -252,6 +251,7 @@ def _sdk_bodies() -> dict[str, dict]:
                                            sampling_params=sdk.SamplingParams(max_tokens=4),
                                            prompt_logprobs=False, record_stability_info=False),
         "FutureRetrieveRequest": sdk.FutureRetrieveRequest(request_id="r", allow_metadata_only=True),
+        "JoinSamplingSessionRequest": sdk.JoinSamplingSessionRequest(sampling_session_id="s:sample:0"),
         "FuturesRetrieveRequest": sdk.FuturesRetrieveRequest(
             target=sdk.SamplingSessionFuturesTarget(sampling_session_id="s:sample:0")),
         "SessionSearchRequest": sdk.SessionSearchRequest(),
@@ -288,7 +288,7 @@ def test_requests_without_an_endpoint_here_have_none():
               for method in getattr(route, "methods", ())}
     for name, (method, path) in NO_ENDPOINT.items():
         assert (method, path) not in served, f"{name}: {method} {path} is served now: check its fields"
-    assert CLIENT_CONFIG["sample_join_sampling_session"] is False
+    assert CLIENT_CONFIG["sample_join_sampling_session"] is True      # served: routes/sampling.py
 
 
 def _proto_fields(descriptor, seen=None):
