@@ -4,6 +4,7 @@ BaseHTTPMiddleware, which costs every request a task and a queue; retrieve_futur
 A body over `max_bytes` is a 413 with the Tinker error body: at once when Content-Length says so,
 else as soon as the bytes read pass the limit. A zstd body (the SDK compresses forward_backward)
 is inflated here, never past the same limit, and handed on plain, without Content-Encoding.
+Routes whose bodies are small by nature have a smaller limit (ROUTE_LIMITS).
 """
 
 from __future__ import annotations
@@ -12,17 +13,25 @@ from starlette.exceptions import HTTPException
 
 from gateway import convert
 from gateway.errors import error_response
+from tinkerd import custom_loss
 from tinkerd.errors import UserError
+
+# A graph is at most custom_loss.MAX_GRAPH_BYTES: a larger body is not worth inflating or parsing.
+ROUTE_LIMITS = {"/api/v1/create_custom_loss": custom_loss.MAX_REQUEST_BYTES}
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, route_limits: dict[str, int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        routes = ROUTE_LIMITS if route_limits is None else route_limits
+        self.routes = {path: BodyLimit(app, min(max_bytes, limit), {}) for path, limit in routes.items()}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if (smaller := self.routes.get(scope["path"])) is not None:
+            return await smaller(scope, receive, send)
         length = encoding = None
         for key, value in scope["headers"]:
             if key == b"content-length":

@@ -26,6 +26,7 @@ from tinkerd.errors import UserError
 MAX_NODES = 512                 # torch.fx nodes of one loss (a PPO or DPO loss takes 10 to 30)
 MAX_INPUTS = 16                 # the SDK's own limit, logprobs included
 MAX_GRAPH_BYTES = 256 << 10     # the graph as canonical JSON
+MAX_REQUEST_BYTES = 512 << 10   # a create_custom_loss body, inflated (gateway/body_limit.py)
 MAX_ARG_DEPTH = 8               # nesting of tuples, lists, dicts and slices in one argument
 MAX_CONSTANT_ITEMS = 1024       # items of one list or tuple constant
 MAX_NAME = 128                  # a node's or the loss's name
@@ -144,6 +145,20 @@ def _fail(message: str):
     raise UserError(f"create_custom_loss: {message}")
 
 
+class _Budget:
+    """What the walk has read so far, as a lower bound of its canonical JSON's bytes: each item is
+    at least one character and a separator, a string its length. The walk stops once that passes
+    MAX_GRAPH_BYTES, so parsing costs at most a graph's worth however large the upload is."""
+
+    def __init__(self):
+        self.left = MAX_GRAPH_BYTES
+
+    def spend(self, size: int) -> None:
+        self.left -= size
+        if self.left < 0:
+            _fail(f"the graph is over {MAX_GRAPH_BYTES} bytes as JSON (the most a graph may be)")
+
+
 def parse(name: Any, inputs: Any, graph: Any) -> LossSpec:
     """The SDK's create_custom_loss fields, checked; any problem is a UserError naming it."""
     if not isinstance(name, str) or not _LOSS_NAME.fullmatch(name):
@@ -160,13 +175,15 @@ def parse(name: Any, inputs: Any, graph: Any) -> LossSpec:
         _fail(f"the graph has {len(raw_nodes)} nodes; at most {MAX_NODES}")
     nodes: list[Node] = []
     seen: set[str] = set()
+    budget = _Budget()
     for i, raw in enumerate(raw_nodes):
-        node = _node(i, raw, seen, parsed_inputs, len(raw_nodes))
+        node = _node(i, raw, seen, parsed_inputs, len(raw_nodes), budget)
         seen.add(node.name)
         nodes.append(node)
     metric_keys = _output(nodes[-1])
     body = {"name": name, "inputs": [{"name": n, "rank": r} for n, r in parsed_inputs],
-            "graph": {"format": 1, "nodes": [dataclasses.asdict(n) | {"args": list(n.args)} for n in nodes]}}
+            "graph": {"format": 1, "nodes": [{"op": n.op, "name": n.name, "target": n.target, "args": list(n.args),
+                                              "kwargs": n.kwargs} for n in nodes]}}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     if len(canonical) > MAX_GRAPH_BYTES:
         _fail(f"the graph is {len(canonical)} bytes as JSON; at most {MAX_GRAPH_BYTES}")
@@ -215,7 +232,7 @@ def _inputs(inputs: Any) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def _node(i: int, raw: Any, seen: set[str], inputs, count: int) -> Node:
+def _node(i: int, raw: Any, seen: set[str], inputs, count: int, budget: _Budget) -> Node:
     if not isinstance(raw, dict):
         _fail(f"node {i} must be an object")
     op, name, target = raw.get("op"), raw.get("name"), raw.get("target")
@@ -227,6 +244,7 @@ def _node(i: int, raw: Any, seen: set[str], inputs, count: int) -> Node:
         _fail(f"{where}: the name is used by an earlier node; node names are unique")
     if not isinstance(target, str) or len(target) > 256:
         _fail(f"{where}: target must be a string")
+    budget.spend(len(name) + len(target) + 40)      # the node's keys and its op
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         _fail(f"{where}: args must be a list and kwargs an object")
     if op == "placeholder":
@@ -241,7 +259,7 @@ def _node(i: int, raw: Any, seen: set[str], inputs, count: int) -> Node:
             _fail(f"{where}: the output node must be the last node")
         if len(args) != 1 or kwargs:
             _fail(f"{where}: the output node takes one argument, (loss, metrics)")
-        return Node(op, name, target, (_arg(args[0], seen, where, 0),), {})
+        return Node(op, name, target, (_arg(args[0], seen, where, 0, budget),), {})
     if i == count - 1:
         _fail("the graph's last node must be its output")
     if op == "call_function":
@@ -268,22 +286,25 @@ def _node(i: int, raw: Any, seen: set[str], inputs, count: int) -> Node:
               + (f" (allowed: {', '.join(arity.kwargs)})" if arity.kwargs else ""))
     if target == "getattr" and args[1] not in ATTRIBUTES:
         _fail(f"{where}: getattr of {str(args[1])[:64]!r} is not allowed; only {', '.join(ATTRIBUTES)}")
-    parsed_args = tuple(_arg(a, seen, where, 0) for a in args)
-    parsed_kwargs = {k: _arg(v, seen, where, 0) for k, v in kwargs.items()}
+    parsed_args = tuple(_arg(a, seen, where, 0, budget) for a in args)
+    parsed_kwargs = {k: _arg(v, seen, where, 0, budget) for k, v in kwargs.items()}
     if target == "to" and not (isinstance(parsed_args[1], dict) and "dtype" in parsed_args[1]):
         _fail(f"{where}: Tensor.to takes a dtype only (the trainer decides where tensors live)")
     return Node(op, name, target, parsed_args, parsed_kwargs)
 
 
-def _arg(value: Any, seen: set[str], where: str, depth: int) -> Any:
+def _arg(value: Any, seen: set[str], where: str, depth: int, budget: _Budget) -> Any:
     """An encoded argument, checked (the SDK's encoding: tinker.types.CustomLossNode.args)."""
     if depth > MAX_ARG_DEPTH:
         _fail(f"{where}: an argument nests deeper than {MAX_ARG_DEPTH}")
+    budget.spend(2)
     if value is None or isinstance(value, (bool, int, str)):
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**63:
             _fail(f"{where}: integer constant {value} is out of the 64-bit range")
-        if isinstance(value, str) and len(value) > 256:
-            _fail(f"{where}: a string constant is over 256 characters")
+        if isinstance(value, str):
+            if len(value) > 256:
+                _fail(f"{where}: a string constant is over 256 characters")
+            budget.spend(len(value))
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -292,23 +313,31 @@ def _arg(value: Any, seen: set[str], where: str, depth: int) -> Any:
     if isinstance(value, list):
         if len(value) > MAX_CONSTANT_ITEMS:
             _fail(f"{where}: a list constant has {len(value)} items; at most {MAX_CONSTANT_ITEMS}")
-        return [_arg(v, seen, where, depth + 1) for v in value]
+        numbers = _numbers(value, where, budget)
+        return numbers if numbers is not None else [_arg(v, seen, where, depth + 1, budget) for v in value]
     if not isinstance(value, dict) or len(value) != 1:
         _fail(f"{where}: an argument must be a JSON scalar, a list or a one-key object")
     (kind, inner), = value.items()
+    budget.spend(len(str(kind)) + 6)       # {"kind":...}
     if kind == "ref":
         if inner not in seen:
             _fail(f"{where}: refers to {str(inner)[:64]!r}, which is no earlier node (unknown input, "
                   f"or a cycle)")
+        budget.spend(len(inner))
         return {"ref": inner}
     if kind in ("tuple", "slice"):
         if not isinstance(inner, list) or len(inner) > MAX_CONSTANT_ITEMS or (kind == "slice" and len(inner) != 3):
             _fail(f"{where}: a {kind} must be a list" + (" of [start, stop, step]" if kind == "slice" else ""))
-        return {kind: [_arg(v, seen, where, depth + 1) for v in inner]}
+        return {kind: [_arg(v, seen, where, depth + 1, budget) for v in inner]}
     if kind == "dict":
         if not isinstance(inner, dict) or len(inner) > MAX_CONSTANT_ITEMS:
             _fail(f"{where}: a dict must be an object")
-        return {"dict": {str(k)[:256]: _arg(v, seen, where, depth + 1) for k, v in inner.items()}}
+        out = {}
+        for k, v in inner.items():
+            key = str(k)[:256]
+            budget.spend(len(key))
+            out[key] = _arg(v, seen, where, depth + 1, budget)
+        return {"dict": out}
     if kind == "ellipsis" and inner is True:
         return {"ellipsis": True}
     if kind == "float" and inner in ("inf", "-inf", "nan"):
@@ -320,6 +349,20 @@ def _arg(value: Any, seen: set[str], where: str, depth: int) -> Any:
     if kind in ("device", "layout", "memory_format"):
         _fail(f"{where}: a {kind} argument is not allowed: the trainer decides where and how tensors live")
     _fail(f"{where}: unknown argument kind {str(kind)[:32]!r}")
+
+
+def _numbers(value: list, where: str, budget: _Budget) -> list | None:
+    """A list of plain numbers, checked as `_arg` checks each (in one pass: a constant of a
+    thousand numbers is common); None if it holds anything else."""
+    kinds = set(map(type, value))
+    if not kinds <= {int, float, bool}:
+        return None
+    budget.spend(2 * len(value))
+    if float in kinds and not all(math.isfinite(v) for v in value if type(v) is float):
+        _fail(f"{where}: a non-finite float must be sent as {{\"float\": ...}}")
+    if int in kinds and any(abs(v) > 2**63 for v in value if type(v) is int):
+        _fail(f"{where}: an integer constant is out of the 64-bit range")
+    return list(value)
 
 
 def _output(node: Node) -> tuple[str, ...]:
