@@ -10,8 +10,10 @@ place replicas are health-checked: the gateway's /healthz reads the live set fro
 Routing: among live members, those that already served or received the snapshot first (its
 adapter is loaded there), then the fewest samples in flight from this gateway. A sample whose
 replica dies or refuses it mid-request is sent to another one: sampling changes nothing, so the
-resend cannot double anything, and the SDK sees one answer. With no live member a sample waits,
-up to `--sampler-wait-s`, for one to come (back).
+resend cannot double anything, and the SDK sees one answer. A replica that goes silent (its host
+cut off: no error ever comes back) is given up on after LOST_AFTER_CHECKS failed health checks in
+a row, and so is a member that leaves the pool: the samples in flight there are re-driven the same
+way. With no live member a sample waits, up to `--sampler-wait-s`, for one to come (back).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 REGISTRATION_TTL_S = 15.0
 HEALTH_EVERY_S = 1.0
+LOST_AFTER_CHECKS = 3       # failed health checks in a row after which the samples in flight there are re-driven
 # Codes meaning "this replica did not do it": another one may.
 _FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _HOLDERS_KEPT = 4096
@@ -52,6 +55,8 @@ class Member:
     in_flight: int = 0
     served: int = 0          # samples this replica answered for this gateway (the listing shows it)
     weight_transport: str = ""   # how the trainer's last push reached it (tinkerd/weight_transport.py)
+    failed_checks: int = 0       # in a row
+    calls: set = dataclasses.field(default_factory=set)      # its Sample calls in flight
 
 
 class SamplerPool:
@@ -96,6 +101,12 @@ class SamplerPool:
             if alive != member.alive:
                 log.info("sampler replica %s is %s", member.address, "up" if alive else "down")
                 member.alive = alive
+            member.failed_checks = 0 if alive else member.failed_checks + 1
+            if member.failed_checks >= LOST_AFTER_CHECKS and member.calls:
+                log.warning("sampler replica %s failed %d health checks in a row; re-driving its %d samples in "
+                            "flight", member.address, member.failed_checks, len(member.calls))
+                for call in list(member.calls):
+                    call.cancel()
         if any(m.alive for m in members):
             self._changed.set()
 
@@ -173,8 +184,10 @@ class SamplerPool:
                 continue
             member.in_flight += 1
             spans.note(service=f"sampler {member.address}", started=True)     # the request's span
+            call = member.stub.Sample(msg)
+            member.calls.add(call)
             try:
-                reply = await member.stub.Sample(msg)
+                reply = await call
             except grpc.aio.AioRpcError as e:
                 if e.code() not in _FAILOVER_CODES:
                     raise
@@ -183,8 +196,18 @@ class SamplerPool:
                 member.alive = False
                 tried.add(member.address)
                 continue
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise               # this request itself was cancelled, not the replica given up on
+                # The pool gave the replica up (refresh) or closed its channel (_drop) with this call in flight.
+                log.warning("sampler replica %s failed a sample (lost: given up with it in flight); sending it "
+                            "to another", member.address)
+                member.alive = False
+                tried.add(member.address)
+                continue
             finally:
                 member.in_flight -= 1
+                member.calls.discard(call)
             member.served += 1
             self.holds(msg.snapshot_id, [member.address])
             return reply

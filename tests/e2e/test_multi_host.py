@@ -141,10 +141,10 @@ def service(cluster):
     return tinker.ServiceClient(base_url=cluster.url, api_key="tml-no-auth")
 
 
-def _train_one_step(service, tiny_model_dir):
+def _train_one_step(service, tiny_model_dir, rank: int = 4):
     from tinker import types
 
-    tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=3).result()
+    tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=rank, seed=3).result()
     tok = tc.get_tokenizer()
     tokens = tok.encode("the cat sat on the mat and looked at the dog")
     datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -173,7 +173,7 @@ def test_the_topology_trains_and_samples_across_hosts(cluster, service, tiny_mod
     tc, datum, tokens = _train_one_step(service, tiny_model_dir)
     trainer_lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     served_before = {a: s["served"] for a, s in cluster.pool().items()}
-    sc = tc.save_weights_and_get_sampling_client()
+    sc = tc.save_weights_and_get_sampling_client().result()
     for lp in _logprobs_everywhere(cluster, sc, tokens):
         assert np.max(np.abs(lp - trainer_lp)) < 1e-3
     from tinker import types
@@ -199,3 +199,113 @@ def test_the_topology_trains_and_samples_across_hosts(cluster, service, tiny_mod
     # What the replicas registered is what the others reach them at: no loopback leaked.
     assert cluster.registered() == replicas
     assert not [line for line in trainer_log.splitlines() if "127.0.0.1" in line and "stream" in line]
+
+
+def _new_pushes(cluster, since: int) -> dict[str, float]:
+    """The trainer's weight streams logged after `since` characters of its log: replica -> ms."""
+    return {replica: ms for replica, _, ms in _pushes(cluster.services["trainer"].text()[since:])}
+
+
+def test_a_slow_lossy_link_to_one_sampler_host(cluster, service, tiny_model_dir):
+    """100 ms more round trip and 1% of the frames lost each way, to sampler-1 only: the weight
+    push completes, the samples are right, and the push's time says what the link cost. (Rank
+    64: an adapter of ~0.8 MB, so the push alone is hundreds of frames, some of them lost.)"""
+    from tinker import types
+
+    slow, fast = (cluster.address(name, SAMPLER_PORT) for name in ("sampler-1", "sampler-2"))
+    link = cluster.hosts["sampler-1"]
+    log_at = len(cluster.services["trainer"].text())
+    tc, datum, tokens = _train_one_step(service, tiny_model_dir, rank=64)
+    tc.save_weights_and_get_sampling_client().result()
+    before = _new_pushes(cluster, log_at)
+    link.shape(delay_ms=50, loss=0.01)
+    try:
+        counted = link.pump_settings()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()   # the same gradients, another step
+        trainer_lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        log_at = len(cluster.services["trainer"].text())
+        served = {a: s["served"] for a, s in cluster.pool().items()}
+        t0 = time.monotonic()
+        sc = tc.save_weights_and_get_sampling_client().result()
+        save_s = time.monotonic() - t0
+        after = _new_pushes(cluster, log_at)
+        t0 = time.monotonic()
+        for lp in _logprobs_everywhere(cluster, sc, tokens, n=12):
+            assert np.max(np.abs(lp - trainer_lp)) < 1e-3
+        logprobs_s = time.monotonic() - t0
+        pool = cluster.pool()
+        now = link.pump_settings()
+    finally:
+        link.shape()
+    frames, lost = now["forwarded"] - counted["forwarded"], now["dropped"] - counted["dropped"]
+    assert set(after) == {slow, fast}, after
+    assert pool[slow]["served"] > served[slow], pool        # the slow replica answered some of them
+    assert lost > 0, now                                    # frames were lost, and nothing showed it but time
+    # The push's gRPC announce, its gloo handshake and the commit each wait a round trip.
+    assert after[slow] >= 200 and after[slow] > after[fast], (before, after)
+    print(f"weight push, ms: before shaping {before}, shaped {after}; save_weights_and_get_sampling_client "
+          f"{save_s:.2f} s; 12 compute_logprobs {logprobs_s:.2f} s; {lost} of {frames + lost} frames lost")
+
+
+PARTITION_S = 30.0
+
+
+def test_a_sampler_host_partitioned_mid_sampling(cluster, service, tiny_model_dir):
+    """sampler-1 cut off (silently, both ways) for 30 s while samples run on it: they are
+    answered by sampler-2, the pool drops sampler-1, a snapshot saved meanwhile reaches only
+    sampler-2, and once healed sampler-1 rejoins and serves that newest snapshot."""
+    from tinker import types
+
+    lost, kept = (cluster.address(name, SAMPLER_PORT) for name in ("sampler-1", "sampler-2"))
+    host = cluster.hosts["sampler-1"]
+    tc, datum, tokens = _train_one_step(service, tiny_model_dir)
+    sc = tc.save_weights_and_get_sampling_client().result()
+    long = types.SamplingParams(max_tokens=960, temperature=1.0, stop=[])
+    in_flight = [sc.sample(types.ModelInput.from_ints(tokens[:4]), 1, long) for _ in range(8)]
+    _wait_for(lambda: cluster.pool()[lost]["in_flight"] > 0, "no sample reached sampler-1", 60)
+    gateway_at = len(cluster.services["gateway"].text())
+    host.partition()
+    t0, cut = time.monotonic(), time.time()
+    try:
+        results = [f.result(timeout=120) for f in in_flight]
+        answered_s = time.monotonic() - t0
+        assert all(len(r.sequences[0].tokens) == long.max_tokens for r in results)
+        _wait_for(lambda: lost not in cluster.pool(), "the pool never dropped the partitioned replica", 60)
+        dropped_s = time.monotonic() - t0
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        trainer_lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        newest = tc.save_weights_and_get_sampling_client().result()
+        time.sleep(max(0.0, PARTITION_S - (time.monotonic() - t0)))
+    finally:
+        host.heal()
+    healed = time.monotonic()
+    _wait_for(lambda: cluster.pool().get(lost, {}).get("alive"), "sampler-1 never rejoined", 60)
+    rejoined_s = time.monotonic() - healed
+    # A snapshot saved now is pushed to both again (over the links formed before the cut).
+    log_at = len(cluster.services["trainer"].text())
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    newer_lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    newer = tc.save_weights_and_get_sampling_client().result()
+    assert set(_new_pushes(cluster, log_at)) == {lost, kept}
+    # With sampler-2 cut off from the gateway alone, sampler-1 answers: the snapshot it missed (from
+    # its persisted copy) and the one pushed to it since.
+    cluster.hosts["sampler-2"].partition(cluster.hosts["gateway"])
+    try:
+        _wait_for(lambda: not cluster.pool()[kept]["alive"], "the gateway never saw sampler-2 go", 30)
+        served = cluster.pool()[lost]["served"]
+        for client, expected in ((newest, trainer_lp), (newer, newer_lp)):
+            for lp in _logprobs_everywhere(cluster, client, tokens, n=2):
+                assert np.max(np.abs(lp - expected)) < 1e-3
+        assert cluster.pool()[lost]["served"] == served + 4
+    finally:
+        cluster.hosts["sampler-2"].heal(cluster.hosts["gateway"])
+    gateway_log = cluster.services["gateway"].text()[gateway_at:]
+    assert re.search(rf"sampler replica {re.escape(lost)} failed a sample", gateway_log), gateway_log[-3000:]
+    redriven = re.search(rf"^(\S+ \S+) gateway WARNING .*{re.escape(lost)} failed \d+ health checks in a row; "
+                         rf"re-driving its (\d+) samples", gateway_log, re.M)
+    assert redriven, gateway_log[-3000:]
+    redriven_s = time.mktime(time.strptime(redriven.group(1)[:19], "%Y-%m-%d %H:%M:%S")) + \
+        float("0." + redriven.group(1)[20:]) - cut
+    print(f"partitioned sampler host: {redriven.group(2)} of the {len(in_flight)} samples in flight re-driven "
+          f"{redriven_s:.1f} s after the cut, all answered after {answered_s:.1f} s; the pool dropped it (seen "
+          f"{dropped_s:.1f} s after the cut); it rejoined {rejoined_s:.1f} s after the heal")
