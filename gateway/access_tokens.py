@@ -23,7 +23,7 @@ from sqlalchemy import select
 
 from gateway.checkpoints import generation
 from gateway.identity import audit
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.storage.db import CheckpointRow, Database, WeightsAccessTokenRow, aware, now
 from tinkerd.errors import NotFoundError, UserError
 

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import contextvars
-
 from gateway.sampler_pool import SamplerPool
 from gateway.settings import GatewaySettings
 from gateway.storage.db import Database
+from gateway.tenant import TENANT
 from tinkerd.rpc import (TENANT_METADATA, AioCallsWithMetadata, ServiceAuth, aio_channel, resilient_calls,
                          user_tenant)
 from tinkerd.v1 import trainer_pb2_grpc
 
-# The user a future runs for (gateway/futures/store.py sets it around each job): every trainer call it
-# makes names them, and the trainer's fair scheduler shares its time per user, not per session.
-TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("tenant", default="")
 
 
 def _tenant() -> tuple[tuple[str, str], ...]:

@@ -14,7 +14,7 @@ import datetime
 
 from sqlalchemy import or_, select
 
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.settings import GatewaySettings
 from gateway.storage.db import CheckpointStorageRow, Database, SessionRow, UsageRow, UserRow, aware, now
 from tinkerd.errors import UserError

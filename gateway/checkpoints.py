@@ -31,6 +31,7 @@ from tinkerd.errors import UserError
 log = logging.getLogger(__name__)
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+CHECKPOINT_ROUTE = "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"     # the REST routes of one
 
 
 def checkpoint_name(name: str | None) -> str:

@@ -105,14 +105,20 @@ def check_sample(body: protocol.SampleRequest, limits: ModelLimits) -> None:
     (the length first: an over-long prompt is refused before its tokens are gathered)."""
     max_tokens = body.sampling_params.max_tokens or DEFAULT_MAX_TOKENS
     length = sum(len(c.tokens) for c in body.prompt.chunks if c.type == "encoded_text")
-    if length + max_tokens > limits.max_model_len:
-        raise UserError(f"prompt ({length} tokens) + sampling_params.max_tokens ({max_tokens}) exceeds the "
-                        f"context length {limits.max_model_len}")
+    if length > limits.max_model_len:
+        _over_context(length, max_tokens, limits)
     tokens = prompt_tokens(body.prompt)
     _check_tokens(tokens, "prompt", limits.vocab_size)
     stop = body.sampling_params.stop
     if isinstance(stop, list) and stop and all(type(t) is int for t in stop):
         _check_tokens(stop, "sampling_params.stop", limits.vocab_size)
+    if len(tokens) + max_tokens > limits.max_model_len:
+        _over_context(len(tokens), max_tokens, limits)
+
+
+def _over_context(length: int, max_tokens: int, limits: ModelLimits):
+    raise UserError(f"prompt ({length} tokens) + sampling_params.max_tokens ({max_tokens}) exceeds the "
+                    f"context length {limits.max_model_len}")
 
 
 # ---- forward_backward: SDK protobuf -> arrays -> trainer request ---------------------------

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete, func, select
 from sqlalchemy.engine import Connection
 
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.protocol import Id, SeqId
 from gateway.storage.db import CustomLossRow, SessionRow
 from tinkerd import custom_loss

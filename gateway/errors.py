@@ -14,6 +14,17 @@ from starlette.exceptions import HTTPException
 from tinkerd.errors import NotFoundError, UserError, category_for_http
 
 
+RETRY_AFTER_S = 2
+
+
+class OverLimit(Exception):
+    """A limit that frees up by waiting (gateway/identity/limits.py): 429, with when to retry."""
+
+    def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 def error_body(message: str, category: str) -> dict:
     return {"error": message, "category": category, "detail": message}
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import typing
 import logging
 import os
 import shutil
@@ -37,12 +38,15 @@ from sqlalchemy import select
 
 from gateway import custom_losses, usage
 from gateway.checkpoints import delete_expired_checkpoints
-from gateway.state import Gateway
+from gateway.jobs.service import unload_model
 from gateway.storage.db import ModelRow, now
 from gateway.traces import spans
 from tinkerd import paths, persisted_copy
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
+
+if typing.TYPE_CHECKING:       # the container (gateway/state.py) holds what these tasks run over
+    from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +65,6 @@ async def unload_lapsed_models(gw: Gateway) -> list[str]:
     if unloaded:
         log.info("unloaded %d models of lapsed sessions: %s", len(unloaded), unloaded)
     return unloaded
-
-
-async def unload_model(gw: Gateway, model_id: str) -> None:
-    """Frees the model's memory on the trainer; its next request loads it again."""
-    try:
-        await gw.trainer.UnloadModel(trainer_pb2.UnloadModelRequest(model_id=model_id))
-    except grpc.aio.AioRpcError as e:
-        if e.code() != grpc.StatusCode.NOT_FOUND:       # not loaded: nothing to free
-            raise
-    gw.db.touch(ModelRow, model_id, resident=False)
 
 
 async def release_models(gw: Gateway, session_id: str) -> None:

@@ -16,7 +16,7 @@ from sqlalchemy import exists, select, union
 from sqlalchemy.exc import IntegrityError
 
 from gateway.identity import audit
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.storage.db import Database, ProjectRow, SessionRow, UserRow
 from tinkerd.errors import UserError
 

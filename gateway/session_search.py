@@ -17,7 +17,7 @@ import datetime
 from sqlalchemy import and_, false, func, or_, select
 
 from gateway import projects
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.protocol import SessionSearchRequest, SessionSearchResponse, SessionSummary, StatusQuery
 from gateway.storage.db import CheckpointRow, Database, ModelRow, SessionRow, UserRow, aware, now
 from tinkerd.errors import UserError

@@ -11,7 +11,7 @@ A sampling session over an ephemeral snapshot is deleted once unused long enough
 
 from __future__ import annotations
 
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.settings import GatewaySettings
 from gateway.storage.db import (CheckpointRow, Database, InflightTargetRow, ModelRow, SamplingSessionRow, SessionRow,
                                 aware, now)
@@ -116,6 +116,14 @@ class Sessions:
         if target is None:
             return row.snapshot_id, row.snapshot_path, row.sampling_session_id
         return target.snapshot_id, target.snapshot_path, row.sampling_session_id
+
+    def checkpoint(self, caller: Caller, run_id: str, checkpoint_id: str, *, change: bool) -> CheckpointRow:
+        """A checkpoint of the run the caller may read (theirs or published) or, with `change`,
+        that is theirs."""
+        row = self.db.get(CheckpointRow, f"tinker://{run_id}/{checkpoint_id}")
+        if row is None or row.model_id != run_id or not (mine(caller, row) or (row.public and not change)):
+            raise NotFoundError(f"run {run_id!r} has no checkpoint {checkpoint_id!r}")
+        return row
 
     def readable_checkpoint(self, caller: Caller, tinker_path: str) -> CheckpointRow:
         """The caller's checkpoint, or a published one."""

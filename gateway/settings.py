@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from tinkerd.errors import UserError
 from tinkerd.rpc import ServiceAuthSettings
 from tinkerd.settings import setting
 
@@ -138,6 +139,12 @@ class GatewaySettings(ServiceAuthSettings):
     @property
     def model_names(self) -> list[str]:
         return [self.base_model, *self.aliases]
+
+    def supported_base_model(self, name: str | None) -> str:
+        """`name` if this server serves it (the base model's directory or an alias), else a user error."""
+        if name not in self.model_names:
+            raise UserError(f"base model {name!r} is not supported; this server serves {self.model_names}")
+        return name
 
     @property
     def database_url(self) -> str:

@@ -8,11 +8,12 @@ import os
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from fastapi import Request as FastAPIRequest
 from fastapi.responses import FileResponse, RedirectResponse
 from pydantic import Field
 from sqlalchemy import select
 
-from gateway import step_metrics
+from gateway import bodies, step_metrics
 from gateway.checkpoints import iso
 from gateway.identity.auth import CallerDep
 from gateway.openai.tokenizer_work import load, pool
@@ -165,7 +166,8 @@ async def tokenize(body: TokenizeRequest, caller: CallerDep, gw: GatewayDep) -> 
 
 
 @api_router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, caller: CallerDep, gw: GatewayDep) -> dict:
+async def detokenize(request: FastAPIRequest, caller: CallerDep, gw: GatewayDep) -> dict:
+    body = await bodies.model_of(request, DetokenizeRequest)      # up to 131,072 ids: off the loop
     tok = await tokenizer(gw, caller)
     if body.tokens and max(body.tokens) >= len(tok):
         raise UserError(f"token id {max(body.tokens)} is outside the vocabulary [0, {len(tok)})")

@@ -35,13 +35,13 @@ from typing import Mapping
 import grpc
 from google.protobuf.message import DecodeError
 
-from gateway.backends import TENANT
 from gateway.errors import error_json
 from gateway.futures.completions import Completions, Target
 from gateway.futures.order import Job, ModelOrder
 from gateway.futures.waits import Waits
 from gateway.jobs.base import Job as TypedJob, StoredRequest
 from gateway.storage.db import Database, FutureRow, now
+from gateway.tenant import TENANT
 from gateway.traces.spans import Traces
 from tinkerd.errors import ServiceError, UserError, category_for
 

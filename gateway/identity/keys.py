@@ -8,7 +8,6 @@ keeps what it looked up for a few seconds, so a revoked key stops working within
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import re
@@ -20,31 +19,13 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from gateway.identity import audit
+from gateway.identity.caller import Caller  # noqa: F401 - who a key belongs to, as the routes see it
 from gateway.storage.db import ApiKeyRow, Database, UserRow, now
 from tinkerd.errors import NotFoundError, UserError
 
 AUTH_CACHE_S = 2.0
 _KEY_RE = re.compile(r"^tml-([0-9a-f]{16})-([A-Za-z0-9_-]{43})$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]{1,128}$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Caller:
-    """The authenticated user a request acts for."""
-    user_id: str
-    name: str
-    org_id: str
-    email: str
-    admin: bool
-    key_id: str
-
-    @property
-    def urn(self) -> str:
-        return f"tml:organization_user:{self.user_id}"
-
-    @property
-    def org_urn(self) -> str:
-        return f"tml:organization:{self.org_id}"
 
 
 def _sha256(secret: str) -> str:

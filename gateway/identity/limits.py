@@ -22,23 +22,14 @@ from typing import Callable
 from fastapi import Request
 from sqlalchemy.engine import Connection
 
-from gateway.errors import error_response
-from gateway.identity.keys import Caller
+from gateway.errors import OverLimit, error_response      # noqa: F401 - OverLimit: limits' refusals
+from gateway.identity.caller import Caller
 from gateway.settings import GatewaySettings
 from gateway.storage.db import NEW_RUN_TYPES, SAVE_TYPES, Database
 from tinkerd.errors import UserError
 
-RETRY_AFTER_S = 2
 
 Admit = Callable[[Connection], None]     # raises to refuse (Database.insert_future, add_admitted)
-
-
-class OverLimit(Exception):
-    """A limit that frees up by waiting: 429, with when to retry."""
-
-    def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 async def on_over_limit(request: Request, exc: OverLimit):

@@ -17,7 +17,7 @@ import hmac
 import json
 import time
 
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.identity.signing_keys import KeyRing, SigningKey
 
 ISSUER = "tinkerd"

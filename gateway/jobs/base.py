@@ -13,7 +13,7 @@ import json
 import typing
 from typing import Any, ClassVar
 
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 
 
 @dataclasses.dataclass
@@ -32,9 +32,6 @@ class Owner:
     @classmethod
     def of(cls, caller: Caller) -> "Owner":
         return cls(caller.user_id, caller.org_id)
-
-    def caller(self) -> Caller:
-        return Caller(self.user_id, "", self.org_id, "", False, key_id="")
 
 
 Result = tuple[str, bytes]      # (content type, body) of the future's result

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway import housekeeping
+import grpc
+
 from gateway.jobs.base import Job, Result, json_body
-from tinkerd.v1 import common_pb2
+from gateway.storage.db import ModelRow
+from tinkerd.v1 import common_pb2, trainer_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,8 +19,19 @@ class UnloadModel(Job):
 
     async def run(self, gw) -> Result:
         await gw.futures.drained(self.model_id)     # this future has no model_id: it does not wait for itself
-        await housekeeping.unload_model(gw, self.model_id)
+        await unload_model(gw, self.model_id)
         return json_body({"model_id": self.model_id, "type": "unload_model"})
+
+
+async def unload_model(gw, model_id: str) -> None:
+    """Frees the model's memory on the trainer; its next request loads it again (also what
+    housekeeping does to a lapsed session's models)."""
+    try:
+        await gw.trainer.UnloadModel(trainer_pb2.UnloadModelRequest(model_id=model_id))
+    except grpc.aio.AioRpcError as e:
+        if e.code() != grpc.StatusCode.NOT_FOUND:       # not loaded: nothing to free
+            raise
+    gw.db.touch(ModelRow, model_id, resident=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from gateway import access_tokens, checkpoints, usage
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
 from gateway.errors import error_response
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.projects import Forbidden, Projects
 from gateway.sessions import mine
 from gateway.storage.db import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow
@@ -28,7 +28,7 @@ from tinkerd.errors import NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1")
 PageDep = Annotated[Page, Query()]
-CHECKPOINT = "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"
+CHECKPOINT = checkpoints.CHECKPOINT_ROUTE
 
 
 def _run(gw: Gateway, caller: Caller, run_id: str) -> ModelRow:
@@ -39,11 +39,7 @@ def _run(gw: Gateway, caller: Caller, run_id: str) -> ModelRow:
 
 
 def checkpoint_of(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, *, change: bool) -> CheckpointRow:
-    """A checkpoint the caller may read (theirs or published) or, with `change`, that is theirs."""
-    row = gw.db.get(CheckpointRow, f"tinker://{run_id}/{checkpoint_id}")
-    if row is None or row.model_id != run_id or not (mine(caller, row) or (row.public and not change)):
-        raise NotFoundError(f"run {run_id!r} has no checkpoint {checkpoint_id!r}")
-    return row
+    return gw.sessions.checkpoint(caller, run_id, checkpoint_id, change=change)
 
 
 def _changed(gw: Gateway, caller: Caller, event: str, row: CheckpointRow, **details) -> None:
@@ -192,7 +188,6 @@ def _copy_session(gw: Gateway, caller: Caller, body: CopyWeightsRequest, idempot
         gw.db.add(SessionRow(session_id=session_id, owner=caller.user_id, tags=["copy"], finished=True,
                              project_id=project_id))
     return session_id
-
 
 
 @router.get("/sessions")

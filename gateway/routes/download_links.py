@@ -18,9 +18,8 @@ from fastapi.responses import RedirectResponse
 from gateway import checkpoints, export, public_url
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.protocol import ExternalWeightsUrlsResponse
-from gateway.routes.checkpoints import CHECKPOINT, checkpoint_of
 from gateway.state import Gateway, GatewayDep
 from gateway.storage.db import CheckpointRow, aware
 from tinkerd.errors import UserError
@@ -32,11 +31,11 @@ router = APIRouter(prefix="/api/v1")
 URL_LIFETIME_S = 24 * 3600
 
 
-@router.get(CHECKPOINT + "/external_weights_urls")
+@router.get(checkpoints.CHECKPOINT_ROUTE + "/external_weights_urls")
 async def external_urls(run_id: str, checkpoint_id: str, request: Request, caller: CallerDep,
                         gw: GatewayDep) -> ExternalWeightsUrlsResponse:
     """Signed URLs: whoever holds one may download that file until it expires, no key needed."""
-    row = checkpoint_of(gw, caller, run_id, checkpoint_id, change=False)
+    row = gw.sessions.checkpoint(caller, run_id, checkpoint_id, change=False)
     if row.checkpoint_type != "external":
         raise UserError(f"{row.tinker_path} is not an external_weights checkpoint")
     expires = _url_expiry(row)
@@ -49,14 +48,14 @@ async def external_urls(run_id: str, checkpoint_id: str, request: Request, calle
         expires, datetime.timezone.utc).isoformat())
 
 
-@router.get(CHECKPOINT + "/archive")
+@router.get(checkpoints.CHECKPOINT_ROUTE + "/archive")
 async def archive_url(run_id: str, checkpoint_id: str, request: Request, caller: CallerDep, gw: GatewayDep,
                       format: Annotated[Literal[export.FORMATS], Query()] = "peft") -> RedirectResponse:
     """SDKs up to 0.35 (RestClient.get_checkpoint_archive_url*, `tinker checkpoint download`): a
     302 to a signed URL of the checkpoint's files as one tar, with the link's expiry in `Expires`
     (the SDK reads the redirect without following it). `?format=merged`: the adapter merged into
     the base model instead (gateway/export.py), checked here so that what cannot be merged is a 400."""
-    row = checkpoint_of(gw, caller, run_id, checkpoint_id, change=False)
+    row = gw.sessions.checkpoint(caller, run_id, checkpoint_id, change=False)
     if row.checkpoint_type not in ("training", "sampler"):
         raise UserError(f"{row.tinker_path} is an external_weights checkpoint: download its files with "
                         f"get_external_weights_urls")

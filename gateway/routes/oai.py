@@ -30,7 +30,7 @@ from gateway import bodies, convert, protocol
 from gateway import tinker_wire_pb2 as tw
 from gateway.futures.store import new_request_id
 from gateway.identity.auth import caller_of
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.jobs.sampling import Sample
 from gateway.storage.db import CheckpointRow
 from gateway.openai.format import (ChatRequest, Choice, CommonRequest, CompletionRequest, OaiError, TokenTexts,
@@ -41,7 +41,6 @@ from gateway.openai.tokenizer_work import load, pool, prompt_char_cap
 from gateway.state import Gateway, gateway_of
 
 router = APIRouter(prefix="/oai/api/v1")
-
 _WAIT_S = 25.0              # one wait on the future; repeated until it finishes
 
 # ---- the model: base or snapshot -------------------------------------------------------------
@@ -105,7 +104,6 @@ async def _sample(gw: Gateway, caller: Caller, prompt: list[int], req: CommonReq
     return row.request_id, reply
 
 
-
 # ---- routes ----------------------------------------------------------------------------------
 
 def _model_card(model_id: str, created: int, owner: str) -> dict:
@@ -113,8 +111,7 @@ def _model_card(model_id: str, created: int, owner: str) -> dict:
 
 
 def _public_names(names: list[str]) -> list[str]:
-    """The base model's names a client is shown: its aliases, not the server's directory (which
-    still works as a name); the directory only when there is no other name."""
+    """Its aliases, not the server's directory (it still works as a name), unless there is no other."""
     return [n for n in names if not os.path.isabs(n)] or names
 
 
@@ -141,8 +138,8 @@ async def get_model(request: Request):
         row = await asyncio.to_thread(gw.sessions.readable_checkpoint, caller, name)
         if row.checkpoint_type != "sampler":
             raise OaiError(f"{name!r} is not a sampler checkpoint", 404, param="model", code="model_not_found")
-        # A published checkpoint's owner is not the caller's to learn.
-        return _model_card(name, int(row.created_at.timestamp()), row.owner if row.owner == caller.user_id else "tinkerd")
+        owner = row.owner if row.owner == caller.user_id else "tinkerd"   # a published one's is not theirs to learn
+        return _model_card(name, int(row.created_at.timestamp()), owner)
     return _model_card(name, 0, "tinkerd")
 
 

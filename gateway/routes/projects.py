@@ -11,7 +11,7 @@ from gateway import session_search, usage
 from gateway.errors import error_response
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.projects import Forbidden, Projects
 from gateway.protocol import AssignProjectRequest, SessionSearchRequest, SessionSearchResponse
 from gateway.state import Gateway, GatewayDep

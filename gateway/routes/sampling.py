@@ -14,7 +14,6 @@ from gateway.jobs.sampling import Sample
 from gateway.storage.db import ModelRow, SamplingSessionRow
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
                               GetSamplerResponse, JoinSamplingSessionRequest, SAMPLING_CLONE_SPAN, SampleRequest)
-from gateway.routes.training import supported_base_model
 from gateway.state import GatewayDep
 from tinkerd.errors import UserError
 
@@ -34,7 +33,7 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, caller: Ca
         audit.read_by_other_user(gw.db, caller, ckpt, "create_sampling_session")
         base, snapshot, snapshot_path = gw.db.get(ModelRow, ckpt.model_id).base_model, ckpt.snapshot_id, ckpt.snapshot_path
     else:
-        base, snapshot, snapshot_path = supported_base_model(gw, body.base_model), "", ""
+        base, snapshot, snapshot_path = gw.settings.supported_base_model(body.base_model), "", ""
     row = SamplingSessionRow(sampling_session_id=sid, session_id=session_id, owner=caller.user_id,
                              base_model=base, model_path=body.model_path, snapshot_id=snapshot,
                              snapshot_path=snapshot_path)

@@ -17,9 +17,9 @@ from fastapi.responses import Response
 
 from gateway import checkpoints, public_url
 from gateway.identity.auth import CallerDep
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.identity.tokens import DownloadGrant
-from gateway.routes.files import GET_HEAD, byte_response, signed_for, url_signer
+from gateway.signed_downloads import GET_HEAD, byte_response, signed_for, url_signer
 from gateway.state import Gateway, GatewayDep
 from gateway.storage.db import SessionRow
 from gateway.traces import pftrace

@@ -15,17 +15,11 @@ from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimSte
 from gateway.storage.db import ModelRow
 from gateway.protocol import (CreateModelRequest, FutureResponse, GetInfoResponse, ModelData, ModelIdRequest,
                               OptimStepRequest, optimizer_config)
-from gateway.state import Gateway, GatewayDep
+from gateway.state import GatewayDep
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
 router = APIRouter(prefix="/api/v1")
-
-
-def supported_base_model(gw: Gateway, name: str | None) -> str:
-    if name not in gw.settings.model_names:
-        raise UserError(f"base model {name!r} is not supported; this server serves {gw.settings.model_names}")
-    return name
 
 
 @router.post("/create_model")
@@ -33,7 +27,7 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
     """The run's row is written only once the trainer has made the model: a failed create
     leaves no run behind."""
     session_id = gw.sessions.open(caller, body.session_id)
-    base = supported_base_model(gw, body.base_model)
+    base = gw.settings.supported_base_model(body.base_model)
     if body.lora_config.rank > gw.settings.max_lora_rank:
         raise UserError(f"lora_config.rank {body.lora_config.rank} is over this server's --max-lora-rank "
                         f"{gw.settings.max_lora_rank}")

@@ -11,7 +11,7 @@ from gateway import access_tokens, checkpoints, convert
 from gateway.errors import error_response
 from gateway.futures.store import fingerprint
 from gateway.identity.auth import CallerDep
-from gateway.identity.keys import Caller
+from gateway.identity.caller import Caller
 from gateway.jobs.base import Owner
 from gateway.jobs.training import NewRun
 from gateway.jobs.weights import LoadWeights, PushWeights, SaveState

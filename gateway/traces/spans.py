@@ -27,6 +27,7 @@ import time
 
 from sqlalchemy import delete, func, select, text
 
+from gateway.errors import OverLimit
 from gateway.storage.db import Database, FutureRow, TraceSpanRow
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,6 @@ class Traces:
     @contextlib.contextmanager
     def refusals(self, session_id: str | None, kind: str):
         """Records a limit's refusal (gateway/identity/limits.py OverLimit: a 429) of a session's request."""
-        from gateway.identity.limits import OverLimit       # limits imports the db too; keep this module leaf-like
         try:
             yield
         except OverLimit as e:

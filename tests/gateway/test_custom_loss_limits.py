@@ -18,7 +18,7 @@ from gateway_fakes import gateway  # noqa: F401 - the fixture
 from sqlalchemy import func, select
 from test_custom_loss_routes import _fwdbwd, _post_fb, upload
 
-from gateway import custom_losses
+from gateway import body_limit, custom_losses
 from gateway.app import create_app
 from gateway.storage.db import CustomLossRow
 from tinkerd import custom_loss
@@ -104,10 +104,14 @@ def test_the_route_body_is_capped_before_it_is_inflated(gateway):
     r = api.client.post("/api/v1/create_custom_loss", content=plain + b" " * custom_loss.MAX_REQUEST_BYTES,
                         headers={"content-type": "application/json"})
     assert_user_error(r, 413, f"at most {custom_loss.MAX_REQUEST_BYTES}")
-    # An ordinary upload, compressed as a client may, still goes through.
+    # An ordinary upload, compressed as a client may, still goes through; a route with small bodies by
+    # nature takes at most body_limit.SMALL_BYTES.
     r = api.client.post("/api/v1/create_custom_loss", content=zstandard.ZstdCompressor().compress(plain),
                         headers={"content-type": "application/json", "content-encoding": "zstd"})
     assert r.status_code == 200, r.text
+    big = api.client.post("/api/v1/create_session", content=json.dumps({"tags": [], "pad": "x" * (1 << 20)}),
+                          headers={"content-type": "application/json"})
+    assert_user_error(big, 413, f"at most {body_limit.SMALL_BYTES}")
 
 
 def test_a_stored_loss_is_parsed_once_per_gateway(gateway):

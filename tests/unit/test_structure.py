@@ -2,6 +2,7 @@
 function is longer than a screen, route modules stay small, and no route is a closure."""
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -93,11 +94,11 @@ def _gateway_modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _imports_of(name: str, path: pathlib.Path, known: dict) -> set[str]:
+def _imports_of(name: str, path: pathlib.Path, known: dict, tree: ast.AST | None = None) -> set[str]:
     """The project modules `name` imports, at the top or inside functions."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree or ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -132,3 +133,38 @@ def test_no_import_cycles_between_gateway_modules():
         seen = {start}
         walk(start, [start])
     assert not cycles, cycles[:5]
+
+
+def _runtime_graph() -> dict[str, set[str]]:
+    """The gateway's imports as they run: those under `if TYPE_CHECKING:` name a type only."""
+    known = _gateway_modules()
+    graph = {}
+    for name, path in known.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "attr", getattr(node.test, "id", "")) == "TYPE_CHECKING":
+                node.body = []
+        graph[name] = _imports_of(name, path, known, tree)
+    return graph
+
+
+def test_the_gateways_import_graph_is_at_most_ten_deep():
+    """The longest chain of imports, from the server down to the storage, stays short: each layer
+    (routes -> the container -> identity -> storage) adds one floor, not several."""
+    graph = _runtime_graph()
+
+    @functools.cache
+    def deepest(name: str) -> tuple[str, ...]:
+        chains = [deepest(target) for target in graph[name]]
+        return (name, *max(chains, key=len, default=()))
+    longest = max((deepest(name) for name in graph), key=len)
+    assert len(longest) - 1 <= 10, " -> ".join(longest)
+
+
+def test_jobs_import_neither_housekeeping_nor_the_container():
+    """A job runs with what it is handed; the container (gateway/state.py) and the background tasks
+    (gateway/housekeeping.py) sit above the jobs."""
+    graph = _runtime_graph()
+    for name, targets in graph.items():
+        if name.startswith("gateway.jobs"):
+            assert not targets & {"gateway.housekeeping", "gateway.state"}, (name, targets)
