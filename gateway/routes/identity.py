@@ -36,7 +36,8 @@ async def my_key(caller: CallerDep) -> dict:
     """The presented key's public metadata (`tinker auth login` checks a pasted key with it)."""
     user = {"user_id": caller.user_id, "user_urn": caller.urn, "name": caller.name, "email": caller.email}
     return {"key_id": int(caller.key_id or "0", 16), "name": caller.name, "note": "",
-            "details": {"org_details": {"org_id": caller.org_id, "org_urn": caller.org_urn}, "user_details": user}}
+            "details": {"org_details": {"name": caller.org_id, "org_id": caller.org_id, "org_urn": caller.org_urn},
+                        "user_details": user}}
 
 
 @router.delete("/auth/apikey/me")

@@ -259,3 +259,62 @@ def test_an_age_encrypted_export_decrypts_to_the_plain_one(mstack, tiny_model_di
     for name in os.listdir(plain_files):
         decrypted = pyrage.decrypt((sealed_files / f"{name}.age").read_bytes(), [identity])
         assert decrypted == (plain_files / name).read_bytes(), name
+
+
+def test_every_cli_command_a_self_hosted_server_serves(mstack, tiny_model_dir, tmp_path):
+    """Each `tinker` subcommand of SDK 0.38 run against the stack (billing and checkpoint download
+    are above); push-hf, which needs the Hugging Face Hub, ends with the CLI's own clear refusal."""
+    stack, db_url = mstack
+    if db_url is not None:
+        pytest.skip("the CLI is the same over either database; billing's CLI runs on both above")
+    key = new_user(mstack, "cli")
+    tc = tinker.ServiceClient(base_url=stack.url, api_key=key, project_id="proj-cli").create_lora_training_client(
+        base_model=tiny_model_dir, rank=4)
+    tc.forward_backward(sft_data(tc.get_tokenizer(), ["from the command line"]), "cross_entropy").result()
+    state = tc.save_state("cli-state").result().path
+    sampler = tc.save_weights_for_sampler("cli-sampler").result().path
+    run, session = tc.model_id, _session_of(tc)
+
+    def ok(*argv, stdin: str | None = None, home=tmp_path / "home", with_key: bool = True) -> str:
+        env = {**os.environ, "TINKER_BASE_URL": stack.url, "TINKER_TELEMETRY": "0", "HOME": str(home)}
+        env.pop("TINKER_API_KEY", None)
+        if with_key:
+            env["TINKER_API_KEY"] = key
+        got = subprocess.run([sys.executable, "-m", "tinker.cli", *argv], input=stdin, capture_output=True,
+                             text=True, env=env, timeout=300, cwd=tmp_path)
+        assert got.returncode == 0, (argv, got.stdout, got.stderr)
+        return got.stdout
+
+    assert "0.38.0" in ok("version")
+    assert "Tinker accessible: yes" in ok("auth", "status")
+    assert "tml:organization_user:" in ok("auth", "whoami")
+    assert "Stored API key" in ok("auth", "login", stdin=key + "\n", with_key=False)
+    assert run in ok("-f", "json", "run", "list", with_key=False)      # the stored credential
+    assert "still active" in ok("auth", "logout", with_key=False)
+    assert any(m["model_name"] for m in json.loads(ok("-f", "json", "model", "list"))["models"])
+    assert run in ok("-f", "json", "run", "info", run)
+    listed = json.loads(ok("-f", "json", "checkpoint", "list", "--run-id", run))
+    assert {c["tinker_path"] for c in listed["checkpoints"]} == {state, sampler}
+    assert state in ok("-f", "json", "checkpoint", "list")
+    assert "cli-state" in ok("-f", "json", "checkpoint", "info", state)
+    reader = tinker.RestClient(base_url=stack.url, api_key=new_user(mstack, "reader"))
+    ok("checkpoint", "publish", state)
+    assert reader.get_weights_info_by_tinker_path(state).result().lora_rank == 4
+    ok("checkpoint", "unpublish", state)
+    with pytest.raises(tinker.NotFoundError):
+        reader.get_weights_info_by_tinker_path(state).result()
+    ok("checkpoint", "set-ttl", state, "--ttl", "7200")
+    ok("checkpoint", "set-ttl", state, "--remove")
+    ok("checkpoint", "download", state, "--output", str(tmp_path / "dl"))
+    assert (tmp_path / "dl" / state.replace("tinker://", "").replace("/", "_") / "adapter_model.safetensors").exists()
+    ok("session", "export-trace", session, "-o", str(tmp_path / "trace.pftrace"))
+    assert (tmp_path / "trace.pftrace").stat().st_size > 0
+    ok("checkpoint", "delete", sampler, "-y")
+    ok("checkpoint", "delete", "--run-id", run, "--type", "weights", "-y")
+    assert json.loads(ok("-f", "json", "checkpoint", "list", "--run-id", run))["checkpoints"] == []
+
+    env = {**os.environ, "TINKER_BASE_URL": stack.url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0",
+           "HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    hub = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "push-hf", state, "--repo", "me/x"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert hub.returncode != 0 and "Not logged in" in hub.stderr, hub.stdout + hub.stderr
