@@ -12,31 +12,26 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy import text
 
-from gateway import protocol
 from gateway.backends import Backends
-from gateway.futures.store import Futures, fingerprint
+from gateway.futures.store import Futures
 from gateway.identity.auth import Authenticator
 from gateway.identity.keys import Caller, KeyStore, create_user
 from gateway.identity.limits import Limits
 from gateway.identity.signing_keys import KeyRing
 from gateway.identity.tokens import Signer
-from gateway.jobs.base import Job
-from gateway.jobs.training import Refused
+from gateway.jobs.engine import Jobs
 from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
 from gateway.stability import StabilityRecords
 from gateway.storage import state_dir
-from gateway.storage.db import Database, ModelRow, aware, now
-from gateway.traces.spans import Traces, session_of
-from tinkerd.errors import NotFoundError, ServiceError, UserError
+from gateway.storage.db import Database
+from gateway.traces.spans import Traces
+from tinkerd.errors import NotFoundError, UserError
 from tinkerd.rpc import ServiceAuth
 
 # The user a fresh database starts with: `tinkerd up` gives it the first API key, rows made
 # before users existed become its, and with --no-auth every request acts as it.
 ADMIN_USER = "admin"
-
-# A model's last_request_time is written at most this often (one write per request is too many).
-_REQUEST_TIME_RESOLUTION_S = 5.0
 
 
 @dataclasses.dataclass
@@ -98,39 +93,22 @@ class Gateway:
         its content differs."""
         return self.db.future_type_by_key(f"{model_id}#{seq_id}") == kind
 
+    @functools.cached_property
+    def jobs(self) -> Jobs:
+        """What the routes hand work to (gateway/jobs/engine.py)."""
+        return Jobs(self.futures, self.limits, self.db, self.settings)
+
     @contextlib.contextmanager
     def refusing(self, caller: Caller, model_id: str, seq_id: int):
         """Checks of a model's request (model_id, seq_id) run inside: a user error they raise still
         answers the client at once, and the seq_id is recorded as refused in the model's order
-        (jobs/training.py Refused), so the model's next request does not wait for it."""
+        (Jobs.refuse), so the model's next request does not wait for it."""
         try:
             yield
         except UserError as e:
             if not isinstance(e, NotFoundError):
-                # A resend of this refusal gets the first one back (submit's idempotency); a seq_id
-                # some other request holds already is refused by submit, and needs no record.
-                with contextlib.suppress(ServiceError):
-                    self.futures.submit(Refused(model_id, seq_id, str(e)), owner=caller.user_id,
-                                        fingerprint=fingerprint("refused", str(e)),
-                                        idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id)
+                self.jobs.refuse(caller, model_id, seq_id, str(e))
             raise
-
-    def submit_training(self, caller: Caller, model_id: str, seq_id: int, job: Job,
-                        fingerprint: str) -> protocol.FutureResponse:
-        """A future for a model's request, run in seq_id order with the model's other requests;
-        a resent (model_id, seq_id) with the same request (`fingerprint`) gets the first one back."""
-        with self.traces.refusals(session_of(model_id, None), job.kind()):     # a 429 is in the session's trace
-            row = self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
-                                      idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id,
-                                      admit=self.limits.admit_training(caller, job.kind(), model_id))
-        model = self.db.get(ModelRow, model_id)
-        stamp = now()
-        # (Finer than the session timeout: a model used within it is not unloaded, db.models_of_lapsed_sessions.)
-        resolution = min(_REQUEST_TIME_RESOLUTION_S, self.settings.session_timeout_s / 3)
-        if model is not None and (not model.resident or (stamp - aware(model.last_request_time)).total_seconds()
-                                  > resolution):
-            self.db.touch(ModelRow, model_id, last_request_time=stamp, resident=True)
-        return protocol.FutureResponse(request_id=row.request_id, model_id=model_id)
 
 
 def forget_database_secret(db: Database) -> None:

@@ -23,12 +23,10 @@ import asyncio
 import collections
 import dataclasses
 import functools
-import hashlib
 import datetime
 import logging
 import os
 import socket
-import time
 import uuid
 from typing import Mapping
 
@@ -89,12 +87,6 @@ class FinishedResults:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
-
-
-def fingerprint(kind: str, request: bytes | str) -> str:
-    """What identifies a request's content, to tell a resend from another request."""
-    data = request.encode() if isinstance(request, str) else request
-    return hashlib.sha256(kind.encode() + b"\0" + data).hexdigest()
 
 
 @dataclasses.dataclass

@@ -8,9 +8,9 @@ import dataclasses
 from gateway import convert, metrics, step_metrics, usage
 from gateway.identity import audit
 from gateway.jobs.base import Job, Owner, Result, json_body
+from gateway.jobs.refused import Refused  # noqa: F401 - a model's request its route refused, in its order
 from gateway.storage.db import ModelRow
 from gateway.traces import spans
-from tinkerd.errors import UserError
 from tinkerd.optimizers import ADAMW
 from tinkerd.v1 import trainer_pb2
 
@@ -76,18 +76,3 @@ class OptimStep(Job):
         reply = await gw.trainer.OptimStep(self.message)
         step_metrics.record(gw.db, self.message, reply)
         return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Refused(Job):
-    """A model's request the gateway refused (bad input, a 400 to the client): its seq_id still
-    takes its turn, so the model's next request waits for nobody (neither this gateway's runner
-    nor the trainer's order waits out its gap timeout). The future fails with the same error."""
-    kinds = ("refused",)
-    model_id: str
-    seq_id: int
-    error: str
-
-    async def run(self, gw) -> Result:
-        await gw.trainer.SkipSeq(trainer_pb2.SkipSeqRequest(model_id=self.model_id, seq_id=self.seq_id))
-        raise UserError(self.error)

@@ -128,5 +128,5 @@ async def noop_future(caller: CallerDep, gw: GatewayDep):
     if not caller.admin:
         return error_response("/internal/noop_future is for admins (bench/futures.py measures the futures with it)",
                               403)
-    row = gw.futures.submit(Noop(), owner=caller.user_id, admit=gw.limits.admit_queued(caller))
+    row = gw.jobs.submit(Noop(), caller, admit=gw.limits.admit_queued(caller))
     return FutureResponse(request_id=row.request_id)

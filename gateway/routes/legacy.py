@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway.futures.store import fingerprint
+from gateway.jobs.engine import fingerprint
 from gateway.identity.auth import CallerDep
 from gateway.jobs.service import UnloadModel
 from gateway.protocol import FutureResponse, Id, Request
@@ -23,7 +23,6 @@ async def unload_model(body: UnloadModelRequest, caller: CallerDep, gw: GatewayD
     """A future: once the model's queued requests have run, its memory on the trainer is freed.
     Nothing is lost: the model loads again on its next request (as after a lapsed heartbeat)."""
     gw.sessions.model(caller, body.model_id)
-    row = gw.futures.submit(UnloadModel(body.model_id), owner=caller.user_id,
-                            fingerprint=fingerprint("unload_model", body.model_id),
-                            admit=gw.limits.admit_queued(caller))
+    row = gw.jobs.submit(UnloadModel(body.model_id), caller, fingerprint=fingerprint("unload_model", body.model_id),
+                         admit=gw.limits.admit_queued(caller))
     return FutureResponse(request_id=row.request_id, model_id=body.model_id)

@@ -7,7 +7,8 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from gateway import bodies, convert
-from gateway.futures.store import fingerprint, new_request_id
+from gateway.futures.store import new_request_id
+from gateway.jobs.engine import fingerprint
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
 from gateway.jobs.sampling import Sample
@@ -82,10 +83,9 @@ async def asample(request: Request, caller: CallerDep, gw: GatewayDep):
     record_for = session.session_id if body.record_stability_info else None
     msg.request_id = new_request_id()      # the future's id (a resend gets the first one's back)
     with gw.traces.refusals(session.session_id, "sample"):       # a 429 is in the session's trace
-        row = gw.futures.submit(Sample(msg, record_for),
-                                owner=caller.user_id, fingerprint=fingerprint("sample", body.model_dump_json()),
-                                idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
-                                target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN),
-                                request_id=msg.request_id, admit=gw.limits.admit_sample(caller))
+        row = gw.jobs.submit(Sample(msg, record_for), caller, fingerprint=fingerprint("sample", body.model_dump_json()),
+                             idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
+                             target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN),
+                             request_id=msg.request_id, admit=gw.limits.admit_sample(caller))
     return FutureResponse(request_id=row.request_id,
                           sample_sequence_ids=[f"{row.request_id}:{i}" for i in range(body.num_samples)])

@@ -8,7 +8,7 @@ import os
 from fastapi import APIRouter, Request
 
 from gateway import convert, custom_losses
-from gateway.futures.store import fingerprint
+from gateway.jobs.engine import fingerprint
 from gateway.identity.auth import CallerDep
 from gateway.jobs.base import Owner
 from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimStep
@@ -38,8 +38,9 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
                                          optimizer=convert.OPTIMIZERS[optimizer])
     run = NewRun(model_id, session_id, caller.user_id, base, body.lora_config.rank,
                  body.lora_config.model_dump(exclude_none=True), optimizer)
-    return gw.submit_training(caller, model_id, 0, CreateModel(msg, Owner.of(caller), run),
-                              fingerprint("create_model", body.model_dump_json()))
+    row = gw.jobs.submit(CreateModel(msg, Owner.of(caller), run), caller, model_id=model_id, seq_id=0,
+                         fingerprint=fingerprint("create_model", body.model_dump_json()))
+    return FutureResponse(request_id=row.request_id, model_id=model_id)
 
 
 @router.post("/get_info")
@@ -70,7 +71,9 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
             msg.custom_loss.CopyFrom(await custom_losses.for_forward_backward(gw.db, caller, model.session_id,
                                                                               fb.loss_id, fb.data))
     job = ForwardBackward(msg)
-    return gw.submit_training(caller, fb.model_id, fb.seq_id, job, fingerprint(job.kind(), raw))
+    row = gw.jobs.submit(job, caller, model_id=fb.model_id, seq_id=fb.seq_id,
+                         fingerprint=fingerprint(job.kind(), raw))
+    return FutureResponse(request_id=row.request_id, model_id=fb.model_id)
 
 
 @router.post("/optim_step")
@@ -78,5 +81,6 @@ async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) 
     model = gw.sessions.live_model(caller, body.model_id)
     with gw.refusing(caller, body.model_id, body.seq_id):       # the other optimizer's parameters: a 400
         msg = convert.optim_step_request(body.model_id, body.seq_id, body.params, model.optimizer)
-    return gw.submit_training(caller, body.model_id, body.seq_id, OptimStep(msg),
-                              fingerprint("optim_step", body.model_dump_json()))
+    row = gw.jobs.submit(OptimStep(msg), caller, model_id=body.model_id, seq_id=body.seq_id,
+                         fingerprint=fingerprint("optim_step", body.model_dump_json()))
+    return FutureResponse(request_id=row.request_id, model_id=body.model_id)

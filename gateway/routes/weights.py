@@ -9,7 +9,7 @@ from fastapi import APIRouter
 
 from gateway import access_tokens, checkpoints, convert
 from gateway.errors import error_response
-from gateway.futures.store import fingerprint
+from gateway.jobs.engine import fingerprint
 from gateway.identity.auth import CallerDep
 from gateway.identity.caller import Caller
 from gateway.jobs.base import Owner
@@ -51,10 +51,10 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
         persist=True, copy_in_background=body.path is None and body.kind != "inflight")
     job = PushWeights(push, Owner.of(caller), model.session_id, model.base_model, path, sampling_session_id,
                       expires_at.isoformat() if expires_at else None, body.kind == "inflight")
-    return gw.submit_training(caller, body.model_id, body.seq_id, job,
-                              # The SDK takes a new sampling_session_seq_id on each try of one request.
-                              fingerprint("save_weights_for_sampler",
-                                          body.model_dump_json(exclude={"sampling_session_seq_id"})))
+    # The SDK takes a new sampling_session_seq_id on each try of one request.
+    same = fingerprint("save_weights_for_sampler", body.model_dump_json(exclude={"sampling_session_seq_id"}))
+    row = gw.jobs.submit(job, caller, model_id=body.model_id, seq_id=body.seq_id, fingerprint=same)
+    return FutureResponse(request_id=row.request_id, model_id=body.model_id)
 
 
 @router.post("/save_weights")
@@ -86,7 +86,9 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
                                         with_optimizer=with_optimizer, age_recipients=recipients)
     job = SaveState(save, Owner.of(caller), path, checkpoints.KINDS[kind],
                     expires_at.isoformat() if expires_at else None, body.user_metadata, response_type)
-    return gw.submit_training(caller, body.model_id, body.seq_id, job, fingerprint(job.kind(), body.model_dump_json()))
+    row = gw.jobs.submit(job, caller, model_id=body.model_id, seq_id=body.seq_id,
+                         fingerprint=fingerprint(job.kind(), body.model_dump_json()))
+    return FutureResponse(request_id=row.request_id, model_id=body.model_id)
 
 
 @router.post("/load_weights")
@@ -123,8 +125,9 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
         model_id=model_id, base_model=gw.settings.base_model, load_optimizer=body.optimizer,
         load_checkpoint=trainer_pb2.CheckpointRef(model_id=source_run, kind=kind, name=name),
         optimizer=convert.OPTIMIZERS[optimizer])
-    return gw.submit_training(caller, model_id, seq_id, LoadWeights(create, Owner.of(caller), seq_id, body.path, new_run),
-                              fingerprint("load_weights", body.model_dump_json()))
+    row = gw.jobs.submit(LoadWeights(create, Owner.of(caller), seq_id, body.path, new_run), caller,
+                         model_id=model_id, seq_id=seq_id, fingerprint=fingerprint("load_weights", body.model_dump_json()))
+    return FutureResponse(request_id=row.request_id, model_id=model_id)
 
 
 def _check_optimizer(body: LoadWeightsRequest, saved: str, wanted: str, existing: str) -> None:

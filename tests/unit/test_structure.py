@@ -168,3 +168,11 @@ def test_jobs_import_neither_housekeeping_nor_the_container():
     for name, targets in graph.items():
         if name.startswith("gateway.jobs"):
             assert not targets & {"gateway.housekeeping", "gateway.state"}, (name, targets)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "gateway" / "routes").glob("*.py")), ids=lambda p: p.name)
+def test_routes_start_work_only_through_the_job_engine(path):
+    """A route hands its job to gateway/jobs/engine.py Jobs.submit, never to the futures directly."""
+    source = path.read_text()
+    for other in ("futures.submit(", "submit_training(", "Refused("):
+        assert other not in source, f"{path.name} calls {other}: use gw.jobs.submit"
