@@ -32,10 +32,39 @@ def build_engine(s: TrainerSettings, threads: str, durable=None):
                          max_logits_mib=s.max_logits_mib, activation_mib=s.activation_mib)
 
 
+def choose_rank_interface(world: int) -> None:
+    """The interface the ranks' gloo groups use (DeepSpeed's on CPU, the command group always), for
+    a job of several ranks: GLOO_SOCKET_IFNAME if set, else the one this host reaches MASTER_ADDR
+    by (so one rule serves one host and many; NCCL picks its own, NCCL_SOCKET_IFNAME).
+    Left to itself gloo binds to the address the hostname resolves to, and to loopback where it
+    resolves to nothing; ranks on other hosts then fail to connect ("Connection refused",
+    remote=127.0.0.1). An unreachable MASTER_ADDR ends the rank here, saying so."""
+    if world == 1 or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    import psutil
+
+    from tinkerd.weight_stream import local_address_to
+
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        address = local_address_to(master)
+    except OSError as e:
+        raise SystemExit(f"tinkerd trainer: MASTER_ADDR {master} is not reachable from this host ({e}); give "
+                         f"torchrun --master-addr (or --rdzv-endpoint) an address of rank 0's host that this "
+                         f"host routes to") from None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            logging.getLogger("trainer").info("ranks' collectives (gloo) on %s (%s): this host's way to MASTER_ADDR "
+                                              "%s", name, address, master)
+            return
+
+
 def serve(s: TrainerSettings) -> None:
     threads = cpu_defaults()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     init_logging("trainer" if world == 1 else f"trainer[rank {rank}/{world}]")
+    choose_rank_interface(world)
     # tcmalloc: launcher/cli.py re-executes `tinkerd trainer` with it before its imports.
     logging.getLogger("trainer").info("memory allocator: %s", allocator())
     from tinkerd import state_lock

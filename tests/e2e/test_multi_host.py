@@ -2,16 +2,18 @@
 namespaces on a bridge, each with its own address, hostname and /dev/shm), and the faults a real
 network brings, seen from the SDK in the root namespace.
 
-    host "trainer"    tinkerd trainer        10.x.y.2:50051 (metrics :9100)
-    host "sampler-1"  tinkerd sampler        10.x.y.3:50052  emulated link: delay and loss
-    host "sampler-2"  tinkerd sampler        10.x.y.4:50052
-    host "db"         PostgreSQL             10.x.y.5:5432
-    host "gateway"    tinkerd gateway        10.x.y.6:8000, internal :8001
+    host "trainer-0"  trainer rank 0 (torchrun) 10.x.y.2:50051 (metrics :9100), MASTER_ADDR
+    host "trainer-1"  trainer rank 1 (torchrun)  ZeRO-2 across the two, gloo over the bridge
+    host "sampler-1"  tinkerd sampler        10.x.y.4:50052  emulated link: delay and loss
+    host "sampler-2"  tinkerd sampler        10.x.y.5:50052
+    host "db"         PostgreSQL             10.x.y.6:5432
+    host "gateway"    tinkerd gateway        10.x.y.7:8000, internal :8001
 
 Every service listens on its host's address and advertises nothing else (no flag names an
-advertised address: the rule tinkerd.rpc.advertised_host applies). The state dir is shared (a
-shared filesystem, as deployments have); /dev/shm is not, so a weight push can only travel by
-gloo over the bridge.
+advertised address, nor GLOO_SOCKET_IFNAME: the rules of tinkerd.rpc.advertised_host and
+trainer_service.server.choose_rank_interface apply). The state dir is shared (a shared
+filesystem, as deployments have); /dev/shm is not, so a weight push can only travel by gloo
+over the bridge.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from harness.services import Service
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TRAINER_PORT, SAMPLER_PORT, GATEWAY_PORT, INTERNAL_PORT, METRICS_PORT = 50051, 50052, 8000, 8001, 9100
+MASTER_PORT = 29500
 LEASE_S = 2.0
 
 
@@ -76,7 +79,7 @@ class Cluster:
             engine.dispose()
 
     def trainer_metrics(self) -> str:
-        with urllib.request.urlopen(f"http://{self.address('trainer', METRICS_PORT)}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://{self.address('trainer-0', METRICS_PORT)}/metrics", timeout=10) as r:
             return r.read().decode()
 
 
@@ -108,11 +111,16 @@ def cluster(tiny_model_dir, tmp_path_factory):
     with contextlib.ExitStack() as stack:
         net = stack.enter_context(hosts.Network())
         made = {name: net.add_host(name, emulated=name == "sampler-1")
-                for name in ("trainer", "sampler-1", "sampler-2", "db", "gateway")}
+                for name in ("trainer-0", "trainer-1", "sampler-1", "sampler-2", "db", "gateway")}
         at = {name: h.address for name, h in made.items()}
-        services = {"trainer": made["trainer"].service("trainer", [
-            *tinkerd, "trainer", *common, *exact, "--listen", f"{at['trainer']}:{TRAINER_PORT}",
-            "--metrics-port", str(METRICS_PORT)], logs, env)}
+        services = {}
+        for rank, name in enumerate(("trainer", "trainer-rank-1")):
+            host = made[f"trainer-{rank}"]
+            services[name] = host.service(name, [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--node-rank", str(rank), "--master-addr", at["trainer-0"], "--master-port", str(MASTER_PORT),
+                "-m", "launcher.cli", "trainer", *common, *exact, "--listen", f"{host.address}:{TRAINER_PORT}",
+                "--metrics-port", str(METRICS_PORT)], logs, env)
         for name in ("sampler-1", "sampler-2"):
             services[name] = made[name].service(name, [
                 *tinkerd, "sampler", *common, *exact, *TINY_KV_CACHE, "--merged-slots", "0",
@@ -120,12 +128,13 @@ def cluster(tiny_model_dir, tmp_path_factory):
                 "--register-with", f"http://{at['gateway']}:{INTERNAL_PORT}"], logs, env)
         db_url = stack.enter_context(postgres_on(made["db"], root / "pg", "tinkerd"))
         services["gateway"] = made["gateway"].service("gateway", [
-            *tinkerd, "gateway", *common, "--trainer", f"{at['trainer']}:{TRAINER_PORT}",
+            *tinkerd, "gateway", *common, "--trainer", f"{at['trainer-0']}:{TRAINER_PORT}",
             "--host", at["gateway"], "--port", str(GATEWAY_PORT), "--internal-host", at["gateway"],
             "--internal-port", str(INTERNAL_PORT), "--db-url", db_url, "--no-auth",
             "--future-lease-s", str(LEASE_S)], logs, env)
-        for service in services.values():
-            service.ready()
+        for name, service in services.items():
+            if name != "trainer-rank-1":        # a follower serves nothing
+                service.ready()
         cluster = Cluster(net, made, services, db_url, open(token_file).read().strip())
         replicas = [cluster.address(name, SAMPLER_PORT) for name in ("sampler-1", "sampler-2")]
         _wait_for(lambda: all(cluster.pool().get(r, {}).get("alive") for r in replicas),
@@ -187,14 +196,21 @@ def test_the_topology_trains_and_samples_across_hosts(cluster, service, tiny_mod
     assert {pool[r]["weight_transport"] for r in replicas} == {"gloo"}, pool
     trainer_log = cluster.services["trainer"].text()
     for replica, name in zip(replicas, ("sampler-1", "sampler-2")):
-        assert re.search(rf"weight transport to {re.escape(replica)}: gloo \(hosts trainer and {name}, cpu",
+        assert re.search(rf"weight transport to {re.escape(replica)}: gloo \(hosts trainer-0 and {name}, cpu",
                          trainer_log), trainer_log[-3000:]
         sampler_log = cluster.services[name].text()
         at = re.escape(cluster.hosts[name].address)
-        assert re.search(rf"weight group \S+ with {re.escape(cluster.hosts['trainer'].address)}:\d+ formed "
+        assert re.search(rf"weight group \S+ with {re.escape(cluster.hosts['trainer-0'].address)}:\d+ formed "
                          rf"\(gloo, this end on {at}\)", sampler_log), sampler_log[-3000:]
         assert re.search(r"snapshot \S+: \d+ tensors in [\d.]+ ms \(gloo join", sampler_log)
     assert re.search(r'tinkerd_trainer_weight_links_total\{transport="gloo"\} [1-9]', cluster.trainer_metrics())
+    # The two ranks' collectives run over the bridge, each on the interface it reaches rank 0 by.
+    master = cluster.hosts["trainer-0"].address
+    for rank, service in enumerate(("trainer", "trainer-rank-1")):
+        text = cluster.services[service].text()
+        host = re.escape(cluster.hosts[f"trainer-{rank}"].address)
+        assert re.search(rf"trainer\[rank {rank}/2\] INFO trainer: ranks' collectives \(gloo\) on eth0 \({host}\): "
+                         rf"this host's way to MASTER_ADDR {re.escape(master)}", text), text[-3000:]
     assert "shm" not in {t for _, t, _ in _pushes(trainer_log)}
     # What the replicas registered is what the others reach them at: no loopback leaked.
     assert cluster.registered() == replicas
@@ -260,7 +276,7 @@ def test_a_sampler_host_partitioned_mid_sampling(cluster, service, tiny_model_di
     host = cluster.hosts["sampler-1"]
     tc, datum, tokens = _train_one_step(service, tiny_model_dir)
     sc = tc.save_weights_and_get_sampling_client().result()
-    long = types.SamplingParams(max_tokens=960, temperature=1.0, stop=[])
+    long = types.SamplingParams(max_tokens=512, temperature=1.0, stop=[])
     in_flight = [sc.sample(types.ModelInput.from_ints(tokens[:4]), 1, long) for _ in range(8)]
     _wait_for(lambda: cluster.pool()[lost]["in_flight"] > 0, "no sample reached sampler-1", 60)
     gateway_at = len(cluster.services["gateway"].text())

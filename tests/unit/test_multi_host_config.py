@@ -37,3 +37,24 @@ def test_a_trainer_will_not_advertise_an_address_that_is_not_its_own(tiny_model_
                        "--listen", "127.0.0.1:0", "--advertise-host", "192.0.2.1")
     assert done.returncode != 0
     assert "--advertise-host 192.0.2.1 is not an address of this host" in done.stderr, done.stderr
+
+
+def test_a_rank_whose_master_addr_it_cannot_reach_says_so(tiny_model_dir, tmp_path):
+    """A rank on a host with no route to MASTER_ADDR (a host of harness/hosts.py: no default route)."""
+    import os
+    import sys
+
+    import pytest
+
+    from harness import hosts
+
+    if reason := hosts.unavailable():
+        pytest.skip(f"no network namespaces here: {reason}")
+    with hosts.Network() as net:
+        rank = net.add_host("trainer-1")
+        done = rank.run([sys.executable, "-m", "launcher.cli", "trainer", "--base-model", tiny_model_dir,
+                         "--state-dir", str(tmp_path), "--listen", f"{rank.address}:50051"], timeout=120,
+                        env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": "1",
+                             "LOCAL_RANK": "0", "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29500"})
+    assert done.returncode != 0
+    assert "MASTER_ADDR 192.0.2.1 is not reachable from this host" in done.stderr, done.stderr[-2000:]
