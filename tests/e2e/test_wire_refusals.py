@@ -40,14 +40,8 @@ def test_refused_fields_of_training_and_sampling_calls(trained, stack):
     runs = {r.training_run_id for r in rest.list_training_runs(limit=10_000).result().training_runs}
     checkpoints = {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
 
-    _refused(lambda: tc.save_weights_external("sealed", age_encryption_recipients=[
-        "age1ql3z7hjy54pw3hyww5ayyfg7zqgvc7w3j2elw8zmrj2kg5sfn9aqmcac8p"]).result(), "age_encryption_recipients")
     _refused(lambda: service.create_training_client_from_state(state, base_model="Qwen/Qwen3-8B").result(),
              "base_model")
-    _refused(lambda: service.create_training_client_from_state(state, weights_access_token="tok").result(),
-             "weights_access_token")
-    _refused(lambda: rest.copy_weights(state, "proj-archive", weights_access_token="tok").result(),
-             "weights_access_token", "X-Tinker-Weights-Access-Token")
 
     sampler = tc.save_weights_and_get_sampling_client()
     prompt = tc.get_tokenizer().encode("score these tokens")

@@ -30,12 +30,22 @@ def test_every_setting_of_a_child_is_passed_and_parses_back(name):
     wiring = {"trainer": "t:1", "samplers": ["s:1"]} if name == "gateway" else {"listen": "127.0.0.1:0"}
     argv = up.child_argv(_up_args("--db-url", "sqlite:///x.db"), name, **wiring)
     for field in settings.fields(cls):
-        if settings.default_of(field) != [] or field.name in wiring:     # an empty list has no flag occurrence
+        # An empty list or None has no flag occurrence (a None given a value is checked below).
+        if settings.default_of(field) not in ([], None) or field.name in wiring:
             flag = settings.flag_name(field)
             assert flag in argv or "--no-" + flag[2:] in argv, f"{name} never gets {flag}"   # bools: --no-X
     parsed = cli.build_parser().parse_args(argv)
     assert settings.from_args(cls, parsed) == settings.from_args(cls, _up_args("--db-url", "sqlite:///x.db"),
                                                                  **wiring)
+
+
+def test_a_setting_without_a_default_value_reaches_its_child_when_given():
+    """--price-* (gateway/billing.py): None unless given, and then passed on as given."""
+    flags = ("--price-training-per-mtok", "1.5", "--price-storage-per-gb-month", "0.25")
+    gateway = up.child_argv(_up_args(*flags), "gateway", trainer="t:1", samplers=["s:1"])
+    built = settings.from_args(up.CHILDREN["gateway"], cli.build_parser().parse_args(gateway))
+    assert (built.price_training_per_mtok, built.price_storage_per_gb_month, built.price_sampled_per_mtok) == (
+        1.5, 0.25, None)
 
 
 def test_defaults_are_the_dataclass_defaults():
@@ -81,7 +91,8 @@ def test_a_number_out_of_its_bounds_is_a_usage_error_naming_the_flag(cls, field,
         err = capsys.readouterr().err
         assert f"argument {flag}: must be" in err and f"got {kind(bad)}" in err, err
     default = settings.default_of(field)
-    assert (at_least is None or default >= at_least) and (above is None or default > above)  # the default passes
+    assert default is None or ((at_least is None or default >= at_least)      # the default (None: unset) passes
+                               and (above is None or default > above))
     ok = at_least if at_least is not None else (above + 1)
     parsed = cli.build_parser().parse_args([command, "--base-model", "/m", *wiring, flag, str(kind(ok))])
     assert getattr(parsed, field.name) == kind(ok)
