@@ -51,8 +51,9 @@ def listable(caller: Caller):
 
 
 def in_org(caller: Caller):
-    """A condition on SessionRow: its owner is in the caller's org."""
-    return SessionRow.owner.in_(select(UserRow.user_id).where(UserRow.org_id == caller.org_id))
+    """A condition on SessionRow: its owner is in the caller's org. Correlated (EXISTS, not IN), so
+    a search walks the sessions newest first and checks each, instead of sorting the whole org's."""
+    return exists().where(UserRow.user_id == SessionRow.owner, UserRow.org_id == caller.org_id)
 
 
 class Projects:
