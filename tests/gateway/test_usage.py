@@ -14,6 +14,7 @@ from gateway_fakes import FakeSampler, FakeTrainer, Api, assert_user_error, fake
 from sqlalchemy import select
 from tinker import types as sdk
 from test_console_routes import PROTOBUF, _fwdbwd_body
+from test_futures_routes import HeldSampler, _sample, _sampling_session
 
 from gateway import billing, usage
 from gateway.app import create_app
@@ -115,6 +116,25 @@ def test_work_run_again_is_counted_once(gateway):
     assert len(db.select(select(CheckpointStorageRow))) == 1
     assert usage.count(db, usage.Work("fresh", "u", "", "m", (("training", False, 5),)))
     assert not usage.count(db, usage.Work("fresh", "u", "", "m", (("training", False, 5),)))
+
+
+def test_a_sample_re_driven_by_another_gateway_is_counted_once(tmp_path):
+    """Gateway a stops while its sample is at the replica (nothing counted there); gateway b on the
+    same database claims it once a's lease lapses, runs it again, and counts it: once."""
+    trainer, sampler = FakeTrainer(str(tmp_path / "state")), HeldSampler()
+    with fake_services(tmp_path, trainer, sampler, future_lease_s=0.3) as settings, \
+            TestClient(create_app(settings)) as b:
+        with TestClient(create_app(settings)) as a:
+            api = Api(a, "").as_user("tester")
+            sid = _sampling_session(api)
+            sampler.release.clear()
+            request_id = _sample(api, sid, 0)
+            assert sampler.started.acquire(timeout=10)
+        sampler.release.set()
+        api_b = Api(b, api.api_key)
+        assert api_b.result({"request_id": request_id}).status_code == 200
+        assert _totals(api_b.get("billing/usage/events", params=_window()).json()) == {
+            "sampling_prefill": 2, "sampling_sample": 2}
 
 
 @pytest.mark.parametrize("params, words", [
