@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import and_, bindparam, delete, func, or_, select, update
 
 from gateway.storage.db import CompletionRow, Database, now
 
@@ -49,12 +49,28 @@ def _of(target: Target):
     return and_(_C.sampling_session_id == target[0], _C.clone == target[1])
 
 
+# Prebuilt statements, parameters apart: the poll path runs them for every sample.
+_TARGET = and_(_C.sampling_session_id == bindparam("sid"), _C.clone == bindparam("clone"))
+_ACKNOWLEDGE = delete(_T).where(_TARGET, _C.reported_cursor <= bindparam("prev"))
+_TO_REPORT = select(_C.seq, _C.request_id, _C.failed, _C.size).where(
+    _TARGET, or_(_C.reported_cursor.is_(None), _C.reported_cursor > bindparam("prev"))).order_by(_C.seq).limit(
+    bindparam("limit"))
+_REPORTED = update(_T).where(_C.seq.in_(bindparam("seqs", expanding=True))).values(reported_cursor=bindparam("cursor"))
+_FETCHED = delete(_T).where(_C.request_id == bindparam("rid"))
+_NEW = select(_C.seq, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(_C.seq > bindparam("low"))
+_ACKED_KEPT = 4096        # targets whose last acknowledgement this process remembers
+
+
 class Completions:
     def __init__(self, db: Database, watch_s: float = WATCH_S):
         self.db = db
         self.watch_s = watch_s
         self._waiting: dict[Target, list[asyncio.Event]] = {}     # polls waiting here, by target
         self._seen: collections.deque[tuple[float, int]] = collections.deque()   # (when, highest seq then)
+        # Each target's prev_cursor acknowledged last: acknowledging it again deletes nothing (a
+        # row reported since has a larger cursor), so the next polls skip the statement.
+        self._acked: collections.OrderedDict[Target, int] = collections.OrderedDict()
+        self._fetched: collections.OrderedDict[str, None] = collections.OrderedDict()   # rows deleted here
 
     @staticmethod
     def row(target: Target, failed: bool, size: int) -> dict:
@@ -77,31 +93,44 @@ class Completions:
     def discard(self, request_id: str, target: Target | None = None) -> None:
         """The client has the payload: the row goes, if any. With `target`, only the target's row
         (a client acknowledges only its own sampling session's)."""
-        where = _C.request_id == request_id
         with self.db.engine.begin() as conn:
-            conn.execute(delete(_T).where(where if target is None else and_(where, _of(target))))
+            if target is None:
+                conn.execute(_FETCHED, {"rid": request_id})
+                self._fetched[request_id] = None
+                while len(self._fetched) > _ACKED_KEPT:
+                    self._fetched.popitem(last=False)
+            else:
+                conn.execute(delete(_T).where(_C.request_id == request_id, _of(target)))
 
     def discard_all(self, request_ids: list[str], target: Target) -> None:
-        """The target's rows of these samples go (retrieve_futures' `retrieved_request_ids`)."""
+        """The target's rows of these samples go (retrieve_futures' `retrieved_request_ids`), but
+        for those this process deleted already when their payloads were fetched here."""
+        left = [r for r in request_ids if r not in self._fetched]
+        if not left:
+            return
         with self.db.engine.begin() as conn:
-            for i in range(0, len(request_ids), 500):
-                conn.execute(delete(_T).where(_of(target), _C.request_id.in_(request_ids[i:i + 500])))
+            for i in range(0, len(left), 500):
+                conn.execute(delete(_T).where(_of(target), _C.request_id.in_(left[i:i + 500])))
 
     def _take(self, target: Target, prev_cursor: int, limit: int) -> tuple[list[Completion], int]:
         """One transaction: acknowledges what `prev_cursor` covers, then reports (at most `limit`)
         the rows not reported yet or reported after it, under a new cursor."""
+        where = {"sid": target[0], "clone": target[1], "prev": prev_cursor}
         with self.db.engine.begin() as conn:
-            conn.execute(delete(_T).where(_of(target), _C.reported_cursor <= prev_cursor))
-            rows = conn.execute(select(_C.seq, _C.request_id, _C.failed, _C.size).where(
-                _of(target), or_(_C.reported_cursor.is_(None), _C.reported_cursor > prev_cursor))
-                .order_by(_C.seq).limit(limit)).all()
+            if prev_cursor and self._acked.get(target) != prev_cursor:
+                conn.execute(_ACKNOWLEDGE, where)
+                self._acked.pop(target, None)
+                self._acked[target] = prev_cursor
+                while len(self._acked) > _ACKED_KEPT:
+                    self._acked.popitem(last=False)
+            rows = conn.execute(_TO_REPORT, {**where, "limit": limit}).all()
             if not rows:
                 return [], prev_cursor
             # Above prev_cursor, so the next poll acknowledges these rows and no others.
             cursor = max(prev_cursor + 1, rows[-1].seq)
             seqs = [r.seq for r in rows]
             for i in range(0, len(seqs), 500):
-                conn.execute(update(_T).where(_C.seq.in_(seqs[i:i + 500])).values(reported_cursor=cursor))
+                conn.execute(_REPORTED, {"seqs": seqs[i:i + 500], "cursor": cursor})
         return [Completion(r.request_id, r.failed, r.size) for r in rows], cursor
 
     async def poll(self, target: Target, prev_cursor: int, timeout_s: float, limit: int,
@@ -152,8 +181,7 @@ class Completions:
             self._seen.popleft()
         low = self._seen[0][1]
         with self.db.engine.connect() as conn:
-            rows = conn.execute(select(_C.seq, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(
-                _C.seq > low)).all()
+            rows = conn.execute(_NEW, {"low": low}).all()
         self._seen.append((stamp, max([low] + [r.seq for r in rows])))
         for r in rows:
             if r.reported_cursor is None:
