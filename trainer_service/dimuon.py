@@ -15,7 +15,8 @@ statistics are relative to their mean, so the step does not depend on the gradie
 
 The matrices are stepped in batches of one shape each: every LoRA matrix is oriented with its rank
 side first (b transposed), so a model has a few shapes (one per distinct layer width), and each
-batch is a handful of batched ops rather than a few dozen ops per matrix. The momentum lives in one
+batch is a handful of batched ops rather than a few dozen ops per matrix. The Newton-Schulz steps
+run on the small rank x rank side (sign_factors), all batches together. The momentum lives in one
 buffer per shape; each parameter's state["momentum"] is a view of its slice, in the parameter's
 own orientation (what a checkpoint saves, and loads back: load_state_dict rebuilds the buffers).
 
@@ -44,6 +45,7 @@ class _Batch:
     params: list[torch.nn.Parameter]
     transposed: list[bool]           # stored as (rank side, other side): b is transposed
     momentum: torch.Tensor           # [len(params), rows, cols]
+    targets: list[torch.Tensor] = dataclasses.field(default_factory=list)   # the params, oriented as momentum
 
 
 class Dimuon(torch.optim.Optimizer):
@@ -86,6 +88,7 @@ class Dimuon(torch.optim.Optimizer):
             batch.momentum = torch.stack(momenta)
             for k, (p, flip) in enumerate(zip(batch.params, batch.transposed)):
                 self.state[p]["momentum"] = batch.momentum[k].mT if flip else batch.momentum[k]
+            batch.targets = [p.mT if flip else p for p, flip in zip(batch.params, batch.transposed)]
         self._batches = list(by_shape.values())
         return self._batches
 
@@ -95,48 +98,69 @@ class Dimuon(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         correction = (self.rank / RANK_REFERENCE) ** -group["rank_lr_correction_exponent"]
         size = group["lr"] * correction * math.sqrt(self.rank)     # each matrix's step, Frobenius
-        if found_inf is None:
-            weight, size = 1 - group["beta1"], torch.tensor(size)
-        else:       # a skipped step: the momentum keeps its value (lerp by 0), the weights theirs
+        weight = 1 - group["beta1"]
+        if found_inf is not None:       # a skipped step: the momentum keeps its value (lerp by 0), the weights theirs
             keep = 1 - found_inf.float()
-            weight, size = (1 - group["beta1"]) * keep, size * keep
-        for batch in self._batched():
-            grads = torch.stack([_grad(p).mT if flip else _grad(p) for p, flip in zip(batch.params, batch.transposed)])
+            weight, size = weight * keep, size * keep
+        batches = self._batched()
+        preconditioned = []
+        for batch in batches:
+            grads = torch.stack([_grad(p, flip) for p, flip in zip(batch.params, batch.transposed)]).float()
             if found_inf is not None:
                 grads.nan_to_num_(0.0, 0.0, 0.0)
             batch.momentum.lerp_(grads, weight)
-            direction = matrix_sign(precondition(batch.momentum, group["damping"]))
-            norms = torch.linalg.matrix_norm(direction).clamp_min(TINY)
-            direction.mul_((size.to(direction.device) / norms).view(-1, 1, 1))
-            targets = [p.mT if flip else p for p, flip in zip(batch.params, batch.transposed)]
-            torch._foreach_sub_(targets, [d.to(t.dtype) for d, t in zip(direction.unbind(0), targets)])
+            preconditioned.append(precondition(batch.momentum, group["damping"]))
+        for batch, x, left in zip(batches, preconditioned, sign_factors(preconditioned, size)):
+            moves = torch.bmm(left, x).to(batch.targets[0].dtype).unbind(0)
+            torch._foreach_sub_(batch.targets, moves)
         return None
 
 
-def _grad(p: torch.nn.Parameter) -> torch.Tensor:
-    return p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+def _grad(p: torch.nn.Parameter, flip: bool) -> torch.Tensor:
+    g = p.grad if p.grad is not None else torch.zeros_like(p)
+    return g.mT if flip else g
 
 
 def precondition(momentum: torch.Tensor, damping: float) -> torch.Tensor:
     """diag(r + damping)^(-1/4) M diag(c + damping)^(-1/4) for a batch [k, rows, cols], with r and
     c each row's and column's mean square relative to the matrix's (module doc). Scaled by each
     matrix's largest entry first, so that squares neither overflow nor vanish."""
-    scale = momentum.abs().amax(dim=(1, 2), keepdim=True).clamp_min(TINY)
-    m = momentum / scale
+    m = momentum / momentum.abs().amax(dim=(1, 2), keepdim=True).clamp_min(TINY)
     squares = m.square()
     rows, cols = squares.mean(2, keepdim=True), squares.mean(1, keepdim=True)
     mean = rows.mean(1, keepdim=True).clamp_min(TINY)
-    return m * ((rows / mean + damping) ** -0.25) * ((cols / mean + damping) ** -0.25)
+    return m.mul_(rows.div_(mean).add_(damping).pow_(-0.25)).mul_(cols.div_(mean).add_(damping).pow_(-0.25))
 
 
-def matrix_sign(x: torch.Tensor) -> torch.Tensor:
-    """msign(x) = U V^T of x's SVD, approximately, for a batch [k, rows, cols] with rows <= cols:
-    normalized so that every singular value is at most 1, then NS_STEPS Newton-Schulz steps
-    X <- a X + (b A + c A^2) X, A = X X^T (rows x rows: the small side)."""
+def sign_factors(xs: list[torch.Tensor], size: float | torch.Tensor) -> list[torch.Tensor]:
+    """For each batch x [k, rows, cols] (rows <= cols) the [k, rows, rows] factor P with P x =
+    size * msign(x) / |msign(x)|_F, msign by NS_STEPS Newton-Schulz steps from x / |x|_F:
+    X <- a X + (b A + c A^2) X, A = X X^T. Each step is Q X with Q = a + b A + c A^2 a polynomial
+    in A, so X_k = P_k X and A_k = P_k G P_k^T (G = x x^T): the steps run on the small rows x rows
+    side alone, P <- Q P and A <- Q A Q, every batch of the same rows together; x is read twice
+    (G, then P x), not twice a step. G squares x's condition number: it and the first step are
+    float64, or a nearly low-rank momentum (a LoRA matrix's, often) loses its small directions
+    (up to 1% off in float32); after one step they have grown a^2-fold, and float32 keeps them
+    about as well as float32 Newton-Schulz on x itself does."""
     a, b, c = NS_COEFFICIENTS
-    x = x / torch.linalg.matrix_norm(x).clamp_min(TINY).view(-1, 1, 1)
-    for _ in range(NS_STEPS):
-        gram = torch.bmm(x, x.mT)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
-    return x
+    grams = [torch.bmm(x64, x64.mT) for x64 in (x.double() for x in xs)]
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    for rows in {g.shape[1] for g in grams}:       # one run per size of the small side (the rank, mostly)
+        which = [i for i, g in enumerate(grams) if g.shape[1] == rows]
+        gram = torch.cat([grams[i] for i in which])
+        squared_norm = gram.diagonal(dim1=1, dim2=2).sum(1).clamp_min(TINY).view(-1, 1, 1)     # |x|_F^2
+        a_k = gram / squared_norm
+        for k in range(NS_STEPS):
+            q = torch.baddbmm(a_k, a_k, a_k, beta=b, alpha=c)
+            q.diagonal(dim1=1, dim2=2).add_(a)
+            p = (q / squared_norm.sqrt()).float() if k == 0 else torch.bmm(q, p)    # P_0 = I / |x|_F
+            if k < NS_STEPS - 1:                   # the last step's A is not needed
+                a_k = torch.bmm(torch.bmm(q, a_k), q).float()
+        # |P x|_F^2 = trace(P G P^T), in float64 too (its terms cancel); a zero matrix (no gradient
+        # yet) gets no step, not 0 / 0.
+        p64 = p.double()
+        norm2 = (torch.bmm(p64, gram) * p64).sum((1, 2)).view(-1, 1, 1)
+        p = p * torch.where(norm2 > 0, norm2.clamp_min(TINY).rsqrt(), 0.0).float()
+        for j, part in zip(which, p.split([grams[i].shape[0] for i in which])):
+            out[j] = part.to(xs[j].dtype) * size
+    return out
