@@ -265,7 +265,6 @@ class SessionSearchResponse(BaseModel):
     next_cursor: dict[str, str] | None = None
 
 
-
 # ---- training ----------------------------------------------------------------------------
 
 class LoraConfig(Body):
@@ -274,6 +273,7 @@ class LoraConfig(Body):
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+
 
 class OptimizerConfig(Body):
     """The optimizer a model is created with, fixed for its life (tinkerd/optimizers.py). An
@@ -288,13 +288,12 @@ def optimizer_config(name: str) -> dict[str, Any]:
     return {"type": "dimuon", "version": 1} if name == "dimuon" else {"type": "adamw"}
 
 
-
 class CreateModelRequest(Request):
     session_id: Id = ""
     model_seq_id: SeqId = 0
     base_model: Id = ""
-    optimizer_config: OptimizerConfig = OptimizerConfig()
     lora_config: LoraConfig = LoraConfig()
+    optimizer_config: OptimizerConfig = OptimizerConfig()
 
 
 class ModelIdRequest(Request):
@@ -335,6 +334,7 @@ class AdamParams(Body):
     weight_decay: float = Field(0.0, ge=0, le=ADAM_MAX["weight_decay"])
     grad_clip_norm: float = Field(0.0, ge=0)
 
+
 class DimuonParams(Body):
     """One Dimuon step (trainer_service/dimuon.py), bounded as AdamParams (tinkerd/optimizers.py).
     The defaults are Tinker's for what an older SDK leaves out; a field this server does not know
@@ -348,7 +348,6 @@ class DimuonParams(Body):
     rank_lr_correction_exponent: float = Field(DIMUON_DEFAULTS["rank_lr_correction_exponent"],
                                                ge=-DIMUON_MAX["rank_lr_correction_exponent"],
                                                le=DIMUON_MAX["rank_lr_correction_exponent"])
-
 
 
 class OptimStepRequest(Request):
@@ -409,9 +408,9 @@ class LoadWeightsRequest(Request):
     model_id: Id | None = None
     seq_id: SeqId = 0
     session_id: Id = ""
+    model_seq_id: SeqId = 0
     optimizer_config: OptimizerConfig | None = None   # a new weights-only model's; None: AdamW
     weights_access_token: AccessToken | None = None     # another user's checkpoint, granted by its owner
-    model_seq_id: SeqId = 0
 
 
 # ---- sampling ----------------------------------------------------------------------------
@@ -606,8 +605,8 @@ class WeightsInfoRequest(Request):
 
 
 class WeightsInfoResponse(BaseModel):
-    optimizer_config: dict[str, Any] = {"type": "adamw"}
     base_model: str
+    optimizer_config: dict[str, Any] = {"type": "adamw"}
     is_lora: bool = True
     lora_rank: int
     train_unembed: bool
@@ -676,7 +675,6 @@ class UsageWindow(Body):
 
 class StorageQuery(Body):
     project_id: ProjectId | None = None
-
 
 
 # --- identity ---

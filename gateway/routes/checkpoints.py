@@ -136,8 +136,8 @@ async def weights_info(body: WeightsInfoRequest, caller: CallerDep, gw: GatewayD
     run = gw.db.get(ModelRow, row.model_id)
     lora = run.lora_config or {}
     return WeightsInfoResponse(base_model=run.base_model, lora_rank=run.lora_rank,
-                               train_unembed=lora.get("train_unembed", True), train_mlp=lora.get("train_mlp", True),
                                optimizer_config=optimizer_config(run.optimizer),
+                               train_unembed=lora.get("train_unembed", True), train_mlp=lora.get("train_mlp", True),
                                train_attn=lora.get("train_attn", True))
 
 
