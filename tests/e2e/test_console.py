@@ -2,9 +2,9 @@
 selenium) against the shared `tinkerd up`: a user trains a run through the SDK, logs in to the
 console with their key, finds the run, sees its loss curve drawn with a point per step and its
 constant learning rate as a labelled value, does not see another user's run, publishes and
-unpublishes a checkpoint, samples their snapshot in the playground, and opens their session's page:
-the four panels of hosted Tinker (in-flight samples, training utilization, tokens per second, step
-time) and a trace export whose link is a Perfetto trace. Screenshots are saved in the test's tmp_path."""
+unpublishes a checkpoint, sees their usage, samples their snapshot in the playground, and opens their
+session's page: the four panels of hosted Tinker (in-flight samples, training utilization, tokens per
+second, step time) and a trace export whose link is a Perfetto trace. Screenshots are saved in the test's tmp_path."""
 
 from __future__ import annotations
 
@@ -117,6 +117,14 @@ def test_a_user_sees_their_run_and_its_loss_curve_in_the_console(stack, tiny_mod
     browser.find_element(By.CSS_SELECTOR, row + " button.unpublish").click()
     wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, row + " td.published"), "no"))
     assert [c.public for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [False]
+
+    # Usage, the last 24 hours: carol's own, her training tokens exactly.
+    browser.get(f"{stack.url}/console#/usage")
+    trained = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, '#usage-table tr[data-kind="training"]')))
+    assert trained.find_element(By.CSS_SELECTOR, "td.quantity").text == str(
+        STEPS * sum(d.model_input.length for d in data))
+    assert {r.get_attribute("data-user") for r in browser.find_elements(By.CSS_SELECTOR, "#usage-table tbody tr")} \
+        == {"console-carol"}
 
     # The playground samples the snapshot through create_sampling_session + asample.
     browser.get(f"{stack.url}/console#/snapshots")

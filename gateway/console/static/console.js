@@ -262,6 +262,39 @@ async function sessionsPage() {
               "Sampling sessions"], rows, { id: "sessions-table" }));
 }
 
+async function usagePage() {
+  // The last 24 UTC hours (GET /api/v1/billing/usage/events), summed per project, user and kind.
+  const end = new Date();
+  end.setUTCMinutes(0, 0, 0);
+  end.setUTCHours(end.getUTCHours() + 1);
+  const start = new Date(end - 24 * 3600e3);
+  const window_ = `starting_on=${encodeURIComponent(start.toISOString())}&ending_before=${encodeURIComponent(end.toISOString())}`;
+  const [usage, storage] = await Promise.all([api("GET", `/api/v1/billing/usage/events?${window_}`),
+                                              api("GET", "/api/v1/billing/usage/checkpoints/current")]);
+  const totals = new Map();
+  for (const e of usage.data) {
+    const info = e.event_info, user = e.user_name || e.user_id || "";
+    const key = [e.project_id || "", user, info.type].join("\u0000");
+    const t = totals.get(key) || { project: e.project_id || "", user, kind: info.type, quantity: 0, cost: null };
+    t.quantity += info.token_count ?? info.count ?? info.gigabyte_hours ?? 0;
+    if (e.estimated_cost_usd != null) t.cost = (t.cost || 0) + e.estimated_cost_usd;
+    totals.set(key, t);
+  }
+  const rows = [...totals.values()].sort((a, b) => (a.project + a.user + a.kind).localeCompare(b.project + b.user + b.kind))
+    .map(t => el("tr", { "data-kind": t.kind, "data-user": t.user },
+      el("td", { class: "mono" }, t.project), el("td", {}, t.user), el("td", {}, t.kind),
+      el("td", { class: "quantity" }, t.kind === "storage" ? `${t.quantity.toPrecision(3)} GB-h` : String(t.quantity)),
+      el("td", {}, t.cost == null ? "" : `$${t.cost.toFixed(4)}`)));
+  const stored = storage.data.map(r => el("tr", {}, el("td", { class: "mono" }, r.project_id || ""),
+    el("td", {}, r.user_name || r.org_user_urn || ""), el("td", {}, String(r.checkpoint_count)), el("td", {}, bytes(r.size_bytes))));
+  show(el("h1", {}, "Usage"),
+       el("p", { class: "muted" }, `Since ${start.toISOString()} (UTC hours): tokens trained, prefilled and sampled, ` +
+          "checkpoints made and their storage; an admin sees every user of the organization"),
+       table(["Project", "User", "Kind", "Quantity", "Estimated cost"], rows, { id: "usage-table" }),
+       el("h2", {}, "Checkpoint storage now"),
+       table(["Project", "User", "Checkpoints", "Size"], stored, { id: "storage-table" }));
+}
+
 async function snapshotsPage() {
   const [ckpts, sampling] = await Promise.all([api("GET", "/api/v1/checkpoints?limit=1000"),
                                                api("GET", "/api/v1/console/sampling_sessions?limit=1000")]);
@@ -466,7 +499,7 @@ async function route_() {
   for (const a of document.querySelectorAll("#nav a")) a.classList.toggle("active", a.getAttribute("href") === `#/${page}`);
   const pages = { runs: () => arg ? runPage(arg) : runsPage(), checkpoints: checkpointsPage,
                   sessions: () => arg ? sessionPage(arg) : sessionsPage(),
-                  snapshots: snapshotsPage, queue: queuePage, playground: () => playgroundPage(arg) };
+                  snapshots: snapshotsPage, queue: queuePage, usage: usagePage, playground: () => playgroundPage(arg) };
   try {
     await (pages[page] || runsPage)();
   } catch (e) {
