@@ -63,7 +63,8 @@ def _insert(conn, table):
 def count(db: Database, work: Work) -> bool:
     """Adds `work` to its hour's buckets unless its key was counted already (then False)."""
     at = now()
-    session = db.get(SessionRow, work.session_id) if work.session_id else None
+    with db.session() as s:          # not the row cache: a session moved a moment ago counts in its new project
+        session = s.get(SessionRow, work.session_id) if work.session_id else None
     with db.engine.begin() as conn:
         if not conn.execute(_insert(conn, _COUNTED).values(key=work.key, at=at).on_conflict_do_nothing()).rowcount:
             return False
@@ -73,8 +74,8 @@ def count(db: Database, work: Work) -> bool:
             stmt = _insert(conn, _USAGE).values(
                 bucket_start=hour_of(at), owner=work.owner, session_id=work.session_id, base_model=work.base_model,
                 kind=kind, cached=cached, quantity=quantity, project_id=session.project_id if session else None)
-            conn.execute(stmt.on_conflict_do_update(index_elements=_BUCKET_KEY,
-                                                    set_={"quantity": _USAGE.c.quantity + stmt.excluded.quantity}))
+            conn.execute(stmt.on_conflict_do_update(index_elements=_BUCKET_KEY, set_={
+                "quantity": _USAGE.c.quantity + stmt.excluded.quantity, "project_id": stmt.excluded.project_id}))
     for kind, _, quantity in work.quantities:
         COUNTED.labels(kind).inc(quantity)
     return True
@@ -105,8 +106,9 @@ async def sampled(gw, message, reply) -> None:
 def _count_sample(db: Database, served_model: str, request_id: str, prompt: int, sampled_tokens: int) -> None:
     """Whose: the future's owner; which session and base model: its sampling session's (the
     future's key is `<sampling_session_id>#<seq_id>`; OpenAI requests have none)."""
-    with db.session() as s:
-        future = s.get(FutureRow, request_id)
+    with db.session() as s:          # two columns, not the row (it holds the stored request)
+        future = s.execute(select(FutureRow.owner, FutureRow.idempotency_key).where(
+            FutureRow.request_id == request_id)).first()
     if future is None:
         log.warning("usage: no future %s for its sampled tokens", request_id)
         return
