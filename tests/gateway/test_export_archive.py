@@ -164,23 +164,27 @@ def test_plan_refuses_what_it_cannot_merge(tmp_path):
         merged_export.plan(str(tmp_path / "base"), str(tmp_path / "adapter"))
 
 
+def _mergeable(gateway, tmp_path):
+    """A checkpoint with a real adapter of the base model, and its merged download's signed URL."""
+    _adapter(_base(gateway.settings.base_model, tied=False), tmp_path / "adapter")
+    model_id, directory = _saved(gateway)
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy(tmp_path / "adapter" / f, os.path.join(directory, f))
+    row = gateway.api.client.app.state.gateway.db.get(CheckpointRow, f"tinker://{model_id}/weights/c")
+    redirect = gateway.api.get(f"training_runs/{model_id}/checkpoints/weights/c/archive",
+                               params={"format": "merged"}, follow_redirects=False)
+    return row, urllib.parse.urlsplit(redirect.headers["location"])
+
+
 def test_merged_exports_at_once_are_capped_with_a_429(gateway, tmp_path, monkeypatch):
     """Merging takes the gateway's CPU: beyond MAX_MERGED_EXPORTS in progress a download is a 429
     with Retry-After; a finished one, or one dropped unread, frees its place."""
     from gateway import export
 
     monkeypatch.setattr(export, "MAX_MERGED_EXPORTS", 1)
-    _adapter(_base(gateway.settings.base_model, tied=False), tmp_path / "adapter")
-    model_id, directory = _saved(gateway)
-    for f in ("adapter_model.safetensors", "adapter_config.json"):
-        shutil.copy(tmp_path / "adapter" / f, os.path.join(directory, f))
-    row = gateway.api.client.app.state.gateway.db.get(CheckpointRow, f"tinker://{model_id}/weights/c")
-
+    row, url = _mergeable(gateway, tmp_path)
     held = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), "x")   # one in progress
     next(held)
-    redirect = gateway.api.get(f"training_runs/{model_id}/checkpoints/weights/c/archive",
-                               params={"format": "merged"}, follow_redirects=False)
-    url = urllib.parse.urlsplit(redirect.headers["location"])
     busy = gateway.api.client.get(f"{url.path}?{url.query}")
     assert busy.status_code == 429 and busy.headers["retry-after"] == "30"
     assert "the limit is 1" in busy.json()["error"]
@@ -198,14 +202,7 @@ def test_one_owner_takes_one_merged_export_place(gateway, tmp_path, monkeypatch)
     from gateway import export
 
     monkeypatch.setattr(export, "MAX_MERGED_EXPORTS", 3)
-    _adapter(_base(gateway.settings.base_model, tied=False), tmp_path / "adapter")
-    model_id, directory = _saved(gateway)
-    for f in ("adapter_model.safetensors", "adapter_config.json"):
-        shutil.copy(tmp_path / "adapter" / f, os.path.join(directory, f))
-    row = gateway.api.client.app.state.gateway.db.get(CheckpointRow, f"tinker://{model_id}/weights/c")
-    redirect = gateway.api.get(f"training_runs/{model_id}/checkpoints/weights/c/archive",
-                               params={"format": "merged"}, follow_redirects=False)
-    url = urllib.parse.urlsplit(redirect.headers["location"])
+    row, url = _mergeable(gateway, tmp_path)
     others = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), "another-user")
     next(others)
     assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200      # a place of its own
