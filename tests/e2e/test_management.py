@@ -69,6 +69,18 @@ def test_projects_and_search_through_the_sdk(mstack, tiny_model_dir):
     assert isinstance(page.sessions[0].status, types.SessionActive)
     assert [s.session_id for s in rest.search_sessions(types.SessionSearchRequest()).result().sessions] == [
         other, session]
+    by = {"metadata": types.SessionSearchRequest(user_metadata={"team": "rl"}),
+          "id": types.SessionSearchRequest(session_id=other),
+          "id or name": types.SessionSearchRequest(session_id=other, display_name="alpha nightly")}
+    assert {k: [s.session_id for s in rest.search_sessions(r).result().sessions] for k, r in by.items()} == {
+        "metadata": [session], "id": [other], "id or name": [other, session]}
+    admin = tinker.RestClient(base_url=stack.url, api_key=stack.api_key)     # an admin of alice's org
+    alice_urn = page.sessions[0].owner
+    assert [s.session_id for s in admin.search_sessions(types.SessionSearchRequest(
+        owner=types.UserSearchOwner(owner_urns=[alice_urn]))).result().sessions] == [other, session]
+    with pytest.raises(tinker.BadRequestError, match="tml:organization_user:nobody"):
+        admin.search_sessions(types.SessionSearchRequest(owner=types.UserSearchOwner(
+            owner_urns=["tml:organization_user:nobody"]))).result()
 
     # Moving the session moves its run; bob can neither join the project nor see alice's sessions.
     rest.assign_session_project(session, "proj-moved").result()
