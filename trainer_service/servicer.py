@@ -191,7 +191,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
         def save():
             size = self.engine.save_state(request.model_id, directory, with_optimizer=request.with_optimizer,
-                                          age_recipients=request.age_recipients)
+                                          age_recipients=list(request.age_recipients))   # plain: sent to every rank
             return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size)
         return self._once(request, "save_state", save, context)
 
