@@ -372,13 +372,29 @@ def collective(method):
     def run(self, *args, **kwargs):
         with self._lock:
             ranks = self.ranks
-            if ranks.world == 1 or ranks.in_call or not ranks.leader:
-                return method(self, *args, **kwargs)
-            model_id = args[0] if args else kwargs.get("model_id")
-            on_disk = {model_id: self.on_disk(model_id)} if isinstance(model_id, str) else {}
-            return ranks.lead(name, lambda: method(self, *args, **kwargs), args, kwargs, on_disk)
+            try:
+                if ranks.world == 1 or ranks.in_call or not ranks.leader:
+                    return method(self, *args, **kwargs)
+                model_id = args[0] if args else kwargs.get("model_id")
+                on_disk = {model_id: self.on_disk(model_id)} if isinstance(model_id, str) else {}
+                return ranks.lead(name, lambda: method(self, *args, **kwargs), args, kwargs, on_disk)
+            except Exception as e:
+                if device_broken(e):      # the context is poisoned for every tenant: health says so, restart
+                    raise ranks._break(f"a device error in {name}: {e}") from e
+                raise
     run.collective = True
     return run
+
+
+# What a CUDA context does not come back from (an out-of-memory error is not one of them).
+_DEVICE_FATAL = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS_", "cudaError")
+
+
+def device_broken(e: BaseException) -> bool:
+    """Whether `e` leaves the device unusable for every later call in this process."""
+    if type(e).__name__ == "AcceleratorError":
+        return True
+    return isinstance(e, RuntimeError) and any(marker in str(e) for marker in _DEVICE_FATAL)
 
 
 def _leave_job() -> None:
