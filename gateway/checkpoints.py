@@ -264,9 +264,11 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def copy_checkpoint(db: Database, state_dir: str, source: CheckpointRow, run_id: str, session_id: str,
-                    ttl_seconds: int | None, *, owner: str) -> str:
+                    ttl_seconds: int | None, *, owner: str, admit=None) -> str:
     """A copy of `source` as the only checkpoint of a new training run `run_id` that cannot be
-    trained on (it has no model on the trainer). Files are hard links. Returns its tinker path."""
+    trained on (it has no model on the trainer). Files are hard links. Returns its tinker path.
+    `admit` checks the owner's quota with the new row counted (gateway/identity/limits.py): a
+    refused copy leaves nothing behind."""
     source_run = db.get(ModelRow, source.model_id)
     kind, name = source.checkpoint_id.split("/", 1)
     directory = checkpoint_dir(state_dir, run_id, kind, name)
@@ -276,9 +278,18 @@ def copy_checkpoint(db: Database, state_dir: str, source: CheckpointRow, run_id:
                     lora_rank=source_run.lora_rank, resident=False, optimizer=source_run.optimizer,
                     lora_config={**(source_run.lora_config or {}), "copied_from": source.tinker_path}))
     path = tinker_path(run_id, kind, name)
-    db.add(CheckpointRow(tinker_path=path, model_id=run_id, owner=owner, checkpoint_type=source.checkpoint_type,
-                         name=name, snapshot_id=source.snapshot_id,
-                         snapshot_path=directory if source.snapshot_path else "", directory=directory,
-                         size_bytes=source.size_bytes, expires_at=expires(ttl_seconds)))
+    row = CheckpointRow(tinker_path=path, model_id=run_id, owner=owner, checkpoint_type=source.checkpoint_type,
+                        name=name, snapshot_id=source.snapshot_id,
+                        snapshot_path=directory if source.snapshot_path else "", directory=directory,
+                        size_bytes=source.size_bytes, expires_at=expires(ttl_seconds), created_at=now())
+    try:
+        if admit is None:
+            db.add(row)
+        else:
+            db.add_admitted(row, admit)
+    except Exception:
+        db.delete(ModelRow, run_id)
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
     log.info("copied %s to %s", source.tinker_path, path)
     return path

@@ -127,6 +127,15 @@ class Limits:
                                 f"{self.settings.max_samples_per_user}); retry when some finish")
         return admit
 
+    def admit_copy(self, caller: Caller, size: int) -> Admit:
+        """What admits a copied checkpoint's row (copy_weights, outside the queue): the quota as it
+        was before this copy of `size` bytes, counted with the row, so a burst of copies passes it
+        no more than a burst of saves does."""
+        def admit(conn: Connection) -> None:
+            used, largest, pending = self.db.stored_bytes(conn, caller.user_id)
+            self._refuse_over_quota(used - size, largest * pending, pending)
+        return admit
+
     def check_checkpoint_bytes(self, caller: Caller) -> None:
         """Before a checkpoint made outside the queue (copy_weights): the user's checkpoints and
         snapshots on disk and what their queued saves reserve."""

@@ -167,7 +167,7 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
             return CopyWeightsResponse(tinker_path=path)          # the same request, resent
         raise UserError(f"training run {run_id} already exists; use another model_seq_id")
     path = checkpoints.copy_checkpoint(gw.db, gw.settings.state_dir, source, run_id, session_id, body.ttl_seconds,
-                                       owner=caller.user_id)
+                                       owner=caller.user_id, admit=gw.limits.admit_copy(caller, source.size_bytes))
     audit.record(gw.db, "checkpoint_saved", user_id=caller.user_id, org_id=caller.org_id, model_id=run_id,
                  tinker_path=path, copied_from=body.source_path)
     await usage.checkpoint_made(gw, path, f"copy:{path}")

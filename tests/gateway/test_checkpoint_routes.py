@@ -3,6 +3,8 @@ listings, publish/ttl/delete, copies, and the user errors on each."""
 
 import os
 
+from sqlalchemy import select
+
 from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
 
 
@@ -91,3 +93,30 @@ def test_a_resent_save_is_answered_with_the_first_ones_future(gateway):
         assert again.status_code == 200 and api.result(again.json()).json() == done
         assert_user_error(api.post(kind, {**body, "seq_id": 4}), 400, "already exists")
     assert len(gateway.trainer.of("PushWeights")) == 2 and len(gateway.trainer.of("SaveState")) == 1
+
+
+def test_a_burst_of_copies_passes_no_checkpoint_quota(gateway):
+    """copy_weights makes a checkpoint outside the queue: its bytes are counted in the transaction
+    that records it, so 8 copies at once of a 10-byte checkpoint under a 35-byte quota make
+    exactly 3 (10 held, then 20, 30; the fourth finds 40), and a refused copy leaves nothing."""
+    import concurrent.futures
+
+    from gateway.storage.db import CheckpointRow, ModelRow
+
+    api = gateway.api
+    model_id = api.model(api.session())
+    path = api.result(api.post("save_weights", {"model_id": model_id, "seq_id": 1, "path": "q"}).json()).json()["path"]
+    gateway.api.client.app.state.gateway.settings.max_checkpoint_gb_per_user = 35e-9
+
+    def copy(i: int):
+        return api.post("copy_weights", {"source_path": path, "destination_project_id": "p"},
+                        headers={"x-idempotency-key": f"burst-{i}"})
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(copy, range(8)))
+    made = [r.json()["tinker_path"] for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code != 200]
+    assert len(made) == 3, [(r.status_code, r.text[:120]) for r in answers]
+    assert all(r.status_code == 400 and "--max-checkpoint-gb-per-user" in r.json()["error"] for r in refused)
+    db = gateway.api.client.app.state.gateway.db
+    rows = db.select(select(CheckpointRow).where(CheckpointRow.owner == db.get(ModelRow, model_id).owner))
+    assert len(rows) == 4          # the source and the three copies: no refused copy's row or run
