@@ -90,17 +90,13 @@ class Completions:
                                        "reported_cursor": None, "finished_at": now()})
         self.arrived(target)
 
-    def discard(self, request_id: str, target: Target | None = None) -> None:
-        """The client has the payload: the row goes, if any. With `target`, only the target's row
-        (a client acknowledges only its own sampling session's)."""
+    def discard(self, request_id: str) -> None:
+        """The client has the payload (fetched with retrieve_future): its row goes, if any."""
         with self.db.engine.begin() as conn:
-            if target is None:
-                conn.execute(_FETCHED, {"rid": request_id})
-                self._fetched[request_id] = None
-                while len(self._fetched) > _ACKED_KEPT:
-                    self._fetched.popitem(last=False)
-            else:
-                conn.execute(delete(_T).where(_C.request_id == request_id, _of(target)))
+            conn.execute(_FETCHED, {"rid": request_id})
+        self._fetched[request_id] = None
+        while len(self._fetched) > _ACKED_KEPT:
+            self._fetched.popitem(last=False)
 
     def discard_all(self, request_ids: list[str], target: Target) -> None:
         """The target's rows of these samples go (retrieve_futures' `retrieved_request_ids`), but
