@@ -4,16 +4,19 @@ merged export itself (`?format=merged`: tinkerd/merged_export.py), a full model 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import secrets
 import threading
+import time
 import weakref
 from typing import Iterator
 
 from gateway import checkpoints
 from gateway.checkpoints import Member, bytes_member, file_member
-from gateway.identity.limits import OverLimit
-from gateway.storage.db import CheckpointRow
+from gateway.identity.limits import Limits, OverLimit
+from gateway.storage.db import CheckpointRow, Database, ExportPlaceRow, now
 from tinkerd import merged_export
 
 FORMATS = ("peft", "merged")
@@ -66,53 +69,95 @@ def merged_plan(base_model_dir: str, row: CheckpointRow) -> merged_export.Plan:
 
 
 # Merging takes the gateway's CPU and, per download, a few ROWS_BYTES blocks of memory: at most
-# this many are made at once on a gateway, and one per checkpoint owner (two slow downloads of one
-# user's checkpoints must not block everyone's); another download meanwhile is a 429.
+# this many are made at once on a gateway, and one per checkpoint owner on all the gateways
+# together (two slow downloads of one user's checkpoints must not block everyone's); another
+# download meanwhile is a 429.
 MAX_MERGED_EXPORTS = 2
 MAX_MERGED_EXPORTS_PER_OWNER = 1
-_merging: weakref.WeakSet = weakref.WeakSet()    # their streams: one dropped unread frees its place
+# An owner's place is a database row (Limits.admit_export) with a lease its stream renews as it
+# sends: a download whose gateway went away, or stalled this long, no longer holds it.
+PLACE_LEASE_S = 120.0
+_RENEW_S = 30.0
+_merging: weakref.WeakSet = weakref.WeakSet()    # this gateway's places: one dropped unread frees its place
 _merging_lock = threading.Lock()
 
 
 def merged_archive(base_model_dir: str, row: CheckpointRow) -> checkpoints.Tar:
     """The merged export's tar, laid out: nothing is merged until its chunks are read, through
-    `merging`."""
+    a Place's `stream`."""
     return _merged_tar(base_model_dir, merged_plan(base_model_dir, row), row)
 
 
-def merging(chunks: Iterator[bytes], owner: str | None) -> Iterator[bytes]:
-    """A merged archive's chunks (or a range of them), counted among the exports being made
-    until they end; an OverLimit where MAX_MERGED_EXPORTS are being made already, or
-    MAX_MERGED_EXPORTS_PER_OWNER of the checkpoint owner's."""
+def take_place(limits: Limits, owner: str | None) -> "Place":
+    """A place to make a merged export of `owner`'s checkpoint (blocking: the database, so in a
+    thread); an OverLimit where MAX_MERGED_EXPORTS are being made on this gateway already, or
+    MAX_MERGED_EXPORTS_PER_OWNER of the owner's on any."""
     with _merging_lock:
         if len(_merging) >= MAX_MERGED_EXPORTS:
             raise OverLimit(f"{len(_merging)} merged exports are being made on this gateway (the limit is "
                             f"{MAX_MERGED_EXPORTS}); retry when one has finished", retry_after_s=30)
-        if sum(s.owner == owner for s in _merging) >= MAX_MERGED_EXPORTS_PER_OWNER:
-            raise OverLimit(f"a merged export of this user's checkpoints is being made already (the limit is "
-                            f"{MAX_MERGED_EXPORTS_PER_OWNER} at a time); retry when it has finished", retry_after_s=30)
-        stream = _Merging(chunks, owner)
-        _merging.add(stream)
-    return stream
+        place = Place(limits.db, owner or "")
+        _merging.add(place)
+    try:
+        row = ExportPlaceRow(place_id=place.place_id, owner=place.owner, lease_until=place.lease_end())
+        limits.db.add_admitted(row, limits.admit_export(place.owner, MAX_MERGED_EXPORTS_PER_OWNER))
+    except BaseException:
+        with _merging_lock:
+            _merging.discard(place)
+        raise
+    place.held = weakref.finalize(place, _release_apart, limits.db, place.place_id)
+    return place
 
 
-class _Merging:
-    """A merged archive's chunks, counted among those being made until they end (sent, failed,
-    or dropped unread: then the WeakSet forgets it)."""
+class Place:
+    """A merged export's place: `stream` counts its chunks as being made until they end (sent,
+    failed, or dropped unread: then the place is freed when the stream is collected)."""
 
-    def __init__(self, chunks: Iterator[bytes], owner: str | None):
-        self._chunks, self.owner = chunks, owner
+    def __init__(self, db: Database, owner: str):
+        self.db, self.owner = db, owner
+        self.place_id = secrets.token_hex(16)
+        self.held: weakref.finalize | None = None
+        self._chunks: Iterator[bytes] = iter(())
+        self._renew_at = time.monotonic() + _RENEW_S
+
+    @staticmethod
+    def lease_end():
+        return now() + datetime.timedelta(seconds=PLACE_LEASE_S)
+
+    def stream(self, chunks: Iterator[bytes]) -> "Place":
+        self._chunks = chunks
+        return self
 
     def __iter__(self):
         return self
 
     def __next__(self) -> bytes:
         try:
-            return next(self._chunks)
+            chunk = next(self._chunks)
         except BaseException:
-            with _merging_lock:
-                _merging.discard(self)
+            self.release()
             raise
+        if time.monotonic() >= self._renew_at:        # starlette reads a sync stream in a thread
+            self._renew_at = time.monotonic() + _RENEW_S
+            self.db.touch(ExportPlaceRow, self.place_id, lease_until=self.lease_end())
+        return chunk
+
+    def release(self) -> None:
+        """Frees the place now (blocking: the database)."""
+        with _merging_lock:
+            _merging.discard(self)
+        if self.held is not None and self.held.detach() is not None:
+            _release(self.db, self.place_id)
+
+
+def _release(db: Database, place_id: str) -> None:
+    db.delete(ExportPlaceRow, place_id)
+
+
+def _release_apart(db: Database, place_id: str) -> None:
+    """A place dropped unread (a client gone before the first chunk) is collected wherever the
+    last reference went, perhaps on the event loop: its row is deleted in a thread of its own."""
+    threading.Thread(target=_release, args=(db, place_id), name="export-place", daemon=True).start()
 
 
 def _merged_tar(base_model_dir: str, plan: merged_export.Plan, row: CheckpointRow) -> checkpoints.Tar:

@@ -20,12 +20,13 @@ from __future__ import annotations
 from typing import Callable
 
 from fastapi import Request
+from sqlalchemy import delete, func, select
 from sqlalchemy.engine import Connection
 
 from gateway.errors import OverLimit, error_response      # noqa: F401 - OverLimit: limits' refusals
 from gateway.identity.caller import Caller
 from gateway.settings import GatewaySettings
-from gateway.storage.db import NEW_RUN_TYPES, SAVE_TYPES, Database
+from gateway.storage.db import NEW_RUN_TYPES, SAVE_TYPES, Database, ExportPlaceRow, now
 from tinkerd.errors import UserError
 
 
@@ -134,6 +135,20 @@ class Limits:
         def admit(conn: Connection) -> None:
             used, largest, pending = self.db.stored_bytes(conn, caller.user_id)
             self._refuse_over_quota(used - size, largest * pending, pending)
+        return admit
+
+    def admit_export(self, owner: str, limit: int) -> Admit:
+        """What admits a merged export's place (an ExportPlaceRow of `owner`'s checkpoints, added
+        with Database.add_admitted): at most `limit` of the owner's on every gateway, the new one
+        counted; places whose lease lapsed (their gateway gone) are dropped first."""
+        def admit(conn: Connection) -> None:
+            places = ExportPlaceRow.__table__.c
+            stamp = now()
+            conn.execute(delete(ExportPlaceRow).where(places.owner == owner, places.lease_until < stamp))
+            held = conn.execute(select(func.count()).select_from(ExportPlaceRow).where(places.owner == owner)).scalar()
+            if held > limit:
+                raise OverLimit(f"a merged export of this user's checkpoints is being made already (the limit is "
+                                f"{limit} at a time, on every gateway); retry when it has finished", retry_after_s=30)
         return admit
 
     def check_checkpoint_bytes(self, caller: Caller) -> None:

@@ -13,12 +13,11 @@ An archive is made as it is sent, and a range starts making it where the range s
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 from typing import Callable, Iterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from gateway import checkpoints, export
 from gateway.signed_downloads import GET_HEAD, authorized, downloaded, ranged
@@ -73,4 +72,10 @@ async def get_merged_archive(run_id: str, kind: str, name: str, request: Request
     starlette's thread pool (a sync iterator), off the event loop. A HEAD merges nothing."""
     row = _archived(request, gw, run_id, kind, name, "merged")
     archive = await asyncio.to_thread(export.merged_archive, gw.settings.base_model, row)   # reads headers
-    return _tar_response(request, archive, f"{name}-merged.tar", functools.partial(export.merging, owner=row.owner))
+    if request.method == "HEAD":
+        return _tar_response(request, archive, f"{name}-merged.tar")
+    place = await asyncio.to_thread(export.take_place, gw.limits, row.owner)    # counted in the database
+    response = _tar_response(request, archive, f"{name}-merged.tar", place.stream)
+    if not isinstance(response, StreamingResponse):          # a refused range: nothing is made
+        await asyncio.to_thread(place.release)
+    return response

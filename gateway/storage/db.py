@@ -351,6 +351,16 @@ class CustomLossRow(Base):
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
+class ExportPlaceRow(Base):
+    """A merged export being made (gateway/export.py): one row per download, counted per checkpoint
+    owner on every gateway; a gateway renews its rows' leases while it streams, and a row whose
+    lease lapsed (its gateway gone) no longer counts."""
+    __tablename__ = "export_places"
+    place_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    lease_until: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True))
+
+
 @event.listens_for(ModelRow, "after_delete")
 def _delete_step_metrics(_mapper, connection, row: ModelRow) -> None:
     """A run's metrics go with it (no foreign key: SQLite would enforce it only with a pragma)."""

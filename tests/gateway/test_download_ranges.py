@@ -134,7 +134,8 @@ def test_a_head_of_a_merged_archive_merges_nothing(gateway, tmp_path, monkeypatc
     api, gw = gateway.api, gateway.api.client.app.state.gateway
     model_id = _merged_checkpoint(gateway, tmp_path)
     row = gw.db.get(CheckpointRow, f"tinker://{model_id}/weights/c")
-    held = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), "another-user")
+    held = export.take_place(gw.limits, "another-user").stream(
+        export.merged_archive(gateway.settings.base_model, row).chunks())
     next(held)
     url = _archive_url(api, model_id, format="merged")
     head = api.client.head(url)

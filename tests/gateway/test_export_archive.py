@@ -183,7 +183,8 @@ def test_merged_exports_at_once_are_capped_with_a_429(gateway, tmp_path, monkeyp
 
     monkeypatch.setattr(export, "MAX_MERGED_EXPORTS", 1)
     row, url = _mergeable(gateway, tmp_path)
-    held = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), "x")   # one in progress
+    limits = gateway.api.client.app.state.gateway.limits
+    held = export.take_place(limits, "x").stream(export.merged_archive(gateway.settings.base_model, row).chunks())
     next(held)
     busy = gateway.api.client.get(f"{url.path}?{url.query}")
     assert busy.status_code == 429 and busy.headers["retry-after"] == "30"
@@ -191,8 +192,9 @@ def test_merged_exports_at_once_are_capped_with_a_429(gateway, tmp_path, monkeyp
     for _ in held:            # it finishes
         pass
     assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200
-    dropped = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), "x")
+    dropped = export.take_place(limits, "x").stream(export.merged_archive(gateway.settings.base_model, row).chunks())
     del dropped               # never read
+    _places_become(limits, 0)
     assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200
 
 
@@ -203,11 +205,77 @@ def test_one_owner_takes_one_merged_export_place(gateway, tmp_path, monkeypatch)
 
     monkeypatch.setattr(export, "MAX_MERGED_EXPORTS", 3)
     row, url = _mergeable(gateway, tmp_path)
-    others = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), "another-user")
+    limits = gateway.api.client.app.state.gateway.limits
+    others = export.take_place(limits, "another-user").stream(
+        export.merged_archive(gateway.settings.base_model, row).chunks())
     next(others)
     assert gateway.api.client.get(f"{url.path}?{url.query}").status_code == 200      # a place of its own
-    mine = export.merging(export.merged_archive(gateway.settings.base_model, row).chunks(), row.owner)
+    mine = export.take_place(limits, row.owner).stream(export.merged_archive(gateway.settings.base_model, row).chunks())
     next(mine)
     busy = gateway.api.client.get(f"{url.path}?{url.query}")
     assert busy.status_code == 429 and "this user's checkpoints" in busy.json()["error"]
     del others, mine
+
+
+def _places_become(limits, n: int, timeout_s: float = 10.0) -> None:
+    """The database holds `n` merged-export places (a dropped place's row goes in a thread)."""
+    import time
+
+    from sqlalchemy import select
+
+    from gateway.storage.db import ExportPlaceRow
+
+    deadline = time.monotonic() + timeout_s
+    while limits.db.count(select(ExportPlaceRow)) != n:
+        assert time.monotonic() < deadline, limits.db.count(select(ExportPlaceRow))
+        time.sleep(0.05)
+
+
+def test_a_burst_of_merged_exports_over_two_gateways_takes_the_owners_places_exactly(db_url, tmp_path, monkeypatch):
+    """An owner's places are counted in the database, in the transaction that takes one: 12
+    downloads of one owner's checkpoints at once, over two gateways on one database, get exactly
+    the per-owner limit; the rest are 429s. A place freed on one gateway is free on the other, and
+    one whose gateway went away (its lease not renewed) is free once its lease lapses."""
+    import concurrent.futures
+    import datetime
+    import threading
+
+    from gateway import export
+    from gateway.identity.limits import Limits, OverLimit
+    from gateway.settings import GatewaySettings
+    from gateway.storage.db import Database, ExportPlaceRow
+
+    monkeypatch.setattr(export, "MAX_MERGED_EXPORTS", 100)          # this process plays both gateways
+    monkeypatch.setattr(export, "MAX_MERGED_EXPORTS_PER_OWNER", 2)
+    settings = GatewaySettings(base_model="m", trainer="t", state_dir=str(tmp_path))
+    limits = [Limits(settings, Database(db_url)), Limits(settings, Database(db_url))]
+    start = threading.Barrier(12)
+
+    def take(i: int):
+        start.wait()
+        try:
+            return export.take_place(limits[i % 2], "owner-a")
+        except OverLimit as e:
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(take, range(12)))
+    places = [o for o in outcomes if isinstance(o, export.Place)]
+    refusals = [o for o in outcomes if not isinstance(o, export.Place)]
+    assert len(places) == 2 and len(refusals) == 10, outcomes
+    assert all(isinstance(e, OverLimit) and "the limit is 2 at a time, on every gateway" in str(e) for e in refusals)
+    _places_become(limits[0], 2)                  # a refusal left no row behind
+    other = export.take_place(limits[1], "owner-b")            # another owner's count is their own
+    places[0].release()                                         # freed on one gateway ...
+    again = export.take_place(limits[1 if places[0].db is limits[0].db else 0], "owner-a")   # ... taken on the other
+    with pytest.raises(OverLimit):
+        export.take_place(limits[0], "owner-a")
+    # A gateway gone mid-download: its row stays, unrenewed, until its lease lapses.
+    gone = places[1]
+    gone.held.detach()
+    limits[0].db.touch(ExportPlaceRow, gone.place_id,
+                       lease_until=datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=1))
+    taken = export.take_place(limits[1], "owner-a")
+    for place in (other, again, taken):
+        place.release()
+    _places_become(limits[0], 0)
