@@ -212,7 +212,10 @@ def test_a_weights_access_token_through_the_sdk(mstack, tiny_model_dir):
     weights_access_token; revoked, it grants nothing."""
     import httpx
 
-    stack, _ = mstack
+    stack, db_url = mstack
+    if db_url is not None:
+        pytest.skip("a token is one row looked up by its id, the same SQL on either database; search and usage, "
+                    "whose SQL differs, run on both above")
     owner, other = new_user(mstack, "owner"), new_user(mstack, "borrower")
     tc = tinker.ServiceClient(base_url=stack.url, api_key=owner).create_lora_training_client(
         base_model=tiny_model_dir, rank=4)
@@ -245,7 +248,9 @@ def test_an_age_encrypted_export_decrypts_to_the_plain_one(mstack, tiny_model_di
     an unencrypted export of the same weights; a recipient that does not parse is a 400."""
     import pyrage
 
-    stack, _ = mstack
+    stack, db_url = mstack
+    if db_url is not None:
+        pytest.skip("encryption happens in the trainer, whatever the database; search and usage run on both above")
     key = new_user(mstack, "sealer")
     identity = pyrage.x25519.Identity.generate()
     tc = tinker.ServiceClient(base_url=stack.url, api_key=key).create_lora_training_client(
