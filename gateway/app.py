@@ -52,7 +52,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_exception_handler(limits.OverLimit, limits.on_over_limit)
     # The last added runs first: the caller is known before any body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, authenticator=gw.authenticator, service_token=lambda: gw.service_auth.token)
+    app.add_middleware(AuthMiddleware, authenticator=gw.authenticator, service_auth=lambda: gw.service_auth)
     for router in ROUTERS:
         app.include_router(router)
     app.include_router(console.api_router)          # the web console (gateway/console/)

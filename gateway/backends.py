@@ -23,7 +23,7 @@ class Backends:
     def __init__(self, settings: GatewaySettings, db: Database, auth: ServiceAuth):
         channel = aio_channel(settings.trainer, auth, resilient_calls("tinkerd.v1.Trainer", settings.rpc_timeout_s),
                               send_token=False)
-        self.trainer = AioCallsWithMetadata(trainer_pb2_grpc.TrainerStub(channel), auth.token, _tenant)
+        self.trainer = AioCallsWithMetadata(trainer_pb2_grpc.TrainerStub(channel), auth.bearer("trainer"), _tenant)
         self.samplers = SamplerPool(settings.samplers, db, auth, timeout_s=settings.rpc_timeout_s,
                                     wait_s=settings.sampler_wait_s)
 

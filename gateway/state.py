@@ -76,7 +76,7 @@ class Gateway:
     @functools.cached_property
     def service_auth(self) -> ServiceAuth:
         """The credentials services present to each other (and replicas to the gateway)."""
-        return ServiceAuth.of(self.settings)
+        return ServiceAuth.of(self.settings, role="gateway")
 
     @property
     def traces(self) -> Traces:

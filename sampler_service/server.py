@@ -22,7 +22,7 @@ def serve(s: SamplerSettings) -> None:
     from tinkerd.rpc import ServiceAuth, check_exposure, create_server
     from tinkerd.v1 import sampler_pb2_grpc
 
-    auth = ServiceAuth.of(s)
+    auth = ServiceAuth.of(s, role="sampler")
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of engine start
     check_urls(s.register_with, auth.tls or bool(s.register_ca))
     check_advertised(advertised_address(s.listen, 0, s.advertise_address), s.register_with)
@@ -38,7 +38,7 @@ def serve(s: SamplerSettings) -> None:
     sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine, state_dir=os.path.abspath(s.state_dir)),
                                                    server)
     registration = Registration(s.register_with, advertised_address(s.listen, port, s.advertise_address),
-                                auth.token, s.register_ca)
+                                auth.bearer("gateway"), s.register_ca)
 
     def stop():
         registration.stop()

@@ -1,13 +1,16 @@
 """gRPC plumbing shared by the services: server construction, channels, service authentication,
 and the boundary that turns exceptions into status codes.
 
-Service authentication (all of it is here): a server given a shared token refuses every call
-whose `authorization: Bearer <token>` metadata is missing or wrong with UNAUTHENTICATED, except
-the standard health check (`grpc.health.v1.Health/Check`: kubelet's gRPC probe cannot send a
-token, and it reveals one status word; tinkerd's own Health, Watch and reflection need the
-token, see tinkerd/health.py); given a certificate it serves TLS, and given
-a CA as well it requires client certificates signed by it (mTLS). Clients send the token and
-speak TLS with the same settings. A server refuses to listen beyond loopback unauthenticated.
+Service authentication (all of it is here): a server given the shared secret, or its role's
+credential (tinkerd/service_roles.py), refuses every call whose `authorization: Bearer <token>`
+metadata is missing or wrong with UNAUTHENTICATED, except the standard health check
+(`grpc.health.v1.Health/Check`: kubelet's gRPC probe cannot send a token, and it reveals one
+status word; tinkerd's own Health, Watch and reflection need the token, see tinkerd/health.py),
+and a call whose token's role may not use the method with PERMISSION_DENIED, naming the role.
+Clients present their role's token for the service they call (the secret itself is the
+operator's credential, for tools). Given a certificate a server serves TLS, and given a CA as
+well it requires client certificates signed by it (mTLS). Clients speak TLS with the same
+settings. A server refuses to listen beyond loopback unauthenticated.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import hmac
 import ipaddress
 import json
 import logging
+import secrets
 import socket
 from typing import Callable, Iterable
 
 import grpc
 
+from tinkerd import service_roles
 from tinkerd.errors import ServiceError
 from tinkerd.metrics import RpcMetrics
 from tinkerd.settings import setting
@@ -41,8 +46,10 @@ CHANNEL_OPTIONS = [
 @dataclasses.dataclass(kw_only=True)
 class ServiceAuthSettings:
     """Settings of every service that calls or serves gRPC (one shared flag each under `tinkerd up`)."""
-    service_token_file: str = setting("", help="file holding the shared service token: servers refuse gRPC "
-                                               "calls without it, clients send it (tinkerd up makes one)")
+    service_token_file: str = setting("", help="file holding the shared service secret (tinkerd up makes one), or "
+                                               "this service's credential derived from it (python -m "
+                                               "tinkerd.service_roles): each service presents its role's token, "
+                                               "servers refuse calls without one its role may make")
     tls_cert: str = setting("", help="PEM certificate: servers serve TLS with it, clients present it (mTLS)")
     tls_key: str = setting("", help="PEM private key of --tls-cert")
     tls_ca: str = setting("", help="PEM CA bundle: clients verify servers with it (else TLS only with "
@@ -62,20 +69,63 @@ def _read(path: str) -> bytes:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class ServiceAuth:
-    """The loaded credentials (repr=False: the token must not reach a log)."""
+    """The loaded credentials (repr=False: no token may reach a log). `token` is the shared
+    secret, from which every role's tokens derive; `credential` instead, a role's credential file
+    (its own tokens, and digests of those its service accepts)."""
     token: str = ""
     cert: bytes = b""
     key: bytes = b""
     ca: bytes = b""
+    role: str = "operator"
+    credential: dict | None = None
 
     @classmethod
-    def of(cls, s: ServiceAuthSettings) -> "ServiceAuth":
-        token = _read(s.service_token_file).decode().strip() if s.service_token_file else ""
-        if s.service_token_file and not token:
+    def of(cls, s: ServiceAuthSettings, role: str = "") -> "ServiceAuth":
+        """`role`: the service these settings are for ("" takes a credential file's, else the operator)."""
+        text = _read(s.service_token_file).decode().strip() if s.service_token_file else ""
+        if s.service_token_file and not text:
             raise ValueError(f"the service token file {s.service_token_file} is empty")
         if bool(s.tls_cert) != bool(s.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
-        return cls(token, *(_read(p) if p else b"" for p in (s.tls_cert, s.tls_key, s.tls_ca)))
+        pem = (_read(p) if p else b"" for p in (s.tls_cert, s.tls_key, s.tls_ca))
+        credential = service_roles.parse_credential(text)
+        if credential is None:
+            return cls(text, *pem, role=role or "operator")
+        if role and credential["role"] != role:
+            raise ValueError(f"{s.service_token_file} is the {credential['role']} service's credential, not the "
+                             f"{role}'s: give this service its own (python -m tinkerd.service_roles {role})")
+        return cls("", *pem, role=credential["role"], credential=credential)
+
+    def bearer(self, audience: str) -> str:
+        """The token this service presents to `audience`'s servers ("" when it holds none)."""
+        if self.credential is not None:
+            return self.credential["send"].get(audience, "")
+        return service_roles.derive(self.token, self.role, audience) if self.token else ""
+
+    def bearer_for(self, method: str, audience: str = "") -> str:
+        """The token for a call of `method`: its service's audience's, else `audience`'s; with
+        neither known, the secret itself (an operator's tool calling reflection, say)."""
+        audience = service_roles.audience_of(method) or audience
+        return self.bearer(audience) if audience else self.token
+
+    def caller_role(self, given: str, audience: str) -> str:
+        """The role whose token `given` is for `audience` ("" if none): the secret itself is the operator's."""
+        if self.token and hmac.compare_digest(given.encode("latin-1", "replace"), self.token.encode()):
+            return "operator"
+        role = service_roles.role_of(given)
+        if not role or not audience:
+            return ""
+        if self.credential is not None:
+            expected = self.credential["accept"].get(role) if audience == self.credential["role"] else None
+        else:
+            expected = _expected_digest(self.token, role, audience) if self.token else None
+        if expected is None:
+            return ""
+        return role if hmac.compare_digest(service_roles.digest(given), expected) else ""
+
+    @property
+    def holds_token(self) -> bool:
+        return bool(self.token or self.credential)
 
     @property
     def tls(self) -> bool:
@@ -84,7 +134,12 @@ class ServiceAuth:
     @property
     def authenticates(self) -> bool:
         """Whether a server with these credentials refuses unknown callers (token, or mTLS)."""
-        return bool(self.token or (self.cert and self.ca))
+        return bool(self.holds_token or (self.cert and self.ca))
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_digest(secret: str, role: str, audience: str) -> str:
+    return service_roles.digest(service_roles.derive(secret, role, audience))
 
 
 def is_loopback(address: str) -> bool:
@@ -145,30 +200,41 @@ def check_exposure(address: str, auth: ServiceAuth, allow_insecure: bool) -> Non
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 
 
-def _unauthenticated(request, context):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong service token")
-
-
-# The refusal must have the refused method's shape (reflection and Health/Watch stream).
-_REFUSE = {(False, False): grpc.unary_unary_rpc_method_handler(_unauthenticated),
-           (False, True): grpc.unary_stream_rpc_method_handler(_unauthenticated),
-           (True, False): grpc.stream_unary_rpc_method_handler(_unauthenticated),
-           (True, True): grpc.stream_stream_rpc_method_handler(_unauthenticated)}
+def _refusal(code: grpc.StatusCode, message: str, shape: tuple[bool, bool]):
+    """A handler that refuses with `code`, of the refused method's shape (reflection and
+    Health/Watch stream)."""
+    def refuse(request, context):
+        context.abort(code, message)
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[shape](refuse)
 
 
 class _RequireToken(grpc.ServerInterceptor):
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+    """Lets a call through when its token is a role's for the method's service (else for this
+    server's own, for grpc.health.v1 and reflection) and that role may call the method."""
+
+    def __init__(self, auth: ServiceAuth):
+        self._auth = auth
+        self._own = auth.role if auth.role in service_roles.AUDIENCES else ""
 
     def intercept_service(self, continuation, details):
-        if details.method in OPEN_METHODS:
+        method = details.method
+        if method in OPEN_METHODS:
             return continuation(details)
         given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
-        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+        given = given.decode("latin-1") if isinstance(given, bytes) else given
+        audience = service_roles.audience_of(method) or self._own
+        role = self._auth.caller_role(given[7:] if given.startswith("Bearer ") else "", audience)
+        if role == "operator" or (role and service_roles.allows(audience, role, method)):
             return continuation(details)
         handler = continuation(details)
         shape = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
-        return _REFUSE[shape]
+        if not role:
+            return _refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong service token", shape)
+        return _refusal(grpc.StatusCode.PERMISSION_DENIED,
+                        f"the {role} service's token may not call {method} (it opens "
+                        f"{service_roles.opens(audience, role)} of the {audience})", shape)
 
 
 def create_server(address: str, *, max_workers: int = 32, auth: ServiceAuth = ServiceAuth(),
@@ -179,7 +245,7 @@ def create_server(address: str, *, max_workers: int = 32, auth: ServiceAuth = Se
     check_exposure(address, auth, allow_insecure)
     if auth.ca and not auth.cert:
         raise SystemExit("--tls-ca on a server needs --tls-cert and --tls-key")
-    interceptors = [_RequireToken(auth.token)] if auth.token else []
+    interceptors = [_RequireToken(auth)] if auth.holds_token else []
     interceptors.append(RpcMetrics())           # tinkerd_rpc_duration_seconds, by method and code
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
@@ -206,35 +272,39 @@ class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", 
 
 
 def _token_header(token: str) -> tuple[str, str]:
-    """The metadata pair that carries the service token on a call."""
+    """The metadata pair that carries a service token on a call."""
     return ("authorization", f"Bearer {token}")
 
 
 class _SendToken(grpc.UnaryUnaryClientInterceptor):
-    def __init__(self, token: str):
-        self._header = _token_header(token)
+    def __init__(self, auth: ServiceAuth, audience: str):
+        self._auth, self._audience = auth, audience
 
     def intercept_unary_unary(self, continuation, details, request):
-        metadata = [*(details.metadata or ()), self._header]
+        token = self._auth.bearer_for(details.method, self._audience)
+        metadata = [*(details.metadata or ()), *((_token_header(token),) if token else ())]
         return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials,
                                          details.wait_for_ready, details.compression), request)
 
 
 class _SendTokenAio(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, token: str):
-        self._header = _token_header(token)
+    def __init__(self, auth: ServiceAuth, audience: str):
+        self._auth, self._audience = auth, audience
 
     async def intercept_unary_unary(self, continuation, details, request):
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        token = self._auth.bearer_for(method, self._audience)
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *((_token_header(token),) if token else ()))
         return await continuation(details._replace(metadata=metadata), request)
 
 
-def channel(address: str, auth: ServiceAuth = ServiceAuth()) -> grpc.Channel:
+def channel(address: str, auth: ServiceAuth = ServiceAuth(), audience: str = "") -> grpc.Channel:
+    """`audience`: the service at `address` ("trainer", "sampler"), for calls whose method does not name it."""
     if auth.tls:
         ch = grpc.secure_channel(address, _channel_credentials(auth), options=CHANNEL_OPTIONS)
     else:
         ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.intercept_channel(ch, _SendToken(auth.token)) if auth.token else ch
+    return grpc.intercept_channel(ch, _SendToken(auth, audience)) if auth.holds_token else ch
 
 
 def resilient_calls(service: str, timeout_s: float) -> list[tuple[str, object]]:
@@ -272,9 +342,9 @@ def user_tenant(user_id: str) -> str:
 
 
 def aio_channel(address: str, auth: ServiceAuth = ServiceAuth(), options=(), interceptors=(),
-                send_token: bool = True) -> grpc.aio.Channel:
-    """`send_token` False: the caller sends the service token itself (AioCallsWithMetadata)."""
-    token = [_SendTokenAio(auth.token)] if auth.token and send_token else []
+                send_token: bool = True, audience: str = "") -> grpc.aio.Channel:
+    """`send_token` False: the caller sends its token itself (AioCallsWithMetadata); `audience` as for channel."""
+    token = [_SendTokenAio(auth, audience)] if auth.holds_token and send_token else []
     interceptors = [*interceptors, *token] or None
     options = [*CHANNEL_OPTIONS, *options]
     if auth.tls:
@@ -284,7 +354,7 @@ def aio_channel(address: str, auth: ServiceAuth = ServiceAuth(), options=(), int
 
 
 class AioCallsWithMetadata:
-    """A grpc.aio stub whose every call carries the service token and the pairs `metadata()`
+    """A grpc.aio stub whose every call carries a service token and the pairs `metadata()`
     makes at call time. Added per call rather than by aio interceptors: grpc.aio runs an
     intercepted call as a task of its own before it sends it, a turn of the event loop in which
     whatever else is ready runs first, and the request reaches the trainer later
@@ -304,7 +374,9 @@ class AioCallsWithMetadata:
 
 
 def rpc_boundary(method):
-    """Servicer decorator: ServiceError -> its status code; anything else -> INTERNAL, logged."""
+    """Servicer decorator: ServiceError -> its status code and message; anything else ->
+    INTERNAL with an incident id only (the exception's text names server-side types, paths and
+    values no user should see), its traceback logged under that id."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
@@ -312,8 +384,10 @@ def rpc_boundary(method):
             return method(self, request, context)
         except ServiceError as e:
             context.abort(e.code, str(e))
-        except Exception as e:  # noqa: BLE001 - the boundary must answer, never crash the server
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - the boundary must answer, never crash the server
+            incident = secrets.token_hex(6)
+            log.exception("%s failed (incident %s)", method.__name__, incident)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__} (incident {incident}: "
+                                                    f"the operator finds the detail in the service's log)")
 
     return wrapper

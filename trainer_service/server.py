@@ -76,7 +76,7 @@ def serve(s: TrainerSettings) -> None:
     from trainer_service import metrics
     from trainer_service.servicer import TrainerServicer
 
-    auth = ServiceAuth.of(s)
+    auth = ServiceAuth.of(s, role="trainer")
     check_exposure(s.listen, auth, s.allow_insecure)      # before minutes of model loading
     advertise_host = s.advertise_host or advertised_host(s.listen)
     if rank == 0 and not is_local_address(advertise_host):     # samplers would be sent where nothing listens

@@ -8,16 +8,17 @@ which makes the SDK exchange its key for a fresh one (and fail with Authenticati
 key itself is no longer valid). A plain ASGI middleware: it is on the futures hot path.
 
 The internal listener's routes (gateway/listeners.py) take an admin's credential; a tenant's is
-refused with 403. The replicas' (`/internal/v1/samplers/`) take the service token that the services'
-gRPC calls carry; joining or leaving the pool takes only it (an organisation admin is no operator). Being on this machine counts for nothing: a local user or a local
+refused with 403. The replicas' (`/internal/v1/samplers/`) take a sampler's service token
+(tinkerd/service_roles.py; a trainer's or gateway's is refused with 403); joining or leaving the pool takes only it (an organisation admin is no operator). Being on this machine counts for nothing: a local user or a local
 reverse proxy is not the operator. Checked here too, so a bad credential is a 401 before any body
 is read or bounded. A path on the wrong listener is a 404 before any credential is looked at.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Callable
 
 from fastapi import Depends, Request
@@ -26,6 +27,8 @@ from gateway import listeners
 from gateway.errors import error_body
 from gateway.identity.keys import Caller, KeyStore
 from gateway.identity.tokens import Signer
+from tinkerd import service_roles
+from tinkerd.rpc import ServiceAuth
 
 # Reachable without a credential: health probes, metrics scrapes (on the internal listener only),
 # downloads that carry their own signature, and the console's page and files (no data: its script
@@ -34,6 +37,9 @@ PUBLIC_PATHS = ("/api/v1/healthz", "/metrics", "/console", "/console/")       # 
 PUBLIC_PREFIXES = ("/files/", "/console/static/")
 INTERNAL_PREFIX = "/internal/"                  # admins only (internal_refusal) ...
 REPLICA_PREFIX = "/internal/v1/samplers/"       # ... and, for replicas joining the pool, the service token
+
+
+_LOOKUPS = ThreadPoolExecutor(2, thread_name_prefix="auth-lookup")
 
 
 class Authenticator:
@@ -49,6 +55,18 @@ class Authenticator:
         key_id = self.signer.token_key_id(credential)
         return (self.keys.caller_for_key_id(key_id) if key_id else None), True
 
+    async def caller_off_loop(self, credential: str) -> tuple[Caller | None, bool]:
+        """`caller`, reading the database (a key not looked up lately, perhaps a made-up one) in
+        a small pool of its own: never on the event loop, and a flood of unknown keys waits
+        there without holding up the threads other work runs in."""
+        if credential.startswith("tml-"):
+            key_id = self.keys.key_id_of(credential)
+        else:
+            key_id = self.signer.token_key_id(credential)     # a signature check: no database
+        if key_id is None or self.keys.cached(key_id):
+            return self.caller(credential)
+        return await asyncio.get_running_loop().run_in_executor(_LOOKUPS, self.caller, credential)
+
 
 def _credential(scope) -> str:
     for name, value in scope.get("headers", ()):
@@ -59,14 +77,15 @@ def _credential(scope) -> str:
     return ""
 
 
-def internal_refusal(token: str | None, auth: Authenticator, scope) -> tuple[tuple[int, str] | None, Caller | None]:
+def internal_refusal(service_auth: ServiceAuth | None, auth: Authenticator,
+                     scope) -> tuple[tuple[int, str] | None, Caller | None]:
     """(why a caller of an internal route is refused, or None; the admin it acts as, None for a
-    replica). The replicas' routes take the service token as a bearer credential; every internal
-    route takes an admin's API key or token."""
+    replica). The replicas' routes take a sampler's service token (or the operator's secret) as a
+    bearer credential; every internal route takes an admin's API key or token."""
     credential = _credential(scope)
     path = scope.get("path", "")
     replica_route = path.startswith(REPLICA_PREFIX)
-    # Joining or leaving the pool makes the gateway dial an address with the service token and the
+    # Joining or leaving the pool makes the gateway dial an address with its token and the
     # trainer push adapters there: the operator's credential only (an organisation admin is not one).
     operator_only = replica_route and path != REPLICA_PREFIX + "list"
     wanted = ("the service token (Authorization: Bearer)" if operator_only else
@@ -74,9 +93,12 @@ def internal_refusal(token: str | None, auth: Authenticator, scope) -> tuple[tup
               "an admin's API key")
     if not credential:
         return (401, f"missing credential: {wanted}"), None
-    # Bytes: compare_digest refuses a non-ASCII str (latin-1 round-trips the header's bytes).
-    if replica_route and token and hmac.compare_digest(credential.encode("latin-1"), token.encode()):
-        return None, None
+    role = service_auth.caller_role(credential, "gateway") if replica_route and service_auth else ""
+    if role:
+        if service_roles.allows("gateway", role, path):
+            return None, None
+        return (403, f"the {role} service's token does not open {path} (it opens "
+                     f"{service_roles.opens('gateway', role)})"), None
     if operator_only:
         return (403, f"{path} takes {wanted}, not an API key"), None
     caller, _ = auth.caller(credential)
@@ -96,10 +118,10 @@ async def _refuse(send, message: str, invalid_token: bool, status: int = 401) ->
 
 
 class AuthMiddleware:
-    def __init__(self, app, authenticator: Authenticator, service_token: Callable[[], str | None]):
+    def __init__(self, app, authenticator: Authenticator, service_auth: Callable[[], ServiceAuth | None]):
         self.app = app
         self.auth = authenticator
-        self.service_token = service_token
+        self.service_auth = service_auth
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -111,7 +133,7 @@ class AuthMiddleware:
         if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
             return await self.app(scope, receive, send)
         if path.startswith(INTERNAL_PREFIX):
-            refusal, admin = internal_refusal(self.service_token(), self.auth, scope)
+            refusal, admin = internal_refusal(self.service_auth(), self.auth, scope)
             if refusal is not None:
                 return await _refuse(send, refusal[1], False, refusal[0])
             if admin is not None:
@@ -122,7 +144,7 @@ class AuthMiddleware:
             credential = _credential(scope)
             if not credential:
                 return await _refuse(send, "missing API key: set TINKER_API_KEY (tinkerd keys create)", False)
-            caller, is_token = self.auth.caller(credential)
+            caller, is_token = await self.auth.caller_off_loop(credential)
             if caller is None:
                 what = "expired or invalid token" if is_token else "unknown or revoked API key"
                 return await _refuse(send, what, is_token)

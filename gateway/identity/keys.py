@@ -8,10 +8,12 @@ keeps what it looked up for a few seconds, so a revoked key stops working within
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import re
 import secrets
+import threading
 import time
 import uuid
 
@@ -77,22 +79,45 @@ def list_keys(db: Database) -> list[tuple[ApiKeyRow, UserRow]]:
 
 
 class KeyStore:
-    """Resolves keys (and key ids named in tokens) to callers, caching for AUTH_CACHE_S."""
+    """Resolves keys (and key ids named in tokens) to callers, caching for AUTH_CACHE_S. Ids with
+    no key are remembered apart, at most UNKNOWN_IDS of them (the oldest forgotten first): a flood
+    of made-up ids repeats no database read per id and evicts no one's key."""
+
+    UNKNOWN_IDS = 4096
 
     def __init__(self, db: Database):
         self.db = db
-        self._cache: dict[str, tuple[float, ApiKeyRow | None, UserRow | None]] = {}
+        self._cache: dict[str, tuple[float, ApiKeyRow, UserRow | None]] = {}
+        self._unknown: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._unknown_lock = threading.Lock()
+
+    def cached(self, key_id: str) -> bool:
+        """Whether looking `key_id` up reads no database (a fresh answer is kept)."""
+        hit = self._cache.get(key_id)
+        seen = hit[0] if hit is not None else self._unknown.get(key_id)
+        return seen is not None and time.monotonic() - seen < AUTH_CACHE_S
 
     def _lookup(self, key_id: str) -> tuple[ApiKeyRow | None, UserRow | None]:
         hit = self._cache.get(key_id)
         if hit is not None and time.monotonic() - hit[0] < AUTH_CACHE_S:
             return hit[1], hit[2]
+        seen = self._unknown.get(key_id)
+        if seen is not None and time.monotonic() - seen < AUTH_CACHE_S:
+            return None, None
         with self.db.session() as s:          # straight from the database: another process revokes
             key = s.get(ApiKeyRow, key_id)
             user = s.get(UserRow, key.user_id) if key is not None else None
-        if len(self._cache) > 10_000:
+        if key is None:
+            with self._unknown_lock:
+                self._unknown[key_id] = time.monotonic()
+                self._unknown.move_to_end(key_id)
+                while len(self._unknown) > self.UNKNOWN_IDS:
+                    self._unknown.popitem(last=False)
+            return None, None
+        if len(self._cache) > 10_000:         # only ids of real keys get here
             self._cache.clear()
         self._cache[key_id] = (time.monotonic(), key, user)
+        self._unknown.pop(key_id, None)
         return key, user
 
     def caller_for_key_id(self, key_id: str) -> Caller | None:
@@ -101,6 +126,11 @@ class KeyStore:
         if key is None or user is None or key.revoked_at is not None:
             return None
         return Caller(user.user_id, user.name, user.org_id, user.email, bool(user.admin), key.key_id)
+
+    def key_id_of(self, api_key: str) -> str | None:
+        """The id an API key names, None for what is no key at all."""
+        m = _KEY_RE.match(api_key)
+        return m.group(1) if m else None
 
     def caller_for_key(self, api_key: str) -> Caller | None:
         m = _KEY_RE.match(api_key)

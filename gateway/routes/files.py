@@ -29,6 +29,11 @@ router = APIRouter()
 @router.api_route("/files/{run_id}/external_weights/{name}/{relative:path}", methods=GET_HEAD)
 async def get_file(run_id: str, name: str, relative: str, request: Request, gw: GatewayDep) -> FileResponse:
     """One file, sent by starlette's FileResponse, which answers HEAD and Range itself."""
+    # The checks read the database (the URL's signer, perhaps a made-up one) and write the audit log.
+    return await asyncio.to_thread(_file, run_id, name, relative, request, gw)
+
+
+def _file(run_id: str, name: str, relative: str, request: Request, gw) -> FileResponse:
     row = gw.db.get(CheckpointRow, f"tinker://{run_id}/external_weights/{name}")
     signer = authorized(request, gw, checkpoints.download_path(run_id, f"external_weights/{name}", relative), row)
     if "\x00" in relative:                     # os.path refuses it with a ValueError
@@ -42,6 +47,7 @@ async def get_file(run_id: str, name: str, relative: str, request: Request, gw: 
 
 
 def _archived(request: Request, gw, run_id: str, kind: str, name: str, format: str) -> CheckpointRow:
+    """The checkpoint a signed archive URL is good for (blocking: the database, so in a thread)."""
     if kind not in ("weights", "sampler_weights"):
         raise NotFoundError(f"no archive of {kind} checkpoints")
     row = gw.db.get(CheckpointRow, checkpoints.tinker_path(run_id, kind, name))
@@ -62,7 +68,7 @@ def _tar_response(request: Request, archive: checkpoints.Tar, filename: str,
 @router.api_route("/files/{run_id}/{kind}/{name}/archive.tar", methods=GET_HEAD)
 async def get_archive(run_id: str, kind: str, name: str, request: Request, gw: GatewayDep) -> Response:
     # Registered after get_file: an external_weights file named archive.tar is that file.
-    row = _archived(request, gw, run_id, kind, name, "peft")
+    row = await asyncio.to_thread(_archived, request, gw, run_id, kind, name, "peft")
     return _tar_response(request, export.peft_archive(row), f"{name}.tar")
 
 
@@ -70,7 +76,7 @@ async def get_archive(run_id: str, kind: str, name: str, request: Request, gw: G
 async def get_merged_archive(run_id: str, kind: str, name: str, request: Request, gw: GatewayDep) -> Response:
     """The adapter merged into the base model (gateway/export.py); made as it is sent, in
     starlette's thread pool (a sync iterator), off the event loop. A HEAD merges nothing."""
-    row = _archived(request, gw, run_id, kind, name, "merged")
+    row = await asyncio.to_thread(_archived, request, gw, run_id, kind, name, "merged")
     archive = await asyncio.to_thread(export.merged_archive, gw.settings.base_model, row)   # reads headers
     if request.method == "HEAD":
         return _tar_response(request, archive, f"{name}-merged.tar")

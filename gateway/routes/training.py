@@ -3,7 +3,6 @@ does work is a future run in the model's seq_id order (gateway/futures/order.py)
 
 from __future__ import annotations
 
-import os
 
 from fastapi import APIRouter, Request
 
@@ -48,8 +47,9 @@ async def get_info(body: ModelIdRequest, caller: CallerDep, gw: GatewayDep) -> G
     row = gw.sessions.model(caller, body.model_id)
     return GetInfoResponse(model_id=row.model_id, lora_rank=row.lora_rank, model_name=row.base_model,
                            optimizer_config=optimizer_config(row.optimizer),
-                           model_data=ModelData(arch="llama", model_name=row.base_model,
-                                                tokenizer_id=os.path.abspath(gw.settings.base_model)))
+                           # The name the model was made with (an alias, or the directory the client
+                           # named): never the server's own path.
+                           model_data=ModelData(arch="llama", model_name=row.base_model, tokenizer_id=row.base_model))
 
 
 @router.post("/forward_backward")

@@ -25,6 +25,8 @@ def test_create_model_reaches_the_trainer_with_its_lora_config(gateway):
     assert create.base_model == gateway.settings.base_model and not create.lora_config.HasField("seed")
     info = api.post("get_info", {"model_id": model_id}).json()
     assert info["model_data"]["model_name"] == "tiny/base" and info["lora_rank"] == 4
+    # The tokenizer is named as the model was, not by the server's directory.
+    assert info["model_data"]["tokenizer_id"] == "tiny/base"
 
 
 def test_forward_backward_and_optim_step_in_seq_order(gateway):

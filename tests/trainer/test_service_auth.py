@@ -4,6 +4,7 @@ trainer write outside its state dir."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import subprocess
@@ -126,6 +127,22 @@ def test_calls_without_credentials_are_refused(trainer):
         assert _code(lambda: stub.Health(health, timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
         assert _code(lambda: stub.DeleteModel(trainer_pb2.DeleteModelRequest(model_id="x"), timeout=10)) \
             == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_each_service_role_calls_only_its_own_methods(trainer):
+    """The trainer takes the secret's derived tokens: the gateway's drives it, a sampler's only reads."""
+    sampler = _stub(trainer, dataclasses.replace(_auth(trainer["pki"], token=TOKEN), role="sampler"))
+    assert sampler.Health(common_pb2.HealthRequest(), timeout=30).ready
+    for call in (lambda: sampler.CreateModel(trainer_pb2.CreateModelRequest(model_id="s:role:0"), timeout=30),
+                 lambda: sampler.ForwardBackward(trainer_pb2.ForwardBackwardRequest(model_id="s:role:0", seq_id=1),
+                                                 timeout=30),
+                 lambda: sampler.SaveState(trainer_pb2.SaveStateRequest(model_id="s:role:0", seq_id=1, kind="weights",
+                                                                        name="x"), timeout=30)):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "the sampler service's token" in e.value.details()
+    gateway = _stub(trainer, dataclasses.replace(_auth(trainer["pki"], token=TOKEN), role="gateway"))
+    assert not gateway.DeleteModel(trainer_pb2.DeleteModelRequest(model_id="s:role:0"), timeout=30).deleted
 
 
 def _files(root) -> set[str]:

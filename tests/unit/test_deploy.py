@@ -27,7 +27,7 @@ DEPLOY = os.path.join(ROOT, "deploy")
 K8S = os.path.join(DEPLOY, "k8s")
 SERVICES = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": GatewaySettings}
 OVERLAYS = ("cpu", "gpu")
-COMPONENTS = ("tls", "external-database", "trainer-ranks")
+COMPONENTS = ("tls", "external-database", "trainer-ranks", "service-roles")
 HEALTHZ = "/api/v1/healthz"
 
 
@@ -330,6 +330,13 @@ def test_kubernetes_manifests_render_and_agree_with_the_cli(tmp_path, overlay, c
         assert os.path.dirname(args.service_token_file) == mounts["token"]
         assert volumes["token"]["secret"]["secretName"] == "tinkerd-service-token"
         assert mounts["models"] == args.base_model
+        # components/service-roles: a pod mounts its own role's credential only, at the same path.
+        items = volumes["token"]["secret"].get("items")
+        if "service-roles" in components:
+            assert items == [{"key": kind, "path": os.path.basename(args.service_token_file)}], items
+            assert volumes["token"]["secret"]["defaultMode"] == 0o400
+        else:
+            assert items is None
 
 
 def test_the_readme_says_how_to_make_every_secret_the_manifests_use():

@@ -10,7 +10,7 @@ import pytest
 
 from launcher import up
 from tinkerd import rpc
-from tinkerd.v1 import common_pb2, sampler_pb2_grpc
+from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 
 
 class _Health(sampler_pb2_grpc.SamplerServicer):
@@ -106,3 +106,37 @@ def test_up_makes_one_private_token_per_state_dir(tmp_path):
     assert len(token) >= 32 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert up.service_token_file(str(tmp_path)) == path and open(path).read() == token
     assert "t0ken" not in repr(rpc.ServiceAuth(token="t0ken"))
+
+
+class _Failing(sampler_pb2_grpc.SamplerServicer):
+    @rpc.rpc_boundary
+    def Health(self, request, context):
+        raise RuntimeError("cannot open /srv/tinkerd/state/models/secret-user/optimizer.pt")
+
+    @rpc.rpc_boundary
+    def Sample(self, request, context):
+        from tinkerd.errors import UserError
+        raise UserError("max_tokens must be at least 1")
+
+
+def test_an_unexpected_error_reaches_the_caller_as_an_incident_id_only(caplog):
+    """A service's own failure text (server paths, types) stays in its log, under an id the
+    caller is given; a ServiceError's message, written for the caller, goes through as it is."""
+    srv, port = rpc.create_server("127.0.0.1:0", max_workers=2)
+    sampler_pb2_grpc.add_SamplerServicer_to_server(_Failing(), srv)
+    srv.start()
+    try:
+        stub = sampler_pb2_grpc.SamplerStub(rpc.channel(f"127.0.0.1:{port}"))
+        with caplog.at_level("ERROR", logger="tinkerd.rpc"), pytest.raises(grpc.RpcError) as e:
+            stub.Health(common_pb2.HealthRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+        details = e.value.details()
+        assert "/srv/" not in details and "RuntimeError" not in details and "internal error in Health" in details
+        incident = details.split("incident ")[1].split(":")[0]
+        logged = [r for r in caplog.records if incident in r.getMessage()]
+        assert logged and "optimizer.pt" in "".join(logged[0].exc_info and str(logged[0].exc_info[1]))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Sample(sampler_pb2.SampleRequest(), timeout=10)
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
+    finally:
+        srv.stop(0)

@@ -78,3 +78,26 @@ def test_a_loaded_tokenizer_is_not_walked_by_full_collections(tiny_model_dir):
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert not seen["tokenizer_walked"] and not seen["transformers_walked"], seen
     assert seen["frozen"] > 10 * seen["walked"], seen
+
+
+def test_a_users_waiting_jobs_are_bounded():
+    """Requests waiting for a user's share hold their bodies and connections: beyond the bound a
+    job is refused with OverLimit (a 429), and the user's and others' jobs go on."""
+    from gateway.errors import OverLimit
+
+    async def main():
+        pool = TokenizerPool(threads=2, per_user=1, waiting_per_user=3)
+        release = threading.Event()
+        held = [asyncio.create_task(pool.run("a", release.wait, 10)) for _ in range(4)]
+        await asyncio.sleep(0.2)
+        try:
+            await pool.run("a", lambda: "fifth")
+            raise AssertionError("a fifth job of a was let wait")
+        except OverLimit as e:
+            assert "4 of your tokenizing jobs" in str(e) and "limit 4" in str(e) and e.retry_after_s == 1
+        assert await asyncio.wait_for(pool.run("b", lambda: "b"), 2) == "b"
+        release.set()
+        assert await asyncio.gather(*held) == [True] * 4
+        assert await pool.run("a", lambda: "again") == "again"
+        assert pool.busy_users() == 0
+    asyncio.run(main())
