@@ -89,7 +89,8 @@ class SamplerPool:
     async def refresh(self) -> None:
         """Members from the registry table, then one health check of each."""
         cutoff = now() - datetime.timedelta(seconds=REGISTRATION_TTL_S)
-        registered = set(self.db.select(select(SamplerReplicaRow.address).where(
+        # In a thread: a database gone silent must not stop the loop (and /healthz with it).
+        registered = set(await asyncio.to_thread(self.db.select, select(SamplerReplicaRow.address).where(
             SamplerReplicaRow.last_seen >= cutoff)))
         for address in registered - set(self.members):
             self._add(address, static=False)

@@ -1,11 +1,20 @@
 """A round-robin load balancer in front of several gateways, as users put one: per connection (a
 TCP proxy: each client connection goes to the next gateway) or per request (HTTP/1.1: each
 request on a keep-alive connection goes to the next gateway). For the tests that check that
-results reach a client through any gateway (tests/e2e/test_balanced_gateways.py).
+results reach a client through any gateway (tests/e2e/test_balanced_gateways.py,
+tests/e2e/test_multi_host.py).
 
     python -m harness.balancer --mode connection|request --port P http://127.0.0.1:A http://127.0.0.1:B
 
-prints `READY balancer <port>` once listening.
+prints `READY balancer <port>` once listening. With `--health-path /healthz` it checks each
+backend there every `--health-every-s` and sends nothing to one whose check fails (not a 200, or
+no answer within `--health-timeout-s`) until a check passes again, as a load balancer's or
+Kubernetes' readiness probe does; each change is printed (`backend URL down: ...`, `backend URL
+up`) and GET /_balancer/health answers each backend's state. A backend marked down has its
+requests in flight answered 502 and its connections closed (HAProxy's `on-marked-down
+shutdown-sessions`): a client waiting on a backend that went silent retries on another at once,
+instead of after its own timeout. With no backend up, a request is answered 503 and a connection
+closed.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import collections
 import itertools
 import json
 import socket
+import time
 import urllib.parse
 
 import httpx
@@ -35,25 +45,86 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
-def per_connection(backends: list[str]):
-    addresses = itertools.cycle([(u.hostname, u.port) for u in map(urllib.parse.urlsplit, backends)])
+class Backends:
+    """The backends in turn, skipping those whose last health check failed."""
 
+    def __init__(self, urls: list[str], health_path: str = "", every_s: float = 1.0, timeout_s: float = 2.0):
+        self.urls, self.health_path, self.every_s, self.timeout_s = urls, health_path, every_s, timeout_s
+        self.watching: asyncio.Task | None = None
+        self.in_flight: dict[str, set[asyncio.Future]] = {url: set() for url in urls}
+        self.state = {url: {"up": True, "since": time.time(), "last": ""} for url in urls}
+        self._turns = itertools.cycle(urls)
+
+    def next(self) -> str | None:
+        """The next backend that is up, or None when none is."""
+        for _ in range(len(self.urls)):
+            url = next(self._turns)
+            if self.state[url]["up"]:
+                return url
+        return None
+
+    async def watch(self) -> None:
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            while True:
+                await asyncio.gather(*(self._check(client, url) for url in self.urls))
+                await asyncio.sleep(self.every_s)
+
+    async def _check(self, client: httpx.AsyncClient, url: str) -> None:
+        try:
+            reply = await client.get(url + self.health_path)
+            up, last = reply.status_code == 200, f"{reply.status_code} {reply.text[:200]}"
+        except httpx.HTTPError as e:
+            up, last = False, f"{type(e).__name__}: {e}"
+        self.state[url]["last"] = last
+        if up != self.state[url]["up"]:
+            self.state[url].update(up=up, since=time.time())
+            print(f"backend {url} {'up' if up else 'down: ' + last}", flush=True)
+            if not up:
+                for work in self.in_flight[url]:
+                    work.cancel()
+
+    async def run(self, url: str, work) -> asyncio.Future:
+        """`work` (a coroutine) to `url`, ended if `url` is marked down meanwhile; returns it done."""
+        future = asyncio.ensure_future(work)
+        self.in_flight[url].add(future)
+        try:
+            await asyncio.wait({future})
+        finally:
+            self.in_flight[url].discard(future)
+        return future
+
+
+def per_connection(backends: Backends):
     async def serve(client_reader, client_writer):
-        host, port = next(addresses)
+        url = backends.next()
+        if url is None:
+            client_writer.close()
+            return
+        parts = urllib.parse.urlsplit(url)
+        host, port = parts.hostname, parts.port
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(host, port)
         except OSError:
             client_writer.close()
             return
-        await asyncio.gather(_pipe(client_reader, upstream_writer), _pipe(upstream_reader, client_writer))
+        await backends.run(url, asyncio.gather(_pipe(client_reader, upstream_writer),
+                                               _pipe(upstream_reader, client_writer)))
+        upstream_writer.close()
+        client_writer.close()
     return serve
 
 
-def per_request(backends: list[str]):
-    """Also answers GET /_balancer/stats itself: requests sent to each backend, by path."""
-    urls = itertools.cycle(backends)
+def _reply(writer: asyncio.StreamWriter, status: str, body: dict) -> None:
+    data = json.dumps(body).encode()
+    writer.write(f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n"
+                 .encode() + data)
+
+
+def per_request(backends: Backends):
+    """Also answers GET /_balancer/stats itself (requests sent to each backend, by path) and GET
+    /_balancer/health (each backend's state)."""
     client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
-    sent: dict[str, collections.Counter] = {url: collections.Counter() for url in backends}
+    sent: dict[str, collections.Counter] = {url: collections.Counter() for url in backends.urls}
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
@@ -65,18 +136,26 @@ def per_request(backends: list[str]):
                 headers = [(k.strip(), v.strip()) for k, v in headers]
                 length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
                 body = await reader.readexactly(length) if length else b""
-                if target == "/_balancer/stats":
-                    stats = json.dumps(sent).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                                 + str(len(stats)).encode() + b"\r\n\r\n" + stats)
+                if target in ("/_balancer/stats", "/_balancer/health"):
+                    _reply(writer, "200 OK", sent if target.endswith("stats") else backends.state)
                     await writer.drain()
                     continue
-                url = next(urls)
+                url = backends.next()
+                if url is None:
+                    _reply(writer, "503 Service Unavailable", {"detail": "no backend is up"})
+                    await writer.drain()
+                    continue
                 sent[url][target] += 1
                 forwarded = [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP and k.lower() != "host"]
                 if any(k.lower() == "content-encoding" for k, _ in headers):
                     forwarded += [(k, v) for k, v in headers if k.lower() == "content-encoding"]
-                reply = await client.request(method, url + target, headers=forwarded, content=body)
+                call = await backends.run(url, client.request(method, url + target, headers=forwarded, content=body))
+                if call.cancelled() or call.exception() is not None:
+                    why = "marked down" if call.cancelled() else f"{type(call.exception()).__name__}"
+                    _reply(writer, "502 Bad Gateway", {"detail": f"the backend failed ({why})"})
+                    await writer.drain()
+                    continue
+                reply = call.result()
                 content = reply.content       # decoded: sent on without its content-encoding
                 out = [f"HTTP/1.1 {reply.status_code} {reply.reason_phrase}"]
                 out += [f"{k}: {v}" for k, v in reply.headers.multi_items() if k.lower() not in _HOP_BY_HOP]
@@ -90,8 +169,10 @@ def per_request(backends: list[str]):
     return serve
 
 
-async def main(mode: str, port: int, backends: list[str]) -> None:
+async def main(mode: str, port: int, backends: Backends) -> None:
     serve = per_connection(backends) if mode == "connection" else per_request(backends)
+    if backends.health_path:
+        backends.watching = asyncio.create_task(backends.watch())     # held: a task nothing holds may be collected
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
@@ -105,6 +186,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=("connection", "request"), required=True)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--health-path", default="", help="checked on each backend (e.g. /healthz); none: no checks")
+    parser.add_argument("--health-every-s", type=float, default=1.0)
+    parser.add_argument("--health-timeout-s", type=float, default=2.0)
     parser.add_argument("backends", nargs="+")
     args = parser.parse_args()
-    asyncio.run(main(args.mode, args.port, args.backends))
+    asyncio.run(main(args.mode, args.port, Backends(args.backends, args.health_path, args.health_every_s,
+                                                    args.health_timeout_s)))

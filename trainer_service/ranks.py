@@ -9,6 +9,10 @@ After each call the ranks compare how it ended (ok / user error); ranks that dis
 diverged. A call that fails otherwise breaks the job at once on whichever rank it fails: the
 others may be inside the call's collectives, which that rank can no longer pair, so it does not
 wait to compare. Rank 0 pings the followers when idle, so a dead rank is noticed within seconds.
+A rank that goes silent instead (its host cut off: no connection closes, and a collective would
+wait out its timeout) is noticed by `watch`: every rank checks in with the job's store, rank 0
+watches the followers' check-ins and each follower rank 0's, and one missing for `timeout_s`
+breaks the job whatever its collectives are doing.
 
 Who does what inside a call:
 - forward_backward: the batch is split across ranks (balanced by tokens, `share`) and each rank's
@@ -48,6 +52,7 @@ from trainer_service.training import AdamParams, DatumInput, DimuonParams
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0             # rank 0 pings idle followers this often
+CHECK_INS = 5                 # a rank checks in with the store this often within its timeout
 EXIT_AFTER_S = 1.0            # a broken rank 0 lingers this long, so the failing reply gets out
 COMMAND_TIMEOUT = datetime.timedelta(minutes=30)   # the longest one call may take on a rank
 _PING, _STOP = "_ping", "_stop"
@@ -190,6 +195,55 @@ class Ranks:
             threading.Timer(EXIT_AFTER_S, exit_now, args=(1,)).start()
         return UnavailableError(f"the trainer job lost a rank or diverged ({reason}); it is being restarted")
 
+    def watch(self, timeout_s: float) -> None:
+        """Starts this rank's check-ins with the job's store (MASTER_ADDR:MASTER_PORT, the store the
+        job was formed by): a peer whose check-ins stop for `timeout_s`, or a store that does not
+        answer for as long, breaks the job. Rank 0 watches every follower, a follower rank 0. Not
+        the collectives' timeout: a step may keep a rank waiting on another for longer than this."""
+        if self.world > 1:
+            threading.Thread(target=self._watch, args=(timeout_s,), name="rank-watchdog", daemon=True).start()
+
+    def _watch(self, timeout_s: float) -> None:
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            log.warning("rank %d: no MASTER_ADDR and MASTER_PORT (the job was not formed by a launcher): a rank "
+                        "gone silent is noticed only by the collectives' timeout", self.rank)
+            return
+        prefix = f"tinkerd/check-ins/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        peers = range(1, self.world) if self.leader else [0]
+        heard = {r: (0, time.monotonic()) for r in peers}     # check-ins seen, and since when
+        store, answered, why = None, time.monotonic(), ""
+        while not self.broken and not self.stopped:
+            time.sleep(timeout_s / CHECK_INS)
+            try:
+                if store is None:
+                    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                          timeout=datetime.timedelta(seconds=timeout_s / 2))
+                store.add(prefix + str(self.rank), 1)
+                counts = {r: store.add(prefix + str(r), 0) for r in peers}
+            except Exception as e:  # noqa: BLE001 - unreachable, timed out: counted below
+                store, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if (silent := time.monotonic() - answered) > timeout_s:
+                    self._lost(f"the job's store at {host}:{port} has not answered for {silent:.0f} s "
+                               f"(this host cut off from rank 0's? {why})")
+                continue
+            answered = time.monotonic()
+            for r, count in counts.items():
+                if count != heard[r][0]:
+                    heard[r] = (count, answered)
+                elif count and answered - heard[r][1] > timeout_s:     # 0: not started yet
+                    self._lost(f"rank {r} has not checked in for {answered - heard[r][1]:.0f} s (its host cut "
+                               f"off, or its process stuck)")
+
+    def _lost(self, reason: str) -> None:
+        if self.stopped:
+            return
+        if self.leader:
+            self._break(reason)
+        else:
+            log.error("rank %d: %s; exiting", self.rank, reason)
+            exit_now(1)
+
     def _heartbeat(self) -> None:
         while not self.broken and not self.stopped:
             time.sleep(HEARTBEAT_S / 2)
@@ -217,6 +271,7 @@ class Ranks:
                 log.error("rank %d lost rank 0 (%s); exiting", self.rank, e)
                 exit_now(1)
             if method == _STOP:
+                self.stopped = True
                 _leave_job()
                 return
             status = self._run(engine, method, args, kwargs)

@@ -90,6 +90,7 @@ def serve(s: TrainerSettings) -> None:
         state_lock.hold(state_dir, "trainer", f"`tinkerd trainer` (--listen {s.listen})")
         serve_metrics(s, s.listen, "trainer")        # its port taken: said now, not after the model loads
     engine = build_engine(s, threads, DurableModels(state_dir, s.durable_interval_s))
+    engine.ranks.watch(s.rank_timeout_s)
     if not engine.ranks.leader:
         engine.ranks.follow(engine)        # until rank 0 stops; losing it exits non-zero
         return

@@ -56,3 +56,8 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                                 "(default: all; each replica gets the cheapest both ends can "
                                                 "use: cuda_ipc, nccl, shm, gloo); e.g. gloo where containers "
                                                 "share a host name but not /dev/shm")
+    rank_timeout_s: float = setting(30.0, help="a job of several ranks: a rank not heard from this long (its host "
+                                               "cut off, its process stuck or gone) breaks the job; the call in "
+                                               "flight fails, health says NOT_SERVING and the ranks exit, to be "
+                                               "restarted. Each rank checks in with the job's store (MASTER_ADDR) "
+                                               "several times in this", at_least=1)

@@ -41,6 +41,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TRAINER_PORT, SAMPLER_PORT, GATEWAY_PORT, INTERNAL_PORT, METRICS_PORT = 50051, 50052, 8000, 8001, 9100
 MASTER_PORT = 29500
 LEASE_S = 2.0
+# libpq's own: a connection whose sent data goes unacknowledged for 3 s, or whose peer fails 2
+# keepalive probes, fails, instead of waiting out TCP's retransmissions (~15 min) on a silent network.
+DB_LINK = "connect_timeout=3&tcp_user_timeout=3000&keepalives=1&keepalives_idle=2&keepalives_interval=1" \
+          "&keepalives_count=2"
+RANK_TIMEOUT_S = 5.0          # a silent rank breaks the trainer job after this (30 s by default)
 
 
 @dataclasses.dataclass
@@ -50,6 +55,18 @@ class Cluster:
     services: dict[str, Service]
     db_url: str
     token: str
+    gateway_command: list[str]       # less the addresses it listens on
+    logs: str
+    env: dict
+
+    def start_gateway(self, name: str) -> Service:
+        """Another gateway, on a new host `name`, sharing the database, trainer and replicas."""
+        host = self.net.add_host(name)
+        gateway = host.service(name, [*self.gateway_command, "--host", host.address, "--internal-host",
+                                      host.address], self.logs, self.env)
+        self.hosts[name], self.services[name] = host, gateway
+        gateway.ready()
+        return gateway
 
     def address(self, host: str, port: int) -> str:
         return f"{self.hosts[host].address}:{port}"
@@ -120,22 +137,24 @@ def cluster(tiny_model_dir, tmp_path_factory):
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--node-rank", str(rank), "--master-addr", at["trainer-0"], "--master-port", str(MASTER_PORT),
                 "-m", "launcher.cli", "trainer", *common, *exact, "--listen", f"{host.address}:{TRAINER_PORT}",
-                "--metrics-port", str(METRICS_PORT)], logs, env)
+                "--metrics-port", str(METRICS_PORT), "--rank-timeout-s", str(RANK_TIMEOUT_S),
+                "--durable-interval-s", "0"], logs, env)
         for name in ("sampler-1", "sampler-2"):
             services[name] = made[name].service(name, [
                 *tinkerd, "sampler", *common, *exact, *TINY_KV_CACHE, "--merged-slots", "0",
                 "--listen", f"{at[name]}:{SAMPLER_PORT}",
                 "--register-with", f"http://{at['gateway']}:{INTERNAL_PORT}"], logs, env)
         db_url = stack.enter_context(postgres_on(made["db"], root / "pg", "tinkerd"))
+        gateway = [*tinkerd, "gateway", *common, "--trainer", f"{at['trainer-0']}:{TRAINER_PORT}",
+                   "--port", str(GATEWAY_PORT), "--internal-port", str(INTERNAL_PORT),
+                   "--db-url", f"{db_url}?{DB_LINK}",
+                   "--no-auth", "--future-lease-s", str(LEASE_S)]
         services["gateway"] = made["gateway"].service("gateway", [
-            *tinkerd, "gateway", *common, "--trainer", f"{at['trainer-0']}:{TRAINER_PORT}",
-            "--host", at["gateway"], "--port", str(GATEWAY_PORT), "--internal-host", at["gateway"],
-            "--internal-port", str(INTERNAL_PORT), "--db-url", db_url, "--no-auth",
-            "--future-lease-s", str(LEASE_S)], logs, env)
+            *gateway, "--host", at["gateway"], "--internal-host", at["gateway"]], logs, env)
         for name, service in services.items():
             if name != "trainer-rank-1":        # a follower serves nothing
                 service.ready()
-        cluster = Cluster(net, made, services, db_url, open(token_file).read().strip())
+        cluster = Cluster(net, made, services, db_url, open(token_file).read().strip(), gateway, logs, env)
         replicas = [cluster.address(name, SAMPLER_PORT) for name in ("sampler-1", "sampler-2")]
         _wait_for(lambda: all(cluster.pool().get(r, {}).get("alive") for r in replicas),
                   f"the replicas never joined the pool: {cluster.pool()}")
@@ -325,3 +344,167 @@ def test_a_sampler_host_partitioned_mid_sampling(cluster, service, tiny_model_di
     print(f"partitioned sampler host: {redriven.group(2)} of the {len(in_flight)} samples in flight re-driven "
           f"{redriven_s:.1f} s after the cut, all answered after {answered_s:.1f} s; the pool dropped it (seen "
           f"{dropped_s:.1f} s after the cut); it rejoined {rejoined_s:.1f} s after the heal")
+
+
+def _worker(service: Service):
+    """The trainer rank (torchrun's worker) under a torchrun service."""
+    import psutil
+
+    return next(p for p in psutil.Process(service.proc.pid).children(recursive=True) if "launcher.cli" in p.cmdline())
+
+
+def _busy(process, window_s: float = 0.2) -> bool:
+    """Whether `process` spent most of the next `window_s` on a CPU (a rank inside a step)."""
+    before = sum(process.cpu_times()[:2])
+    time.sleep(window_s)
+    return sum(process.cpu_times()[:2]) - before > window_s / 2
+
+
+def _pending(future) -> bool:
+    """Whether the SDK's future is still waiting (one that failed raises its error here)."""
+    try:
+        future.result(timeout=0.05)
+    except TimeoutError:
+        return True
+    return False
+
+
+def test_a_trainer_rank_host_partitioned_mid_step(cluster, service, tiny_model_dir):
+    """trainer-1 (rank 1) cut off while both ranks are inside a forward_backward: the job breaks
+    within the rank timeout (not the collectives' 30 minutes), rank 0 says NOT_SERVING and both
+    ranks exit; restarted after the heal (as a supervisor would), the same TrainingClient gets
+    that forward_backward's result and goes on from its last applied step, nothing applied twice
+    (the same steps on a client that saw no fault give the same gradient norm and weights)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tinker import types
+
+    tc, datum, tokens = _train_one_step(service, tiny_model_dir)          # step 1, on disk before its reply
+    before = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    long = (tokens * 100)[:900]            # a step of seconds: 64 such datums, half on each rank
+    batch = [types.Datum(model_input=types.ModelInput.from_ints(long[:-1]),
+                         loss_fn_inputs={"target_tokens": long[1:], "weights": [1.0] * (len(long) - 1)})
+             for _ in range(64)] + [datum]
+    trainers = [cluster.services[name] for name in ("trainer", "trainer-rank-1")]
+    rank1 = _worker(trainers[1])
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(cluster.address("trainer-0", TRAINER_PORT)))
+    statuses = []
+    watching = health.Watch(health_pb2.HealthCheckRequest(), metadata=[("authorization", f"Bearer {cluster.token}")],
+                            timeout=120)
+    assert next(watching).status == health_pb2.HealthCheckResponse.SERVING
+
+    def watch():
+        with contextlib.suppress(grpc.RpcError):
+            statuses.extend(reply.status for reply in watching)
+    threading.Thread(target=watch, daemon=True).start()
+    fb = tc.forward_backward(batch, "cross_entropy")
+    _wait_for(lambda: _busy(rank1), "rank 1 never started the forward_backward", 60)
+    cluster.hosts["trainer-1"].partition()
+    cut = time.monotonic()
+    try:
+        assert _pending(fb)
+        _wait_for(lambda: trainers[0].proc.poll() is not None, "rank 0 did not exit", 60)
+        exited_s = time.monotonic() - cut
+        _wait_for(lambda: trainers[1].proc.poll() is not None, "rank 1 did not exit", 60)
+        rank1_s = time.monotonic() - cut
+    finally:
+        cluster.hosts["trainer-1"].heal()
+    logs = [t.text() for t in trainers]
+    assert re.search(r"trainer job broken: rank 1 has not checked in for \d+ s", logs[0]), logs[0][-3000:]
+    assert re.search(r"rank 1: the job's store at \S+ has not answered", logs[1]), logs[1][-3000:]
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, statuses
+    assert _pending(fb)                    # no error: the gateway holds it for the trainer's return
+    t0 = time.monotonic()
+    for trainer in trainers:               # the supervisor's part (tinkerd up, systemd, Kubernetes)
+        trainer.start()
+    trainers[0].ready()
+    restarted_s = time.monotonic() - t0
+    result = fb.result(timeout=120)
+    answered_s = time.monotonic() - t0
+    # Run on step 1's weights, once: its last datum's logprobs are the forward's before the cut.
+    np.testing.assert_allclose(result.loss_fn_outputs[-1]["logprobs"].to_numpy(), before, atol=1e-4)
+    step = tc.optim_step(types.AdamParams(learning_rate=5e-2)).result().metrics
+
+    twin, _, _ = _train_one_step(service, tiny_model_dir)                 # the same seed, no fault
+    twin.forward_backward(batch, "cross_entropy").result()
+    twin_step = twin.optim_step(types.AdamParams(learning_rate=5e-2)).result().metrics
+    assert step["step:max"] == twin_step["step:max"] == 2.0
+    assert step["grad_norm:mean"] == pytest.approx(twin_step["grad_norm:mean"], rel=1e-5)   # not doubled
+    after = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    twin_after = twin.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(after, twin_after, atol=1e-5)
+    print(f"trainer rank host cut mid-step: rank 0 broke and exited {exited_s:.1f} s after the cut, rank 1 "
+          f"{rank1_s:.1f} s (--rank-timeout-s {RANK_TIMEOUT_S:.0f}); restarted in {restarted_s:.1f} s; the "
+          f"forward_backward answered {answered_s:.1f} s after the restart began")
+
+
+def health_log(balancer: Service) -> str:
+    return "; ".join(line for line in balancer.text().splitlines() if line.startswith("backend "))
+
+
+def test_the_database_partitioned_from_one_of_two_gateways(cluster, tiny_model_dir):
+    """Two gateways on one PostgreSQL behind a balancer that health-checks their /healthz
+    (harness/balancer.py). The database host cut off from gateway-2 while the SDK's work is
+    in flight through both: gateway-2's /healthz fails on the database, the balancer drops it
+    (ending the calls it held there, so the SDK retries them on gateway), gateway re-drives what
+    gateway-2 was running once its leases lapse, and every future reaches the SDK, each step
+    applied once. Healed, gateway-2 passes its checks and serves again."""
+    import httpx
+    import tinker
+    from tinker import types
+
+    second = cluster.start_gateway("gateway-2")
+    urls = [f"http://{cluster.address(name, GATEWAY_PORT)}" for name in ("gateway", "gateway-2")]
+    balancer = Service("balancer", [sys.executable, "-m", "harness.balancer", "--mode", "request", "--health-path",
+                                    "/api/v1/healthz", "--health-every-s", "0.5", *urls], cluster.logs, cluster.env)
+    try:
+        balanced = f"http://127.0.0.1:{balancer.ready(30)}"
+        health = lambda: httpx.get(balanced + "/_balancer/health", timeout=5).json()      # noqa: E731
+        _wait_for(lambda: all(h["up"] for h in health().values()), f"a gateway never passed: {health()}", 30)
+        service = tinker.ServiceClient(base_url=balanced, api_key="tml-no-auth")
+        tc, datum, tokens = _train_one_step(service, tiny_model_dir)
+        sc = tc.save_weights_and_get_sampling_client().result()
+        gateway_2_at = len(second.text())
+        long = types.SamplingParams(max_tokens=64, temperature=1.0, stop=[])
+        samples = [sc.sample(types.ModelInput.from_ints(tokens[:4]), 1, long) for _ in range(4)]
+        steps = [(tc.forward_backward([datum], "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=5e-2)))
+                 for _ in range(2)]
+        _wait_for(lambda: "/api/v1/asample" in httpx.get(balanced + "/_balancer/stats").json()[urls[1]],
+                  "no sample went through gateway-2", 30)
+        cluster.hosts["db"].partition(cluster.hosts["gateway-2"])
+        cut = time.monotonic()
+        try:
+            _wait_for(lambda: not health()[urls[1]]["up"], "the balancer never dropped gateway-2", 30)
+            dropped_s = time.monotonic() - cut
+            # Failed: a 503 naming the database, or no answer at all (the gateway's event loop waits on
+            # its synchronous database calls, each failing after DB_LINK's timeouts).
+            try:
+                reply = httpx.get(urls[1] + "/api/v1/healthz", timeout=5)
+                assert reply.status_code == 503 and reply.json()["database"] == "unreachable", reply.text
+                seen = "503, database unreachable"
+            except httpx.TimeoutException:
+                seen = "no answer within 5 s"
+            assert health()[urls[0]]["up"], health()
+            results = [f.result(timeout=120) for f in samples]
+            assert all(len(r.sequences[0].tokens) == long.max_tokens for r in results)
+            metrics = [(fb.result(timeout=120), step.result(timeout=120).metrics) for fb, step in steps]
+            assert [m["step:max"] for _, m in metrics] == [2.0, 3.0]        # each step once, in order
+            answered_s = time.monotonic() - cut
+            # New work goes on through the balancer meanwhile.
+            tc.forward_backward([datum], "cross_entropy").result(timeout=60)
+            assert tc.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=60).metrics["step:max"] == 4.0
+        finally:
+            cluster.hosts["db"].heal(cluster.hosts["gateway-2"])
+        healed = time.monotonic()
+        _wait_for(lambda: health()[urls[1]]["up"], "gateway-2 never came back", 60)
+        back_s = time.monotonic() - healed
+        sent = httpx.get(balanced + "/_balancer/stats").json()[urls[1]]
+        out = sc.sample(types.ModelInput.from_ints(tokens[:4]), 1, types.SamplingParams(max_tokens=4)).result()
+        assert len(out.sequences[0].tokens) == 4
+        assert httpx.get(balanced + "/_balancer/stats").json()[urls[1]] != sent      # it serves again
+    finally:
+        balancer.kill()
+    assert re.search(r"OperationalError|database unreachable", second.text()[gateway_2_at:])
+    print(f"database cut off from gateway-2: its /api/v1/healthz: {seen}; the balancer dropped it "
+          f"{dropped_s:.1f} s after the cut ({health_log(balancer)}); every "
+          f"future answered {answered_s:.1f} s after it; back in the balancer {back_s:.1f} s after the heal")
