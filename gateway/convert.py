@@ -112,6 +112,10 @@ def check_sample(body: protocol.SampleRequest, limits: ModelLimits) -> None:
     stop = body.sampling_params.stop
     if isinstance(stop, list) and stop and all(type(t) is int for t in stop):
         _check_tokens(stop, "sampling_params.stop", limits.vocab_size)
+    targets = body.target_prompt_logprobs
+    if targets is not None and limits.vocab_size is not None and targets.ids.max() >= limits.vocab_size:
+        raise UserError(f"target_prompt_logprobs: token id {targets.ids.max()} is outside the vocabulary "
+                        f"[0, {limits.vocab_size}) (-1 asks for nothing)")
     if len(tokens) + max_tokens > limits.max_model_len:
         _over_context(len(tokens), max_tokens, limits)
 
@@ -420,13 +424,22 @@ OPTIMIZERS = {ADAMW: common_pb2.OPTIMIZER_ADAMW, DIMUON: common_pb2.OPTIMIZER_DI
 # ---- sampling: JSON body -> sampler request; sampler reply -> SDK protobuf -------------------
 
 def sample_request(body: protocol.SampleRequest, snapshot_id: str, snapshot_path: str) -> sampler_pb2.SampleRequest:
-    if body.prompt_alt_tokens_k > 0:
-        raise UserError("prompt_alt_tokens_k is not supported by this server")
-    return sampler_pb2.SampleRequest(
+    out = sampler_pb2.SampleRequest(
         snapshot_id=snapshot_id, snapshot_path=snapshot_path, prompt_tokens=prompt_tokens(body.prompt),
         num_samples=body.num_samples, params=sampling_params(body.sampling_params),
         prompt_logprobs=body.prompt_logprobs, topk_prompt_logprobs=body.topk_prompt_logprobs,
-        prompt_logprobs_last_n=body.prompt_logprobs_last_n, topk_sample_logprobs=body.topk_sample_logprobs)
+        prompt_logprobs_last_n=body.prompt_logprobs_last_n or 0, topk_sample_logprobs=body.topk_sample_logprobs)
+    if body.target_prompt_logprobs is not None:
+        out.prompt_target_ids.CopyFrom(_target_ids(body.target_prompt_logprobs))
+    return out
+
+
+def _target_ids(t: protocol.TargetTokens) -> common_pb2.Tensor:
+    """target_prompt_logprobs as it came, dense or CSR: the sampler answers in its layout."""
+    out = common_pb2.Tensor(dtype=common_pb2.DTYPE_INT64, shape=t.shape, data=t.ids.astype("<i8").tobytes())
+    if t.crow is not None:
+        out.sparse_csr.crow_indices, out.sparse_csr.col_indices = t.crow.tobytes(), t.col.tobytes()
+    return out
 
 
 def prompt_tokens(prompt: protocol.ModelInput) -> list[int]:
@@ -474,4 +487,17 @@ def sample_response(reply: sampler_pb2.SampleResponse) -> bytes:
         out.prompt_logprobs = np.asarray(reply.prompt_logprobs, dtype="<f4").tobytes()
     if reply.HasField("topk_prompt_logprobs"):
         out.topk_prompt_logprobs.CopyFrom(_topk(reply.topk_prompt_logprobs))
+    if reply.HasField("prompt_target_logprobs"):
+        out.target_prompt_logprobs.CopyFrom(_sdk_tensor(reply.prompt_target_logprobs))
     return out.SerializeToString()
+
+
+def _sdk_tensor(t: common_pb2.Tensor) -> tw.Tensor:
+    """A float32 sampler tensor as the SDK's, dense or CSR as it is."""
+    out = tw.Tensor(dtype=tw.DTYPE_FLOAT32, shape=list(t.shape))
+    if t.HasField("sparse_csr"):
+        out.sparse_csr.CopyFrom(tw.SparseCsr(values=t.data, crow_indices=t.sparse_csr.crow_indices,
+                                             col_indices=t.sparse_csr.col_indices))
+    else:
+        out.dense = t.data
+    return out

@@ -22,7 +22,8 @@ import json
 import math
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from tinkerd.adam import ADAM_MAX
 from tinkerd.optimizers import DIMUON_DEFAULTS, DIMUON_MAX
@@ -32,6 +33,7 @@ MAX_JSON_DEPTH = 32
 MAX_METADATA_BYTES = 64 << 10          # user_metadata / tags, as JSON
 MAX_NUM_SAMPLES = 1024
 MAX_TOPK_LOGPROBS = 20                 # vLLM's max_logprobs (its default; the sampler keeps it)
+MAX_TARGETS_PER_POSITION = MAX_TOPK_LOGPROBS   # target_prompt_logprobs' ids a prompt position (as top-k)
 MAX_TEMPERATURE = 2.0                  # vLLM refuses hotter
 MAX_TTL_SECONDS = 100 * 365 * 86400
 MAX_STOP = 64
@@ -469,10 +471,65 @@ class GetSamplerResponse(BaseModel):
     model_path: str | None = None
 
 
+class TargetTokens(Body):
+    """SampleRequest.target_prompt_logprobs (the SDK's TensorData): int64 token ids of shape
+    [len(prompt) - 1, K], dense or sparse CSR (a cell not listed asks for nothing, as does -1).
+    Checked here: its layout, at least one id, at most MAX_TARGETS_PER_POSITION a position; its
+    rows against the prompt in SampleRequest, its ids against the vocabulary in
+    convert.check_sample. `ids`, `crow` and `col` hold it as arrays (made here, off the event loop)."""
+    data: list[Annotated[int, Field(ge=-1, le=INT32)]] = []
+    dtype: Literal["int64"]
+    shape: list[Count32] = Field(min_length=2, max_length=2)
+    sparse_crow_indices: list[Annotated[int, Field(ge=0, le=INT64)]] | None = None
+    sparse_col_indices: list[Annotated[int, Field(ge=0, le=INT64)]] | None = None
+    _ids: Any = PrivateAttr(None)
+    _crow: Any = PrivateAttr(None)
+    _col: Any = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _layout(self):
+        from tinkerd import tensors
+
+        rows, width = self.shape
+        ids = np.asarray(self.data, dtype=np.int64)
+        if (self.sparse_crow_indices is None) != (self.sparse_col_indices is None):
+            raise ValueError("sparse_crow_indices and sparse_col_indices come together (a CSR tensor)")
+        if self.sparse_crow_indices is not None:
+            crow = np.asarray(self.sparse_crow_indices, dtype="<i8")
+            col = np.asarray(self.sparse_col_indices, dtype="<i8")
+            row_of, _ = tensors.csr_indices(crow.tobytes(), col.tobytes(), len(ids), (rows, width))
+            self._crow, self._col = crow, col
+        elif len(ids) != rows * width:
+            raise ValueError(f"{len(ids)} values do not fill shape {self.shape}")
+        else:
+            row_of = np.repeat(np.arange(rows), width)
+        if not (ids >= 0).any():
+            raise ValueError("names no token id (every cell is -1 or unlisted)")
+        per_row = np.bincount(row_of[ids >= 0], minlength=rows)
+        if per_row.max() > MAX_TARGETS_PER_POSITION:
+            raise ValueError(f"names {per_row.max()} token ids at prompt position {int(per_row.argmax()) + 1}; "
+                             f"at most {MAX_TARGETS_PER_POSITION} a position (as topk_prompt_logprobs)")
+        self._ids = ids
+        return self
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids
+
+    @property
+    def crow(self) -> np.ndarray | None:
+        return self._crow
+
+    @property
+    def col(self) -> np.ndarray | None:
+        return self._col
+
+
 class SampleRequest(Request):
-    refused = {"target_prompt_logprobs": NotServed("logprobs of chosen token ids are not served: ask for "
-                                                   "topk_prompt_logprobs, or prompt_logprobs of a prompt "
-                                                   "holding those tokens")}
+    refused = {"prompt_alt_tokens_k": NotServed("draws of alternative prompt tokens are not served: ask for "
+                                                "topk_prompt_logprobs (the most likely tokens at each prompt "
+                                                "position), or sample from a prompt cut at that position",
+                                                default=0)}
     sampling_session_id: Id = ""
     seq_id: SeqId = 0
     num_samples: int = Field(1, ge=1, le=MAX_NUM_SAMPLES)
@@ -480,10 +537,27 @@ class SampleRequest(Request):
     sampling_params: SamplingParams = SamplingParams()
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)
-    prompt_logprobs_last_n: Count32 = 0
+    prompt_logprobs_last_n: Annotated[int, Field(ge=1, le=INT32)] | None = None    # None: every position
     topk_sample_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)
-    prompt_alt_tokens_k: Count32 = 0
+    target_prompt_logprobs: TargetTokens | None = None
     record_stability_info: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_scoring(self):
+        """What names prompt positions fits the prompt (SDK 0.38's SampleRequest docstrings)."""
+        length = sum(len(c.tokens) for c in self.prompt.chunks)
+        if self.prompt_logprobs_last_n is not None:
+            if not self.prompt_logprobs:
+                raise ValueError("prompt_logprobs_last_n scores prompt logprobs: set prompt_logprobs "
+                                 "(include_prompt_logprobs=True)")
+            if self.prompt_logprobs_last_n > length - 1:
+                raise ValueError(f"prompt_logprobs_last_n is {self.prompt_logprobs_last_n}; a prompt of {length} "
+                                 f"tokens has {length - 1} positions to score (the first has no context)")
+        targets = self.target_prompt_logprobs
+        if targets is not None and targets.shape[0] != length - 1:
+            raise ValueError(f"target_prompt_logprobs has shape {targets.shape}; a prompt of {length} tokens "
+                             f"takes [len(prompt) - 1, K] = [{length - 1}, K]")
+        return self
 
 
 # ---- futures -----------------------------------------------------------------------------

@@ -197,6 +197,8 @@ class SamplerEngine:
         engine = LLMEngine.from_engine_args(EngineArgs(
             **self._engine_args, **kwargs, worker_extension_cls="sampler_service.worker_ext.SnapshotWorkerExtension"))
         engine.collective_rpc("tinkerd_install_cpu_fixes")
+        # Whether its workers score prompt target ids (target_prompt_logprobs) in the prefill.
+        self.scores_prompt_targets = all(engine.collective_rpc("tinkerd_install_prompt_scoring"))
         return engine
 
     def _new_merged_engine(self):
@@ -407,9 +409,14 @@ class SamplerEngine:
         self._group_engine[group] = engine
         for i in range(num_samples):
             p = params
-            if params.seed is not None and i > 0:
+            if i > 0 and (params.seed is not None or params.extra_args):
                 p = params.clone()
-                p.seed = params.seed + i  # distinct but reproducible samples
+                if params.seed is not None:
+                    p.seed = params.seed + i  # distinct but reproducible samples
+                if params.extra_args:
+                    # The reply reads prompt targets from the first sample: the others need
+                    # not score them, and may read the prompt from the prefix cache.
+                    p.extra_args, p.skip_reading_prefix_cache = None, params.prompt_logprobs is not None
             engine.add_request(f"{group}-{i}", prompt, p, lora_request=lora)
 
     def _abort(self, future: concurrent.futures.Future) -> None:

@@ -51,7 +51,11 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def Sample(self, request, context):
         if request.num_samples < 1:
             raise UserError(f"num_samples must be at least 1, got {request.num_samples}")
-        params = convert.sampling_params(request)
+        targets = convert.prompt_targets(request, self.engine.vocab_size)
+        if targets is not None and not self.engine.scores_prompt_targets:
+            raise UserError("target_prompt_logprobs is not served by this sampler: its vLLM model runner has no "
+                            "prompt-scoring hook (sampler_service/worker_ext.py)")
+        params = convert.sampling_params(request, targets)
         path = self._adapter_path(request.snapshot_path)
         if path and not self._holds(request.snapshot_id):
             persisted_copy.wait_for(path, COPY_WAIT_S)
@@ -64,7 +68,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             outputs = future.result(_RESULT_TIMEOUT_S)
         except concurrent.futures.CancelledError:
             raise SampleCancelled("the caller cancelled this sample; it was aborted") from None
-        return convert.sample_response(request, outputs)
+        return convert.sample_response(request, outputs, targets)
 
     def _holds(self, snapshot_id: str) -> bool:
         try:

@@ -17,12 +17,18 @@ kernels the trainer's bf16 arithmetic matches, `_vector_attention` and `_gemms_o
    for just that adapter. We replace them with grouped ops (`grouped_lora.py`: one matmul per
    slot at the adapter's true rank, nothing added for slot -1); and a batch with no adapter at
    all skips the LoRA ops.
+
+Beside the prompt logprobs, the same step scores the token ids a request names at its prompt
+positions (target_prompt_logprobs, `_score_prompt_targets`) and hands them out in vLLM's own
+field for fixed-id prompt scores, which its V1 model runner leaves empty.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import math
 
 import torch
 
@@ -136,31 +142,124 @@ def _prepare(meta, indices: torch.Tensor) -> None:
         meta.prepare_tensors(indices)
 
 
-def _per_token_prompt_logits(model_runner) -> None:
-    original = model_runner._get_prompt_logprobs_dict
+@contextlib.contextmanager
+def _per_token_prompt_logits(model_runner, hidden_states: torch.Tensor):
+    """Within: the model's compute_logits of a slice of `hidden_states` (a request's prompt
+    tokens) maps each token to its own adapter (fix 1 above). Nothing changes without LoRA."""
+    if getattr(model_runner, "lora_manager", None) is None:
+        yield
+        return
+    punica = _language_punica_wrapper(model_runner)
+    model = model_runner.model
+    compute_logits = model.compute_logits
+
+    def per_token(h: torch.Tensor):
+        # h is hidden_states[offset : offset + n]: the tokens it scores start at `offset`.
+        offset = (h.storage_offset() - hidden_states.storage_offset()) // hidden_states.stride(0)
+        with scoring_tokens(punica, offset, h.shape[0]):
+            return compute_logits(h)
+
+    model.compute_logits = per_token
+    try:
+        yield
+    finally:
+        del model.compute_logits
+
+
+# Prompt rows whose logits are computed at once when scoring target ids (a row is vocab floats).
+_SCORING_ROWS = 1024
+
+
+@dataclasses.dataclass
+class _TargetScores:
+    """One request's target ids (convert.PromptTargets, rows from `start`) and their scores so far."""
+    ids: torch.Tensor          # int64 [rows, width], -1: nothing asked
+    start: int
+    scores: torch.Tensor       # float32, NaN until its row is computed
+    done: bool = False
+
+
+def _score_prompt_targets(model_runner, hidden_states: torch.Tensor, num_scheduled_tokens: dict) -> None:
+    """The logprobs of each request's target ids at the prompt positions this step computes,
+    from the same logits and log-softmax as its prompt logprobs (vLLM's _get_prompt_logprobs_dict
+    beside it). A request's scores are complete in the step that finishes its prompt, the step
+    whose output the scheduler reports: they go out in that output (`_attach_prompt_scores`)."""
+    from sampler_service.convert import PROMPT_TARGETS_ARG
+
+    states: dict[str, _TargetScores] = model_runner.__dict__.setdefault("_tinkerd_targets", {})
+    for req_id in [r for r in states if r not in model_runner.requests]:
+        del states[req_id]                       # finished or aborted
+    for req_id, num_tokens in num_scheduled_tokens.items():
+        request = model_runner.requests.get(req_id)
+        params = getattr(request, "sampling_params", None)
+        spec = (params.extra_args or {}).get(PROMPT_TARGETS_ARG) if params is not None else None
+        if spec is None or request.prompt_token_ids is None:
+            continue
+        state = states.get(req_id)
+        if state is None:
+            ids = torch.frombuffer(bytearray(spec["ids"]), dtype=torch.int32).view(-1, spec["width"]).long()
+            state = states[req_id] = _TargetScores(ids, spec["start"], torch.full(ids.shape, math.nan))
+        if state.done:                           # resumed after a preemption: scored already
+            continue
+        prompt_len = len(request.prompt_token_ids)
+        chunk_start = request.num_computed_tokens
+        chunk_end = chunk_start + num_tokens
+        # Hidden state of prompt position r (it predicts token r + 1) in this step's batch:
+        base = int(model_runner.query_start_loc.np[model_runner.input_batch.req_id_to_index[req_id]]) - chunk_start
+        lo, hi = max(state.start, chunk_start), min(chunk_end, prompt_len - 1)
+        for a in range(lo, hi, _SCORING_ROWS):
+            b = min(a + _SCORING_ROWS, hi)
+            logprobs = model_runner.sampler.compute_logprobs(
+                model_runner.model.compute_logits(hidden_states[base + a:base + b]))
+            ids = state.ids[a - state.start:b - state.start]
+            state.scores[a - state.start:b - state.start] = (
+                logprobs.gather(-1, ids.clamp_min(0).to(logprobs.device)).float().cpu())
+        if chunk_end >= prompt_len:
+            state.scores.masked_fill_(state.ids < 0, -math.inf)
+            model_runner._tinkerd_target_out[req_id] = state.scores
+            state.done = True
+
+
+def _attach_prompt_scores(model_runner) -> None:
+    """Target scores finished in a step go out in its ModelRunnerOutput's
+    prompt_token_id_logprobs_dict: vLLM's own field for fixed-id prompt scores, which the
+    scheduler and output processor carry to RequestOutput.prompt_token_id_logprobs."""
+    original = model_runner.sample_tokens
+
+    @functools.wraps(original)
+    def sample_tokens(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if model_runner._tinkerd_target_out:
+            output = getattr(result, "_model_runner_output", result)      # an async output wraps it
+            output.prompt_token_id_logprobs_dict = {**output.prompt_token_id_logprobs_dict,
+                                                    **model_runner._tinkerd_target_out}
+            model_runner._tinkerd_target_out = {}
+        return result
+
+    model_runner.sample_tokens = sample_tokens
+
+
+def _install_prompt_scoring(model_runner) -> bool:
+    """The V1 model runner's prompt-logprob step, with our per-token LoRA logits (fix 1) and the
+    scoring of target ids (target_prompt_logprobs). False: a runner without that step."""
+    if getattr(model_runner, "_tinkerd_scoring", False):
+        return True
+    original = getattr(model_runner, "_get_prompt_logprobs_dict", None)
+    if original is None or not hasattr(model_runner, "sample_tokens"):
+        return False
 
     @functools.wraps(original)
     def patched(hidden_states: torch.Tensor, num_scheduled_tokens):
-        lora_manager = getattr(model_runner, "lora_manager", None)
-        if lora_manager is None:
-            return original(hidden_states, num_scheduled_tokens)
-        punica = _language_punica_wrapper(model_runner)
-        model = model_runner.model
-        compute_logits = model.compute_logits
-
-        def per_token(h: torch.Tensor):
-            # h is hidden_states[offset : offset + n]: the tokens it scores start at `offset`.
-            offset = (h.storage_offset() - hidden_states.storage_offset()) // hidden_states.stride(0)
-            with scoring_tokens(punica, offset, h.shape[0]):
-                return compute_logits(h)
-
-        model.compute_logits = per_token
-        try:
-            return original(hidden_states, num_scheduled_tokens)
-        finally:
-            del model.compute_logits
+        with _per_token_prompt_logits(model_runner, hidden_states):
+            out = original(hidden_states, num_scheduled_tokens)
+            _score_prompt_targets(model_runner, hidden_states, num_scheduled_tokens)
+        return out
 
     model_runner._get_prompt_logprobs_dict = patched
+    model_runner._tinkerd_target_out = {}
+    _attach_prompt_scores(model_runner)
+    model_runner._tinkerd_scoring = True
+    return True
 
 
 def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -226,13 +325,16 @@ class SnapshotWorkerExtension:
         _vector_attention(self.model_runner)
         return True
 
+    def tinkerd_install_prompt_scoring(self) -> bool:
+        return _install_prompt_scoring(self.model_runner)
+
     def tinkerd_install_lora_fixes(self) -> bool:
         from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
         runner = self.model_runner
         if getattr(runner, "_tinkerd_fixed", False) or getattr(runner, "lora_manager", None) is None:
             return False
-        _per_token_prompt_logits(runner)
+        _install_prompt_scoring(runner)
         if isinstance(_language_punica_wrapper(runner), PunicaWrapperCPU):
             patch_cpu_punica_ops()
         runner._tinkerd_fixed = True

@@ -7,7 +7,6 @@ them (its JSON, its header for copy_weights' token)."""
 from __future__ import annotations
 
 import httpx
-import numpy as np
 import pytest
 import tinker
 from tinker import types
@@ -45,10 +44,9 @@ def test_refused_fields_of_training_and_sampling_calls(trained, stack):
 
     sampler = tc.save_weights_and_get_sampling_client()
     prompt = tc.get_tokenizer().encode("score these tokens")
-    target = types.TensorData.from_numpy(np.full((len(prompt) - 1, 1), 5, dtype=np.int64))
     _refused(lambda: sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1),
-                                    include_prompt_logprobs=True, target_prompt_logprobs=target).result(),
-             "target_prompt_logprobs")
+                                    prompt_alt_tokens_k=4).result(),
+             "prompt_alt_tokens_k")
 
     # Nothing was made by the refused calls: no run, no checkpoint; the snapshot sampler still samples.
     assert {r.training_run_id for r in rest.list_training_runs(limit=10_000).result().training_runs} == runs

@@ -28,9 +28,7 @@ def test_each_refused_field_is_a_400_naming_it(gateway):
         ("load_weights", {"session_id": session, "model_seq_id": 5, "path": state, "optimizer": False,
                           "base_model": "other"}, "base_model"),
         ("asample", {"sampling_session_id": f"{session}:sample:0", "seq_id": 1, "prompt": {"chunks": []},
-                     "sampling_params": {}, "target_prompt_logprobs": {"data": [1], "dtype": "int64",
-                                                                       "shape": [1, 1]}},
-         "target_prompt_logprobs"),
+                     "sampling_params": {}, "prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
     ]
     requests_before = len(gateway.trainer.requests)
     runs_before = api.get("training_runs", params={"limit": 1000}).json()["training_runs"]

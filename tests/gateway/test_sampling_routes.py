@@ -3,6 +3,7 @@ reply becomes the SDK's SampleResponse, and bad input is a 400 before anything i
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from gateway_fakes import assert_user_error, gateway  # noqa: F401 - the fixture
@@ -51,6 +52,16 @@ def test_a_sample_comes_back_in_the_sdk_format(gateway):
     assert sent.topk_prompt_logprobs == 2 and sent.params.temperature == 0.5 and sent.snapshot_id == ""
 
 
+def test_target_prompt_logprobs_reach_the_sampler_in_their_layout(gateway):
+    api = gateway.api
+    target = {"data": [9], "dtype": "int64", "shape": [2, 4], "sparse_crow_indices": [0, 0, 1],
+              "sparse_col_indices": [3]}
+    api.result(_sample(api, _sampling_session(api), target_prompt_logprobs=target).json())
+    sent = gateway.sampler.requests[-1].prompt_target_ids
+    assert list(sent.shape) == [2, 4] and np.frombuffer(sent.data, "<i8").tolist() == [9]
+    assert np.frombuffer(sent.sparse_csr.crow_indices, "<i8").tolist() == [0, 0, 1]
+
+
 def test_a_resent_sample_gets_the_first_future(gateway):
     api = gateway.api
     sid = _sampling_session(api)
@@ -63,6 +74,11 @@ def test_a_resent_sample_gets_the_first_future(gateway):
     ({"sampling_params": {"temperature": "hot"}}, ["sampling_params.temperature"]),
     ({"prompt": {"chunks": [{"type": "image", "data": "x"}]}}, ["image"]),
     ({"prompt_alt_tokens_k": 2}, ["prompt_alt_tokens_k"]),
+    ({"target_prompt_logprobs": {"data": [4, 5, 6], "dtype": "int64", "shape": [3, 1]}},
+     ["target_prompt_logprobs", "[2, K]"]),
+    ({"target_prompt_logprobs": {"data": [-1, -1], "dtype": "int64", "shape": [2, 1]}},
+     ["target_prompt_logprobs", "names no token id"]),
+    ({"prompt_logprobs_last_n": 1}, ["prompt_logprobs_last_n", "set prompt_logprobs"]),
 ])
 def test_bad_sample_requests_are_refused_before_queueing(gateway, fields, words):
     api = gateway.api

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,3 +91,42 @@ def test_mixed_batch_rows_match_each_request_alone(engine):
     want = [_generate(llm, [p], lora)[0] for p, lora in zip(PROMPTS, loras)]
     _grouped(True)
     _assert_same(_generate(llm, PROMPTS, loras), want)
+
+
+def test_prompt_target_ids_get_the_prompt_logprobs_of_those_ids_in_a_mixed_batch(engine):
+    """target_prompt_logprobs (worker_ext._score_prompt_targets): in one batch of adapters and the
+    base model, each request's target ids get exactly the logprobs vLLM's prompt logprobs give
+    those ids in the same prefill (the prompt token itself and four of its top 20 at every
+    position), from the first row that names one (a row before it asks nothing)."""
+    from vllm import SamplingParams
+
+    from sampler_service import convert
+    from tinkerd.tensors import from_numpy
+    from tinkerd.v1 import sampler_pb2
+
+    llm, req = engine
+    loras = [req[8], None, req[64], req[16]]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    top = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=4),
+                       lora_request=loras, use_tqdm=False)
+    messages, targets = [], []
+    for i, (prompt, out) in enumerate(zip(PROMPTS, top)):
+        ids = np.array([[t] + [tid for tid, lp in sorted(row.items(), key=lambda kv: kv[1].rank)
+                               if lp.rank <= 4][:4] for t, row in zip(prompt[1:], out.prompt_logprobs[1:])])
+        if i == 1:
+            ids[:2] = -1                   # scored from row 2
+        msg = sampler_pb2.SampleRequest(prompt_tokens=prompt, prompt_logprobs=True, topk_prompt_logprobs=20,
+                                        params=sampler_pb2.SamplingParams(max_tokens=1, top_p=1.0))
+        msg.prompt_target_ids.CopyFrom(from_numpy(ids.astype(np.int64)))
+        messages.append(msg)
+        targets.append(convert.prompt_targets(msg, vocab_size=1024))
+    assert targets[1].start == 2 and targets[0].start == 0
+    params = [convert.sampling_params(m, t) for m, t in zip(messages, targets)]
+    assert all(p.skip_reading_prefix_cache and convert.PROMPT_TARGETS_ARG in p.extra_args for p in params)
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    for msg, t, out in zip(messages, targets, outs):
+        ids = np.frombuffer(msg.prompt_target_ids.data, dtype="<i8").reshape(len(msg.prompt_tokens) - 1, 5)
+        got = np.frombuffer(t.reply(out.prompt_token_id_logprobs).data, dtype="<f4").reshape(ids.shape)
+        want = np.array([[row[x].logprob if x >= 0 else 0.0 for x in ids_row]
+                         for ids_row, row in zip(ids, out.prompt_logprobs[1:])], dtype=np.float32)
+        np.testing.assert_array_equal(got, want)

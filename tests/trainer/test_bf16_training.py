@@ -117,6 +117,19 @@ def test_bf16_trainer_and_sampler_logprobs_agree(tiny_model_dir, start_stack, tm
         sampler = tc.save_weights_and_get_sampling_client().result()
         sampled = [np.array(sampler.compute_logprobs(types.ModelInput.from_ints(t)).result()[1:]) for t in TEXTS]
         assert_reproducible_sampling(sampler, types.ModelInput.from_ints(TEXTS[0][:4]))
+        # target_prompt_logprobs: the text's own tokens score as its prompt logprobs do, exactly;
+        # other ids as the trainer's forward of them does, within the same tolerance.
+        text = TEXTS[2]
+        ids = np.stack([text[1:], [(t * 7 + 3) % 1024 for t in text[1:]]], axis=1)
+        targets = sampler.sample(types.ModelInput.from_ints(text), 1, types.SamplingParams(max_tokens=1),
+                                 target_prompt_logprobs=types.TensorData.from_numpy(ids)).result()
+        targets = targets.target_prompt_logprobs.to_numpy()
+        other = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(text[:-1]),
+                                        loss_fn_inputs={"target_tokens": ids[:, 1].tolist(),
+                                                        "weights": [1.0] * len(ids)})], "cross_entropy").result()
+        other = other.loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_array_equal(targets[:, 0], sampled[2].astype(np.float32))
+    assert np.abs(targets[:, 1] - other).max() < MAX_GAP_PER_POSITION, (targets[:, 1], other)
     gaps = [np.abs(a - b) for a, b in zip(sampled, trained)]
     assert all(g.shape == (len(t) - 1,) for g, t in zip(gaps, TEXTS))
     worst = max(float(g.max()) for g in gaps)

@@ -78,6 +78,7 @@ NESTED = {
     "CancelledSessionStatusQuery": protocol.StatusQuery,
     "FailedSessionStatusQuery": protocol.StatusQuery,
     "ClientFinishedSessionStatusQuery": protocol.StatusQuery,
+    "TensorData": protocol.TargetTokens,           # SampleRequest.target_prompt_logprobs
 }
 
 # SDK models taken as a whole by code other than a pydantic model, which reads or refuses them.
@@ -119,7 +120,7 @@ PENDING = {
 ASKING = {
     "base_model": "Qwen/Qwen3-8B", "weights_access_token": "tok-1",
     "age_encryption_recipients": ["age1qyqszqgpqyqszqgpqyqszqgpqyqszqgp"],
-    "target_prompt_logprobs": {"data": [5], "dtype": "int64", "shape": [1, 1]},
+    "prompt_alt_tokens_k": 4,
 }
 
 

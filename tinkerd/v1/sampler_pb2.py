@@ -25,37 +25,37 @@ _sym_db = _symbol_database.Default()
 from tinkerd.v1 import common_pb2 as tinkerd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tinkerd/v1/sampler.proto\x12\ntinkerd.v1\x1a\x17tinkerd/v1/common.proto\"\xbd\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x36\n\tstop_mode\x18\x06 \x01(\x0e\x32#.tinkerd.v1.SamplingParams.StopMode\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\"b\n\x08StopMode\x12\x15\n\x11STOP_MODE_DEFAULT\x10\x00\x12\x12\n\x0eSTOP_MODE_NONE\x10\x01\x12\x15\n\x11STOP_MODE_STRINGS\x10\x02\x12\x14\n\x10STOP_MODE_TOKENS\x10\x03\x42\x07\n\x05_seed\"\xb5\x02\n\rSampleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x05\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.tinkerd.v1.SamplingParams\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x1c\n\x14topk_prompt_logprobs\x18\x07 \x01(\x05\x12\x1e\n\x16prompt_logprobs_last_n\x18\x08 \x01(\x05\x12\x1c\n\x14topk_sample_logprobs\x18\t \x01(\x05\x12\x15\n\rsnapshot_path\x18\n \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x0b \x01(\t\">\n\x0cTopkLogprobs\x12\t\n\x01k\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x91\x01\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12+\n\x0bstop_reason\x18\x03 \x01(\x0e\x32\x16.tinkerd.v1.StopReason\x12/\n\rtopk_logprobs\x18\x04 \x01(\x0b\x32\x18.tinkerd.v1.TopkLogprobs\"\x91\x01\n\x0eSampleResponse\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.tinkerd.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x02 \x03(\x02\x12\x36\n\x14topk_prompt_logprobs\x18\x03 \x01(\x0b\x32\x18.tinkerd.v1.TopkLogprobs\"\xc4\x02\n\x0eWeightManifest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.tinkerd.v1.TensorSpec\x12\x17\n\x0f\x63hunk_num_bytes\x18\x04 \x03(\x03\x12*\n\nrendezvous\x18\x05 \x01(\x0b\x32\x16.tinkerd.v1.Rendezvous\x12\x16\n\x0epersisted_path\x18\x06 \x01(\t\x12\x11\n\ttransport\x18\x07 \x01(\t\x12)\n\x06shared\x18\x08 \x01(\x0b\x32\x19.tinkerd.v1.SharedWeights\x12*\n\x06sender\x18\t \x01(\x0b\x32\x1a.tinkerd.v1.WeightEndpoint\x12\x10\n\x08model_id\x18\n \x01(\t\"P\n\rSharedWeights\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04join\x18\x03 \x01(\x08\x12\x13\n\x0b\x63uda_handle\x18\x04 \x01(\x0c\"j\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.tinkerd.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63hunk\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x03\"\x91\x01\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x0c\n\x04join\x18\x08 \x01(\x08\"O\n\x0cSnapshotInfo\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x17\n\x0freceive_seconds\x18\x03 \x01(\x01*:\n\nStopReason\x12\x14\n\x10STOP_REASON_STOP\x10\x00\x12\x16\n\x12STOP_REASON_LENGTH\x10\x01\x32\xd3\x01\n\x07Sampler\x12?\n\x06Sample\x12\x19.tinkerd.v1.SampleRequest\x1a\x1a.tinkerd.v1.SampleResponse\x12\x46\n\x0eReceiveWeights\x12\x1a.tinkerd.v1.WeightManifest\x1a\x18.tinkerd.v1.SnapshotInfo\x12?\n\x06Health\x12\x19.tinkerd.v1.HealthRequest\x1a\x1a.tinkerd.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tinkerd/v1/sampler.proto\x12\ntinkerd.v1\x1a\x17tinkerd/v1/common.proto\"\xbd\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x36\n\tstop_mode\x18\x06 \x01(\x0e\x32#.tinkerd.v1.SamplingParams.StopMode\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\"b\n\x08StopMode\x12\x15\n\x11STOP_MODE_DEFAULT\x10\x00\x12\x12\n\x0eSTOP_MODE_NONE\x10\x01\x12\x15\n\x11STOP_MODE_STRINGS\x10\x02\x12\x14\n\x10STOP_MODE_TOKENS\x10\x03\x42\x07\n\x05_seed\"\xe4\x02\n\rSampleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x05\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.tinkerd.v1.SamplingParams\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x1c\n\x14topk_prompt_logprobs\x18\x07 \x01(\x05\x12\x1e\n\x16prompt_logprobs_last_n\x18\x08 \x01(\x05\x12\x1c\n\x14topk_sample_logprobs\x18\t \x01(\x05\x12\x15\n\rsnapshot_path\x18\n \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x0b \x01(\t\x12-\n\x11prompt_target_ids\x18\x0c \x01(\x0b\x32\x12.tinkerd.v1.Tensor\">\n\x0cTopkLogprobs\x12\t\n\x01k\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x91\x01\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12+\n\x0bstop_reason\x18\x03 \x01(\x0e\x32\x16.tinkerd.v1.StopReason\x12/\n\rtopk_logprobs\x18\x04 \x01(\x0b\x32\x18.tinkerd.v1.TopkLogprobs\"\xc5\x01\n\x0eSampleResponse\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.tinkerd.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x02 \x03(\x02\x12\x36\n\x14topk_prompt_logprobs\x18\x03 \x01(\x0b\x32\x18.tinkerd.v1.TopkLogprobs\x12\x32\n\x16prompt_target_logprobs\x18\x04 \x01(\x0b\x32\x12.tinkerd.v1.Tensor\"\xc4\x02\n\x0eWeightManifest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.tinkerd.v1.TensorSpec\x12\x17\n\x0f\x63hunk_num_bytes\x18\x04 \x03(\x03\x12*\n\nrendezvous\x18\x05 \x01(\x0b\x32\x16.tinkerd.v1.Rendezvous\x12\x16\n\x0epersisted_path\x18\x06 \x01(\t\x12\x11\n\ttransport\x18\x07 \x01(\t\x12)\n\x06shared\x18\x08 \x01(\x0b\x32\x19.tinkerd.v1.SharedWeights\x12*\n\x06sender\x18\t \x01(\x0b\x32\x1a.tinkerd.v1.WeightEndpoint\x12\x10\n\x08model_id\x18\n \x01(\t\"P\n\rSharedWeights\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04join\x18\x03 \x01(\x08\x12\x13\n\x0b\x63uda_handle\x18\x04 \x01(\x0c\"j\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.tinkerd.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63hunk\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x03\"\x91\x01\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x0c\n\x04join\x18\x08 \x01(\x08\"O\n\x0cSnapshotInfo\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x17\n\x0freceive_seconds\x18\x03 \x01(\x01*:\n\nStopReason\x12\x14\n\x10STOP_REASON_STOP\x10\x00\x12\x16\n\x12STOP_REASON_LENGTH\x10\x01\x32\xd3\x01\n\x07Sampler\x12?\n\x06Sample\x12\x19.tinkerd.v1.SampleRequest\x1a\x1a.tinkerd.v1.SampleResponse\x12\x46\n\x0eReceiveWeights\x12\x1a.tinkerd.v1.WeightManifest\x1a\x18.tinkerd.v1.SnapshotInfo\x12?\n\x06Health\x12\x19.tinkerd.v1.HealthRequest\x1a\x1a.tinkerd.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tinkerd.v1.sampler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STOPREASON']._serialized_start=1803
-  _globals['_STOPREASON']._serialized_end=1861
+  _globals['_STOPREASON']._serialized_start=1902
+  _globals['_STOPREASON']._serialized_end=1960
   _globals['_SAMPLINGPARAMS']._serialized_start=66
   _globals['_SAMPLINGPARAMS']._serialized_end=383
   _globals['_SAMPLINGPARAMS_STOPMODE']._serialized_start=276
   _globals['_SAMPLINGPARAMS_STOPMODE']._serialized_end=374
   _globals['_SAMPLEREQUEST']._serialized_start=386
-  _globals['_SAMPLEREQUEST']._serialized_end=695
-  _globals['_TOPKLOGPROBS']._serialized_start=697
-  _globals['_TOPKLOGPROBS']._serialized_end=759
-  _globals['_SAMPLEDSEQUENCE']._serialized_start=762
-  _globals['_SAMPLEDSEQUENCE']._serialized_end=907
-  _globals['_SAMPLERESPONSE']._serialized_start=910
-  _globals['_SAMPLERESPONSE']._serialized_end=1055
-  _globals['_WEIGHTMANIFEST']._serialized_start=1058
-  _globals['_WEIGHTMANIFEST']._serialized_end=1382
-  _globals['_SHAREDWEIGHTS']._serialized_start=1384
-  _globals['_SHAREDWEIGHTS']._serialized_end=1464
-  _globals['_TENSORSPEC']._serialized_start=1466
-  _globals['_TENSORSPEC']._serialized_end=1572
-  _globals['_RENDEZVOUS']._serialized_start=1575
-  _globals['_RENDEZVOUS']._serialized_end=1720
-  _globals['_SNAPSHOTINFO']._serialized_start=1722
-  _globals['_SNAPSHOTINFO']._serialized_end=1801
-  _globals['_SAMPLER']._serialized_start=1864
-  _globals['_SAMPLER']._serialized_end=2075
+  _globals['_SAMPLEREQUEST']._serialized_end=742
+  _globals['_TOPKLOGPROBS']._serialized_start=744
+  _globals['_TOPKLOGPROBS']._serialized_end=806
+  _globals['_SAMPLEDSEQUENCE']._serialized_start=809
+  _globals['_SAMPLEDSEQUENCE']._serialized_end=954
+  _globals['_SAMPLERESPONSE']._serialized_start=957
+  _globals['_SAMPLERESPONSE']._serialized_end=1154
+  _globals['_WEIGHTMANIFEST']._serialized_start=1157
+  _globals['_WEIGHTMANIFEST']._serialized_end=1481
+  _globals['_SHAREDWEIGHTS']._serialized_start=1483
+  _globals['_SHAREDWEIGHTS']._serialized_end=1563
+  _globals['_TENSORSPEC']._serialized_start=1565
+  _globals['_TENSORSPEC']._serialized_end=1671
+  _globals['_RENDEZVOUS']._serialized_start=1674
+  _globals['_RENDEZVOUS']._serialized_end=1819
+  _globals['_SNAPSHOTINFO']._serialized_start=1821
+  _globals['_SNAPSHOTINFO']._serialized_end=1900
+  _globals['_SAMPLER']._serialized_start=1963
+  _globals['_SAMPLER']._serialized_end=2174
 # @@protoc_insertion_point(module_scope)

@@ -46,7 +46,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_mode: _Optional[_Union[SamplingParams.StopMode, str]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("request_id", "snapshot_id", "prompt_tokens", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "topk_sample_logprobs", "snapshot_path", "cache_namespace")
+    __slots__ = ("request_id", "snapshot_id", "prompt_tokens", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "topk_sample_logprobs", "snapshot_path", "cache_namespace", "prompt_target_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class SampleRequest(_message.Message):
     TOPK_SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_PATH_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     snapshot_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -69,7 +70,8 @@ class SampleRequest(_message.Message):
     topk_sample_logprobs: int
     snapshot_path: str
     cache_namespace: str
-    def __init__(self, request_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., snapshot_path: _Optional[str] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
+    prompt_target_ids: _common_pb2.Tensor
+    def __init__(self, request_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., snapshot_path: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., prompt_target_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TopkLogprobs(_message.Message):
     __slots__ = ("k", "token_ids", "logprobs")
@@ -94,14 +96,16 @@ class SampledSequence(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., topk_logprobs: _Optional[_Union[TopkLogprobs, _Mapping]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_logprobs")
+    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_logprobs", "prompt_target_logprobs")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TARGET_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     topk_prompt_logprobs: TopkLogprobs
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., topk_prompt_logprobs: _Optional[_Union[TopkLogprobs, _Mapping]] = ...) -> None: ...
+    prompt_target_logprobs: _common_pb2.Tensor
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., topk_prompt_logprobs: _Optional[_Union[TopkLogprobs, _Mapping]] = ..., prompt_target_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
     __slots__ = ("snapshot_id", "adapter_config_json", "tensors", "chunk_num_bytes", "rendezvous", "persisted_path", "transport", "shared", "sender", "model_id")
