@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tinkerd.errors import UserError
+from trainer_service import dimuon
 from trainer_service.dimuon import Dimuon
 from trainer_service.durable import DurableModels
 from trainer_service.engine import AdamParams, DatumInput, DimuonParams, TrainerEngine
@@ -113,9 +114,12 @@ def test_each_matrix_moves_by_the_documented_norm_whatever_the_gradients_scale()
         assert (delta - moved[1][i]).abs().max() < 1e-5, i
 
 
-def test_a_skipped_step_leaves_weights_and_momentum_as_they_were():
+@pytest.mark.parametrize("on_host", [True, False], ids=["read on the host", "decided on the device"])
+def test_a_skipped_step_leaves_weights_and_momentum_as_they_were(on_host, monkeypatch):
     """found_inf = 1 (a non-finite gradient norm): the step is a no-op though the gradients are
-    NaN; found_inf = 0 then steps as ever."""
+    NaN; found_inf = 0 then steps as ever. Both ways: read on the host, and decided on the device
+    without reading it (a GPU's, here on the CPU), which steps as the host does."""
+    monkeypatch.setattr(dimuon, "read_on_host", lambda found_inf: on_host)
     weights = [torch.nn.Parameter(t) for t in _matrices(0)]
     opt = Dimuon(weights, RANK)
     opt.param_groups[0].update(lr=0.05)
@@ -134,6 +138,14 @@ def test_a_skipped_step_leaves_weights_and_momentum_as_they_were():
     opt.found_inf = torch.tensor(0.0)
     opt.step()
     assert all(not torch.equal(p, b) and torch.isfinite(p).all() for p, b in zip(weights, before[0]))
+    twin = [torch.nn.Parameter(t) for t in _matrices(0)]
+    plain = Dimuon(twin, RANK)
+    plain.param_groups[0].update(lr=0.05)
+    for grads in (_matrices(1), _matrices(2)):
+        for p, g in zip(twin, grads):
+            p.grad = g
+        plain.step()
+    assert all((p - q).abs().max() < 1e-6 for p, q in zip(weights, twin))
 
 
 # ---- on a TrainerEngine ---------------------------------------------------------------------
