@@ -28,7 +28,7 @@ import logging
 import os
 
 from prometheus_client import Counter
-from sqlalchemy import and_, exists, select, update
+from sqlalchemy import and_, bindparam, exists, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.storage.db import (CheckpointRow, CheckpointStorageRow, Database, FutureRow, ModelRow,
@@ -60,25 +60,58 @@ def _insert(conn, table):
     return (postgresql if conn.dialect.name == "postgresql" else sqlite).insert(table)
 
 
+def _statements(dialect) -> tuple:
+    """Per dialect, built once (a request's work runs them with its values): the key's insert, and
+    the bucket's upsert with the session's project as it is now, read in the statement (a session
+    moved a moment ago counts in its new project)."""
+    key = dialect.insert(_COUNTED).values(key=bindparam("key"), at=bindparam("at")).on_conflict_do_nothing().returning(
+        _COUNTED.c.key)      # (a prepared statement's rowcount is -1 on psycopg)
+    project = select(SessionRow.project_id).where(SessionRow.session_id == bindparam("session_id")).scalar_subquery()
+    bucket = dialect.insert(_USAGE).values(
+        bucket_start=bindparam("bucket_start"), owner=bindparam("owner"), session_id=bindparam("session_id"),
+        base_model=bindparam("base_model"), kind=bindparam("kind"), cached=bindparam("cached"),
+        quantity=bindparam("quantity"), project_id=project)
+    return key, bucket.on_conflict_do_update(index_elements=_BUCKET_KEY, set_={
+        "quantity": _USAGE.c.quantity + bucket.excluded.quantity, "project_id": bucket.excluded.project_id})
+
+
+_STATEMENTS = {"postgresql": _statements(postgresql), "sqlite": _statements(sqlite)}
+
+
 def count(db: Database, work: Work) -> bool:
     """Adds `work` to its hour's buckets unless its key was counted already (then False)."""
-    at = now()
-    with db.session() as s:          # not the row cache: a session moved a moment ago counts in its new project
-        session = s.get(SessionRow, work.session_id) if work.session_id else None
     with db.engine.begin() as conn:
-        if not conn.execute(_insert(conn, _COUNTED).values(key=work.key, at=at).on_conflict_do_nothing()).rowcount:
-            return False
-        for kind, cached, quantity in work.quantities:
-            if quantity <= 0:
-                continue
-            stmt = _insert(conn, _USAGE).values(
-                bucket_start=hour_of(at), owner=work.owner, session_id=work.session_id, base_model=work.base_model,
-                kind=kind, cached=cached, quantity=quantity, project_id=session.project_id if session else None)
-            conn.execute(stmt.on_conflict_do_update(index_elements=_BUCKET_KEY, set_={
-                "quantity": _USAGE.c.quantity + stmt.excluded.quantity, "project_id": stmt.excluded.project_id}))
+        added = add(conn, work)
+    if added:
+        counted(work)
+    return added
+
+
+def add(conn, work: Work) -> bool:
+    """`count` in the caller's transaction (a sample's is its future's finish); the Prometheus
+    counters are the caller's to move, with `counted`, once that transaction commits."""
+    at = now()
+    key, bucket = _STATEMENTS["postgresql" if conn.dialect.name == "postgresql" else "sqlite"]
+    if conn.execute(key, {"key": work.key, "at": at}).first() is None:
+        return False
+    for kind, cached, quantity in work.quantities:
+        if quantity > 0:
+            conn.execute(bucket, {"bucket_start": hour_of(at), "owner": work.owner, "session_id": work.session_id,
+                                  "base_model": work.base_model, "kind": kind, "cached": cached,
+                                  "quantity": quantity})
+    return True
+
+
+def counted(work: Work) -> None:
     for kind, _, quantity in work.quantities:
         COUNTED.labels(kind).inc(quantity)
-    return True
+
+
+def sample_work(message, reply, owner: str, session_id: str, base_model: str) -> Work:
+    """A sample's tokens: its prompt prefilled once, however many sequences, and every sequence's."""
+    return Work(f"sample:{message.request_id}", owner, session_id, base_model,
+                (("sampling_prefill", False, len(message.prompt_tokens)),
+                 ("sampling_sample", False, sum(len(s.tokens) for s in reply.sequences))))
 
 
 async def trained(gw, message) -> None:
@@ -97,7 +130,8 @@ def _count_training(db: Database, model_id: str, seq_id: int, tokens: int) -> No
 
 
 async def sampled(gw, message, reply) -> None:
-    """A sample (sampler_pb2.SampleRequest) a replica answered with `reply`."""
+    """A sample (sampler_pb2.SampleRequest) a replica answered with `reply`, stored by a gateway that
+    did not record whose it is (SampleOf): looked up from its future's row."""
     sampled_tokens = sum(len(s.tokens) for s in reply.sequences)
     await asyncio.to_thread(_count_sample, gw.db, gw.settings.base_model, message.request_id,
                             len(message.prompt_tokens), sampled_tokens)

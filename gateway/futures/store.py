@@ -37,7 +37,8 @@ from gateway.errors import error_json
 from gateway.futures.completions import Completions, Target
 from gateway.futures.order import Job, ModelOrder
 from gateway.futures.waits import Waits
-from gateway.jobs.base import Job as TypedJob, StoredRequest
+from gateway import usage
+from gateway.jobs.base import Done, Job as TypedJob, StoredRequest
 from gateway.storage.db import Database, FutureRow, now
 from gateway.tenant import TENANT
 from gateway.traces.spans import Traces
@@ -237,9 +238,11 @@ class Futures:
         pending = self._pending.get(request_id)
         tenant = TENANT.set(pending.owner if pending is not None else "")     # whom its trainer calls are for
         self.traces.started(request_id)
+        work = None
         try:
-            content_type, body = await job()
-            status = "complete"
+            done = await job()
+            content_type, body, status = done[0], done[1], "complete"
+            work = done.usage if isinstance(done, Done) else None
         except ServiceError as e:
             status, content_type, body = "failed", "application/json", error_json(str(e), category_for(e.code))
         except grpc.aio.AioRpcError as e:
@@ -253,13 +256,17 @@ class Futures:
         if self._stopping:      # shutting down (the call was cut short): it is re-driven, not failed
             return
         if request_id in self._pending:       # else cancel() finished it already: the result is dropped
-            self._finish(request_id, status, content_type, body)
+            self._finish(request_id, status, content_type, body, work)
 
-    def _finish(self, request_id: str, status: str, content_type: str, body: bytes) -> None:
+    def _finish(self, request_id: str, status: str, content_type: str, body: bytes, work=None) -> None:
         pending = self._pending.pop(request_id)
         self.traces.finished(request_id, "cancelled" if request_id in self._cancelled else status)
         completion = None if pending.target is None else Completions.row(pending.target, status == "failed", len(body))
-        if self.db.finish_future(request_id, status, content_type, body, completion):
+        added: list[bool] = []
+        also = None if work is None else (lambda conn: added.append(usage.add(conn, work)))
+        if self.db.finish_future(request_id, status, content_type, body, completion, also):
+            if any(added):
+                usage.counted(work)
             row = FutureRow(request_id=request_id, status=status, content_type=content_type, result=body,
                             owner=pending.owner, request_type=pending.request_type)
             if pending.target is not None:

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import json
 import typing
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from gateway.identity.caller import Caller
 
@@ -35,6 +35,14 @@ class Owner:
 
 
 Result = tuple[str, bytes]      # (content type, body) of the future's result
+
+
+class Done(NamedTuple):
+    """A result with the usage the job did (gateway/usage.py), counted in the transaction that
+    finishes its future: exactly once, with no write of its own."""
+    content_type: str
+    body: bytes
+    usage: Any = None          # gateway.usage.Work
 
 
 def json_body(obj) -> Result:

@@ -5,9 +5,17 @@ from __future__ import annotations
 import dataclasses
 
 from gateway import convert, metrics, usage
-from gateway.jobs.base import Job, Result
+from gateway.jobs.base import Done, Job, Result
 from gateway.traces import spans
 from tinkerd.v1 import sampler_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOf:
+    """Whose a sample is, known when it is submitted: its usage needs no lookup when it finishes."""
+    owner: str
+    session_id: str          # "" for an OpenAI request (no sampling session)
+    base_model: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,13 +25,17 @@ class Sample(Job):
     message_type = sampler_pb2.SampleRequest
     message: sampler_pb2.SampleRequest
     record_for: str | None = None       # the session whose stable_reinforce steps may name these sequences
+    of: SampleOf | None = None          # whose (None in rows of older gateways: looked up)
 
     async def run(self, gw) -> Result:
         reply = await gw.backends.samplers.sample(self.message)
         metrics.sampled(reply)
-        await usage.sampled(gw, self.message, reply)
+        if self.of is None:
+            await usage.sampled(gw, self.message, reply)
         spans.note(tokens_in=len(self.message.prompt_tokens), tokens_out=sum(len(s.tokens) for s in reply.sequences))
         if self.record_for is not None:
             gw.stability.record_all(self.record_for, {f"{self.message.request_id}:{i}": (seq.tokens, seq.logprobs)
                                                       for i, seq in enumerate(reply.sequences)})
-        return "application/x-protobuf", convert.sample_response(reply)
+        work = (usage.sample_work(self.message, reply, self.of.owner, self.of.session_id, self.of.base_model)
+                if self.of is not None else None)
+        return Done("application/x-protobuf", convert.sample_response(reply), work)

@@ -31,7 +31,7 @@ from gateway import tinker_wire_pb2 as tw
 from gateway.futures.store import new_request_id
 from gateway.identity.auth import caller_of
 from gateway.identity.caller import Caller
-from gateway.jobs.sampling import Sample
+from gateway.jobs.sampling import Sample, SampleOf
 from gateway.storage.db import CheckpointRow
 from gateway.openai.format import (ChatRequest, Choice, CommonRequest, CompletionRequest, OaiError, TokenTexts,
                                    answer_json, answer_response, chat_logprob, check_logprob_entries,
@@ -92,8 +92,8 @@ async def _sample(gw: Gateway, caller: Caller, prompt: list[int], req: CommonReq
     convert.check_sample(body, limits)
     msg = convert.sample_request(body, snapshot_id, snapshot_path)
     msg.request_id = new_request_id()
-    row = gw.jobs.submit(Sample(msg), caller, request_id=msg.request_id,
-                         admit=gw.limits.admit_sample(caller))     # counted with the insert: a burst passes no cap
+    row = gw.jobs.submit(Sample(msg, of=SampleOf(caller.user_id, "", gw.settings.base_model)), caller,
+                         request_id=msg.request_id, admit=gw.limits.admit_sample(caller))  # a burst passes no cap
     while (row := await gw.futures.waits.wait(row.request_id, _WAIT_S, caller.user_id)).status == "pending":
         pass
     if row.status != "complete":

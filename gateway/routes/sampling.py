@@ -11,7 +11,7 @@ from gateway.futures.store import new_request_id
 from gateway.jobs.engine import fingerprint
 from gateway.identity import audit
 from gateway.identity.auth import CallerDep
-from gateway.jobs.sampling import Sample
+from gateway.jobs.sampling import Sample, SampleOf
 from gateway.storage.db import ModelRow, SamplingSessionRow
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
                               GetSamplerResponse, JoinSamplingSessionRequest, SAMPLING_CLONE_SPAN, SampleRequest)
@@ -83,7 +83,8 @@ async def asample(request: Request, caller: CallerDep, gw: GatewayDep):
     record_for = session.session_id if body.record_stability_info else None
     msg.request_id = new_request_id()      # the future's id (a resend gets the first one's back)
     with gw.traces.refusals(session.session_id, "sample"):       # a 429 is in the session's trace
-        row = gw.jobs.submit(Sample(msg, record_for), caller, fingerprint=fingerprint("sample", body.model_dump_json()),
+        row = gw.jobs.submit(Sample(msg, record_for, SampleOf(caller.user_id, session.session_id, session.base_model)),
+                             caller, fingerprint=fingerprint("sample", body.model_dump_json()),
                              idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
                              target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN),
                              request_id=msg.request_id, admit=gw.limits.admit_sample(caller))

@@ -629,11 +629,11 @@ class Database:
                 return s.scalars(select(FutureRow).where(FutureRow.idempotency_key == row.idempotency_key)).one()
 
     def finish_future(self, request_id: str, status: str, content_type: str, result: bytes,
-                      completion: dict | None = None) -> bool:
+                      completion: dict | None = None, also=None) -> bool:
         """Records the result of a pending future and drops its stored request (nothing re-drives
         a finished future); False if it had finished already (elsewhere). A sample's `completion`
         (a CompletionRow's values) is written in the same transaction: no gateway can finish a
-        sample that no retrieve_futures poll will report."""
+        sample that no retrieve_futures poll will report; and so is `also(connection)` (its usage)."""
         stamp = now()
         with self.engine.begin() as conn:
             finished = conn.execute(_FINISH_FUTURE, {"rid": request_id, "status": status, "content_type": content_type,
@@ -641,6 +641,8 @@ class Database:
             if finished and completion is not None:
                 conn.execute(_INSERT_COMPLETION, {**completion, "request_id": request_id, "reported_cursor": None,
                                                   "finished_at": stamp})
+            if finished and also is not None:
+                also(conn)
             return finished
 
     def future_status(self, request_id: str) -> str | None:

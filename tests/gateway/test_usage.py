@@ -178,3 +178,25 @@ def test_storage_gigabyte_hours_split_by_hour():
     caller = types.SimpleNamespace(admin=False, user_id="u")
     hours = billing._storage_hours(db, caller, t0, t0 + datetime.timedelta(hours=5))
     assert {k[0].hour: v for k, v in hours.items()} == pytest.approx({0: 1.0, 1: 2.0, 2: 0.5})
+
+
+def test_counting_in_a_transaction_on_either_database(db_url):
+    """The statements a finishing sample runs (usage.add): a key counts once; one hour's work of
+    a session adds up in one bucket, named by the session's project as it is when counted."""
+    from sqlalchemy import update
+
+    from gateway.storage.db import Database, SessionRow, UsageRow
+
+    db = Database(db_url)
+    db.add(SessionRow(session_id="s1", owner="u", project_id="proj-a"))
+    sample = usage.Work("sample:r1", "u", "s1", "m", (("sampling_prefill", False, 3), ("sampling_sample", False, 4)))
+    with db.engine.begin() as conn:
+        assert usage.add(conn, sample)
+        assert not usage.add(conn, sample)             # the same key again: nothing
+    with db.engine.begin() as conn:
+        conn.execute(update(SessionRow).where(SessionRow.session_id == "s1").values(project_id="proj-b"))
+    assert usage.count(db, usage.Work("sample:r2", "u", "s1", "m", (("sampling_sample", False, 5),)))
+    assert usage.count(db, usage.Work("sample:r3", "u", "", "m", (("sampling_sample", False, 2),)))   # OpenAI's
+    rows = {(r.session_id, r.kind): (r.quantity, r.project_id) for r in db.select(select(UsageRow))}
+    assert rows == {("s1", "sampling_prefill"): (3, "proj-a"), ("s1", "sampling_sample"): (9, "proj-b"),
+                    ("", "sampling_sample"): (2, None)}

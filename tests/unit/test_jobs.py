@@ -9,7 +9,7 @@ import typing
 
 from gateway.jobs.base import Job, Owner, StoredRequest
 from gateway.jobs.custom_losses import CreateCustomLoss
-from gateway.jobs.sampling import Sample
+from gateway.jobs.sampling import Sample, SampleOf
 from gateway.jobs.service import Noop, UnloadModel
 from gateway.jobs.table import JOB_CLASSES, JOBS
 from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimStep, Refused
@@ -39,6 +39,7 @@ def _examples() -> list[Job]:
         LoadWeights(trainer_pb2.CreateModelRequest(model_id="s:train:0"), OWNER, 9, "tinker://r/weights/a", None),
         Sample(sampler_pb2.SampleRequest(request_id="r1"), "s"),
         Sample(sampler_pb2.SampleRequest(request_id="r2")),
+        Sample(sampler_pb2.SampleRequest(request_id="r3"), None, SampleOf("user-1", "s", "tiny")),
         UnloadModel("s:train:0"),
         Noop(),
         CreateCustomLoss("s:loss:0", "s", OWNER, "ppo", '{"name": "ppo"}', "ab" * 32),
