@@ -85,6 +85,13 @@ class Backends:
 
     async def run(self, url: str, work) -> asyncio.Future:
         """`work` (a coroutine) to `url`, ended if `url` is marked down meanwhile; returns it done."""
+        if not self.health_path:       # nothing marks a backend down: awaited here, no task of its own
+            future = asyncio.get_running_loop().create_future()
+            try:
+                future.set_result(await work)
+            except Exception as e:  # noqa: BLE001 - the caller reads it off the future
+                future.set_exception(e)
+            return future
         future = asyncio.ensure_future(work)
         self.in_flight[url].add(future)
         try:
