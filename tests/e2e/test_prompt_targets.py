@@ -3,8 +3,8 @@ scores the token ids a caller names at each prompt position in the prefill, with
 serves, and they equal the trainer's forward logprobs of those tokens (1e-5; the ids at the
 prompt's own tokens equal the sampler's prompt_logprobs exactly); dense and sparse CSR come back
 in their own layout, 0 where nothing was asked. Bad shapes and ids are a 400 naming the field.
-Layout and checks in detail: tests/unit/test_prompt_targets.py; the engine's scoring in a mixed
-LoRA batch: tests/sampler/test_grouped_lora_engine.py."""
+Layout and checks in detail: tests/unit/test_prompt_target_layout.py; the engine's scoring in a
+mixed LoRA batch: tests/sampler/test_grouped_lora_engine.py."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def test_target_logprobs_equal_the_trainers_forward_dense_and_sparse(trained):
     want = _trainer_logprobs(tc, prompt, ids)
 
     reply = sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=2),
-                           include_prompt_logprobs=True, target_prompt_logprobs=types.TensorData.from_numpy(ids)).result()
+                           include_prompt_logprobs=True,
+                           target_prompt_logprobs=types.TensorData.from_numpy(ids)).result()
     got = reply.target_prompt_logprobs
     assert got.dtype == "float32" and got.shape == list(ids.shape) and got.sparse_crow_indices is None
     got = got.to_numpy()

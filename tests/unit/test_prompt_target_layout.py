@@ -57,6 +57,12 @@ def _engine_scores(targets: sampler_convert.PromptTargets) -> np.ndarray:
     return np.where(targets.ids >= 0, -(targets.ids + 1000.0 * rows), -np.inf).astype(np.float32)
 
 
+def _output(**fields):
+    """A vLLM RequestOutput of one sampled token, with `fields`."""
+    return types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[4], logprobs=None, finish_reason="length")],
+                                 **fields)
+
+
 def _expected(ids: np.ndarray) -> np.ndarray:
     rows = np.arange(ids.shape[0])[:, None]
     return np.where(ids >= 0, -(ids + 1000.0 * rows), 0.0).astype(np.float32)
@@ -75,8 +81,7 @@ def test_targets_go_to_the_sampler_and_come_back_in_the_callers_layout(layout):
     assert targets.start == 2 and targets.ids.tolist() == [[42, 7, -1], [9, 3, -1], [88, 1, 2]]
     assert targets.engine_arg()["start"] == 2 and targets.engine_arg()["width"] == 3
 
-    output = types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[4], logprobs=None, finish_reason="length")],
-                                   prompt_logprobs=None, prompt_token_id_logprobs=_engine_scores(targets))
+    output = _output(prompt_logprobs=None, prompt_token_id_logprobs=_engine_scores(targets))
     reply = sampler_convert.sample_response(msg, [output], targets)
     got = deserialize_sample_response(convert.sample_response(reply)).target_prompt_logprobs
     assert got.dtype == "float32" and got.shape == [5, 3]
@@ -147,8 +152,7 @@ def test_prompt_logprobs_last_n_as_its_docstring_says():
 
     msg = convert.sample_request(_body(prompt_logprobs=True, topk_prompt_logprobs=1, prompt_logprobs_last_n=2), "", "")
     rows = [None] + [{t: types.SimpleNamespace(logprob=-float(t), rank=1)} for t in PROMPT[1:]]   # vLLM's Logprob
-    output = types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[4], logprobs=None, finish_reason="length")],
-                                   prompt_logprobs=rows)
+    output = _output(prompt_logprobs=rows)
     out = deserialize_sample_response(convert.sample_response(sampler_convert.sample_response(msg, [output])))
     assert out.prompt_logprobs == [None, None, None, None, -9.0, -88.0]
     assert out.topk_prompt_logprobs == [None, None, None, None, [(9, -9.0)], [(88, -88.0)]]
