@@ -29,11 +29,11 @@ import time
 from bench.common import REPO, Context, Row, SharedStack, check, new_dir, smollm2_model, tiny_model
 
 BENCHMARKS = ["train_step", "trainer_ranks", "sdk_workload", "sampling", "sampler_replicas", "adapter_sampling",
-              "weight_sync", "futures", "startup", "tenants", "batching", "soak", "bf16_gap", "request_costs"]
+              "weight_sync", "futures", "startup", "tenants", "batching", "soak", "bf16_gap", "request_costs", "dimuon"]
 # Run first when they share a process: their in-process DeepSpeed engines set up the one-process gloo
 # group, which vLLM's in-process engines join; DeepSpeed after a vLLM engine has gone finds its
 # group unregistered.
-DEEPSPEED_FIRST = ["train_step", "batching", "sdk_workload", "bf16_gap"]   # bf16_gap last: it ends with vLLM
+DEEPSPEED_FIRST = ["train_step", "batching", "sdk_workload", "dimuon", "bf16_gap"]   # bf16_gap last: it ends with vLLM
 
 
 def machine() -> str:
