@@ -56,6 +56,7 @@ class Member:
     served: int = 0          # samples this replica answered for this gateway (the listing shows it)
     weight_transport: str = ""   # how the trainer's last push reached it (tinkerd/weight_transport.py)
     failed_checks: int = 0       # in a row
+    reached: bool = False        # a health check passed since it joined (else its address may be wrong)
     calls: set = dataclasses.field(default_factory=set)      # its Sample calls in flight
 
 
@@ -103,6 +104,7 @@ class SamplerPool:
                 log.info("sampler replica %s is %s", member.address, "up" if alive else "down")
                 member.alive = alive
             member.failed_checks = 0 if alive else member.failed_checks + 1
+            member.reached = member.reached or alive
             if member.failed_checks >= LOST_AFTER_CHECKS and member.calls:
                 log.warning("sampler replica %s failed %d health checks in a row; re-driving its %d samples in "
                             "flight", member.address, member.failed_checks, len(member.calls))

@@ -12,7 +12,12 @@ the trainer reach this host by another name.
 The URL is the gateway's internal listener (`--internal-port`; gateway/listeners.py). Over https
 the gateway's certificate is checked against --register-ca (a CA bundle, or the gateway's own
 certificate when self-signed) or the system's trust store; with TLS configured, an http URL to
-another host is refused (check_urls): the service token would cross the network in clear."""
+another host is refused (check_urls): the service token would cross the network in clear.
+
+A gateway that refuses the registration (a 4xx: a service token it does not accept, an address it
+cannot reach, a URL that is not its internal listener) is a configuration to fix, not a gateway
+still starting: the refusal is logged with the gateway's reason, and after REFUSALS_BEFORE_EXIT in
+a row the replica stops (`refused` says why, and `tinkerd sampler` exits non-zero with it)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from typing import Callable
 
 from tinkerd.rpc import advertised_host, is_local_address, is_loopback
 
@@ -30,6 +36,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
 RETRY_S = 1.0          # after a failed registration (the gateway may still be starting)
+REFUSALS_BEFORE_EXIT = 3     # refusals in a row from a gateway (a token being rotated may take a moment)
 
 
 def advertised_address(listen: str, port: int, given: str = "") -> str:
@@ -72,9 +79,16 @@ def client_context(ca_file: str) -> ssl.SSLContext:
 
 
 class Registration:
-    def __init__(self, gateways: list[str], address: str, token: str, ca_file: str = ""):
+    """`on_refused(reason)`: called once, from the registration's thread, when the gateways refused
+    it REFUSALS_BEFORE_EXIT times in a row; the heartbeat then ends."""
+
+    def __init__(self, gateways: list[str], address: str, token: str, ca_file: str = "",
+                 on_refused: Callable[[str], None] | None = None):
         self.gateways, self.address, self.token = [g.rstrip("/") for g in gateways], address, token
         self.context = client_context(ca_file)
+        self.on_refused = on_refused
+        self.refused = ""          # why the gateways would not have this replica, once they stopped it
+        self._refusals, self._reason = 0, ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="registration", daemon=True)
 
@@ -89,17 +103,24 @@ class Registration:
         if not self.gateways:
             return
         self._stop.set()
-        self._thread.join(timeout=HEARTBEAT_S)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=HEARTBEAT_S)
         self._post_all("deregister")
 
     def _beat(self) -> None:
         while not self._stop.is_set():
             reached_all = self._post_all("register")
+            if self._refusals >= REFUSALS_BEFORE_EXIT:
+                self.refused = self._reason
+                log.error("tinkerd sampler: stopping: %s", self.refused)
+                if self.on_refused:
+                    self.on_refused(self.refused)
+                return
             self._stop.wait(HEARTBEAT_S if reached_all else RETRY_S)
 
     def _post_all(self, action: str) -> bool:
-        """Whether every gateway answered."""
-        reached_all = True
+        """Whether every gateway answered; a refusal of a registration is counted (`_refusals`)."""
+        reached_all, refused = True, False
         for gateway in self.gateways:
             request = urllib.request.Request(
                 f"{gateway}/internal/v1/samplers/{action}", data=json.dumps({"address": self.address}).encode(),
@@ -107,7 +128,33 @@ class Registration:
                          **({"authorization": f"Bearer {self.token}"} if self.token else {})})
             try:
                 urllib.request.urlopen(request, timeout=HEARTBEAT_S, context=self.context).close()
+            except urllib.error.HTTPError as e:
+                reached_all = False
+                if action == "register" and 400 <= e.code < 500:
+                    refused, self._reason = True, _refusal(gateway, self.address, e)
+                    log.error("%s", self._reason)
+                else:
+                    log.warning("could not %s with %s: %s", action, gateway, e)
             except (urllib.error.URLError, OSError) as e:
                 log.warning("could not %s with %s: %s", action, gateway, e)
                 reached_all = False
+        if action == "register":
+            self._refusals = self._refusals + 1 if refused else 0
         return reached_all
+
+
+def _refusal(gateway: str, address: str, e: urllib.error.HTTPError) -> str:
+    """The gateway's refusal of this replica, in words: its own reason (the gateway names what it
+    expected, never a secret), and what to check on this side."""
+    try:
+        said = json.loads(e.read() or b"{}").get("error", "") or e.reason
+    except ValueError:
+        said = e.reason
+    hint = {401: "this replica's --service-token-file must hold the gateway's service secret (or a sampler "
+                 "credential made from it: python -m tinkerd.service_roles sampler)",
+            403: "a service token mismatch, or another role's credential: this replica's --service-token-file "
+                 "must hold the gateway's service secret (or a sampler credential made from it)",
+            404: "--register-with must be the gateway's internal listener (its --internal-host and "
+                 "--internal-port)"}.get(e.code, "")
+    return (f"{gateway} refused to register this replica ({address}): HTTP {e.code}: {said}"
+            + (f"; {hint}" if hint else ""))

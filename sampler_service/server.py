@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 from sampler_service.settings import SamplerSettings
 from tinkerd.process import allocator, cpu_defaults, init_logging, serve_until_signal, service_dtype
@@ -37,14 +38,19 @@ def serve(s: SamplerSettings) -> None:
     metrics.SNAPSHOTS.set_function(engine.num_snapshots)
     sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(engine, state_dir=os.path.abspath(s.state_dir)),
                                                    server)
+    # Refused by the gateways (a wrong token, an address they cannot reach): stop as on a signal,
+    # then exit non-zero with the reason.
     registration = Registration(s.register_with, advertised_address(s.listen, port, s.advertise_address),
-                                auth.bearer("gateway"), s.register_ca)
+                                auth.bearer("gateway"), s.register_ca,
+                                on_refused=lambda _: os.kill(os.getpid(), signal.SIGTERM))
 
     def stop():
         registration.stop()
         engine.shutdown()
     serve_until_signal(server, port, "sampler", on_start=registration.start, on_stop=stop,
                        health=ServiceHealth(server, "tinkerd.v1.Sampler"))
+    if registration.refused:
+        raise SystemExit(f"tinkerd sampler: {registration.refused}")
 
 
 def engine_from(s: SamplerSettings):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 
 from tinkerd.process import allocator, cpu_defaults, init_logging, serve_until_signal, service_dtype
 from trainer_service.settings import TrainerSettings
@@ -60,11 +62,38 @@ def choose_rank_interface(world: int) -> None:
             return
 
 
+def wait_for_master(world: int, rank: int, timeout_s: float) -> None:
+    """A rank other than 0 waits for the job's store (MASTER_ADDR:MASTER_PORT: torchrun's, or rank
+    0's when the ranks were started with the variables alone) to accept a connection, at most
+    `timeout_s`, and ends saying so: torch's own connect waits 30 minutes, in silence. Under torchrun
+    the store answered its rendezvous already, so this passes at once."""
+    master, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if world == 1 or rank == 0 or not master or not port.isdigit():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((master, int(port)),
+                                     timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:
+            left = deadline - time.monotonic()
+            if left > 0:
+                time.sleep(min(1.0, left))
+                continue
+            raise SystemExit(f"tinkerd trainer: nothing answers at MASTER_ADDR:MASTER_PORT {master}:{port}, the "
+                             f"job's store, after {timeout_s:g} s ({e}): start rank 0 (the store is its, or "
+                             f"torchrun's on its host), or give every rank the address and port rank 0's host "
+                             f"listens on (torchrun --master-addr/--master-port; --master-timeout-s waits "
+                             f"longer)") from None
+
+
 def serve(s: TrainerSettings) -> None:
     threads = cpu_defaults()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     init_logging("trainer" if world == 1 else f"trainer[rank {rank}/{world}]")
     choose_rank_interface(world)
+    wait_for_master(world, rank, s.master_timeout_s)
     # tcmalloc: launcher/cli.py re-executes `tinkerd trainer` with it before its imports.
     logging.getLogger("trainer").info("memory allocator: %s", allocator())
     from tinkerd import state_lock

@@ -61,3 +61,6 @@ class TrainerSettings(ServerAuthSettings, WeightsDtypeSettings, MetricsSettings)
                                                "flight fails, health says NOT_SERVING and the ranks exit, to be "
                                                "restarted. Each rank checks in with the job's store (MASTER_ADDR) "
                                                "several times in this", at_least=1)
+    master_timeout_s: float = setting(120.0, help="a job of several ranks: how long a rank other than 0 waits at "
+                                                  "start for MASTER_ADDR:MASTER_PORT (the job's store) to answer "
+                                                  "before it exits naming it", at_least=1)

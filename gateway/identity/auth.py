@@ -99,6 +99,11 @@ def internal_refusal(service_auth: ServiceAuth | None, auth: Authenticator,
             return None, None
         return (403, f"the {role} service's token does not open {path} (it opens "
                      f"{service_roles.opens('gateway', role)})"), None
+    if replica_route and (claimed := service_roles.role_of(credential)):
+        # A service's token that this gateway's secret did not make: named, the secret never.
+        return (403, f"the {claimed} service's token is not one this gateway accepts: a service token mismatch "
+                     f"(every host needs the same service secret in --service-token-file, or a credential "
+                     f"made from it)"), None
     if operator_only:
         return (403, f"{path} takes {wanted}, not an API key"), None
     caller, _ = auth.caller(credential)

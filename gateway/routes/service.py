@@ -12,8 +12,10 @@ from fastapi.responses import JSONResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import text
 
+from gateway.backends import token_mismatch
 from gateway.state import GatewayDep
 from tinkerd.rpc import ServiceAuth, aio_channel
+from tinkerd.v1 import common_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +126,26 @@ async def _serving(address: str, auth: ServiceAuth) -> str:
         async with aio_channel(address, auth) as ch:
             reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                               timeout=_PROBE_TIMEOUT_S)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING and not await _takes_token(ch, address, auth):
+                return "not serving"
     except grpc.aio.AioRpcError as e:
         log.warning("healthz: %s does not answer: %s: %s", address, e.code().name, e.details())
         return "unreachable"
     return "ok" if reply.status == health_pb2.HealthCheckResponse.SERVING else "not serving"
+
+
+async def _takes_token(ch, address: str, auth: ServiceAuth) -> bool:
+    """Whether the trainer takes this gateway's service token: its health check is open to all,
+    and a token it refuses fails every other call."""
+    if not auth.holds_token:
+        return True
+    try:
+        await trainer_pb2_grpc.TrainerStub(ch).Health(common_pb2.HealthRequest(), timeout=_PROBE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            log.error("healthz: %s", token_mismatch(address, e.details()))
+            return False
+    return True
 
 
 @router.get("/get_server_capabilities")
