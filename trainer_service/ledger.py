@@ -1,86 +1,175 @@
 """The trainer's ledger of requests: each (model_id, seq_id) runs at most once, in seq_id order,
 and a resend gets the first reply -- also after a restart, for what the model's durable state
-includes. Every request that changes a model goes through `once` (forward_backward, optim_step,
-save_state, push_weights); what it holds:
+includes. Every request that changes a model goes through `run` (forward_backward and forward,
+optim_step, save_state, push_weights), which does, in this order:
 
-- the order (seq_order.py): a request waits for every lower seq_id of its model;
-- the replies (replies.py): a resend, or a copy re-driven by another gateway, is answered;
-- the journal (durable.py): which requests the durable state includes. A model brought back from
-  disk (`resume`) takes their replies back, and refuses once, saying so, when work done before a
-  crash is lost.
+1. the request's turn in its model's seq_id order (seq_order.py);
+2. a stored reply (replies.py): a resend, or a copy re-driven by another gateway, is answered;
+3. in the tenant's fair turn (scheduler.py): a model that waits on disk brought back (`Models`)
+   and squared with its journal, which may answer the request (its reply is kept there) or
+   refuse it once, saying so, when work done before a crash is lost; then the work;
+4. the journal (durable.py), still in the turn and decided by the request's kind: which requests
+   the durable state includes; after an optim_step, the durable write when due;
+5. the reply kept for resends.
+
+PushWeights' transfer runs after its fair turn (`outside_turn`), still in its seq_id turn: the
+samplers' receive does not hold other tenants' work.
 """
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import concurrent.futures
+import dataclasses
+import logging
+from typing import Any, Callable, Protocol, TypeVar
 
 from tinkerd.errors import LostWorkError, UserError
 from tinkerd.v1 import trainer_pb2
 from trainer_service.durable import DurableModels, describe_lost
 from trainer_service.replies import APPLIED, ReplyCache
+from trainer_service.scheduler import FairScheduler
 from trainer_service.seq_order import SeqOrder
+
+log = logging.getLogger(__name__)
 
 Reply = TypeVar("Reply")
 
-# The replies a restarted trainer can give again (the journal keeps them).
-_JOURNALED_REPLIES = {"optim_step": trainer_pb2.OptimStepResponse}
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    journaled: bool = False         # changes the model: a journal line, so a restart knows
+    reply: type | None = None       # the reply the journal keeps, to answer a resend after a restart
+    step: bool = False              # an optimizer step: the durable state may be due
+
+
+_KINDS = {
+    "forward": _Kind(),
+    "forward_backward": _Kind(journaled=True),
+    "optim_step": _Kind(journaled=True, reply=trainer_pb2.OptimStepResponse, step=True),
+    "save_state": _Kind(),
+    "push_weights": _Kind(),
+}
+
+
+class Models(Protocol):
+    """What the ledger asks of the engine (TrainerEngine is one)."""
+
+    def is_resident(self, model_id: str) -> bool: ...
+
+    def on_disk(self, model_id: str) -> bool: ...
+
+    def get(self, model_id: str) -> Any:
+        """The model, brought back from disk if need be: its `state_seq` and `step`."""
+
+    def save_durable(self, model_id: str) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    model_id: str
+    seq: int
+    kind: str
+    tenant: str
 
 
 class Ledger:
-    def __init__(self, durable: DurableModels):
+    def __init__(self, durable: DurableModels, models: Models, turns: FairScheduler):
         self.durable = durable
+        self.models = models
+        self.turns = turns
         self.replies = ReplyCache()
         self.order = SeqOrder(start_of=durable.next_turn)
 
-    def once(self, model_id: str, seq: int, kind: str, run: Callable[[], Reply]) -> Reply:
-        """`run()`'s reply, run in the request's turn unless it ran before: then its stored reply,
-        or a refusal when that reply is no longer kept (never a second run)."""
-        cached = self.replies.get(model_id, seq, kind)
-        if cached is not None:
-            return cached
-        ran_before = self.order.wait_turn(model_id, seq)
+    def run(self, request, kind: str, work: Callable[[], Any], *, tenant: str,
+            outside_turn: Callable[[Any], Reply] | None = None) -> Reply:
+        """The reply to `request` (its model_id and seq_id): `work()` run in its turns, unless it
+        ran before: then its stored reply, or a refusal when that reply is no longer kept (never a
+        second run). With `outside_turn`, the reply is `outside_turn(work())`, made after the fair
+        turn; such a kind changes no model (nothing to journal)."""
+        call = _Call(request.model_id, request.seq_id, kind, tenant)
+        if outside_turn is not None and _KINDS[kind].journaled:
+            raise ValueError(f"{kind} is journaled in its turn: its reply cannot be made outside it")
+        kept = self.replies.get(call.model_id, call.seq, kind)
+        if kept is not None:
+            return kept
+        ran_before = self.order.wait_turn(call.model_id, call.seq)
         applied = True
         try:
-            cached = self.replies.get(model_id, seq, kind)    # the same request, sent meanwhile by another gateway
-            if cached is not None:
-                return cached
+            kept = self.replies.get(call.model_id, call.seq, kind)    # sent meanwhile by another gateway
+            if kept is not None:
+                return kept
             if ran_before:
-                raise _expired(kind, model_id, seq)
+                raise _expired(kind, call.model_id, call.seq)
             applied = False
-            reply = run()
+            result, kept = self.turns.run(tenant, lambda: self._in_turn(call, work))
+            reply = result if kept or outside_turn is None else outside_turn(result)
             applied = True
-            self.replies.put(model_id, seq, kind, reply)
+            self.replies.put(call.model_id, call.seq, kind, reply)
             return reply
         finally:
-            self.order.executed(model_id, seq, applied)
-            self.durable.note_turn(model_id, seq)
+            self.order.executed(call.model_id, call.seq, applied)
+            self.durable.note_turn(call.model_id, call.seq)
 
-    def resume(self, model_id: str, seq: int, state_seq: int, step: int) -> None:
-        """A model just brought back from disk, its state at `state_seq`: the journal tells which
+    def _in_turn(self, call: _Call, work: Callable[[], Any]) -> tuple[Any, bool]:
+        """In the tenant's fair turn: the model back from disk if it waits there, then the reply
+        that brought back (True), else the work's result, journaled (False)."""
+        self._resume(call)
+        kept = self.replies.get(call.model_id, call.seq, call.kind)
+        if kept is not None:
+            return kept, True
+        result = work()
+        self._journal(call, result)
+        return result, False
+
+    def _resume(self, call: _Call) -> None:
+        """A model brought back from disk, its state at `state_seq`: the journal tells which
         requests that state includes (their replies are kept for resends) and which were lost in a
         crash. Then this request is refused, once, saying so -- unless it is the resend of the one
         request lost (the call in flight when the trainer died), which redoes exactly what was lost."""
-        entries = self.durable.journal(model_id)
+        if self.models.is_resident(call.model_id) or not self.models.on_disk(call.model_id):
+            return
+        model = self.models.get(call.model_id)
+        entries = self.durable.journal(call.model_id)
         for e in entries:
-            if e.seq <= state_seq:
-                reply = _JOURNALED_REPLIES[e.kind].FromString(e.reply) if e.reply is not None else APPLIED
-                self.replies.put(model_id, e.seq, e.kind, reply)
-        lost = [e for e in entries if e.seq > state_seq]
+            if e.seq <= model.state_seq:
+                reply = _KINDS[e.kind].reply.FromString(e.reply) if e.reply is not None else APPLIED
+                self.replies.put(call.model_id, e.seq, e.kind, reply)
+        lost = [e for e in entries if e.seq > model.state_seq]
         if lost:
-            self.durable.trim(model_id, state_seq)
-        if lost and [e.seq for e in lost] != [seq]:
+            self.durable.trim(call.model_id, model.state_seq)
+        if lost and [e.seq for e in lost] != [call.seq]:
             raise LostWorkError(
-                f"the trainer restarted and model {model_id} resumed from its state at step {step} "
-                f"(seq_id {state_seq}); these requests were done but are lost: {describe_lost(lost)}. "
+                f"the trainer restarted and model {call.model_id} resumed from its state at step {model.step} "
+                f"(seq_id {model.state_seq}); these requests were done but are lost: {describe_lost(lost)}. "
                 f"Send them again to redo them; requests from now on apply to the resumed state")
 
-    def stored(self, model_id: str, seq: int, kind: str):
-        """The reply kept for the request (a resume may have just brought it back), else None."""
-        return self.replies.get(model_id, seq, kind)
+    def _journal(self, call: _Call, reply) -> None:
+        """What the request's kind changed, journaled before its reply leaves (durable.py); after
+        an optimizer step, the model's durable state once the last write is older than the interval."""
+        kind = _KINDS[call.kind]
+        if kind.journaled:
+            self.durable.record(call.model_id, call.seq, call.kind,
+                                reply.SerializeToString() if kind.reply is not None else None)
+        if kind.step and self.durable.due(call.model_id):
+            self._write_durable(call)
 
-    def record(self, model_id: str, seq: int, kind: str, reply: bytes | None = None) -> None:
-        """An executed request that changed the model, journaled before its reply leaves."""
-        self.durable.record(model_id, seq, kind, reply)
+    def _write_durable(self, call: _Call) -> None:
+        """With --durable-interval-s 0 (every step) before the reply: an answered step is on disk.
+        Otherwise the state may lag by the interval anyway, so the write goes right after the
+        reply, as the tenant's next turn: the step's caller has its reply sooner, though its next
+        call on the model waits for the write (an RL loop's weight push). Deferred past the push,
+        it ran beside a CPU sampler's compute and cost the step more than that
+        (docs/benchmarks.md#in-the-trainer)."""
+        model_id = call.model_id
+        if self.durable.interval_s <= 0:
+            self.models.save_durable(model_id)
+            return
+
+        def report(write: concurrent.futures.Future) -> None:
+            if write.exception() is not None:
+                log.error("could not write the durable state of %s (tried again after its next step or when "
+                          "idle)", model_id, exc_info=write.exception())
+        self.turns.submit(call.tenant, lambda: self.models.save_durable(model_id)).add_done_callback(report)
 
     def created(self, model_id: str) -> None:
         """The model was made here: its requests start at seq_id 1."""

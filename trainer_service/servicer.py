@@ -1,21 +1,23 @@
 """Trainer gRPC servicer: per RPC, convert the message (convert.py), call the engine in the
 model's fair turn (scheduler.py), convert back. Weight pushes go through weight_push.py.
 
-Every request that changes a model runs through the ledger (ledger.py): at most once per
-(model_id, seq_id), in seq_id order whichever gateway sends it, a resend answered with the first
-reply, also after a restart for what the model's durable state includes.
+Every request that changes a model is handed to the ledger (ledger.py) with the engine work it
+asks for: the ledger runs it at most once per (model_id, seq_id), in seq_id order whichever
+gateway sends it, brings a model back from disk first, journals it, and answers a resend with the
+first reply, also after a restart for what the model's durable state includes.
 Every directory is derived here from ids and names below the trainer's own state dir
 (tinkerd/paths.py); none comes from the caller.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
 
-from tinkerd import age, paths, weight_transport
+from tinkerd import age, paths, weight_stream, weight_transport
 from tinkerd.errors import UserError
 from tinkerd.rpc import ServiceAuth, rpc_boundary
 from tinkerd.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
@@ -37,6 +39,15 @@ def _tenant(model_id: str, context) -> str:
     return tenant_of(model_id, context.invocation_metadata() if context is not None else ())
 
 
+@dataclasses.dataclass
+class _Snapshot:
+    """A model's adapter gathered for a push (engine.snapshot_adapter), and when."""
+    packed: weight_stream.Packed
+    config: dict
+    started: float              # perf_counter at the gather's start
+    gather_seconds: float
+
+
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, engine: TrainerEngine, *, state_dir: str, advertise_host: str = "127.0.0.1",
                  transfer_timeout_s: float = 120.0, auth: ServiceAuth = ServiceAuth(),
@@ -46,8 +57,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.state_dir = os.path.abspath(state_dir)
         if engine.durable is None:
             engine.attach_durable(DurableModels(self.state_dir, durable_interval_s))
-        self.ledger = Ledger(engine.durable)
         self.scheduler = FairScheduler()
+        self.ledger = Ledger(engine.durable, engine, self.scheduler)
         self.pusher = WeightPusher(advertise_host, transfer_timeout_s, auth, device=engine.device,
                                    transports=weight_transports or weight_transport.PREFERENCE)
         if durable_idle_s > 0:
@@ -58,41 +69,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         """Runs engine work when the tenant's turn comes (see scheduler.py): the user the gateway
         names in the call's metadata, else the model's session (work of the trainer's own)."""
         return self.scheduler.run(_tenant(model_id, context), fn)
-
-    def _once(self, request, kind: str, work, context):
-        """`work()` in the model's fair turn, at most once per (model_id, seq_id) (ledger.py)."""
-        model_id, seq = request.model_id, request.seq_id
-
-        def turn():
-            self._resume(model_id, seq)
-            again = self.ledger.stored(model_id, seq, kind)     # a resume may know it
-            return again if again is not None else work()
-        return self.ledger.once(model_id, seq, kind, lambda: self._fair(model_id, turn, context))
-
-    def _resume(self, model_id: str, seq: int) -> None:
-        """Brings back a model that is not resident, and squares its journal with it (ledger.py)."""
-        if self.engine.is_resident(model_id) or not self.engine.on_disk(model_id):
-            return
-        model = self.engine.get(model_id)
-        self.ledger.resume(model_id, seq, model.state_seq, model.step)
-
-    def _write_durable(self, model_id: str, context) -> None:
-        """An optim_step's durable write. With --durable-interval-s 0 (every step) before its reply:
-        an answered step is on disk. Otherwise the state may lag by the interval anyway, so the write
-        goes right after the reply, as the model's tenant's next turn: the step's caller has its reply
-        sooner, though its next call on the model waits for the write (an RL loop's weight push).
-        Deferred past the push, it ran beside a CPU sampler's compute and cost the step more than
-        that (docs/benchmarks.md#in-the-trainer)."""
-        if self.engine.durable.interval_s <= 0:
-            self.engine.save_durable(model_id)
-            return
-
-        def report(write) -> None:
-            if write.exception() is not None:
-                log.error("could not write the durable state of %s (tried again after its next step or when "
-                          "idle)", model_id, exc_info=write.exception())
-        write = self.scheduler.submit(_tenant(model_id, context), lambda: self.engine.save_durable(model_id))
-        write.add_done_callback(report)
 
     def write_behind(self, timeout_s: float) -> None:
         """At a clean stop, once no call is left: the durable state of every model that is behind
@@ -188,12 +164,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 raise UserError("age_recipients: only an export (external_weights) is encrypted")
             age.recipients(request.age_recipients)
         directory = paths.checkpoint_dir(self.state_dir, request.model_id, request.kind, request.name)
+        return self.ledger.run(request, "save_state", lambda: self._save_state(request, directory),
+                               tenant=_tenant(request.model_id, context))
 
-        def save():
-            size = self.engine.save_state(request.model_id, directory, with_optimizer=request.with_optimizer,
-                                          age_recipients=list(request.age_recipients))   # plain: sent to every rank
-            return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size)
-        return self._once(request, "save_state", save, context)
+    def _save_state(self, request, directory: str) -> trainer_pb2.SaveStateResponse:
+        size = self.engine.save_state(request.model_id, directory, with_optimizer=request.with_optimizer,
+                                      age_recipients=list(request.age_recipients))   # plain: sent to every rank
+        return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size)
 
     @rpc_boundary
     def UnloadModel(self, request, context):
@@ -215,7 +192,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc_boundary
     def ForwardBackward(self, request, context):
         kind = "forward" if request.forward_only else "forward_backward"
-        return self._once(request, kind, lambda: self._forward_backward(request), context)
+        return self.ledger.run(request, kind, lambda: self._forward_backward(request),
+                               tenant=_tenant(request.model_id, context))
 
     def _forward_backward(self, request) -> trainer_pb2.ForwardBackwardResponse:
         data = [convert.datum(d, i) for i, d in enumerate(request.data)]
@@ -228,37 +206,36 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                                                  forward_only=request.forward_only,
                                                                  custom_loss=custom)
         metrics.TOKENS.labels(kind).inc(metrics.tokens_of(data))
-        if not request.forward_only:
-            self.ledger.record(request.model_id, request.seq_id, "forward_backward")
         return convert.forward_backward_response(outputs, loss_metrics)
 
     @rpc_boundary
     def OptimStep(self, request, context):
         params = convert.optim_params(request)
+        return self.ledger.run(request, "optim_step", lambda: self._optim_step(request, params),
+                               tenant=_tenant(request.model_id, context))
 
-        def step():
-            with metrics.STEP_SECONDS.labels("optim_step").time():
-                step_metrics = self.engine.optim_step(request.model_id, params, seq=request.seq_id)
-            reply = trainer_pb2.OptimStepResponse(metrics=step_metrics)
-            self.ledger.record(request.model_id, request.seq_id, "optim_step", reply.SerializeToString())
-            if self.engine.durable.due(request.model_id):
-                self._write_durable(request.model_id, context)
-            return reply
-        return self._once(request, "optim_step", step, context)
+    def _optim_step(self, request, params) -> trainer_pb2.OptimStepResponse:
+        with metrics.STEP_SECONDS.labels("optim_step").time():
+            step_metrics = self.engine.optim_step(request.model_id, params, seq=request.seq_id)
+        return trainer_pb2.OptimStepResponse(metrics=step_metrics)
 
     @rpc_boundary
     def PushWeights(self, request, context):
         if not request.snapshot_id:
             raise UserError("snapshot_id is required")
-        return self.ledger.once(request.model_id, request.seq_id, "push_weights", lambda: self._push(request, context))
+        return self.ledger.run(request, "push_weights", lambda: self._snapshot(request),
+                               tenant=_tenant(request.model_id, context),
+                               outside_turn=lambda snapshot: self._push(request, snapshot))
 
-    def _push(self, request, context) -> trainer_pb2.PushWeightsResponse:
-        def export():
-            self._resume(request.model_id, request.seq_id)
-            return self.engine.snapshot_adapter(request.model_id)
+    def _snapshot(self, request) -> _Snapshot:
+        """The adapter gathered in the model's turn; the transfer (`_push`) runs after it."""
         t0 = time.perf_counter()
-        packed, config = self._fair(request.model_id, export, context)     # the transfer runs outside the turn
+        packed, config = self.engine.snapshot_adapter(request.model_id)
+        return _Snapshot(packed, config, started=t0, gather_seconds=time.perf_counter() - t0)
+
+    def _push(self, request, snapshot: _Snapshot) -> trainer_pb2.PushWeightsResponse:
         persisted = paths.snapshot_dir(self.state_dir, request.snapshot_id) if request.persist else ""
-        reply = self.pusher.push(request, persisted, packed, config, gather_seconds=time.perf_counter() - t0)
-        metrics.pushed(reply, time.perf_counter() - t0)
+        reply = self.pusher.push(request, persisted, snapshot.packed, snapshot.config,
+                                 gather_seconds=snapshot.gather_seconds)
+        metrics.pushed(reply, time.perf_counter() - snapshot.started)
         return reply
