@@ -292,43 +292,51 @@ def test_every_cli_command_a_self_hosted_server_serves(mstack, tiny_model_dir, t
     sampler = tc.save_weights_for_sampler("cli-sampler").result().path
     run, session = tc.model_id, _session_of(tc)
 
-    def ok(*argv, stdin: str | None = None, home=tmp_path / "home", with_key: bool = True) -> str:
-        env = {**os.environ, "TINKER_BASE_URL": stack.url, "TINKER_TELEMETRY": "0", "HOME": str(home)}
-        env.pop("TINKER_API_KEY", None)
-        if with_key:
-            env["TINKER_API_KEY"] = key
-        got = subprocess.run([sys.executable, "-m", "tinker.cli", *argv], input=stdin, capture_output=True,
-                             text=True, env=env, timeout=300, cwd=tmp_path)
-        assert got.returncode == 0, (argv, got.stdout, got.stderr)
-        return got.stdout
+    def ok(*commands: tuple) -> list[str]:
+        """Each command (argv..., optionally {"stdin": ..., "with_key": False}) in turn, in one
+        process (cli_batch.py); each must succeed. HOME is the test's: `auth login` stores there."""
+        batch = []
+        for command in commands:
+            options = command[-1] if isinstance(command[-1], dict) else {}
+            argv = list(command[:-1] if options else command)
+            batch.append({"argv": argv, "stdin": options.get("stdin"), "env": {
+                "TINKER_BASE_URL": stack.url, "TINKER_TELEMETRY": "0", "HOME": str(tmp_path / "home"),
+                "TINKER_API_KEY": key if options.get("with_key", True) else None}})
+        got = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "cli_batch.py")],
+                             input=json.dumps(batch), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert got.returncode == 0, got.stderr
+        results = json.loads(got.stdout)
+        for command, result in zip(batch, results):
+            assert result["code"] == 0, (command["argv"], result)
+        return [r["stdout"] for r in results]
 
-    assert "0.38.0" in ok("version")
-    assert "Tinker accessible: yes" in ok("auth", "status")
-    assert "tml:organization_user:" in ok("auth", "whoami")
-    assert "Stored API key" in ok("auth", "login", stdin=key + "\n", with_key=False)
-    assert run in ok("-f", "json", "run", "list", with_key=False)      # the stored credential
-    assert "still active" in ok("auth", "logout", with_key=False)
-    assert any(m["model_name"] for m in json.loads(ok("-f", "json", "model", "list"))["models"])
-    assert run in ok("-f", "json", "run", "info", run)
-    listed = json.loads(ok("-f", "json", "checkpoint", "list", "--run-id", run))
-    assert {c["tinker_path"] for c in listed["checkpoints"]} == {state, sampler}
-    assert state in ok("-f", "json", "checkpoint", "list")
-    assert "cli-state" in ok("-f", "json", "checkpoint", "info", state)
+    stored = {"with_key": False}
+    (version, status, whoami, login, runs, logout, models, info, listed, all_listed, ckpt_info, _) = ok(
+        ("version",), ("auth", "status"), ("auth", "whoami"), ("auth", "login", {"stdin": key + "\n", **stored}),
+        ("-f", "json", "run", "list", stored),              # the stored credential
+        ("auth", "logout", stored), ("-f", "json", "model", "list"), ("-f", "json", "run", "info", run),
+        ("-f", "json", "checkpoint", "list", "--run-id", run), ("-f", "json", "checkpoint", "list"),
+        ("-f", "json", "checkpoint", "info", state), ("checkpoint", "publish", state))
+    assert "0.38.0" in version and "Tinker accessible: yes" in status and "tml:organization_user:" in whoami
+    assert "Stored API key" in login and run in runs and "still active" in logout
+    assert any(m["model_name"] for m in json.loads(models)["models"])
+    assert run in info
+    assert {c["tinker_path"] for c in json.loads(listed)["checkpoints"]} == {state, sampler}
+    assert state in all_listed and "cli-state" in ckpt_info
     reader = tinker.RestClient(base_url=stack.url, api_key=new_user(mstack, "reader"))
-    ok("checkpoint", "publish", state)
-    assert reader.get_weights_info_by_tinker_path(state).result().lora_rank == 4
-    ok("checkpoint", "unpublish", state)
+    assert reader.get_weights_info_by_tinker_path(state).result().lora_rank == 4       # published
+    ok(("checkpoint", "unpublish", state))
     with pytest.raises(tinker.NotFoundError):
         reader.get_weights_info_by_tinker_path(state).result()
-    ok("checkpoint", "set-ttl", state, "--ttl", "7200")
-    ok("checkpoint", "set-ttl", state, "--remove")
-    ok("checkpoint", "download", state, "--output", str(tmp_path / "dl"))
+    *_, emptied = ok(("checkpoint", "set-ttl", state, "--ttl", "7200"), ("checkpoint", "set-ttl", state, "--remove"),
+                     ("checkpoint", "download", state, "--output", str(tmp_path / "dl")),
+                     ("session", "export-trace", session, "-o", str(tmp_path / "trace.pftrace")),
+                     ("checkpoint", "delete", sampler, "-y"),
+                     ("checkpoint", "delete", "--run-id", run, "--type", "weights", "-y"),
+                     ("-f", "json", "checkpoint", "list", "--run-id", run))
     assert (tmp_path / "dl" / state.replace("tinker://", "").replace("/", "_") / "adapter_model.safetensors").exists()
-    ok("session", "export-trace", session, "-o", str(tmp_path / "trace.pftrace"))
     assert (tmp_path / "trace.pftrace").stat().st_size > 0
-    ok("checkpoint", "delete", sampler, "-y")
-    ok("checkpoint", "delete", "--run-id", run, "--type", "weights", "-y")
-    assert json.loads(ok("-f", "json", "checkpoint", "list", "--run-id", run))["checkpoints"] == []
+    assert json.loads(emptied)["checkpoints"] == []
 
     env = {**os.environ, "TINKER_BASE_URL": stack.url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0",
            "HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
