@@ -54,11 +54,11 @@ async def _on_user_error(request: Request, exc: UserError) -> JSONResponse:
 async def _on_invalid_body(request: Request, exc: RequestValidationError | ValidationError) -> JSONResponse:
     message = f"invalid request: {_field_errors(exc)}"
     if isinstance(exc, RequestValidationError):
-        _refused_in_order(request, exc.body, message)
+        await _refused_in_order(request, exc.body, message)
     return error_response(message)
 
 
-def _refused_in_order(request: Request, body, message: str) -> None:
+async def _refused_in_order(request: Request, body, message: str) -> None:
     """A model's request (model_id, seq_id) refused for its body is recorded as refused in the
     model's order, as a route's own refusals are (Gateway.refusing): the model's next request
     then runs at once instead of waiting out the gap its seq_id left."""
@@ -71,7 +71,7 @@ def _refused_in_order(request: Request, body, message: str) -> None:
     gw = request.app.state.gateway          # gateway/state.py's Gateway (imported there, not here)
     try:
         gw.sessions.live_model(caller, model_id)          # only the caller's own, open model
-        with gw.refusing(caller, model_id, seq_id):
+        async with gw.refusing(caller, model_id, seq_id):
             raise UserError(message)
     except UserError:
         pass

@@ -81,12 +81,12 @@ class Sessions:
                 f"call save_weights_and_get_sampling_client again")
         raise NotFoundError(f"unknown sampling_session_id {sampling_session_id!r}")
 
-    def used(self, row: SamplingSessionRow) -> None:
+    async def used(self, row: SamplingSessionRow) -> None:
         """Records that the sampling session sampled (its snapshot is kept while in use)."""
         resolution = min(LAST_USED_RESOLUTION_S, self.settings.snapshot_retention_s / 4)
         last = row.last_used or row.created_at
         if last is None or (now() - aware(last)).total_seconds() > resolution:
-            self.db.touch(SamplingSessionRow, row.sampling_session_id, last_used=now())
+            await self.db.run(self.db.touch, SamplingSessionRow, row.sampling_session_id, last_used=now())
 
     def live_sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
         """One that can sample now: its session open and, if made from a checkpoint's path, that

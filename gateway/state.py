@@ -98,8 +98,8 @@ class Gateway:
         """What the routes hand work to (gateway/jobs/engine.py)."""
         return Jobs(self.futures, self.limits, self.db, self.settings)
 
-    @contextlib.contextmanager
-    def refusing(self, caller: Caller, model_id: str, seq_id: int):
+    @contextlib.asynccontextmanager
+    async def refusing(self, caller: Caller, model_id: str, seq_id: int):
         """Checks of a model's request (model_id, seq_id) run inside: a user error they raise still
         answers the client at once, and the seq_id is recorded as refused in the model's order
         (Jobs.refuse), so the model's next request does not wait for it."""
@@ -107,7 +107,7 @@ class Gateway:
             yield
         except UserError as e:
             if not isinstance(e, NotFoundError):
-                self.jobs.refuse(caller, model_id, seq_id, str(e))
+                await self.jobs.refuse(caller, model_id, seq_id, str(e))
             raise
 
 

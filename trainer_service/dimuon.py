@@ -41,8 +41,8 @@ NS_STEPS = 5
 TINY = 1e-30          # below any norm a nonzero fp32 matrix has; keeps 0 / 0 out of a zero momentum
 RANK_REFERENCE = 32   # the rank whose learning rate needs no correction
 # A batch is stepped a slice of matrices at a time, up to this many elements (1 MiB as float64),
-# so that a slice's temporaries stay in a core's cache instead of each going through memory: a
-# SmolLM2-sized model's matrices are ~11M elements at rank 32, and a pass over them all ~2.5 ms.
+# so that a slice's temporaries stay in a core's cache instead of each going through memory
+# (docs/benchmarks.md#dimuon).
 SLICE_ELEMENTS = 1 << 17
 
 

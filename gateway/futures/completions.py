@@ -20,6 +20,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import threading
 import time
 
 from sqlalchemy import and_, bindparam, delete, func, or_, select, update
@@ -71,6 +72,7 @@ class Completions:
         # row reported since has a larger cursor), so the next polls skip the statement.
         self._acked: collections.OrderedDict[Target, int] = collections.OrderedDict()
         self._fetched: collections.OrderedDict[str, None] = collections.OrderedDict()   # rows deleted here
+        self._memo = threading.Lock()     # _acked and _fetched, used on the database's threads
 
     @staticmethod
     def row(target: Target, failed: bool, size: int) -> dict:
@@ -83,25 +85,27 @@ class Completions:
             event.set()
 
     def report_again(self, target: Target, request_id: str, failed: bool, size: int) -> None:
-        """A resent sample that had finished: the client may have missed its report."""
+        """A resent sample that had finished: the client may have missed its report (the caller
+        wakes the target's polls: `arrived`)."""
         with self.db.engine.begin() as conn:
             conn.execute(delete(_T).where(_C.request_id == request_id, _of(target)))
             conn.execute(_T.insert(), {**self.row(target, failed, size), "request_id": request_id,
                                        "reported_cursor": None, "finished_at": now()})
-        self.arrived(target)
 
     def discard(self, request_id: str) -> None:
         """The client has the payload (fetched with retrieve_future): its row goes, if any."""
         with self.db.engine.begin() as conn:
             conn.execute(_FETCHED, {"rid": request_id})
-        self._fetched[request_id] = None
-        while len(self._fetched) > _ACKED_KEPT:
-            self._fetched.popitem(last=False)
+        with self._memo:
+            self._fetched[request_id] = None
+            while len(self._fetched) > _ACKED_KEPT:
+                self._fetched.popitem(last=False)
 
     def discard_all(self, request_ids: list[str], target: Target) -> None:
         """The target's rows of these samples go (retrieve_futures' `retrieved_request_ids`), but
         for those this process deleted already when their payloads were fetched here."""
-        left = [r for r in request_ids if r not in self._fetched]
+        with self._memo:
+            left = [r for r in request_ids if r not in self._fetched]
         if not left:
             return
         with self.db.engine.begin() as conn:
@@ -113,12 +117,15 @@ class Completions:
         the rows not reported yet or reported after it, under a new cursor."""
         where = {"sid": target[0], "clone": target[1], "prev": prev_cursor}
         with self.db.engine.begin() as conn:
-            if prev_cursor and self._acked.get(target) != prev_cursor:
+            with self._memo:
+                acknowledged = not prev_cursor or self._acked.get(target) == prev_cursor
+            if not acknowledged:
                 conn.execute(_ACKNOWLEDGE, where)
-                self._acked.pop(target, None)
-                self._acked[target] = prev_cursor
-                while len(self._acked) > _ACKED_KEPT:
-                    self._acked.popitem(last=False)
+                with self._memo:
+                    self._acked.pop(target, None)
+                    self._acked[target] = prev_cursor
+                    while len(self._acked) > _ACKED_KEPT:
+                        self._acked.popitem(last=False)
             rows = conn.execute(_TO_REPORT, {**where, "limit": limit}).all()
             if not rows:
                 return [], prev_cursor
@@ -137,16 +144,18 @@ class Completions:
         each); and the cursor to send back next: `prev_cursor` itself when none (a larger one
         would make the SDK send an acknowledgement for nothing)."""
         if timeout_s <= 0:
-            return self._take(target, prev_cursor, limit)
+            return await self.db.run(self._take, target, prev_cursor, limit)
         event = asyncio.Event()
         waiters = self._waiting.setdefault(target, [])
-        if not self._seen:
-            self._seen.append((time.monotonic(), self._highest()))   # before the first look: no row slips by
         waiters.append(event)
         try:
+            if not self._seen:      # before the first look: no row slips by
+                stamp, highest = time.monotonic(), await self.db.run(self._highest)
+                if not self._seen:
+                    self._seen.append((stamp, highest))
             deadline = time.monotonic() + timeout_s
             while True:
-                found, cursor = self._take(target, prev_cursor, limit)
+                found, cursor = await self.db.run(self._take, target, prev_cursor, limit)
                 left = deadline - time.monotonic()
                 if found or left <= 0:
                     return found, cursor
@@ -166,7 +175,7 @@ class Completions:
         with self.db.engine.connect() as conn:
             return conn.execute(select(func.coalesce(func.max(_C.seq), 0))).scalar()
 
-    def look(self) -> None:
+    async def look(self) -> None:
         """Wakes the polls waiting here for rows written since the watcher last looked (less
         _COMMIT_LAG_S), by any gateway."""
         if not self._waiting:
@@ -175,18 +184,23 @@ class Completions:
         stamp = time.monotonic()
         while len(self._seen) > 1 and self._seen[1][0] < stamp - _COMMIT_LAG_S:
             self._seen.popleft()
+        if not self._seen:        # the first poll is still reading its start
+            return
         low = self._seen[0][1]
-        with self.db.engine.connect() as conn:
-            rows = conn.execute(_NEW, {"low": low}).all()
+        rows = await self.db.run(self._new_since, low)
         self._seen.append((stamp, max([low] + [r.seq for r in rows])))
         for r in rows:
             if r.reported_cursor is None:
                 self.arrived((r.sampling_session_id, r.clone))
 
+    def _new_since(self, low: int) -> list:
+        with self.db.engine.connect() as conn:
+            return conn.execute(_NEW, {"low": low}).all()
+
     async def watch_forever(self) -> None:
         while True:
             try:
-                self.look()
+                await self.look()
             except Exception:  # noqa: BLE001 - a database hiccup: the polls still end at their timeout
                 log.exception("could not look for completions")
             await asyncio.sleep(self.watch_s)

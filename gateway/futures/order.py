@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 Job = Callable[[], Awaitable[tuple[str, bytes]]]     # a job bound to the gateway
 RunFuture = Callable[[str, Job], Awaitable[None]]     # runs a future's job and finishes the future
+Elsewhere = Callable[[str], Awaitable[bool]]          # is the request of this key another gateway's?
 OVERLAPPING = frozenset({"forward", "forward_backward", "optim_step"})    # request types sent while a step runs
 IN_FLIGHT = 2              # a model's steps sent to the trainer and not yet answered, at most
 GAP_TIMEOUT_S = 10.0
@@ -37,7 +38,7 @@ RUNNER_IDLE_S = 600.0      # an idle model's runner is dropped after this long (
 class _ModelRunner:
     """Runs one model's jobs in seq_id order, the next step overlapping the one that runs."""
 
-    def __init__(self, model_id: str, next_seq: int, run: RunFuture, elsewhere: Callable[[str], bool]):
+    def __init__(self, model_id: str, next_seq: int, run: RunFuture, elsewhere: Elsewhere):
         self.model_id = model_id
         self.next_seq = next_seq
         self._run, self._elsewhere = run, elsewhere
@@ -70,17 +71,22 @@ class _ModelRunner:
                 self.changed.clear()
                 await self.changed.wait()
                 continue
-            if self.heap[0][0] > self.next_seq and not self._elsewhere(f"{self.model_id}#{self.next_seq}"):
-                gap_since = gap_since or time.monotonic()
-                if time.monotonic() - gap_since < GAP_TIMEOUT_S:
-                    self.changed.clear()
-                    try:
-                        await asyncio.wait_for(self.changed.wait(), _GAP_POLL_S)
-                    except asyncio.TimeoutError:
-                        pass
-                    continue          # re-check the head
-                log.warning("seq %d of %s never arrived; running seq %d", self.next_seq, self.model_id,
-                            self.heap[0][0])
+            if self.heap[0][0] > self.next_seq:
+                head, expected = self.heap[0][0], self.next_seq
+                elsewhere = await self._elsewhere(f"{self.model_id}#{expected}")
+                if not self.heap or (self.heap[0][0], self.next_seq) != (head, expected) or not self._may_start_head():
+                    continue          # changed while the database was asked: look again
+                if not elsewhere:
+                    gap_since = gap_since or time.monotonic()
+                    if time.monotonic() - gap_since < GAP_TIMEOUT_S:
+                        self.changed.clear()
+                        try:
+                            await asyncio.wait_for(self.changed.wait(), _GAP_POLL_S)
+                        except asyncio.TimeoutError:
+                            pass
+                        continue          # re-check the head
+                    log.warning("seq %d of %s never arrived; running seq %d", self.next_seq, self.model_id,
+                                self.heap[0][0])
             gap_since = None
             self._start_head()
 
@@ -116,7 +122,7 @@ class _ModelRunner:
 class ModelOrder:
     """The runners of the models with training jobs on this gateway."""
 
-    def __init__(self, run: RunFuture, elsewhere: Callable[[str], bool]):
+    def __init__(self, run: RunFuture, elsewhere: Elsewhere):
         """`run` runs a future's job; `elsewhere(idempotency_key)` says whether another gateway
         has that (model_id, seq_id): then the trainer orders it with ours and nobody waits here."""
         self._run, self._elsewhere = run, elsewhere

@@ -121,7 +121,8 @@ class Futures:
         self._pending_by_type: collections.Counter[str] = collections.Counter()
         self._pending_by_owner: collections.Counter[tuple[str, str]] = collections.Counter()
         # Training jobs, each model's in seq_id order (another gateway's seq counts as arrived).
-        self.order = ModelOrder(self.run, lambda key: self.db.future_type_by_key(key) is not None)
+        self.order = ModelOrder(self.run, self._elsewhere)
+        self._submitting: collections.Counter[str] = collections.Counter()   # keys being recorded here, unscheduled
         self._jobs: dict[str, asyncio.Task] = {}       # unordered jobs (samples) still running
         self._cancelled: set[str] = set()              # finished by cancel(); their jobs still running
         self.completions = Completions(db)
@@ -132,6 +133,14 @@ class Futures:
         """The runtime parts every job runs with (gateway/state.py), and the job of each request
         type (gateway/jobs/table.py)."""
         self.gateway, self.jobs = gateway, jobs
+
+    async def _elsewhere(self, idempotency_key: str) -> bool:
+        """Is this model request another gateway's? Its row exists, and it is not one this gateway
+        is recording right now (about to be scheduled here)."""
+        if idempotency_key in self._submitting:
+            return False
+        found = await self.db.run(self.db.future_type_by_key, idempotency_key) is not None
+        return found and idempotency_key not in self._submitting
 
     def lease(self) -> datetime.datetime:
         return now() + datetime.timedelta(seconds=self.lease_s)
@@ -146,9 +155,9 @@ class Futures:
             job = None
         return functools.partial(job.run, self.gateway) if job else None
 
-    def submit(self, job: TypedJob, *, owner: str, fingerprint: str | None = None,
-               idempotency_key: str | None = None, model_id: str | None = None, seq_id: int | None = None,
-               target: Target | None = None, request_id: str | None = None, admit=None) -> FutureRow:
+    async def submit(self, job: TypedJob, *, owner: str, fingerprint: str | None = None,
+                     idempotency_key: str | None = None, model_id: str | None = None, seq_id: int | None = None,
+                     target: Target | None = None, request_id: str | None = None, admit=None) -> FutureRow:
         """Records the future, with its request, and schedules its job. A resend (same
         idempotency key and the same request) gets the first one back; the same key with a
         different request is a user error. A sample names its `target`, the sampling session
@@ -158,17 +167,31 @@ class Futures:
         extra = {"seq_id": seq_id} if seq_id is not None else {}
         if target is not None:
             extra["target"] = list(target)
-        row = self.db.insert_future(FutureRow(request_id=request_id, idempotency_key=idempotency_key,
-                                              fingerprint=fingerprint, owner=owner, request_type=request_type,
-                                              model_id=model_id, extra=extra, request_args=request.args,
-                                              request_body=request.body, claimed_by=self.instance,
-                                              lease_until=self.lease()), admit)
+        self._submitting[idempotency_key] += 1
+        try:
+            row = await self.db.run(self.db.insert_future, FutureRow(
+                request_id=request_id, idempotency_key=idempotency_key, fingerprint=fingerprint, owner=owner,
+                request_type=request_type, model_id=model_id, extra=extra, request_args=request.args,
+                request_body=request.body, claimed_by=self.instance, lease_until=self.lease()), admit)
+            return await self._scheduled(row, job, request_id, request_type, owner, fingerprint, idempotency_key,
+                                         model_id, seq_id, target)
+        finally:
+            self._submitting[idempotency_key] -= 1
+            if not self._submitting[idempotency_key]:
+                del self._submitting[idempotency_key]
+
+    async def _scheduled(self, row: FutureRow, job: TypedJob, request_id: str, request_type: str, owner: str,
+                         fingerprint: str | None, idempotency_key: str | None, model_id: str | None,
+                         seq_id: int | None, target: Target | None) -> FutureRow:
+        """The recorded row's job scheduled here, unless the row is a resend's (then as it is)."""
         if row.request_id != request_id and (row.fingerprint != fingerprint or row.owner != owner):
             raise UserError(f"{idempotency_key.replace('#', ' seq_id ')} was already used for a different "
                             f"request ({row.request_type}); every request needs its own seq_id")
         if row.request_id != request_id or row.request_id in self._pending:
             if target is not None and row.status != "pending":    # reported again: the client may have missed it
-                self.completions.report_again(target, row.request_id, row.status == "failed", len(row.result or b""))
+                await self.db.run(self.completions.report_again, target, row.request_id, row.status == "failed",
+                                  len(row.result or b""))
+                self.completions.arrived(target)
             return row    # a resend: scheduled (here or on another gateway) or finished
         # The job in hand runs (its stored form is decoded only to re-drive it: tests/unit/test_jobs.py
         # keeps the two the same).
@@ -176,7 +199,7 @@ class Futures:
                        seq_id, target)
         return row
 
-    def redrive(self, row: FutureRow) -> None:
+    async def redrive(self, row: FutureRow) -> None:
         """Runs a claimed future of a gateway that died, from its stored request."""
         if row.request_id in self._pending:
             return
@@ -184,7 +207,7 @@ class Futures:
             row.request_type, StoredRequest(row.request_args, row.request_body or b""))
         if job is None:
             # Accepted by a gateway from before requests were stored as they are now: nothing to run again.
-            self.db.finish_future(row.request_id, "failed", "application/json", error_json(
+            await self.db.run(self.db.finish_future, row.request_id, "failed", "application/json", error_json(
                 f"the gateway running this {row.request_type} request stopped before it finished and the "
                 f"request cannot be run again here (it was accepted by an older gateway); send it again",
                 "server"))
@@ -206,13 +229,13 @@ class Futures:
             task = self._jobs[request_id] = asyncio.create_task(self.run(request_id, job))
             task.add_done_callback(functools.partial(self._job_ended, request_id, request_type, owner))
 
-    def keep_leases(self) -> None:
+    async def keep_leases(self) -> None:
         """Renews the lease of every future running here, then claims and re-drives those whose
         gateway stopped renewing. Called every lease/3 (gateway/app.py), and at start-up."""
-        self.db.renew_leases(list(self._pending), self.instance, self.lease())
-        for row in sorted(self.db.claim_lapsed_futures(self.instance, self.lease()),
+        await self.db.run(self.db.renew_leases, list(self._pending), self.instance, self.lease())
+        for row in sorted(await self.db.run(self.db.claim_lapsed_futures, self.instance, self.lease()),
                           key=lambda r: (r.extra or {}).get("seq_id", 0)):
-            self.redrive(row)
+            await self.redrive(row)
 
     def stop(self) -> None:
         """A clean shutdown: the jobs running here stop unfinished and their leases are given up
@@ -229,7 +252,7 @@ class Futures:
     async def keep_leases_forever(self) -> None:
         while True:
             try:
-                self.keep_leases()
+                await self.keep_leases()
             except Exception:  # noqa: BLE001 - a database hiccup must not stop the renewals
                 log.exception("could not renew or claim futures")
             await asyncio.sleep(self.lease_s / 3)
@@ -256,15 +279,18 @@ class Futures:
         if self._stopping:      # shutting down (the call was cut short): it is re-driven, not failed
             return
         if request_id in self._pending:       # else cancel() finished it already: the result is dropped
-            self._finish(request_id, status, content_type, body, work)
+            await self._finish(request_id, status, content_type, body, work)
 
-    def _finish(self, request_id: str, status: str, content_type: str, body: bytes, work=None) -> None:
+    async def _finish(self, request_id: str, status: str, content_type: str, body: bytes, work=None) -> None:
         pending = self._pending.pop(request_id)
+        # An unordered job releases its place when its task ends (_job_ended), which a cancel() may
+        # make happen while the row is written: decided now.
+        release_here = request_id not in self._jobs
         self.traces.finished(request_id, "cancelled" if request_id in self._cancelled else status)
         completion = None if pending.target is None else Completions.row(pending.target, status == "failed", len(body))
         added: list[bool] = []
         also = None if work is None else (lambda conn: added.append(usage.add(conn, work)))
-        if self.db.finish_future(request_id, status, content_type, body, completion, also):
+        if await self.db.run(self.db.finish_future, request_id, status, content_type, body, completion, also):
             if any(added):
                 usage.counted(work)
             row = FutureRow(request_id=request_id, status=status, content_type=content_type, result=body,
@@ -272,9 +298,9 @@ class Futures:
             if pending.target is not None:
                 self.completions.arrived(pending.target)
         else:      # finished elsewhere first (cancelled there, or re-driven by a gateway that thought us dead)
-            row = self.db.get(FutureRow, request_id)
+            row = await self.db.run(self.db.get, FutureRow, request_id)
         self._finished.put(row)
-        if request_id not in self._jobs:      # an unordered job releases its place when its task ends
+        if release_here:
             self._release(pending.request_type, pending.owner)
         pending.done.set()
 
@@ -290,7 +316,7 @@ class Futures:
         self._cancelled.discard(request_id)
         self._release(request_type, owner)
 
-    def cancel(self, request_id: str, owner: str) -> Cancelled | None:
+    async def cancel(self, request_id: str, owner: str) -> Cancelled | None:
         """cancel_future: the owner's pending sample finishes at once as cancelled (a user
         error for whoever retrieves it) and its job's task is cancelled, which cancels the gRPC call
         (the sampler aborts the generation in vLLM). A sample running on another gateway is
@@ -298,16 +324,17 @@ class Futures:
         future is left as it is. None if unknown (or another user's)."""
         pending = self._pending.get(request_id)
         if pending is None:
-            row = self._finished.get(request_id) or self.db.get(FutureRow, request_id)
+            row = await self.finished_row(request_id)
             if row is None or row.owner != owner:
                 return None
             if row.status == "pending" and row.request_type == "sample":    # running on another gateway
                 body = _cancelled_body(request_id)
                 target = (row.extra or {}).get("target")
                 completion = Completions.row(tuple(target), True, len(body)) if target else None
-                if self.db.finish_future(request_id, "failed", "application/json", body, completion):
+                if await self.db.run(self.db.finish_future, request_id, "failed", "application/json", body,
+                                     completion):
                     return Cancelled(True, "cancelled")
-                row = self.db.get(FutureRow, request_id)
+                row = await self.db.run(self.db.get, FutureRow, request_id)
             elif row.status == "pending":
                 raise UserError(_not_cancellable(request_id, row.request_type))
             return Cancelled(False, "cancelled" if request_id in self._cancelled else row.status)
@@ -318,16 +345,16 @@ class Futures:
         self._cancelled.add(request_id)
         if request_id in self._jobs:     # cancels its gRPC call: the sampler aborts the generation
             self._jobs[request_id].cancel()
-        self._finish(request_id, "failed", "application/json", _cancelled_body(request_id))
+        await self._finish(request_id, "failed", "application/json", _cancelled_body(request_id))
         return Cancelled(True, "cancelled")
 
     def here(self, request_id: str) -> "_Pending | None":
         """The future, if it is scheduled on this gateway and not finished."""
         return self._pending.get(request_id)
 
-    def finished_row(self, request_id: str) -> FutureRow | None:
+    async def finished_row(self, request_id: str) -> FutureRow | None:
         """A finished future's row: from this gateway's recent results, else the database."""
-        return self._finished.get(request_id) or self.db.get(FutureRow, request_id)
+        return self._finished.get(request_id) or await self.db.run(self.db.get, FutureRow, request_id)
 
     def drop_result(self, request_id: str, owner: str) -> None:
         """The client has this result: it leaves the memory cache (the futures table keeps it)."""

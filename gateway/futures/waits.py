@@ -27,7 +27,7 @@ class Waits:
                 await asyncio.wait_for(pending.done.wait(), timeout_s)
             except asyncio.TimeoutError:
                 return FutureRow(request_id=request_id, status="pending", model_id=pending.model_id)
-        row = self.futures.finished_row(request_id)
+        row = await self.futures.finished_row(request_id)
         if row is None or row.owner != owner:
             return None
         if row.status == "pending":       # running on another gateway, or waiting to be re-driven
@@ -35,7 +35,7 @@ class Waits:
             if row.status == "pending":
                 return row
         if row.request_type == "sample":
-            self.futures.completions.discard(request_id)      # the client has it: no poll needs to report it
+            await self.futures.db.run(self.futures.completions.discard, request_id)   # no poll needs to report it
         return row
 
     async def _poll_row(self, row: FutureRow, deadline: float, owner: str) -> FutureRow:
@@ -46,17 +46,18 @@ class Waits:
             left = deadline - time.monotonic()
             if self.futures.here(request_id) is not None:
                 return await self.wait(request_id, max(left, 0.0), owner)
-            if self.futures.db.future_status(request_id) != "pending":
-                return self.futures.db.get(FutureRow, request_id)
+            db = self.futures.db
+            if await db.run(db.future_status, request_id) != "pending":
+                return await db.run(db.get, FutureRow, request_id)
             if left <= 0:
                 return row
             await asyncio.sleep(min(POLL_S, left))
 
-    def retrieved(self, request_ids: list[str], owner: str, target: Target) -> None:
+    async def retrieved(self, request_ids: list[str], owner: str, target: Target) -> None:
         """retrieve_futures' acknowledgement that the client has these payloads: they leave the
         owner's `target` queue and the memory cache (the futures table keeps them). Unknown ids
         and other users' are skipped."""
         if request_ids:
-            self.futures.completions.discard_all(request_ids, target)
+            await self.futures.db.run(self.futures.completions.discard_all, request_ids, target)
         for request_id in request_ids:
             self.futures.drop_result(request_id, owner)

@@ -44,28 +44,29 @@ class Jobs:
     def __init__(self, futures: "Futures", limits: "Limits", db: Database, settings: "GatewaySettings"):
         self.futures, self.limits, self.db, self.settings = futures, limits, db, settings
 
-    def submit(self, job: Job, caller: Caller, *, model_id: str | None = None, seq_id: int | None = None,
-               fingerprint: str | None = None, idempotency_key: str | None = None, target: "Target | None" = None,
-               request_id: str | None = None, admit: "Callable[[Connection], None] | None" = None) -> FutureRow:
+    async def submit(self, job: Job, caller: Caller, *, model_id: str | None = None, seq_id: int | None = None,
+                     fingerprint: str | None = None, idempotency_key: str | None = None,
+                     target: "Target | None" = None, request_id: str | None = None,
+                     admit: "Callable[[Connection], None] | None" = None) -> FutureRow:
         """The job's future (a resend, same key and same `fingerprint`, gets the first one back)."""
         if seq_id is None:
-            return self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
-                                       idempotency_key=idempotency_key, target=target, request_id=request_id,
-                                       admit=admit)
+            return await self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
+                                             idempotency_key=idempotency_key, target=target, request_id=request_id,
+                                             admit=admit)
         with self.futures.traces.refusals(session_of(model_id, None), job.kind()):    # a 429 is in its trace
-            row = self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
-                                      idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id,
-                                      admit=admit or self.limits.admit_training(caller, job.kind(), model_id))
-        self._used(model_id)
+            row = await self.futures.submit(job, owner=caller.user_id, fingerprint=fingerprint,
+                                            idempotency_key=f"{model_id}#{seq_id}", model_id=model_id, seq_id=seq_id,
+                                            admit=admit or self.limits.admit_training(caller, job.kind(), model_id))
+        await self.db.run(self._used, model_id)
         return row
 
-    def refuse(self, caller: Caller, model_id: str, seq_id: int, error: str) -> None:
+    async def refuse(self, caller: Caller, model_id: str, seq_id: int, error: str) -> None:
         """The model's seq_id is taken by a refusal (jobs/training.py Refused). A resend of it gets
         the first one back; a seq_id another request holds needs no record."""
         try:
-            self.futures.submit(Refused(model_id, seq_id, error), owner=caller.user_id,
-                                fingerprint=fingerprint("refused", error), idempotency_key=f"{model_id}#{seq_id}",
-                                model_id=model_id, seq_id=seq_id)
+            await self.futures.submit(Refused(model_id, seq_id, error), owner=caller.user_id,
+                                      fingerprint=fingerprint("refused", error), idempotency_key=f"{model_id}#{seq_id}",
+                                      model_id=model_id, seq_id=seq_id)
         except ServiceError:
             pass
 

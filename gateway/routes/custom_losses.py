@@ -36,6 +36,6 @@ async def create_custom_loss(request: Request, caller: CallerDep, gw: GatewayDep
         raise UserError(f"custom_loss_seq_id {body.custom_loss_seq_id} of session {session_id} was already used "
                         f"for another loss; every create_custom_loss needs its own custom_loss_seq_id")
     job = CreateCustomLoss(loss_id, session_id, Owner.of(caller), spec.name, "", spec.digest)    # stored above
-    row = gw.jobs.submit(job, caller, fingerprint=spec.digest, idempotency_key=f"{loss_id}#0",
-                         admit=gw.limits.admit_queued(caller))     # counted with it, like other queued work
+    row = await gw.jobs.submit(job, caller, fingerprint=spec.digest, idempotency_key=f"{loss_id}#0",
+                               admit=gw.limits.admit_queued(caller))     # counted with it, like other queued work
     return FutureResponse(request_id=row.request_id)

@@ -69,7 +69,7 @@ async def retrieve_futures(request: Request):
     caller = caller_of(request)
     gw.sessions.sampling_session(caller, body.target.sampling_session_id)
     target = (body.target.sampling_session_id, body.target.cloned_sampler_id)
-    gw.futures.waits.retrieved(body.retrieved_request_ids, caller.user_id, target)
+    await gw.futures.waits.retrieved(body.retrieved_request_ids, caller.user_id, target)
     timeout = LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S)
     found, cursor = await gw.futures.completions.poll(target, body.prev_cursor, timeout, MAX_COMPLETIONS, GATHER_S)
     CALLS["completions_reported"] += len(found)
@@ -85,7 +85,7 @@ async def cancel_future(body: CancelFutureRequest, caller: CallerDep, gw: Gatewa
     stays as it is (200, cancelled false: the SDK cancels what it abandons, which may have just
     finished). An unknown id, or another user's, is a 404; a training request a 400."""
     CALLS["cancel_future"] += 1
-    outcome = gw.futures.cancel(body.request_id, caller.user_id)
+    outcome = await gw.futures.cancel(body.request_id, caller.user_id)
     if outcome is None:
         raise NotFoundError(f"unknown request_id {body.request_id!r}")
     CALLS["cancelled"] += outcome.cancelled
@@ -128,5 +128,5 @@ async def noop_future(caller: CallerDep, gw: GatewayDep):
     if not caller.admin:
         return error_response("/internal/noop_future is for admins (bench/futures.py measures the futures with it)",
                               403)
-    row = gw.jobs.submit(Noop(), caller, admit=gw.limits.admit_queued(caller))
+    row = await gw.jobs.submit(Noop(), caller, admit=gw.limits.admit_queued(caller))
     return FutureResponse(request_id=row.request_id)

@@ -23,6 +23,7 @@ async def unload_model(body: UnloadModelRequest, caller: CallerDep, gw: GatewayD
     """A future: once the model's queued requests have run, its memory on the trainer is freed.
     Nothing is lost: the model loads again on its next request (as after a lapsed heartbeat)."""
     gw.sessions.model(caller, body.model_id)
-    row = gw.jobs.submit(UnloadModel(body.model_id), caller, fingerprint=fingerprint("unload_model", body.model_id),
-                         admit=gw.limits.admit_queued(caller))
+    row = await gw.jobs.submit(UnloadModel(body.model_id), caller,
+                               fingerprint=fingerprint("unload_model", body.model_id),
+                               admit=gw.limits.admit_queued(caller))
     return FutureResponse(request_id=row.request_id, model_id=body.model_id)

@@ -92,8 +92,8 @@ async def _sample(gw: Gateway, caller: Caller, prompt: list[int], req: CommonReq
     convert.check_sample(body, limits)
     msg = convert.sample_request(body, snapshot_id, snapshot_path)
     msg.request_id = new_request_id()
-    row = gw.jobs.submit(Sample(msg, of=SampleOf(caller.user_id, "", gw.settings.base_model)), caller,
-                         request_id=msg.request_id, admit=gw.limits.admit_sample(caller))  # a burst passes no cap
+    row = await gw.jobs.submit(Sample(msg, of=SampleOf(caller.user_id, "", gw.settings.base_model)), caller,
+                               request_id=msg.request_id, admit=gw.limits.admit_sample(caller))  # burst-proof cap
     while (row := await gw.futures.waits.wait(row.request_id, _WAIT_S, caller.user_id)).status == "pending":
         pass
     if row.status != "complete":

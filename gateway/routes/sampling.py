@@ -79,14 +79,14 @@ async def asample(request: Request, caller: CallerDep, gw: GatewayDep):
     snapshot_id, snapshot_path, cache_namespace = gw.sessions.weights(session)
     msg = convert.sample_request(body, snapshot_id, snapshot_path)
     msg.cache_namespace = cache_namespace
-    gw.sessions.used(session)
+    await gw.sessions.used(session)
     record_for = session.session_id if body.record_stability_info else None
     msg.request_id = new_request_id()      # the future's id (a resend gets the first one's back)
+    job = Sample(msg, record_for, SampleOf(caller.user_id, session.session_id, session.base_model))
     with gw.traces.refusals(session.session_id, "sample"):       # a 429 is in the session's trace
-        row = gw.jobs.submit(Sample(msg, record_for, SampleOf(caller.user_id, session.session_id, session.base_model)),
-                             caller, fingerprint=fingerprint("sample", body.model_dump_json()),
-                             idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
-                             target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN),
-                             request_id=msg.request_id, admit=gw.limits.admit_sample(caller))
+        row = await gw.jobs.submit(job, caller, fingerprint=fingerprint("sample", body.model_dump_json()),
+                                   idempotency_key=f"{body.sampling_session_id}#{body.seq_id}",
+                                   target=(body.sampling_session_id, body.seq_id // SAMPLING_CLONE_SPAN),
+                                   request_id=msg.request_id, admit=gw.limits.admit_sample(caller))
     return FutureResponse(request_id=row.request_id,
                           sample_sequence_ids=[f"{row.request_id}:{i}" for i in range(body.num_samples)])

@@ -11,7 +11,6 @@ from gateway.jobs.engine import fingerprint
 from gateway.identity.auth import CallerDep
 from gateway.jobs.base import Owner
 from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimStep
-from gateway.storage.db import ModelRow
 from gateway.protocol import (CreateModelRequest, FutureResponse, GetInfoResponse, ModelData, ModelIdRequest,
                               OptimStepRequest, optimizer_config)
 from gateway.state import GatewayDep
@@ -37,8 +36,8 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
                                          optimizer=convert.OPTIMIZERS[optimizer])
     run = NewRun(model_id, session_id, caller.user_id, base, body.lora_config.rank,
                  body.lora_config.model_dump(exclude_none=True), optimizer)
-    row = gw.jobs.submit(CreateModel(msg, Owner.of(caller), run), caller, model_id=model_id, seq_id=0,
-                         fingerprint=fingerprint("create_model", body.model_dump_json()))
+    row = await gw.jobs.submit(CreateModel(msg, Owner.of(caller), run), caller, model_id=model_id, seq_id=0,
+                               fingerprint=fingerprint("create_model", body.model_dump_json()))
     return FutureResponse(request_id=row.request_id, model_id=model_id)
 
 
@@ -60,7 +59,7 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
     raw = await request.body()          # inflated already, if it came zstd (body_limit.py)
     msg = convert.parse_forward_backward(raw)
     model = gw.sessions.live_model(caller, msg.model_id)     # before any array is made for it
-    with gw.refusing(caller, msg.model_id, msg.seq_id):
+    async with gw.refusing(caller, msg.model_id, msg.seq_id):
         convert.check_cost(msg, convert.Budget.of(gw.settings))   # from shapes: nothing expanded yet
         fb = convert.decode_forward_backward(msg)
         convert.check_forward_backward(fb, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
@@ -71,16 +70,16 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
             msg.custom_loss.CopyFrom(await custom_losses.for_forward_backward(gw.db, caller, model.session_id,
                                                                               fb.loss_id, fb.data))
     job = ForwardBackward(msg)
-    row = gw.jobs.submit(job, caller, model_id=fb.model_id, seq_id=fb.seq_id,
-                         fingerprint=fingerprint(job.kind(), raw))
+    row = await gw.jobs.submit(job, caller, model_id=fb.model_id, seq_id=fb.seq_id,
+                               fingerprint=fingerprint(job.kind(), raw))
     return FutureResponse(request_id=row.request_id, model_id=fb.model_id)
 
 
 @router.post("/optim_step")
 async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     model = gw.sessions.live_model(caller, body.model_id)
-    with gw.refusing(caller, body.model_id, body.seq_id):       # the other optimizer's parameters: a 400
+    async with gw.refusing(caller, body.model_id, body.seq_id):       # the other optimizer's parameters: a 400
         msg = convert.optim_step_request(body.model_id, body.seq_id, body.params, model.optimizer)
-    row = gw.jobs.submit(OptimStep(msg), caller, model_id=body.model_id, seq_id=body.seq_id,
-                         fingerprint=fingerprint("optim_step", body.model_dump_json()))
+    row = await gw.jobs.submit(OptimStep(msg), caller, model_id=body.model_id, seq_id=body.seq_id,
+                               fingerprint=fingerprint("optim_step", body.model_dump_json()))
     return FutureResponse(request_id=row.request_id, model_id=body.model_id)

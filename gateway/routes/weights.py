@@ -34,7 +34,7 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
     # (`path`), or an ephemeral sampling session.
     path = sampling_session_id = None
     resend = gw.is_resend("save_weights_for_sampler", body.model_id, body.seq_id)
-    with gw.refusing(caller, body.model_id, body.seq_id):
+    async with gw.refusing(caller, body.model_id, body.seq_id):
         expires_at = checkpoints.expires(body.ttl_seconds)
         if body.path is not None:
             path = checkpoints.tinker_path(body.model_id, "sampler_weights", checkpoints.checkpoint_name(body.path))
@@ -53,25 +53,25 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
                       expires_at.isoformat() if expires_at else None, body.kind == "inflight")
     # The SDK takes a new sampling_session_seq_id on each try of one request.
     same = fingerprint("save_weights_for_sampler", body.model_dump_json(exclude={"sampling_session_seq_id"}))
-    row = gw.jobs.submit(job, caller, model_id=body.model_id, seq_id=body.seq_id, fingerprint=same)
+    row = await gw.jobs.submit(job, caller, model_id=body.model_id, seq_id=body.seq_id, fingerprint=same)
     return FutureResponse(request_id=row.request_id, model_id=body.model_id)
 
 
 @router.post("/save_weights")
 async def save_weights(body: SaveWeightsRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
-    return _save_state(gw, caller, body, "weights", with_optimizer=True, response_type="save_weights")
+    return await _save_state(gw, caller, body, "weights", with_optimizer=True, response_type="save_weights")
 
 
 @router.post("/save_weights_external")
 async def save_weights_external(body: SaveWeightsRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
-    return _save_state(gw, caller, body, "external_weights", with_optimizer=False,
+    return await _save_state(gw, caller, body, "external_weights", with_optimizer=False,
                        response_type="save_weights_external")
 
 
-def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str, *, with_optimizer: bool,
+async def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str, *, with_optimizer: bool,
                 response_type: str) -> FutureResponse:
     gw.sessions.live_model(caller, body.model_id)
-    with gw.refusing(caller, body.model_id, body.seq_id):
+    async with gw.refusing(caller, body.model_id, body.seq_id):
         name = checkpoints.checkpoint_name(body.path)
         path = checkpoints.tinker_path(body.model_id, kind, name)
         if not gw.is_resend(f"save_{kind}", body.model_id, body.seq_id) and \
@@ -86,8 +86,8 @@ def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str
                                         with_optimizer=with_optimizer, age_recipients=recipients)
     job = SaveState(save, Owner.of(caller), path, checkpoints.KINDS[kind],
                     expires_at.isoformat() if expires_at else None, body.user_metadata, response_type)
-    row = gw.jobs.submit(job, caller, model_id=body.model_id, seq_id=body.seq_id,
-                         fingerprint=fingerprint(job.kind(), body.model_dump_json()))
+    row = await gw.jobs.submit(job, caller, model_id=body.model_id, seq_id=body.seq_id,
+                               fingerprint=fingerprint(job.kind(), body.model_dump_json()))
     return FutureResponse(request_id=row.request_id, model_id=body.model_id)
 
 
@@ -109,7 +109,7 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
     if body.model_id:
         model_id, seq_id = body.model_id, body.seq_id
         optimizer = gw.sessions.live_model(caller, model_id).optimizer     # an existing model keeps its own
-        with gw.refusing(caller, model_id, seq_id):
+        async with gw.refusing(caller, model_id, seq_id):
             _check_optimizer(body, source.optimizer, optimizer,
                              f"model {model_id} was created with the {optimizer} optimizer")
     else:
@@ -125,8 +125,9 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
         model_id=model_id, base_model=gw.settings.base_model, load_optimizer=body.optimizer,
         load_checkpoint=trainer_pb2.CheckpointRef(model_id=source_run, kind=kind, name=name),
         optimizer=convert.OPTIMIZERS[optimizer])
-    row = gw.jobs.submit(LoadWeights(create, Owner.of(caller), seq_id, body.path, new_run), caller,
-                         model_id=model_id, seq_id=seq_id, fingerprint=fingerprint("load_weights", body.model_dump_json()))
+    row = await gw.jobs.submit(LoadWeights(create, Owner.of(caller), seq_id, body.path, new_run), caller,
+                               model_id=model_id, seq_id=seq_id,
+                               fingerprint=fingerprint("load_weights", body.model_dump_json()))
     return FutureResponse(request_id=row.request_id, model_id=model_id)
 
 

@@ -4,8 +4,12 @@ checkpoints, the audit log. Every row a user makes carries `owner` (their user i
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import datetime
+import functools
 import hashlib
 import logging
 import time
@@ -489,6 +493,16 @@ class Database:
             raise DatabaseUnusable(f"cannot open the database at {shown(url)}: {str(e.orig).strip().splitlines()[0]}"
                                    ) from None
         self._cache: dict[tuple[str, str], object] = {}
+        # The threads the event loop hands its database work to (`run`): one for SQLite, whose
+        # writers take turns anyway (several would only wait on its lock), more for a server.
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1 if url.startswith("sqlite") else 8, thread_name_prefix="db")
+
+    async def run(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on the database's threads: the event loop only awaits it, and a
+        database that stops answering stalls these threads, not the loop (healthz still answers)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)

@@ -342,3 +342,28 @@ def test_a_large_result_is_announced_by_its_size_when_the_sdk_allows_it(gw, monk
     assert first.json() == {"status": "complete_metadata", "response_payload_size": len(payload.content)}
     again = api.post("retrieve_future", {"request_id": rid, "allow_metadata_only": False})
     assert again.content == payload.content
+
+
+def test_a_database_that_stops_answering_stalls_no_other_request(gw, tmp_path):
+    """Samples sent while another process holds the database's write lock wait on the database's
+    threads, not on the event loop: healthz and a finished future's retrieve answer at once, and
+    the samples finish once the lock is let go."""
+    import sqlite3
+
+    api = gw.api
+    sid = _sampling_session(api)
+    done = api.result({"request_id": _sample(api, sid, 0)})
+    assert done.status_code == 200
+    writer = sqlite3.connect(tmp_path / "state" / "tinkerd.db", isolation_level=None)
+    writer.execute("BEGIN EXCLUSIVE")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        samples = [pool.submit(_sample, api, sid, seq) for seq in (1, 2, 3)]
+        time.sleep(0.5)          # the samples' rows are being written: blocked on the lock
+        assert not any(s.done() for s in samples)
+        for _ in range(3):
+            t0 = time.monotonic()
+            assert api.client.get("/api/v1/healthz").status_code in (200, 503)
+            assert time.monotonic() - t0 < 0.25
+        writer.execute("ROLLBACK")
+        ids = [s.result(timeout=30) for s in samples]
+    assert all(api.result({"request_id": i}).status_code == 200 for i in ids)
