@@ -155,11 +155,11 @@ class Completions:
                     self._seen.append((stamp, highest))
             deadline = time.monotonic() + timeout_s
             while True:
+                event.clear()           # before the look: a sample finished while it runs sets it again
                 found, cursor = await self.db.run(self._take, target, prev_cursor, limit)
                 left = deadline - time.monotonic()
                 if found or left <= 0:
                     return found, cursor
-                event.clear()
                 try:
                     await asyncio.wait_for(event.wait(), left)
                 except asyncio.TimeoutError:
