@@ -11,10 +11,12 @@ Comparisons are of bytes: a credential may hold any character (a non-ASCII one i
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import hashlib
 import hmac
 import json
+import threading
 import time
 
 from gateway.identity.caller import Caller
@@ -62,10 +64,17 @@ class DownloadGrant:
                           self.owner, self.access)).encode("utf-8", "surrogatepass")
 
 
+_VERIFIED_KEPT = 4096       # tokens whose signature was checked, kept with their claims
+
+
 class Signer:
     def __init__(self, keys: KeyRing, token_ttl_s: float):
         self.keys = keys
         self.token_ttl_s = token_ttl_s
+        # A token checked once is not checked again (an SDK sends the same one with every request):
+        # its claims, and the key that signed it, which must still be in the ring.
+        self._verified: collections.OrderedDict[str, tuple[dict, SigningKey]] = collections.OrderedDict()
+        self._verified_lock = threading.Lock()       # tokens are checked on the loop and in threads
 
     @staticmethod
     def _mac(key: bytes, message: bytes) -> str:
@@ -85,22 +94,37 @@ class Signer:
 
     def token_claims(self, token: str) -> dict | None:
         """The claims of a valid, unexpired token of ours; None otherwise."""
+        verified = self._verified.get(token)
+        if verified is not None:
+            claims, key = verified
+            if claims["exp"] > time.time() and self.keys.find(key.kid) == key:
+                return claims
+        claims, key = self._check(token)          # new, expired, or its key changed or left the ring
+        with self._verified_lock:
+            self._verified.pop(token, None)
+            if claims is not None:
+                self._verified[token] = (claims, key)
+                while len(self._verified) > _VERIFIED_KEPT:
+                    self._verified.popitem(last=False)
+        return claims
+
+    def _check(self, token: str) -> tuple[dict | None, SigningKey | None]:
         parts = token.split(".")
         if len(parts) != 3:
-            return None
+            return None, None
         header = _json_part(parts[0])
         key = self.keys.find(header.get("kid")) if isinstance(header, dict) and isinstance(
             header.get("kid"), str) else None
         if key is None or header.get("alg") != "HS256":
-            return None
+            return None, None
         if not _same(self._mac(key.jwt, f"{parts[0]}.{parts[1]}".encode("utf-8", "surrogatepass")), parts[2]):
-            return None
+            return None, None
         claims = _json_part(parts[1])
         if not isinstance(claims, dict) or claims.get("iss") != ISSUER:
-            return None
+            return None, None
         if not isinstance(claims.get("exp"), int) or claims["exp"] <= time.time():
-            return None
-        return claims
+            return None, None
+        return claims, key
 
     def token_key_id(self, token: str) -> str | None:
         """The API key id a valid, unexpired token of ours names; None otherwise."""

@@ -270,3 +270,28 @@ def test_tinkerd_keys_on_a_state_dir_without_a_database_says_it_made_a_new_one(t
     keys_cli.run(cli.build_parser().parse_args(argv[:1] + ["list"] + argv[4:]))
     again = capsys.readouterr()
     assert "bob" in again.out and again.err == ""
+
+
+def test_a_token_is_checked_once_and_its_expiry_and_key_always(tmp_path, monkeypatch):
+    """The signature of a token the SDK sends with every request is checked once; its expiry and
+    its signing key's presence in the ring are checked every time."""
+    from gateway.identity.caller import Caller
+    from gateway.identity.tokens import Signer
+
+    monkeypatch.setattr(signing_keys, "RELOAD_S", 0.0)
+    path = str(tmp_path / "keys")
+    signing_keys.create_if_missing(path)
+    signer = Signer(signing_keys.KeyRing(path), token_ttl_s=60)
+    token = signer.token(Caller(user_id="u", name="u", org_id="o", email="", admin=False, key_id="k1"))
+    checks = []
+    check = signer._check
+    monkeypatch.setattr(signer, "_check", lambda t: checks.append(t) or check(t))
+    assert [signer.token_key_id(token) for _ in range(3)] == ["k1"] * 3 and len(checks) == 1
+    assert signer.token_key_id(token[:-2] + "xx") is None                # another signature: checked, refused
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + 61)
+    assert signer.token_key_id(token) is None                            # expired, though checked before
+    monkeypatch.setattr(time, "time", lambda: now)
+    assert signer.token_key_id(token) == "k1"
+    signing_keys.rotate(path, keep=1)                                    # its key leaves the ring
+    assert signer.token_key_id(token) is None
