@@ -410,15 +410,18 @@ def test_a_trainer_rank_host_partitioned_mid_step(cluster, service, tiny_model_d
     finally:
         cluster.hosts["trainer-1"].heal()
     logs = [t.text() for t in trainers]
-    assert re.search(r"trainer job broken: rank 1 has not checked in for \d+ s", logs[0]), logs[0][-3000:]
-    assert re.search(r"rank 1: the job's store at \S+ has not answered", logs[1]), logs[1][-3000:]
-    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, statuses
-    assert _pending(fb)                    # no error: the gateway holds it for the trainer's return
+    held = _pending(fb)                    # no error: the gateway holds it for the trainer's return
     t0 = time.monotonic()
     for trainer in trainers:               # the supervisor's part (tinkerd up, systemd, Kubernetes)
         trainer.start()
     trainers[0].ready()
     restarted_s = time.monotonic() - t0
+    assert re.search(r"trainer job broken: rank 1 has not checked in for \d+ s", logs[0]), logs[0][-3000:]
+    # Rank 1 ends by its watchdog, or by its collective's own error when gloo's read times out first.
+    assert re.search(r"rank 1: the job's store at \S+ has not answered|rank 1: forward_backward failed; exiting",
+                     logs[1]), logs[1][-3000:]
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, statuses
+    assert held
     result = fb.result(timeout=120)
     answered_s = time.monotonic() - t0
     # Run on step 1's weights, once: its last datum's logprobs are the forward's before the cut.

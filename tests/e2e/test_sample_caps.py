@@ -51,5 +51,8 @@ def test_a_burst_of_completions_passes_no_sample_cap(tiny_model_dir, tmp_path, s
         assert set(codes) <= {200, 429}, [(r.status_code, r.text[:200]) for r in replies if r.status_code >= 500]
         assert codes.count(200) >= 1 and codes.count(429) >= 1, codes
         assert 1 <= highest[0] <= CAP, highest       # (1: the watcher did see the samples)
-        refused = next(r for r in replies if r.status_code == 429)
-        assert "of your sample requests are in flight" in refused.json()["error"]["message"], refused.text
+        # The cap refuses; so may the user's share of the tokenizer pool (its queue is bounded too).
+        refusals = [r.json()["error"]["message"] for r in replies if r.status_code == 429]
+        assert any("of your sample requests are in flight" in m for m in refusals), refusals
+        assert all("of your sample requests are in flight" in m or "of your tokenizing jobs" in m
+                   for m in refusals), refusals

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import sys
 
 from gateway_fakes import gateway  # noqa: F401 - the fixture
 
@@ -28,6 +29,8 @@ def test_a_flood_of_made_up_keys_reads_off_the_loop_and_evicts_no_one(gateway, m
     session = store.db.session
 
     def spied_session():
+        if sys._getframe(1).f_code is not keys.KeyStore._lookup.__code__:
+            return session()            # another part's read (the replica registry's refresh, ...)
         reads.append(1)
         try:
             asyncio.get_running_loop()
