@@ -34,6 +34,7 @@ WATCH_S = 0.05                  # how often the watcher looks for other gateways
 # The watcher re-reads this far back: a row's seq is drawn before its transaction commits, so
 # (on Postgres) a row may become visible after rows with larger seqs.
 _COMMIT_LAG_S = 1.0
+_IDLE_LOOK_S = 0.5              # how often the watcher notes the highest seq while no poll waits
 
 _T = CompletionRow.__table__
 _C = _T.c
@@ -177,13 +178,17 @@ class Completions:
 
     async def look(self) -> None:
         """Wakes the polls waiting here for rows written since the watcher last looked (less
-        _COMMIT_LAG_S), by any gateway."""
-        if not self._waiting:
-            self._seen.clear()
-            return
+        _COMMIT_LAG_S), by any gateway. While none waits it still notes the highest seq now and
+        then (_IDLE_LOOK_S): a poll that comes then starts from a seq of before the lag, not from one
+        drawn after rows that commit later (those would be missed until the poll's next look)."""
         stamp = time.monotonic()
         while len(self._seen) > 1 and self._seen[1][0] < stamp - _COMMIT_LAG_S:
             self._seen.popleft()
+        if not self._waiting:
+            if not self._seen or stamp - self._seen[-1][0] >= _IDLE_LOOK_S:
+                highest = await self.db.run(self._highest)
+                self._seen.append((stamp, max(highest, self._seen[-1][1] if self._seen else 0)))
+            return
         if not self._seen:        # the first poll is still reading its start
             return
         low = self._seen[0][1]
