@@ -29,7 +29,8 @@ import time
 from bench.common import REPO, Context, Row, SharedStack, check, new_dir, smollm2_model, tiny_model
 
 BENCHMARKS = ["train_step", "trainer_ranks", "sdk_workload", "sampling", "sampler_replicas", "adapter_sampling",
-              "weight_sync", "futures", "startup", "tenants", "batching", "soak", "bf16_gap", "request_costs", "dimuon"]
+              "weight_sync", "futures", "startup", "tenants", "batching", "soak", "bf16_gap", "request_costs", "dimuon",
+              "rl_inflight"]
 # Run first when they share a process: their in-process DeepSpeed engines set up the one-process gloo
 # group, which vLLM's in-process engines join; DeepSpeed after a vLLM engine has gone finds its
 # group unregistered.
