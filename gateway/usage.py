@@ -107,11 +107,11 @@ def counted(work: Work) -> None:
         COUNTED.labels(kind).inc(quantity)
 
 
-def sample_work(message, reply, owner: str, session_id: str, base_model: str) -> Work:
+def sample_work(request_id: str, prompt: int, sampled_tokens: int, owner: str, session_id: str,
+                base_model: str) -> Work:
     """A sample's tokens: its prompt prefilled once, however many sequences, and every sequence's."""
-    return Work(f"sample:{message.request_id}", owner, session_id, base_model,
-                (("sampling_prefill", False, len(message.prompt_tokens)),
-                 ("sampling_sample", False, sum(len(s.tokens) for s in reply.sequences))))
+    return Work(f"sample:{request_id}", owner, session_id, base_model,
+                (("sampling_prefill", False, prompt), ("sampling_sample", False, sampled_tokens)))
 
 
 async def trained(gw, message) -> None:
@@ -149,8 +149,7 @@ def _count_sample(db: Database, served_model: str, request_id: str, prompt: int,
     sampling_id = (future.idempotency_key or "").rpartition("#")[0]
     sampling = db.get(SamplingSessionRow, sampling_id) if sampling_id else None
     session_id, base_model = (sampling.session_id, sampling.base_model) if sampling else ("", served_model)
-    count(db, Work(f"sample:{request_id}", future.owner or "", session_id, base_model,
-                   (("sampling_prefill", False, prompt), ("sampling_sample", False, sampled_tokens))))
+    count(db, sample_work(request_id, prompt, sampled_tokens, future.owner or "", session_id, base_model))
 
 
 def disk_bytes(directory: str) -> int | None:

@@ -173,17 +173,10 @@ class Futures:
                 request_id=request_id, idempotency_key=idempotency_key, fingerprint=fingerprint, owner=owner,
                 request_type=request_type, model_id=model_id, extra=extra, request_args=request.args,
                 request_body=request.body, claimed_by=self.instance, lease_until=self.lease()), admit)
-            return await self._scheduled(row, job, request_id, request_type, owner, fingerprint, idempotency_key,
-                                         model_id, seq_id, target)
-        finally:
+        finally:      # scheduled below before anything else runs on the loop: it counts as here from now on
             self._submitting[idempotency_key] -= 1
             if not self._submitting[idempotency_key]:
                 del self._submitting[idempotency_key]
-
-    async def _scheduled(self, row: FutureRow, job: TypedJob, request_id: str, request_type: str, owner: str,
-                         fingerprint: str | None, idempotency_key: str | None, model_id: str | None,
-                         seq_id: int | None, target: Target | None) -> FutureRow:
-        """The recorded row's job scheduled here, unless the row is a resend's (then as it is)."""
         if row.request_id != request_id and (row.fingerprint != fingerprint or row.owner != owner):
             raise UserError(f"{idempotency_key.replace('#', ' seq_id ')} was already used for a different "
                             f"request ({row.request_type}); every request needs its own seq_id")

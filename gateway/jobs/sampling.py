@@ -32,10 +32,11 @@ class Sample(Job):
         metrics.sampled(reply)
         if self.of is None:
             await usage.sampled(gw, self.message, reply)
-        spans.note(tokens_in=len(self.message.prompt_tokens), tokens_out=sum(len(s.tokens) for s in reply.sequences))
+        prompt, sampled = len(self.message.prompt_tokens), sum(len(s.tokens) for s in reply.sequences)
+        spans.note(tokens_in=prompt, tokens_out=sampled)
         if self.record_for is not None:
             gw.stability.record_all(self.record_for, {f"{self.message.request_id}:{i}": (seq.tokens, seq.logprobs)
                                                       for i, seq in enumerate(reply.sequences)})
-        work = (usage.sample_work(self.message, reply, self.of.owner, self.of.session_id, self.of.base_model)
-                if self.of is not None else None)
+        work = None if self.of is None else usage.sample_work(
+            self.message.request_id, prompt, sampled, self.of.owner, self.of.session_id, self.of.base_model)
         return Done("application/x-protobuf", convert.sample_response(reply), work)
