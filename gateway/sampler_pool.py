@@ -22,6 +22,7 @@ import asyncio
 import collections
 import dataclasses
 import datetime
+import itertools
 import logging
 import time
 
@@ -58,6 +59,7 @@ class Member:
     failed_checks: int = 0       # in a row
     reached: bool = False        # a health check passed since it joined (else its address may be wrong)
     calls: set = dataclasses.field(default_factory=set)      # its Sample calls in flight
+    picked: int = 0              # when it was last picked (the pool's pick count)
 
 
 class SamplerPool:
@@ -68,6 +70,7 @@ class SamplerPool:
         self.members: dict[str, Member] = {}
         # snapshot_id -> addresses that hold it (most recent last), for affinity.
         self._holders: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
+        self._picks = itertools.count(1)
         for address in static:
             self._add(address, static=True)
         self._changed = asyncio.Event()
@@ -166,7 +169,11 @@ class SamplerPool:
         if not candidates:
             return None
         holders = set(self._holders.get(snapshot_id, ())) if snapshot_id else set()
-        return min(candidates, key=lambda m: (m.address not in holders, m.in_flight))
+        # Equally loaded holders take turns: samples that each finish before the next arrives
+        # would otherwise all go to the first one.
+        chosen = min(candidates, key=lambda m: (m.address not in holders, m.in_flight, m.picked))
+        chosen.picked = next(self._picks)
+        return chosen
 
     async def sample(self, msg: sampler_pb2.SampleRequest) -> sampler_pb2.SampleResponse:
         """Samples on a live replica; on a replica failure, again on another one."""

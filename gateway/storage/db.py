@@ -472,7 +472,9 @@ def shown(url: str) -> str:
 
 
 class Database:
-    def __init__(self, url: str):
+    def __init__(self, url: str, idle_in_transaction_s: float = 10.0):
+        """`idle_in_transaction_s` (Postgres): how long the server waits on this gateway in the
+        middle of a transaction before it ends the transaction and frees its locks."""
         try:
             self.engine = create_engine(url, future=True)
         except (ArgumentError, NoSuchModuleError, ImportError) as e:
@@ -492,11 +494,32 @@ class Database:
         except OperationalError as e:
             raise DatabaseUnusable(f"cannot open the database at {shown(url)}: {str(e.orig).strip().splitlines()[0]}"
                                    ) from None
+        if self.engine.dialect.name == "postgresql":
+            self._end_silent_transactions(idle_in_transaction_s)
         self._cache: dict[tuple[str, str], object] = {}
         # The threads the event loop hands its database work to (`run`): one for SQLite, whose
         # writers take turns anyway (several would only wait on its lock), more for a server.
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=1 if url.startswith("sqlite") else 8, thread_name_prefix="db")
+
+    def _end_silent_transactions(self, after_s: float) -> None:
+        """A gateway cut off from Postgres mid-transaction (a partition, a frozen host) keeps its
+        locks -- a user's or the server-wide sample admission lock (owner_turn, samples_turn) --
+        until the server sees the peer is gone: hours with the kernel's keepalive defaults, while
+        every other gateway's admissions wait on them. Each connection of this gateway asks the
+        server to end its transaction once it has waited `after_s` on it, in one statement or
+        between two (our transactions run back to back, in milliseconds). Set after the schema's
+        migrations, which may take their time between statements."""
+        ms = max(1, int(after_s * 1000))
+
+        @event.listens_for(self.engine, "connect")
+        def _bounded_silence(conn, _):
+            cur = conn.cursor()
+            cur.execute(f"SET idle_in_transaction_session_timeout = {ms}")
+            cur.execute(f"SET tcp_user_timeout = {ms}")
+            cur.close()
+            conn.commit()
+        self.engine.dispose()      # the migrations' connections, opened without it
 
     async def run(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` on the database's threads: the event loop only awaits it, and a

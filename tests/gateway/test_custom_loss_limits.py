@@ -33,11 +33,14 @@ def two_gateways(tmp_path, db_url):
 
 
 def _burst(apis: tuple[Api, Api], session_id: str, n: int) -> list:
+    # Traced here, one at a time: torch.fx patches nn.Module.__call__ process-wide while it traces,
+    # and two traces at once can leave it patched for every later test of this process.
+    bodies = [upload(session_id, seq=i) for i in range(n)]
     start = threading.Barrier(n)
 
     def create(i: int):
         start.wait()
-        return apis[i % 2].post("create_custom_loss", upload(session_id, seq=i))
+        return apis[i % 2].post("create_custom_loss", bodies[i])
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         return list(pool.map(create, range(n)))
 
