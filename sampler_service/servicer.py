@@ -15,7 +15,6 @@ import grpc
 
 from tinkerd import paths, persisted_copy
 from tinkerd.errors import NotFoundError, ServiceError, UserError
-from tinkerd.rpc import rpc_boundary
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from sampler_service import convert, metrics
 from sampler_service.engine import SamplerEngine
@@ -42,12 +41,10 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def _adapter_path(self, path: str) -> str:
         return paths.adapter_path(self.state_dir, path) if path else ""
 
-    @rpc_boundary
     def Health(self, request, context):
         return common_pb2.HealthResponse(ready=True, base_model=self.engine.model_dir,
                                          weight_endpoint=self.weights.endpoint.message())
 
-    @rpc_boundary
     def Sample(self, request, context):
         if request.num_samples < 1:
             raise UserError(f"num_samples must be at least 1, got {request.num_samples}")
@@ -76,7 +73,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         except NotFoundError:
             return False
 
-    @rpc_boundary
     def ReceiveWeights(self, request, context):
         t0 = time.perf_counter()
         persisted = self._adapter_path(request.persisted_path)

@@ -1,5 +1,6 @@
 """Prometheus metrics plumbing the trainer and the sampler share: the `--metrics-port` setting,
-the HTTP endpoint serving `/metrics`, and a gRPC server interceptor timing every call.
+the HTTP endpoint serving `/metrics`, and the histogram of gRPC calls served (RPC_SECONDS, timed
+by tinkerd/rpc.py's boundary of every call).
 
 Each service defines its own metrics in its own module (trainer_service/metrics.py,
 sampler_service/metrics.py, gateway/metrics.py) in prometheus_client's default registry, which
@@ -16,9 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
-import time
 
-import grpc
 from prometheus_client import Histogram
 
 from tinkerd.errors import UserError
@@ -75,39 +74,3 @@ def check_port(host: str, port: int) -> None:
 def cannot_serve(host: str, port: int, e: OSError) -> str:
     return (f"cannot serve /metrics on {host}:{port} (--metrics-port): {e.strerror}; pick another port, "
             f"0 for a free one, or -1 for none")
-
-
-class RpcMetrics(grpc.ServerInterceptor):
-    """Times every unary call into RPC_SECONDS (the streaming health Watch and reflection pass
-    through untimed)."""
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or handler.request_streaming or handler.response_streaming:
-            return handler
-        method = details.method.rsplit("/", 1)[-1]
-        behavior = handler.unary_unary
-
-        def timed(request, context):
-            t0 = time.perf_counter()
-            code = "UNKNOWN"
-            try:
-                reply = behavior(request, context)
-                code = _code_name(context.code()) or "OK"
-                return reply
-            except BaseException:
-                code = _code_name(context.code()) or "UNKNOWN"
-                raise
-            finally:
-                RPC_SECONDS.labels(method, code).observe(time.perf_counter() - t0)
-        return grpc.unary_unary_rpc_method_handler(timed, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
-
-
-def _code_name(code) -> str | None:
-    """context.code() is a StatusCode, an int, or None depending on how it was set."""
-    if code is None:
-        return None
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))

@@ -1,5 +1,6 @@
 """gRPC plumbing shared by the services: server construction, channels, service authentication,
-and the boundary that turns exceptions into status codes.
+and the one boundary every call a server takes passes (`_Boundary`): the token checked, the call
+timed, exceptions turned into status codes.
 
 Service authentication (all of it is here): a server given the shared secret, or its role's
 credential (tinkerd/service_roles.py), refuses every call whose `authorization: Bearer <token>`
@@ -24,13 +25,14 @@ import json
 import logging
 import secrets
 import socket
+import time
 from typing import Callable, Iterable
 
 import grpc
 
 from tinkerd import service_roles
 from tinkerd.errors import ServiceError
-from tinkerd.metrics import RpcMetrics
+from tinkerd.metrics import RPC_SECONDS
 from tinkerd.settings import setting
 
 log = logging.getLogger(__name__)
@@ -210,31 +212,88 @@ def _refusal(code: grpc.StatusCode, message: str, shape: tuple[bool, bool]):
     return make[shape](refuse)
 
 
-class _RequireToken(grpc.ServerInterceptor):
-    """Lets a call through when its token is a role's for the method's service (else for this
-    server's own, for grpc.health.v1 and reflection) and that role may call the method."""
+class _Boundary(grpc.ServerInterceptor):
+    """The one boundary of every call to a server made by create_server, whatever its service:
+    tinkerd's own and the library servicers of grpc.health.v1 and reflection alike (no decorator
+    reaches those, and a servicer's context does not say which method it serves, which the
+    per-role check needs). When a call arrives, before its request is parsed: its token must be a
+    role's for the method's service (else for this server's own, for grpc.health.v1 and
+    reflection) and that role may call the method. A unary call then runs inside `answering`,
+    the one frame of ours between gRPC and the servicer method; streams (Watch, reflection) run
+    as they are."""
 
     def __init__(self, auth: ServiceAuth):
         self._auth = auth
         self._own = auth.role if auth.role in service_roles.AUDIENCES else ""
 
     def intercept_service(self, continuation, details):
+        refused = self._refused(details) if self._auth.holds_token else None
+        handler = continuation(details)
+        if refused is not None:
+            shape = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
+            return _refusal(*refused, shape)
+        if handler is None or handler.request_streaming or handler.response_streaming:
+            return handler      # an unknown method (UNIMPLEMENTED), or a stream: untimed, as it is
+        return grpc.unary_unary_rpc_method_handler(answering(handler.unary_unary, details.method),
+                                                   request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+    def _refused(self, details) -> tuple[grpc.StatusCode, str] | None:
+        """Why the call is refused (its status code and message), None if it may go on."""
         method = details.method
         if method in OPEN_METHODS:
-            return continuation(details)
+            return None
         given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
         given = given.decode("latin-1") if isinstance(given, bytes) else given
         audience = service_roles.audience_of(method) or self._own
         role = self._auth.caller_role(given[7:] if given.startswith("Bearer ") else "", audience)
         if role == "operator" or (role and service_roles.allows(audience, role, method)):
-            return continuation(details)
-        handler = continuation(details)
-        shape = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
+            return None
         if not role:
-            return _refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong service token", shape)
-        return _refusal(grpc.StatusCode.PERMISSION_DENIED,
-                        f"the {role} service's token may not call {method} (it opens "
-                        f"{service_roles.opens(audience, role)} of the {audience})", shape)
+            return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong service token"
+        return (grpc.StatusCode.PERMISSION_DENIED,
+                f"the {role} service's token may not call {method} (it opens "
+                f"{service_roles.opens(audience, role)} of the {audience})")
+
+
+def answering(behavior, method: str):
+    """`behavior(request, context)` as a server made by create_server runs a unary call of
+    `method` ("/package.Service/Name"), in one frame: timed into tinkerd_rpc_duration_seconds by
+    method and status code; a ServiceError answered with its code and message; anything else with
+    INTERNAL and an incident id only (the exception's text names server-side types, paths and
+    values no user should see), its traceback logged under that id. A status the method chose
+    itself (context.abort, or set_code as the generated base servicers do) is kept."""
+    name = method.rsplit("/", 1)[-1]
+
+    def answer(request, context):
+        t0 = time.perf_counter()
+        failed = True
+        try:
+            reply = behavior(request, context)
+            failed = False
+            return reply
+        except ServiceError as e:
+            context.abort(e.code, str(e))
+        except Exception:  # noqa: BLE001 - the boundary must answer, never crash the server
+            if context.code() is not None:
+                raise
+            incident = secrets.token_hex(6)
+            log.exception("%s failed (incident %s)", name, incident)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name} (incident {incident}: "
+                                                    f"the operator finds the detail in the service's log)")
+        finally:
+            code = _code_name(context.code()) or ("UNKNOWN" if failed else "OK")
+            RPC_SECONDS.labels(name, code).observe(time.perf_counter() - t0)
+    return answer
+
+
+def _code_name(code) -> str | None:
+    """context.code() is a StatusCode, an int, or None depending on how it was set."""
+    if code is None:
+        return None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
 
 
 def create_server(address: str, *, max_workers: int = 32, auth: ServiceAuth = ServiceAuth(),
@@ -245,10 +304,8 @@ def create_server(address: str, *, max_workers: int = 32, auth: ServiceAuth = Se
     check_exposure(address, auth, allow_insecure)
     if auth.ca and not auth.cert:
         raise SystemExit("--tls-ca on a server needs --tls-cert and --tls-key")
-    interceptors = [_RequireToken(auth)] if auth.holds_token else []
-    interceptors.append(RpcMetrics())           # tinkerd_rpc_duration_seconds, by method and code
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
-                         interceptors=interceptors)
+                         interceptors=[_Boundary(auth)])
     if auth.cert:
         credentials = grpc.ssl_server_credentials([(auth.key, auth.cert)], root_certificates=auth.ca or None,
                                                   require_client_auth=bool(auth.ca))
@@ -371,23 +428,3 @@ class AioCallsWithMetadata:
             return call(request, metadata=(*metadata, *self._token, *self._metadata()), **kwargs)
         setattr(self, method, with_metadata)        # made once per method
         return with_metadata
-
-
-def rpc_boundary(method):
-    """Servicer decorator: ServiceError -> its status code and message; anything else ->
-    INTERNAL with an incident id only (the exception's text names server-side types, paths and
-    values no user should see), its traceback logged under that id."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except ServiceError as e:
-            context.abort(e.code, str(e))
-        except Exception:  # noqa: BLE001 - the boundary must answer, never crash the server
-            incident = secrets.token_hex(6)
-            log.exception("%s failed (incident %s)", method.__name__, incident)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__} (incident {incident}: "
-                                                    f"the operator finds the detail in the service's log)")
-
-    return wrapper

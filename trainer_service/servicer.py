@@ -19,7 +19,7 @@ import time
 
 from tinkerd import age, paths, weight_stream, weight_transport
 from tinkerd.errors import UserError
-from tinkerd.rpc import ServiceAuth, rpc_boundary
+from tinkerd.rpc import ServiceAuth
 from tinkerd.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_service import convert, metrics
 from trainer_service.engine import TrainerEngine
@@ -113,13 +113,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         model = self.engine.get(model_id)
         return convert.model_info(model_id, base, model, self.engine.num_params(model))
 
-    @rpc_boundary
     def Health(self, request, context):
         broken = self.engine.ranks.broken       # a rank of the job died or diverged
         return common_pb2.HealthResponse(ready=broken is None, base_model=self.engine.base_model_dir,
                                          detail=f"trainer job broken: {broken}" if broken else "")
 
-    @rpc_boundary
     def CreateModel(self, request, context):
         if request.base_model and not self.engine.accepts_base_model(request.base_model):
             raise UserError(f"base model {request.base_model!r} is not served here; this trainer serves "
@@ -149,13 +147,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self._fair(request.model_id, create, context)
         return self._info(request.model_id)
 
-    @rpc_boundary
     def DeleteModel(self, request, context):
         self.ledger.forget(request.model_id)
         return trainer_pb2.DeleteModelResponse(
             deleted=self._fair(request.model_id, lambda: self.engine.delete_model(request.model_id), context))
 
-    @rpc_boundary
     def SaveState(self, request, context):
         if request.kind not in SAVE_KINDS:
             raise UserError(f"checkpoint kind {request.kind!r} must be one of {SAVE_KINDS}")
@@ -172,24 +168,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                       age_recipients=list(request.age_recipients))   # plain: sent to every rank
         return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size)
 
-    @rpc_boundary
     def UnloadModel(self, request, context):
         directory = self._fair(request.model_id, lambda: self.engine.unload_model(request.model_id), context)
         return trainer_pb2.UnloadModelResponse(directory=directory)
 
-    @rpc_boundary
     def SkipSeq(self, request, context):
         """A seq_id refused at the gateway: taken in its turn and marked as not applied, so the
         next seq_id does not wait out the gap timeout for it (seq_order.py)."""
         self.ledger.skip(request.model_id, request.seq_id)
         return trainer_pb2.SkipSeqResponse()
 
-    @rpc_boundary
     def GetQueueState(self, request, context):
         snap = self.scheduler.snapshot()
         return trainer_pb2.QueueState(running_tenant=snap.running or "", queued=snap.queued)
 
-    @rpc_boundary
     def ForwardBackward(self, request, context):
         kind = "forward" if request.forward_only else "forward_backward"
         return self.ledger.run(request, kind, lambda: self._forward_backward(request),
@@ -208,7 +200,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         metrics.TOKENS.labels(kind).inc(metrics.tokens_of(data))
         return convert.forward_backward_response(outputs, loss_metrics)
 
-    @rpc_boundary
     def OptimStep(self, request, context):
         params = convert.optim_params(request)
         return self.ledger.run(request, "optim_step", lambda: self._optim_step(request, params),
@@ -219,7 +210,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             step_metrics = self.engine.optim_step(request.model_id, params, seq=request.seq_id)
         return trainer_pb2.OptimStepResponse(metrics=step_metrics)
 
-    @rpc_boundary
     def PushWeights(self, request, context):
         if not request.snapshot_id:
             raise UserError("snapshot_id is required")

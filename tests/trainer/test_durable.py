@@ -16,7 +16,7 @@ from trainer_service.engine import TrainerEngine
 from trainer_service.servicer import TrainerServicer
 
 from conftest import start_trainer_process
-from servicer_context import Aborted, Context
+from servicer_context import Aborted, Context, answered
 
 TOKENS = [5, 9, 17, 33, 2, 71, 8, 40, 12, 3]
 
@@ -85,11 +85,11 @@ def test_lost_work_is_told_once_and_nothing_is_applied_twice(tiny_model_dir, tmp
     restarted = _trainer(tiny_model_dir, tmp_path)
     context = Context()
     with pytest.raises(Aborted):
-        restarted.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+        answered(restarted.ForwardBackward)(trainer_pb2.ForwardBackwardRequest(
             model_id="s:train:0", seq_id=5, loss_fn="cross_entropy", forward_only=True, data=[_datum()]), context)
-    assert "resumed from its state at step 1 (seq_id 2)" in context.details
-    assert "forward_backward seq_id 4" in context.details
-    assert context.code.name == "ABORTED"          # Tinker category "server"
+    assert "resumed from its state at step 1 (seq_id 2)" in context.details()
+    assert "forward_backward seq_id 4" in context.details()
+    assert context.code().name == "ABORTED"          # Tinker category "server"
     # Said once: the next request runs, on the resumed state.
     np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 6), before, atol=1e-6)
 
@@ -99,9 +99,9 @@ def test_lost_work_is_told_once_and_nothing_is_applied_twice(tiny_model_dir, tmp
     # A resent forward_backward the state includes is refused, not applied twice.
     context = Context()
     with pytest.raises(Aborted):
-        restarted.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+        answered(restarted.ForwardBackward)(trainer_pb2.ForwardBackwardRequest(
             model_id="s:train:0", seq_id=1, loss_fn="cross_entropy", data=[_datum()]), context)
-    assert "applied before the trainer restarted" in context.details
+    assert "applied before the trainer restarted" in context.details()
     np.testing.assert_allclose(_logprobs(restarted, "s:train:0", 7), before, atol=1e-6)
 
 

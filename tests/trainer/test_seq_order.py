@@ -197,7 +197,7 @@ def test_a_late_copy_of_an_executed_seq_id_is_told_so():
 
 def test_a_re_drive_whose_reply_was_dropped_is_refused_not_applied_twice(tiny_model_dir, tmp_path):
     import grpc
-    from servicer_context import Aborted
+    from servicer_context import Aborted, answered
     from trainer_service.replies import ReplyCache
 
     trainer = _trainer(tiny_model_dir, tmp_path)
@@ -217,8 +217,8 @@ def test_a_re_drive_whose_reply_was_dropped_is_refused_not_applied_twice(tiny_mo
     assert _fb(trainer, "s:train:0", 2) == _fb(trainer, "s:train:0", 2)      # still kept: answered
     context = Context()
     with pytest.raises(Aborted, match="seq_id 1 of s:train:0 was already executed .* not applied twice"):
-        trainer.ForwardBackward(first_request, context)
-    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+        answered(trainer.ForwardBackward)(first_request, context)
+    assert context.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ran == [1, 2] and first.outputs
 
 

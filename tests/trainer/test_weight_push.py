@@ -16,7 +16,7 @@ from trainer_service.engine import TrainerEngine
 from trainer_service.lora import LoraSpec
 from trainer_service.servicer import TrainerServicer
 
-from servicer_context import Aborted, Context
+from servicer_context import Aborted, Context, answered
 
 
 def test_push_replies_after_the_persisted_copy_is_complete(tiny_model_dir, tmp_path):
@@ -46,9 +46,9 @@ def test_push_replies_after_the_persisted_copy_is_complete(tiny_model_dir, tmp_p
     (tmp_path / "snapshots" / "s_train_0@2").write_text("")   # a file in the way: the copy cannot be written
     context = Context()
     with pytest.raises(Aborted):
-        servicer.PushWeights(trainer_pb2.PushWeightsRequest(
+        answered(servicer.PushWeights)(trainer_pb2.PushWeightsRequest(
             model_id="s:train:0", seq_id=2, snapshot_id="s:train:0@2", persist=True), context)
-    assert context.code == grpc.StatusCode.INTERNAL
+    assert context.code() == grpc.StatusCode.INTERNAL
 
     # In the background: the push replies with the path, the copy lands there whole.
     with torch.no_grad():
@@ -77,7 +77,7 @@ def test_push_replies_after_the_persisted_copy_is_complete(tiny_model_dir, tmp_p
 
 from tinkerd import weight_stream  # noqa: E402
 from tinkerd.errors import UserError  # noqa: E402
-from tinkerd.rpc import create_server, rpc_boundary  # noqa: E402
+from tinkerd.rpc import create_server  # noqa: E402
 from tinkerd.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc  # noqa: E402
 from sampler_service import convert as sampler_convert  # noqa: E402
 from sampler_service.weight_receiver import WeightReceiver  # noqa: E402
@@ -94,11 +94,9 @@ class _Receiving(sampler_pb2_grpc.SamplerServicer):
         self.joins: list[bool] = []
         self.transports: list[str] = []
 
-    @rpc_boundary
     def Health(self, request, context):
         return common_pb2.HealthResponse(ready=True, weight_endpoint=self.weights.endpoint.message())
 
-    @rpc_boundary
     def ReceiveWeights(self, request, context):
         self.joins.append(request.rendezvous.join or request.shared.join)
         self.transports.append(request.transport)

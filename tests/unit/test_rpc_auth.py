@@ -109,11 +109,9 @@ def test_up_makes_one_private_token_per_state_dir(tmp_path):
 
 
 class _Failing(sampler_pb2_grpc.SamplerServicer):
-    @rpc.rpc_boundary
     def Health(self, request, context):
         raise RuntimeError("cannot open /srv/tinkerd/state/models/secret-user/optimizer.pt")
 
-    @rpc.rpc_boundary
     def Sample(self, request, context):
         from tinkerd.errors import UserError
         raise UserError("max_tokens must be at least 1")
