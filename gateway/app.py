@@ -1,7 +1,7 @@
 """The Tinker REST API (as SDK 0.38 speaks it) on top of the Trainer and Sampler gRPC services.
 
-create_app only assembles: the runtime parts (gateway/state.py), authentication
-(gateway/identity/auth.py), body limits (gateway/body_limit.py), the error handlers (gateway/errors.py)
+create_app only assembles: the runtime parts (gateway/state.py), the one middleware
+(gateway/edge.py: metrics, authentication, body limits), the error handlers (gateway/errors.py)
 and the routes (gateway/routes/, one module per concern). Immediate calls answer from the
 database; slow calls become futures (gateway/futures/store.py) whose jobs call gRPC.
 """
@@ -16,9 +16,10 @@ from fastapi import FastAPI
 
 from gateway import console, errors, housekeeping, metrics
 from gateway.backends import Backends
-from gateway.body_limit import BodyLimit
+from gateway.body_limit import BodyLimits
+from gateway.edge import Edge
 from gateway.identity import limits
-from gateway.identity.auth import AuthMiddleware
+from gateway.identity.auth import Authentication
 from gateway.jobs.table import JOBS
 from gateway.routes import ROUTERS
 from gateway.settings import GatewaySettings
@@ -50,12 +51,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.gateway = gw
     errors.install(app)
     app.add_exception_handler(limits.OverLimit, limits.on_over_limit)
-    # The last added runs first: the caller is known before any body is read.
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, authenticator=gw.authenticator, service_auth=lambda: gw.service_auth)
+    app.add_middleware(Edge, authentication=Authentication(gw.authenticator, lambda: gw.service_auth),
+                       bodies=BodyLimits(settings.max_body_bytes), routes=app.router.routes)
     for router in ROUTERS:
         app.include_router(router)
     app.include_router(console.api_router)          # the web console (gateway/console/)
     app.include_router(console.page_router)
-    metrics.install(app, gw)        # GET /metrics, and request counts (outermost middleware)
+    metrics.install(app, gw)        # GET /metrics
     return app

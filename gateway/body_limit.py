@@ -1,5 +1,5 @@
-"""Request bodies bounded before any route sees them: a pure ASGI middleware (not Starlette's
-BaseHTTPMiddleware, which costs every request a task and a queue; retrieve_future is hot).
+"""Request bodies bounded before any route sees them, by the gateway's one middleware
+(gateway/edge.py).
 
 A body over `max_bytes` is a 413 with the Tinker error body: at once when Content-Length says so,
 else as soon as the bytes read pass the limit. A zstd body (the SDK compresses forward_backward)
@@ -10,6 +10,7 @@ Routes whose bodies are small by nature have a smaller limit (ROUTE_LIMITS).
 from __future__ import annotations
 
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive
 
 from gateway import convert
 from gateway.errors import error_response
@@ -35,75 +36,74 @@ ROUTE_LIMITS = {
 }
 
 
-class BodyLimit:
-    def __init__(self, app, max_bytes: int, route_limits: dict[str, int | None] | None = None):
+class BodyLimits:
+    def __init__(self, max_bytes: int, route_limits: dict[str, int | None] | None = None):
         """`max_bytes` (--max-body-bytes) bounds every route; a route not in `route_limits`
-        takes at most SMALL_BYTES (with `route_limits` given as {}: `max_bytes`, for the routes'
-        own instances)."""
-        self.app = app
+        (ROUTE_LIMITS by default) takes at most SMALL_BYTES."""
         routes = ROUTE_LIMITS if route_limits is None else route_limits
-        self.routes = {path: BodyLimit(app, min(max_bytes, limit or max_bytes), {}) for path, limit in routes.items()}
-        self.max_bytes = min(max_bytes, SMALL_BYTES) if route_limits is None else max_bytes
+        self.routes = {path: min(max_bytes, limit or max_bytes) for path, limit in routes.items()}
+        self.max_bytes = min(max_bytes, SMALL_BYTES)
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if (smaller := self.routes.get(scope["path"])) is not None:
-            return await smaller(scope, receive, send)
+    async def admit(self, scope, receive) -> tuple[dict, Receive, ASGIApp | None]:
+        """(the scope and receive a route reads the body through, or the refusal to answer with).
+        A zstd body is read and inflated here; a chunked one is counted as the route reads it."""
+        limit = self.routes.get(scope["path"], self.max_bytes)
         length = encoding = None
         for key, value in scope["headers"]:
             if key == b"content-length":
                 length = value
             elif key == b"content-encoding":
                 encoding = value.decode("latin-1")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._refuse(scope, receive, send, 413, f"the request body is {length.decode('latin-1')} "
-                                      f"bytes; this server takes at most {self.max_bytes}")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return scope, receive, error_response(f"the request body is {length.decode('latin-1')} bytes; this "
+                                                  f"server takes at most {limit}", 413)
         if encoding and "zstd" in encoding.lower():
-            return await self._inflated(scope, receive, send, encoding)
+            return await _inflated(scope, receive, encoding, limit)
         if length is None:          # chunked: count as it arrives (with a length, the server holds it to it)
-            receive = self._counted(receive)
-        await self.app(scope, receive, send)
+            return scope, _counted(receive, limit), None
+        return scope, receive, None
 
-    def _counted(self, receive):
-        seen = 0
 
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:       # the routes' error handler answers it (gateway/errors.py)
-                raise HTTPException(413, f"the request body is over {self.max_bytes} bytes")
-            return message
-        return counted
+def _counted(receive: Receive, limit: int) -> Receive:
+    seen = 0
 
-    async def _inflated(self, scope, receive, send, encoding: str) -> None:
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return                  # the client went away
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_bytes:
-                return await self._refuse(scope, receive, send, 413, f"the request body is over {self.max_bytes} bytes")
-        try:
-            body = convert.decompress(b"".join(chunks), encoding, self.max_bytes)
-        except UserError as e:
-            return await self._refuse(scope, receive, send, 413 if isinstance(e, convert.BodyTooLarge) else 400, str(e))
-        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
-        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        delivered = False
+    async def counted():
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:       # the routes' error handler answers it (gateway/errors.py)
+            raise HTTPException(413, f"the request body is over {limit} bytes")
+        return message
+    return counted
 
-        async def plain():
-            nonlocal delivered
-            if delivered:
-                return await receive()  # after the body: wait for a disconnect like the server would
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await self.app(scope, plain, send)
 
-    @staticmethod
-    async def _refuse(scope, receive, send, status: int, message: str) -> None:
-        await error_response(message, status)(scope, receive, send)
+async def _inflated(scope, receive: Receive, encoding: str, limit: int) -> tuple[dict, Receive, ASGIApp | None]:
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return scope, receive, _gone            # the client went away
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        more = message.get("more_body", False)
+        if size > limit:
+            return scope, receive, error_response(f"the request body is over {limit} bytes", 413)
+    try:
+        body = convert.decompress(b"".join(chunks), encoding, limit)
+    except UserError as e:
+        return scope, receive, error_response(str(e), 413 if isinstance(e, convert.BodyTooLarge) else 400)
+    headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
+    scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+    delivered = False
+
+    async def plain():
+        nonlocal delivered
+        if delivered:
+            return await receive()  # after the body: wait for a disconnect like the server would
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return scope, plain, None
+
+
+async def _gone(scope, receive, send) -> None:
+    """Nothing to answer: the client left while its body was read."""

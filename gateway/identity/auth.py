@@ -5,26 +5,27 @@ The SDK sends its credential as `X-API-Key`: an API key (`tml-…`), or, when cl
 advertises JWT auth, the token it got from `POST /api/v1/auth/token`. A token that is forged,
 expired or whose key was revoked gets 401 with `WWW-Authenticate: Bearer error="invalid_token"`,
 which makes the SDK exchange its key for a fresh one (and fail with AuthenticationError if the
-key itself is no longer valid). A plain ASGI middleware: it is on the futures hot path.
+key itself is no longer valid). Asked by the gateway's one middleware (gateway/edge.py).
 
 The internal listener's routes (gateway/listeners.py) take an admin's credential; a tenant's is
 refused with 403. The replicas' (`/internal/v1/samplers/`) take a sampler's service token
-(tinkerd/service_roles.py; a trainer's or gateway's is refused with 403); joining or leaving the pool takes only it (an organisation admin is no operator). Being on this machine counts for nothing: a local user or a local
-reverse proxy is not the operator. Checked here too, so a bad credential is a 401 before any body
+(tinkerd/service_roles.py; a trainer's or gateway's is refused with 403); joining or leaving the
+pool takes only it (an organisation admin is no operator). Being on this machine counts for
+nothing: a local user or a local reverse proxy is not the operator. Checked here too, so a bad credential is a 401 before any body
 is read or bounded. A path on the wrong listener is a 404 before any credential is looked at.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Callable
 
 from fastapi import Depends, Request
+from starlette.responses import Response
 
 from gateway import listeners
-from gateway.errors import error_body
+from gateway.errors import error_response
 from gateway.identity.keys import Caller, KeyStore
 from gateway.identity.tokens import Signer
 from tinkerd import service_roles
@@ -114,47 +115,43 @@ def internal_refusal(service_auth: ServiceAuth | None, auth: Authenticator,
     return None, caller
 
 
-async def _refuse(send, message: str, invalid_token: bool, status: int = 401) -> None:
-    headers = [(b"content-type", b"application/json")]
-    if invalid_token:
-        headers.append((b"www-authenticate", b'Bearer error="invalid_token"'))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": json.dumps(error_body(message, "user")).encode()})
+def _refusal(message: str, invalid_token: bool, status: int = 401) -> Response:
+    return error_response(message, status, {"www-authenticate": 'Bearer error="invalid_token"'} if invalid_token
+                          else None)
 
 
-class AuthMiddleware:
-    def __init__(self, app, authenticator: Authenticator, service_auth: Callable[[], ServiceAuth | None]):
-        self.app = app
+class Authentication:
+    """Who a request is, before its body is read (gateway/edge.py asks): the Caller put in the
+    scope's state, or the refusal to answer with."""
+
+    def __init__(self, authenticator: Authenticator, service_auth: Callable[[], ServiceAuth | None]):
         self.auth = authenticator
         self.service_auth = service_auth
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+    async def refusal(self, scope) -> Response | None:
         path = scope.get("path", "")
         misplaced = listeners.misplaced(scope)
         if misplaced is not None:
-            return await _refuse(send, misplaced, False, 404)
+            return _refusal(misplaced, False, 404)
         if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
-            return await self.app(scope, receive, send)
+            return None
         if path.startswith(INTERNAL_PREFIX):
             refusal, admin = internal_refusal(self.service_auth(), self.auth, scope)
             if refusal is not None:
-                return await _refuse(send, refusal[1], False, refusal[0])
+                return _refusal(refusal[1], False, refusal[0])
             if admin is not None:
                 scope.setdefault("state", {})["caller"] = admin
-            return await self.app(scope, receive, send)
+            return None
         caller = self.auth.anonymous
         if caller is None:
             credential = _credential(scope)
             if not credential:
-                return await _refuse(send, "missing API key: set TINKER_API_KEY (tinkerd keys create)", False)
+                return _refusal("missing API key: set TINKER_API_KEY (tinkerd keys create)", False)
             caller, is_token = await self.auth.caller_off_loop(credential)
             if caller is None:
-                what = "expired or invalid token" if is_token else "unknown or revoked API key"
-                return await _refuse(send, what, is_token)
+                return _refusal("expired or invalid token" if is_token else "unknown or revoked API key", is_token)
         scope.setdefault("state", {})["caller"] = caller
-        return await self.app(scope, receive, send)
+        return None
 
 
 def caller_of(request: Request) -> Caller:
