@@ -57,12 +57,22 @@ def datum(msg: common_pb2.Datum, index: int) -> DatumInput:
     return DatumInput(list(msg.tokens), inputs)
 
 
-def forward_backward_response(outputs: list[dict[str, torch.Tensor]],
-                              metrics: dict[str, float]) -> trainer_pb2.ForwardBackwardResponse:
+def forward_backward_response(result: tuple[list[dict[str, torch.Tensor]], dict[str, float]]
+                              ) -> trainer_pb2.ForwardBackwardResponse:
+    """The reply made of TrainerEngine.forward_backward's (per-datum outputs, metrics)."""
+    outputs, metrics = result
     return trainer_pb2.ForwardBackwardResponse(
         outputs=[trainer_pb2.DatumOutput(outputs={k: tensors.from_numpy(v.numpy()) for k, v in o.items()})
                  for o in outputs],
         metrics=metrics)
+
+
+def optim_step_response(metrics: dict[str, float]) -> trainer_pb2.OptimStepResponse:
+    return trainer_pb2.OptimStepResponse(metrics=metrics)
+
+
+def save_state_response(directory: str, size_bytes: int) -> trainer_pb2.SaveStateResponse:
+    return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size_bytes)
 
 
 def adam_params(msg: common_pb2.AdamParams) -> AdamParams:

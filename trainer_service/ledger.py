@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Protocol, TypeVar
 
 from tinkerd.errors import LostWorkError, UserError
@@ -81,10 +82,13 @@ class Ledger:
         self.order = SeqOrder(start_of=durable.next_turn)
 
     def run(self, request, kind: str, work: Callable[[], Any], *, tenant: str,
+            reply: Callable[[Any], Any] | None = None, ran: Callable[[float], None] | None = None,
             outside_turn: Callable[[Any], Reply] | None = None) -> Reply:
         """The reply to `request` (its model_id and seq_id): `work()` run in its turns, unless it
         ran before: then its stored reply, or a refusal when that reply is no longer kept (never a
-        second run). With `outside_turn`, the reply is `outside_turn(work())`, made after the fair
+        second run). `reply(result)` makes the reply of the work's result, still in the turn (the
+        journal may keep it); `ran(seconds)` is told the work's own seconds once it ran here, after
+        the turn. With `outside_turn`, the reply is `outside_turn(work())`, made after the fair
         turn; such a kind changes no model (nothing to journal)."""
         call = _Call(request.model_id, request.seq_id, kind, tenant)
         if outside_turn is not None and _KINDS[kind].journaled:
@@ -101,25 +105,32 @@ class Ledger:
             if ran_before:
                 raise _expired(kind, call.model_id, call.seq)
             applied = False
-            result, kept = self.turns.run(tenant, lambda: self._in_turn(call, work))
-            reply = result if kept or outside_turn is None else outside_turn(result)
+            result, seconds = self.turns.run(tenant, lambda: self._in_turn(call, work, reply))
+            answer = result if seconds is None or outside_turn is None else outside_turn(result)
             applied = True
-            self.replies.put(call.model_id, call.seq, kind, reply)
-            return reply
+            self.replies.put(call.model_id, call.seq, kind, answer)
+            if seconds is not None and ran is not None:
+                ran(seconds)
+            return answer
         finally:
             self.order.executed(call.model_id, call.seq, applied)
             self.durable.note_turn(call.model_id, call.seq)
 
-    def _in_turn(self, call: _Call, work: Callable[[], Any]) -> tuple[Any, bool]:
+    def _in_turn(self, call: _Call, work: Callable[[], Any], reply) -> tuple[Any, float | None]:
         """In the tenant's fair turn: the model back from disk if it waits there, then the reply
-        that brought back (True), else the work's result, journaled (False)."""
+        that brought back (seconds None), else the reply of the work's result, journaled, and the
+        work's seconds."""
         self._resume(call)
         kept = self.replies.get(call.model_id, call.seq, call.kind)
         if kept is not None:
-            return kept, True
+            return kept, None
+        t0 = time.perf_counter()
         result = work()
+        seconds = time.perf_counter() - t0
+        if reply is not None:
+            result = reply(result)
         self._journal(call, result)
-        return result, False
+        return result, seconds
 
     def _resume(self, call: _Call) -> None:
         """A model brought back from disk, its state at `state_seq`: the journal tells which
@@ -175,6 +186,14 @@ class Ledger:
         """The model was made here: its requests start at seq_id 1."""
         self.order.created(model_id)
         self.durable.note_turn(model_id, 0, created=True)
+
+    def refused(self, request) -> None:
+        """A request refused before its work (its message did not convert): its turn taken, and
+        not applied unless an earlier copy was, as when its work fails, so the model's next
+        seq_id does not wait out the gap timeout for it."""
+        ran_before = self.order.wait_turn(request.model_id, request.seq_id)
+        self.order.executed(request.model_id, request.seq_id, applied=ran_before)
+        self.durable.note_turn(request.model_id, request.seq_id)
 
     def skip(self, model_id: str, seq: int) -> None:
         """A seq_id refused before it reached the trainer: taken in its turn, not applied."""

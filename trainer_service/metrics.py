@@ -30,6 +30,14 @@ def tokens_of(data) -> int:
     return sum(len(d.tokens) for d in data)
 
 
+def stepped(kind: str, data, seconds: float) -> None:
+    """An engine call of `kind` that ran (a resend answered with its first reply did not): its
+    engine seconds, and a forward's or forward_backward's tokens (`data`, its DatumInputs)."""
+    STEP_SECONDS.labels(kind).observe(seconds)
+    if kind in ("forward", "forward_backward"):
+        TOKENS.labels(kind).inc(tokens_of(data))
+
+
 def pushed(reply, seconds: float) -> None:
     PUSHES.inc()
     PUSH_BYTES.inc(reply.num_bytes)

@@ -12,6 +12,7 @@ Every directory is derived here from ids and names below the trainer's own state
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -160,13 +161,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 raise UserError("age_recipients: only an export (external_weights) is encrypted")
             age.recipients(request.age_recipients)
         directory = paths.checkpoint_dir(self.state_dir, request.model_id, request.kind, request.name)
-        return self.ledger.run(request, "save_state", lambda: self._save_state(request, directory),
-                               tenant=_tenant(request.model_id, context))
-
-    def _save_state(self, request, directory: str) -> trainer_pb2.SaveStateResponse:
-        size = self.engine.save_state(request.model_id, directory, with_optimizer=request.with_optimizer,
-                                      age_recipients=list(request.age_recipients))   # plain: sent to every rank
-        return trainer_pb2.SaveStateResponse(directory=directory, size_bytes=size)
+        work = functools.partial(self.engine.save_state, request.model_id, directory,
+                                 with_optimizer=request.with_optimizer,
+                                 age_recipients=list(request.age_recipients))      # plain: sent to every rank
+        return self.ledger.run(request, "save_state", work, tenant=_tenant(request.model_id, context),
+                               reply=functools.partial(convert.save_state_response, directory))
 
     def UnloadModel(self, request, context):
         directory = self._fair(request.model_id, lambda: self.engine.unload_model(request.model_id), context)
@@ -184,31 +183,25 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def ForwardBackward(self, request, context):
         kind = "forward" if request.forward_only else "forward_backward"
-        return self.ledger.run(request, kind, lambda: self._forward_backward(request),
-                               tenant=_tenant(request.model_id, context))
-
-    def _forward_backward(self, request) -> trainer_pb2.ForwardBackwardResponse:
-        data = [convert.datum(d, i) for i, d in enumerate(request.data)]
-        kind = "forward" if request.forward_only else "forward_backward"
-        with metrics.STEP_SECONDS.labels(kind).time():
-            custom = ((request.custom_loss.loss_id, request.custom_loss.spec_json)
-                      if request.HasField("custom_loss") else None)
-            outputs, loss_metrics = self.engine.forward_backward(request.model_id, data, request.loss_fn,
-                                                                 dict(request.loss_fn_config),
-                                                                 forward_only=request.forward_only,
-                                                                 custom_loss=custom)
-        metrics.TOKENS.labels(kind).inc(metrics.tokens_of(data))
-        return convert.forward_backward_response(outputs, loss_metrics)
+        try:
+            data = [convert.datum(d, i) for i, d in enumerate(request.data)]      # sparse made dense
+        except UserError:
+            self.ledger.refused(request)        # as a failed step: the next seq_id does not wait for it
+            raise
+        custom = (request.custom_loss.loss_id, request.custom_loss.spec_json) if request.HasField("custom_loss") \
+            else None
+        work = functools.partial(self.engine.forward_backward, request.model_id, data, request.loss_fn,
+                                 dict(request.loss_fn_config), forward_only=request.forward_only, custom_loss=custom)
+        return self.ledger.run(request, kind, work, tenant=_tenant(request.model_id, context),
+                               reply=convert.forward_backward_response,
+                               ran=functools.partial(metrics.stepped, kind, data))
 
     def OptimStep(self, request, context):
         params = convert.optim_params(request)
-        return self.ledger.run(request, "optim_step", lambda: self._optim_step(request, params),
-                               tenant=_tenant(request.model_id, context))
-
-    def _optim_step(self, request, params) -> trainer_pb2.OptimStepResponse:
-        with metrics.STEP_SECONDS.labels("optim_step").time():
-            step_metrics = self.engine.optim_step(request.model_id, params, seq=request.seq_id)
-        return trainer_pb2.OptimStepResponse(metrics=step_metrics)
+        work = functools.partial(self.engine.optim_step, request.model_id, params, seq=request.seq_id)
+        return self.ledger.run(request, "optim_step", work, tenant=_tenant(request.model_id, context),
+                               reply=convert.optim_step_response,
+                               ran=functools.partial(metrics.stepped, "optim_step", ()))
 
     def PushWeights(self, request, context):
         if not request.snapshot_id:

@@ -12,7 +12,7 @@ from trainer_service.seq_order import SeqOrder
 import pytest
 
 from servicer_context import Context
-from test_durable import _create, _datum, _fb, _step, _trainer
+from test_durable import TOKENS, _create, _datum, _fb, _step, _trainer
 from tinkerd.v1 import trainer_pb2
 
 
@@ -36,19 +36,26 @@ def _request_of(order: SeqOrder, ran: list[int]):
     return request
 
 
-def _steps_taken(trainer) -> list[tuple[str, int]]:
-    """The trainer's forward_backward and optim_step calls from now on, in the order they ran."""
-    ran = []
-    real_fb, real_step = trainer._forward_backward, trainer.engine.optim_step
+def _fb_of(trainer, model_id, seq):
+    """A forward_backward whose datum names its seq_id (its tokens shifted by it), so that the
+    engine's call says which request it runs."""
+    return _fb(trainer, model_id, seq, shift=seq)
 
-    def fb(request):
-        ran.append(("fb", request.seq_id))
-        return real_fb(request)
+
+def _steps_taken(trainer) -> list[tuple[str, int]]:
+    """The engine's forward_backward (of `_fb_of`'s requests) and optim_step calls from now on, in
+    the order they ran."""
+    ran = []
+    real_fb, real_step = trainer.engine.forward_backward, trainer.engine.optim_step
+
+    def fb(model_id, data, *args, **kwargs):
+        ran.append(("fb", data[0].tokens[0] - TOKENS[0]))
+        return real_fb(model_id, data, *args, **kwargs)
 
     def step(model_id, adam, **kwargs):
         ran.append(("optim_step", kwargs.get("seq")))
         return real_step(model_id, adam, **kwargs)
-    trainer._forward_backward, trainer.engine.optim_step = fb, step
+    trainer.engine.forward_backward, trainer.engine.optim_step = fb, step
     return ran
 
 
@@ -148,20 +155,22 @@ def test_the_servicer_runs_out_of_order_requests_in_seq_order_once(tiny_model_di
     """The SDK's chunks arrive last-first, spread over two gateways: the optim_step (3) and the
     second chunk (2) wait for the first chunk (1); a copy of chunk 2 sent meanwhile by another
     gateway runs nothing and gets the same reply."""
+    from prometheus_client import REGISTRY
+
+    def counted():      # the trainer's metrics count what ran, not the copy answered with its reply
+        return [REGISTRY.get_sample_value(name, {"kind": kind}) or 0.0 for name, kind in (
+            ("tinkerd_trainer_tokens_total", "forward_backward"),
+            ("tinkerd_trainer_step_duration_seconds_count", "forward_backward"),
+            ("tinkerd_trainer_step_duration_seconds_count", "optim_step"))]
     trainer = _trainer(tiny_model_dir, tmp_path)
     _create(trainer, "s:train:0")
-    ran = []
-    real = trainer._forward_backward
-
-    def recorded(request):
-        ran.append(("fb", request.seq_id))
-        return real(request)
-    trainer._forward_backward = recorded
+    ran, before = _steps_taken(trainer), counted()
     step, fb2, fb2_copy, fb1 = _run_in_threads([
-        lambda: _step(trainer, "s:train:0", 3), lambda: _fb(trainer, "s:train:0", 2, shift=1),
-        lambda: _fb(trainer, "s:train:0", 2, shift=1), lambda: _fb(trainer, "s:train:0", 1)])
-    assert ran == [("fb", 1), ("fb", 2)]
+        lambda: _step(trainer, "s:train:0", 3), lambda: _fb_of(trainer, "s:train:0", 2),
+        lambda: _fb_of(trainer, "s:train:0", 2), lambda: _fb_of(trainer, "s:train:0", 1)])
+    assert ran == [("fb", 1), ("fb", 2), ("optim_step", 3)]
     assert fb2_copy == fb2
+    assert [after - n for after, n in zip(counted(), before)] == [2 * (len(TOKENS) - 1), 2, 1]
     assert trainer.ledger.order.next_of("s:train:0") == 4
     assert trainer.engine.get("s:train:0").step == 1
 
@@ -203,23 +212,17 @@ def test_a_re_drive_whose_reply_was_dropped_is_refused_not_applied_twice(tiny_mo
     trainer = _trainer(tiny_model_dir, tmp_path)
     trainer.ledger.replies = ReplyCache(per_model_bytes=1)      # keeps only each model's newest reply
     _create(trainer, "s:train:0")
-    ran = []
-    real = trainer._forward_backward
-
-    def recorded(request):
-        ran.append(request.seq_id)
-        return real(request)
-    trainer._forward_backward = recorded
-    first = _fb(trainer, "s:train:0", 1)
+    ran = _steps_taken(trainer)
+    first = _fb_of(trainer, "s:train:0", 1)
     first_request = trainer_pb2.ForwardBackwardRequest(model_id="s:train:0", seq_id=1, loss_fn="cross_entropy",
-                                                       data=[_datum()])
-    _fb(trainer, "s:train:0", 2)
-    assert _fb(trainer, "s:train:0", 2) == _fb(trainer, "s:train:0", 2)      # still kept: answered
+                                                       data=[_datum(1)])
+    _fb_of(trainer, "s:train:0", 2)
+    assert _fb_of(trainer, "s:train:0", 2) == _fb_of(trainer, "s:train:0", 2)      # still kept: answered
     context = Context()
     with pytest.raises(Aborted, match="seq_id 1 of s:train:0 was already executed .* not applied twice"):
         answered(trainer.ForwardBackward)(first_request, context)
     assert context.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert ran == [1, 2] and first.outputs
+    assert ran == [("fb", 1), ("fb", 2)] and first.outputs
 
 
 def test_after_a_restart_requests_arriving_out_of_order_still_run_in_order(tiny_model_dir, tmp_path):
@@ -233,7 +236,7 @@ def test_after_a_restart_requests_arriving_out_of_order_still_run_in_order(tiny_
     _step(first, "s:train:0", 2)
     trainer = _trainer(tiny_model_dir, tmp_path)        # a restart on the same state dir
     ran = _steps_taken(trainer)
-    _run_in_threads([lambda: _step(trainer, "s:train:0", 4), lambda: _fb(trainer, "s:train:0", 3)])
+    _run_in_threads([lambda: _step(trainer, "s:train:0", 4), lambda: _fb_of(trainer, "s:train:0", 3)])
     assert ran == [("fb", 3), ("optim_step", 4)]
 
 
@@ -263,7 +266,7 @@ def test_a_models_first_steps_run_in_order_whichever_arrives_first(tiny_model_di
         trainer = _trainer(tiny_model_dir, tmp_path)
         assert not trainer.engine.is_resident(model_id) and trainer.engine.on_disk(model_id)
     ran = _steps_taken(trainer)
-    _run_in_threads([lambda: _step(trainer, model_id, 2), lambda: _fb(trainer, model_id, 1)])
+    _run_in_threads([lambda: _step(trainer, model_id, 2), lambda: _fb_of(trainer, model_id, 1)])
     assert ran == [("fb", 1), ("optim_step", 2)]
     assert trainer.ledger.order.next_of(model_id) == 3
 
@@ -281,3 +284,26 @@ def test_a_resent_create_leaves_the_models_order_as_it_is(tiny_model_dir, tmp_pa
     assert trainer.ledger.order.wait_turn("s:train:0", 1) is True      # executed: never applied again
     trainer.ledger.order.executed("s:train:0", 1)
     assert trainer.engine.get("s:train:0").step == 1
+
+
+def test_a_forward_backward_that_does_not_convert_takes_its_turn_not_applied(tiny_model_dir, tmp_path):
+    """A datum whose tensor does not decode is refused before any work, its seq_id's turn taken as
+    for a step that failed: the next seq_id does not wait out the gap timeout for it, and a good
+    copy of it may still run."""
+    import grpc
+    from servicer_context import Aborted, answered
+
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    _create(trainer, "s:train:0")
+    ran = _steps_taken(trainer)
+    bad = trainer_pb2.ForwardBackwardRequest(model_id="s:train:0", seq_id=1, loss_fn="cross_entropy",
+                                             data=[_datum(1)])
+    bad.data[0].loss_fn_inputs["weights"].shape[:] = [3]          # 9 values
+    context = Context()
+    with pytest.raises(Aborted, match=r"datum 0: loss_fn_inputs\['weights'\]: tensor data has 9 elements"):
+        answered(trainer.ForwardBackward)(bad, context)
+    assert context.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert trainer.ledger.order.next_of("s:train:0") == 2
+    _fb_of(trainer, "s:train:0", 2)
+    _fb_of(trainer, "s:train:0", 1)
+    assert ran == [("fb", 2), ("fb", 1)]
