@@ -19,8 +19,9 @@ from gateway.backends import Backends
 from gateway.body_limit import BodyLimits
 from gateway.edge import Edge
 from gateway.identity import limits
-from gateway.identity.auth import Authentication
+from gateway.jobs.engine import Jobs
 from gateway.jobs.table import JOBS
+from gateway.identity.auth import Authentication
 from gateway.routes import ROUTERS
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
@@ -30,13 +31,13 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     gw = Gateway.create(settings)
-    gw.futures.bind(gw, JOBS)
+    gw.jobs = Jobs(gw, gw.futures, gw.limits, gw.db, settings, JOBS)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         gw.backends = Backends(settings, gw.db, gw.service_auth)
         reaper = asyncio.create_task(housekeeping.run_forever(gw))
-        leases = asyncio.create_task(gw.futures.keep_leases_forever())   # re-drives a stopped gateway's futures
+        leases = asyncio.create_task(gw.jobs.keep_leases_forever())   # re-drives a stopped gateway's futures
         spans = asyncio.create_task(gw.traces.flush_forever())           # request spans to the database
         completions = asyncio.create_task(gw.futures.completions.watch_forever())   # other gateways' samples
         yield
@@ -44,7 +45,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         spans.cancel()
         leases.cancel()
         reaper.cancel()
-        gw.futures.stop()
+        gw.jobs.stop()
         await gw.backends.close()
 
     app = FastAPI(title="tinkerd gateway", lifespan=lifespan)

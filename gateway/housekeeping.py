@@ -76,7 +76,7 @@ async def release_models(gw: Gateway, session_id: str) -> None:
         except grpc.aio.AioRpcError as e:
             log.warning("could not release %s: %s", model_id, e.details())
             continue
-        gw.futures.order.forget(model_id)       # the trainer deleted its durable state
+        gw.jobs.order.forget(model_id)       # the trainer deleted its durable state
         gw.db.touch(ModelRow, model_id, resident=False)
     custom_losses.forget_session(gw.db, session_id)      # its models' requests have run: none needs them
     log.info("session %s closed; its models are released", session_id)
@@ -89,7 +89,7 @@ def prune_futures(gw: Gateway) -> int:
     deleted = gw.db.delete_finished_futures(now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
     if deleted:
         log.info("deleted %d futures finished over %.0f s ago", deleted, gw.settings.futures_retention_s)
-    gw.futures.order.drop_idle()
+    gw.jobs.order.drop_idle()
     gw.traces.delete_before(spans.now_us() - int(gw.settings.trace_retention_s * 1e6))
     return deleted
 

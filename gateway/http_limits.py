@@ -6,8 +6,8 @@
 - `--keep-alive-timeout-s`: an idle kept-alive connection is closed after this long.
 - `--header-timeout-s`: uvicorn has no deadline for a request's head, so a client could hold a
   connection forever by sending its headers a byte at a time (slowloris); the protocol below
-  closes a connection whose request head is not complete this long after it connected or after
-  the head's first byte arrived.
+  closes a connection whose request head is not complete this long (to twice this long) after it
+  connected or after the head's first byte arrived.
 """
 
 from __future__ import annotations
@@ -16,41 +16,43 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 
 def header_deadline_protocol(timeout_s: float) -> type:
-    """uvicorn's HTTP protocol (httptools, else h11), closing connections whose head is late."""
+    """uvicorn's HTTP protocol (httptools, else h11), closing connections whose head is late.
+
+    It only watches, from a timer: a request's bytes and its task pass through uvicorn's own
+    methods, with no frame of ours on the request's path. Every `timeout_s` it looks at the
+    connection; a head begun (bytes came since the last response, or since it connected) and
+    still not complete at two looks in a row has taken at least `timeout_s`: the connection is
+    closed. An idle kept-alive connection is uvicorn's keep-alive timeout's to close."""
 
     class HeaderDeadline(AutoHTTPProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._head_timer = None
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            if self._head_timer is None and self._between_requests():
-                self._arm()                      # the first byte of the next request's head
-            super().data_received(data)
-            if self._head_timer is not None and not self._between_requests():
-                self._head_timer.cancel()        # its head is complete: the request runs
-                self._head_timer = None
+            self._late_cycle = _NOT_LOOKED
+            self._look = self.loop.call_later(timeout_s, self._look_at_head)
 
         def connection_lost(self, exc) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            self._look.cancel()
             super().connection_lost(exc)
 
-        def _between_requests(self) -> bool:
-            # Both protocols start a new cycle once a request's head is parsed.
-            return self.cycle is None or self.cycle.response_complete
-
-        def _arm(self) -> None:
-            self._head_timer = self.loop.call_later(timeout_s, self._head_late)
-
-        def _head_late(self) -> None:
-            self._head_timer = None
-            if self._between_requests() and not self.transport.is_closing():
-                self.transport.close()
+        def _look_at_head(self) -> None:
+            if self.transport.is_closing():
+                return
+            # Both protocols start a new cycle once a request's head is parsed; uvicorn's keep-alive
+            # timer runs from a response until the next request's first byte.
+            waiting_for_head = self.cycle is None or self.cycle.response_complete
+            if waiting_for_head and self.timeout_keep_alive_task is None:
+                if self._late_cycle is self.cycle:
+                    self.transport.close()            # the same head, incomplete at two looks
+                    return
+                self._late_cycle = self.cycle
+            else:
+                self._late_cycle = _NOT_LOOKED
+            self._look = self.loop.call_later(timeout_s, self._look_at_head)
 
     return HeaderDeadline
+
+
+_NOT_LOOKED = object()
 
 
 def uvicorn_options(settings) -> dict:

@@ -1,9 +1,9 @@
 """The gateway's two HTTP listeners, one app: the public one (the Tinker API, the console, the
 OpenAI routes, signed downloads) and the internal one (`/internal/`: sampler replicas joining the
-pool; `/metrics`: Prometheus, whose labels name users). Each listener's server wraps the app in
-`Listener`, which stamps the scope; gateway/identity/auth.py answers 404 for a path on the wrong listener,
-before any credential is looked at. A scope without a stamp (an in-process TestClient on
-create_app) is the public listener's."""
+pool; `/metrics`: Prometheus, whose labels name users). The internal listener's server wraps the
+app in `Listener`, which stamps the scope; a scope without a stamp is the public listener's (the
+public server serves the app itself: the API's requests cross no wrapper). gateway/identity/auth.py
+answers 404 for a path on the wrong listener, before any credential is looked at."""
 
 from __future__ import annotations
 

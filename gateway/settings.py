@@ -115,7 +115,8 @@ class GatewaySettings(ServiceAuthSettings):
                                                  "(longer than a load balancer's usual 60 s, so it closes first)",
                                         at_least=1)
     header_timeout_s: float = setting(30.0, help="a connection whose request headers are not all in this long after "
-                                                 "it connected or the request began is closed (slow clients)", above=0)
+                                                 "it connected or the request began is closed (slow clients; "
+                                                 "looked at every this long, so cut within twice it)", above=0)
     trace_spans_per_session: int = setting(10_000, help="request spans kept per session for the console's "
                                                          "session panels and trace_export (the oldest go first)",
                                            at_least=0)

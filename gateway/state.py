@@ -44,6 +44,7 @@ class Gateway:
     authenticator: Authenticator
     limits: Limits
     backends: Backends | None = None          # made on startup, inside the event loop
+    jobs: Jobs | None = None                  # what the routes hand work to, made by gateway/app.py
     background: set[asyncio.Task] = dataclasses.field(default_factory=set)
 
     @classmethod
@@ -92,11 +93,6 @@ class Gateway:
         exists now), and submit_training answers it with the first one's future, or refuses it if
         its content differs."""
         return self.db.future_type_by_key(f"{model_id}#{seq_id}") == kind
-
-    @functools.cached_property
-    def jobs(self) -> Jobs:
-        """What the routes hand work to (gateway/jobs/engine.py)."""
-        return Jobs(self.futures, self.limits, self.db, self.settings)
 
     @contextlib.asynccontextmanager
     async def refusing(self, caller: Caller, model_id: str, seq_id: int):

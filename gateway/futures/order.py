@@ -1,4 +1,5 @@
-"""Each model's training jobs in seq_id order, one runner per model with work on this gateway.
+"""Each model's training jobs in seq_id order: a job's task (gateway/jobs/engine.py) takes its turn
+(`put`, then `async with turn`); one runner per model with work on this gateway starts the turns.
 
 The SDK posts the chunks of one call concurrently (first chunk last), so a runner holds back a
 request until every lower seq_id has run or is known to another gateway, waiting a bounded time
@@ -25,8 +26,6 @@ from typing import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
-Job = Callable[[], Awaitable[tuple[str, bytes]]]     # a job bound to the gateway
-RunFuture = Callable[[str, Job], Awaitable[None]]     # runs a future's job and finishes the future
 Elsewhere = Callable[[str], Awaitable[bool]]          # is the request of this key another gateway's?
 OVERLAPPING = frozenset({"forward", "forward_backward", "optim_step"})    # request types sent while a step runs
 IN_FLIGHT = 2              # a model's steps sent to the trainer and not yet answered, at most
@@ -35,32 +34,65 @@ _GAP_POLL_S = 0.1          # how often a gap is checked against the other gatewa
 RUNNER_IDLE_S = 600.0      # an idle model's runner is dropped after this long (housekeeping)
 
 
-class _ModelRunner:
-    """Runs one model's jobs in seq_id order, the next step overlapping the one that runs."""
+class Turn:
+    """A request's place in its model's order: `async with turn:` waits until it may run, and
+    gives its place up when the block ends (ran, failed or cancelled)."""
 
-    def __init__(self, model_id: str, next_seq: int, run: RunFuture, elsewhere: Elsewhere):
+    def __init__(self, runner: "_ModelRunner", seq: int, request_id: str, kind: str):
+        self.runner, self.seq, self.request_id, self.kind = runner, seq, request_id, kind
+        self.started = asyncio.Event()
+        self.task: asyncio.Task | None = None      # the task that waits for it (cancelled by forget)
+
+    def __lt__(self, other: "Turn") -> bool:
+        return (self.seq, self.request_id) < (other.seq, other.request_id)
+
+    async def __aenter__(self) -> "Turn":
+        self.task = asyncio.current_task()
+        try:
+            await self.started.wait()
+        except BaseException:       # cancelled while it waited: its place goes
+            self.runner.ended(self)
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.runner.ended(self)
+
+
+class _ModelRunner:
+    """Starts one model's turns in seq_id order, the next step overlapping the one that runs."""
+
+    def __init__(self, model_id: str, next_seq: int, elsewhere: Elsewhere):
         self.model_id = model_id
         self.next_seq = next_seq
-        self._run, self._elsewhere = run, elsewhere
-        self.heap: list[tuple[int, str, str, Job]] = []       # (seq_id, request_id, request type, job)
-        self.running: dict[str, tuple[int, str, asyncio.Task]] = {}    # request_id -> (seq_id, request type, task)
+        self._elsewhere = elsewhere
+        self.heap: list[Turn] = []                # waiting, lowest seq_id first
+        self.running: dict[str, Turn] = {}        # request_id -> its turn
         self.changed = asyncio.Event()        # a request arrived or one ended
         self.idle_since = time.monotonic()
         self.task = asyncio.create_task(self._loop())
 
-    def put(self, seq: int, request_id: str, request_type: str, job: Job) -> None:
-        heapq.heappush(self.heap, (seq, request_id, request_type, job))
-        if self.heap[0][0] == self.next_seq and self._may_start_head():
+    def put(self, seq: int, request_id: str, kind: str) -> Turn:
+        turn = Turn(self, seq, request_id, kind)
+        heapq.heappush(self.heap, turn)
+        if self.heap[0].seq == self.next_seq and self._may_start_head():
             self._start_head()        # now, not a turn of the event loop later (below)
+        self.changed.set()
+        return turn
+
+    def ended(self, turn: Turn) -> None:
+        if self.running.pop(turn.request_id, None) is None and turn in self.heap:
+            self.heap.remove(turn)          # cancelled while it waited
+            heapq.heapify(self.heap)
         self.changed.set()
 
     def _may_start_head(self) -> bool:
         """Nothing runs; or only steps do, fewer than IN_FLIGHT, and the head is the next step."""
         if not self.running:
             return True
-        seq, _, kind, _ = self.heap[0]
-        return (len(self.running) < IN_FLIGHT and seq == self.next_seq and kind in OVERLAPPING
-                and all(k in OVERLAPPING for _, k, _ in self.running.values()))
+        head = self.heap[0]
+        return (len(self.running) < IN_FLIGHT and head.seq == self.next_seq and head.kind in OVERLAPPING
+                and all(t.kind in OVERLAPPING for t in self.running.values()))
 
     async def _loop(self) -> None:
         gap_since = None
@@ -71,10 +103,10 @@ class _ModelRunner:
                 self.changed.clear()
                 await self.changed.wait()
                 continue
-            if self.heap[0][0] > self.next_seq:
-                head, expected = self.heap[0][0], self.next_seq
+            if self.heap[0].seq > self.next_seq:
+                head, expected = self.heap[0].seq, self.next_seq
                 elsewhere = await self._elsewhere(f"{self.model_id}#{expected}")
-                if not self.heap or (self.heap[0][0], self.next_seq) != (head, expected) or not self._may_start_head():
+                if not self.heap or (self.heap[0].seq, self.next_seq) != (head, expected) or not self._may_start_head():
                     continue          # changed while the database was asked: look again
                 if not elsewhere:
                     gap_since = gap_since or time.monotonic()
@@ -86,53 +118,49 @@ class _ModelRunner:
                             pass
                         continue          # re-check the head
                     log.warning("seq %d of %s never arrived; running seq %d", self.next_seq, self.model_id,
-                                self.heap[0][0])
+                                self.heap[0].seq)
             gap_since = None
             self._start_head()
 
     def _start_head(self) -> None:
-        seq, request_id, kind, job = heapq.heappop(self.heap)
-        self.next_seq = max(self.next_seq, seq + 1)
-        self.running[request_id] = (seq, kind, asyncio.create_task(self._run_one(request_id, job)))
-
-    async def _run_one(self, request_id: str, job: Job) -> None:
-        try:
-            await self._run(request_id, job)
-        finally:
-            self.running.pop(request_id, None)
-            self.changed.set()
+        turn = heapq.heappop(self.heap)
+        self.next_seq = max(self.next_seq, turn.seq + 1)
+        self.running[turn.request_id] = turn
+        turn.started.set()
 
     def ahead_of(self, request_id: str) -> int | None:
         """Requests of this model that run before `request_id`; None if it is not queued here.
         A step sent while the one before it runs has that one ahead of it (the trainer holds it)."""
         if request_id in self.running:
-            mine = self.running[request_id][0]
-            return sum(1 for seq, _, _ in self.running.values() if seq < mine)
-        seqs = [seq for seq, rid, _, _ in self.heap if rid == request_id]
+            mine = self.running[request_id].seq
+            return sum(1 for t in self.running.values() if t.seq < mine)
+        seqs = [t.seq for t in self.heap if t.request_id == request_id]
         if not seqs:
             return None
-        return sum(1 for seq, _, _, _ in self.heap if seq < seqs[0]) + len(self.running)
+        return sum(1 for t in self.heap if t.seq < seqs[0]) + len(self.running)
 
     def cancel(self) -> None:
         self.task.cancel()
-        for _, _, task in self.running.values():
-            task.cancel()
+        for turn in [*self.running.values(), *self.heap]:
+            if turn.task is not None:
+                turn.task.cancel()
 
 
 class ModelOrder:
     """The runners of the models with training jobs on this gateway."""
 
-    def __init__(self, run: RunFuture, elsewhere: Elsewhere):
-        """`run` runs a future's job; `elsewhere(idempotency_key)` says whether another gateway
-        has that (model_id, seq_id): then the trainer orders it with ours and nobody waits here."""
-        self._run, self._elsewhere = run, elsewhere
+    def __init__(self, elsewhere: Elsewhere):
+        """`elsewhere(idempotency_key)` says whether another gateway has that (model_id, seq_id):
+        then the trainer orders it with ours and nobody waits here."""
+        self._elsewhere = elsewhere
         self._runners: dict[str, _ModelRunner] = {}
 
-    def put(self, model_id: str, seq_id: int, request_id: str, request_type: str, job: Job) -> None:
+    def put(self, model_id: str, seq_id: int, request_id: str, request_type: str) -> Turn:
+        """The request's turn, taken now: it may be running already when this returns."""
         runner = self._runners.get(model_id)
         if runner is None:
-            runner = self._runners[model_id] = _ModelRunner(model_id, seq_id, self._run, self._elsewhere)
-        runner.put(seq_id, request_id, request_type, job)
+            runner = self._runners[model_id] = _ModelRunner(model_id, seq_id, self._elsewhere)
+        return runner.put(seq_id, request_id, request_type)
 
     def position(self, model_id: str | None, request_id: str) -> tuple[bool, int]:
         """(running now, requests of the same model ahead of it) for a pending training future."""
@@ -141,6 +169,7 @@ class ModelOrder:
         return (runner is not None and request_id in runner.running and ahead == 0), (ahead or 0)
 
     def forget(self, model_id: str) -> None:
+        """The model is gone: its runner stops and the tasks holding or awaiting its turns are cancelled."""
         runner = self._runners.pop(model_id, None)
         if runner:
             runner.cancel()

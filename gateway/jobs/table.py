@@ -1,4 +1,4 @@
-"""Every job, by the request type it runs: the one list (gateway/app.py hands it to the futures)."""
+"""Every job, by the request type it runs: the one list (gateway/app.py hands it to the job engine)."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ async def cancel_future(body: CancelFutureRequest, caller: CallerDep, gw: Gatewa
     stays as it is (200, cancelled false: the SDK cancels what it abandons, which may have just
     finished). An unknown id, or another user's, is a 404; a training request a 400."""
     CALLS["cancel_future"] += 1
-    outcome = await gw.futures.cancel(body.request_id, caller.user_id)
+    outcome = await gw.jobs.cancel(body.request_id, caller.user_id)
     if outcome is None:
         raise NotFoundError(f"unknown request_id {body.request_id!r}")
     CALLS["cancelled"] += outcome.cancelled
@@ -110,7 +110,7 @@ async def _describe_queue(gw: Gateway, row: FutureRow, owner: str) -> tuple[str,
     many other tenants (users; sessions for the trainer's own work) its fair scheduler serves."""
     if row.model_id is None:
         return "active", "sampling"
-    running, ahead = gw.futures.order.position(row.model_id, row.request_id)
+    running, ahead = gw.jobs.order.position(row.model_id, row.request_id)
     try:
         trainer = await gw.trainer.GetQueueState(trainer_pb2.QueueStateRequest(), timeout=2)
     except grpc.aio.AioRpcError as e:

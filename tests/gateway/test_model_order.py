@@ -39,14 +39,20 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-async def _run(request_id, job):
-    await job()
+def _put(order: ModelOrder, trainer: Trainer, seq: int, name: str, kind: str) -> asyncio.Task:
+    """As the job engine does (gateway/jobs/engine.py): the turn taken now, the job run in a task in it."""
+    turn, job = order.put("m", seq, name, kind), trainer.job(name)
+
+    async def run():
+        async with turn:
+            await job()
+    return asyncio.create_task(run())
 
 
 def _order(trainer: Trainer, requests: list[tuple[int, str, str]]) -> ModelOrder:
-    order = ModelOrder(_run, _nowhere)
+    order = ModelOrder(_nowhere)
     for seq, name, kind in requests:
-        order.put("m", seq, name, kind, trainer.job(name))
+        _put(order, trainer, seq, name, kind)
     return order
 
 
@@ -83,10 +89,10 @@ def test_a_step_free_to_run_starts_as_it_is_put_not_a_turn_of_the_event_loop_lat
         assert order.position("m", "fb1") == (True, 0)      # running before this coroutine yields
         await asyncio.sleep(0)
         assert trainer.log == ["start fb1"]
-        order.put("m", 2, "step2", "optim_step", trainer.job("step2"))     # the next step, while one runs
+        _put(order, trainer, 2, "step2", "optim_step")     # the next step, while one runs
         await asyncio.sleep(0)
         assert trainer.log == ["start fb1", "start step2"]
-        order.put("m", 4, "fb4", "forward_backward", trainer.job("fb4"))   # after a gap: held
+        _put(order, trainer, 4, "fb4", "forward_backward")   # after a gap: held
         await _settle()
         assert trainer.log == ["start fb1", "start step2"] and order.position("m", "fb4") == (False, 2)
         order.stop()
@@ -118,7 +124,7 @@ def test_a_step_after_a_gap_is_not_sent_early():
         assert trainer.log == ["start fb1"]
         await trainer.finish("fb1")
         assert trainer.log == ["start fb1", "end fb1"]        # 3 waits for 2 (up to the gap timeout)
-        order.put("m", 2, "step2", "optim_step", trainer.job("step2"))
+        _put(order, trainer, 2, "step2", "optim_step")
         await asyncio.sleep(0.05)
         await _settle()
         assert trainer.log[2:] == ["start step2", "start fb3"]
