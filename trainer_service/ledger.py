@@ -5,11 +5,14 @@ optim_step, save_state, push_weights), which does, in this order:
 
 1. the request's turn in its model's seq_id order (seq_order.py);
 2. a stored reply (replies.py): a resend, or a copy re-driven by another gateway, is answered;
-3. in the tenant's fair turn (scheduler.py): a model that waits on disk brought back (`Models`)
-   and squared with its journal, which may answer the request (its reply is kept there) or
-   refuse it once, saying so, when work done before a crash is lost; then the work;
-4. the journal (durable.py), still in the turn and decided by the request's kind: which requests
-   the durable state includes; after an optim_step, the durable write when due;
+3. in the tenant's fair turn (scheduler.py), the work run by the scheduler's engine thread itself,
+   the ledger's steps of the turn short calls around it: before it (`_resume`), a model that
+   waits on disk brought back (`Models`) and squared with its journal, which may answer the
+   request (its reply is kept there: the work does not run) or refuse it once, saying so, when
+   work done before a crash is lost;
+4. after it (`_journal`), still in the turn: the reply made of the work's result, and the journal
+   (durable.py), decided by the request's kind: which requests the durable state includes; after
+   an optim_step, the durable write when due;
 5. the reply kept for resends.
 
 PushWeights' transfer runs after its fair turn (`outside_turn`), still in its seq_id turn: the
@@ -20,8 +23,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
-import time
 from typing import Any, Callable, Protocol, TypeVar
 
 from tinkerd.errors import LostWorkError, UserError
@@ -105,7 +108,8 @@ class Ledger:
             if ran_before:
                 raise _expired(kind, call.model_id, call.seq)
             applied = False
-            result, seconds = self.turns.run(tenant, lambda: self._in_turn(call, work, reply))
+            result, seconds = self.turns.run(tenant, work, before=functools.partial(self._resume, call),
+                                             after=functools.partial(self._journal, call, reply))
             answer = result if seconds is None or outside_turn is None else outside_turn(result)
             applied = True
             self.replies.put(call.model_id, call.seq, kind, answer)
@@ -116,23 +120,21 @@ class Ledger:
             self.order.executed(call.model_id, call.seq, applied)
             self.durable.note_turn(call.model_id, call.seq)
 
-    def _in_turn(self, call: _Call, work: Callable[[], Any], reply) -> tuple[Any, float | None]:
-        """In the tenant's fair turn: the model back from disk if it waits there, then the reply
-        that brought back (seconds None), else the reply of the work's result, journaled, and the
-        work's seconds."""
-        self._resume(call)
+    def _resume(self, call: _Call) -> tuple[Any, None] | None:
+        """In the turn, before the work: the model back from disk if it waits there; then, if that
+        brought back this request's reply, the answer (its seconds None: the work does not run)."""
+        self._bring_back(call)
         kept = self.replies.get(call.model_id, call.seq, call.kind)
-        if kept is not None:
-            return kept, None
-        t0 = time.perf_counter()
-        result = work()
-        seconds = time.perf_counter() - t0
-        if reply is not None:
-            result = reply(result)
-        self._journal(call, result)
-        return result, seconds
+        return None if kept is None else (kept, None)
 
-    def _resume(self, call: _Call) -> None:
+    def _journal(self, call: _Call, reply: Callable[[Any], Any] | None, result, seconds: float) -> tuple[Any, float]:
+        """In the turn, after the work: the reply made of its result, then journaled; the answer
+        with the work's seconds."""
+        answer = reply(result) if reply is not None else result
+        self._record(call, answer)
+        return answer, seconds
+
+    def _bring_back(self, call: _Call) -> None:
         """A model brought back from disk, its state at `state_seq`: the journal tells which
         requests that state includes (their replies are kept for resends) and which were lost in a
         crash. Then this request is refused, once, saying so -- unless it is the resend of the one
@@ -154,7 +156,7 @@ class Ledger:
                 f"(seq_id {model.state_seq}); these requests were done but are lost: {describe_lost(lost)}. "
                 f"Send them again to redo them; requests from now on apply to the resumed state")
 
-    def _journal(self, call: _Call, reply) -> None:
+    def _record(self, call: _Call, reply) -> None:
         """What the request's kind changed, journaled before its reply leaves (durable.py); after
         an optimizer step, the model's durable state once the last write is older than the interval."""
         kind = _KINDS[call.kind]

@@ -20,7 +20,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from tinkerd.rpc import TENANT_METADATA
 
@@ -53,12 +53,19 @@ class FairScheduler:
         self._thread = threading.Thread(target=self._loop, name="fair-scheduler", daemon=True)
         self._thread.start()
 
-    def run(self, tenant: str, fn: Callable):
-        """Runs `fn()` on the engine thread when it is `tenant`'s turn; returns or raises its result."""
-        return self.submit(tenant, fn).result()
+    def run(self, tenant: str, fn: Callable, *, before: Callable[[], Any] | None = None,
+            after: Callable[[Any, float], Any] | None = None):
+        """Runs `fn()` on the engine thread when it is `tenant`'s turn; returns or raises its result.
+        `before()` and `after(result, seconds)` are short steps of the same turn around it (the
+        ledger's: a model brought back from disk, the journal): a `before()` that returns something
+        other than None is the answer, and `fn` does not run; else the answer is `after` of fn's
+        result and the seconds fn took."""
+        return self.submit(tenant, fn, before=before, after=after).result()
 
-    def submit(self, tenant: str, fn: Callable) -> concurrent.futures.Future:
-        """Queues `fn()` for `tenant`'s turn without waiting: the future of its result."""
+    def submit(self, tenant: str, fn: Callable, *, before: Callable[[], Any] | None = None,
+               after: Callable[[Any, float], Any] | None = None) -> concurrent.futures.Future:
+        """Queues `fn()` for `tenant`'s turn without waiting (with `before`, `after` as for `run`):
+        the future of its answer."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             queue = self._queues.get(tenant)
@@ -69,7 +76,7 @@ class FairScheduler:
                     [self._used[self._running]] if self._running else [])
                 if active:
                     self._used[tenant] = max(self._used[tenant], min(active))
-            queue.append((fn, future))
+            queue.append((fn, before, after, future))
             self._cv.notify()
         return future
 
@@ -91,14 +98,19 @@ class FairScheduler:
                     self._cv.wait()
                 tenant = min(self._queues, key=lambda t: self._used[t])
                 queue = self._queues[tenant]
-                fn, future = queue.popleft()
+                fn, before, after, future = queue.popleft()
                 if not queue:
                     del self._queues[tenant]
                 self._running = tenant
             t0 = time.perf_counter()
             try:
                 if future.set_running_or_notify_cancel():
-                    future.set_result(fn())
+                    answer = before() if before is not None else None
+                    if answer is None:
+                        started = time.perf_counter()
+                        result = fn()           # the work itself, called from here: no frame between
+                        answer = result if after is None else after(result, time.perf_counter() - started)
+                    future.set_result(answer)
             except BaseException as e:  # noqa: BLE001 - the caller re-raises it
                 future.set_exception(e)
             finally:

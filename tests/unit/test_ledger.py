@@ -215,3 +215,22 @@ def test_a_push_transfers_outside_the_fair_turn_but_in_its_seq_turn(ledger):
     assert threads[0] == TURN and threads[1] != TURN
     assert ledger.run(_req(1), "push_weights", gather, tenant="t", outside_turn=transfer).snapshot_id == "m@1"
     assert len(threads) == 2
+
+
+def test_the_work_is_called_by_the_scheduler_itself(ledger):
+    """The ledger's steps of the turn (`_resume`, `_journal`) are calls around the work, not frames
+    above it: the engine call's caller is the scheduler's loop, and its reply is made after it."""
+    import sys
+
+    ledger.created("m")
+    callers, seconds = [], []
+
+    def work():
+        callers.append(sys._getframe(1).f_code.co_qualname)
+        return {"loss:sum": 1.0}
+    reply = ledger.run(_req(1), "optim_step", work, tenant="t",
+                       reply=lambda m: trainer_pb2.OptimStepResponse(metrics=m), ran=seconds.append)
+    assert callers == ["FairScheduler._loop"] and reply.metrics == {"loss:sum": 1.0} and len(seconds) == 1
+    assert _journal(ledger) == [(1, "optim_step", True)]
+    assert ledger.run(_req(1), "optim_step", work, tenant="t", ran=seconds.append) == reply
+    assert len(callers) == len(seconds) == 1          # a resend: answered, nothing ran, nothing timed

@@ -57,3 +57,28 @@ def test_the_servicer_schedules_by_the_tenant_in_the_call_metadata():
     TrainerServicer._fair(servicer, "sess-b:train:1", None, context)
     TrainerServicer._fair(servicer, "sess-a:train:0", None)          # the trainer's own work
     assert seen == ["user:u-7", "user:u-7", "sess-a"]
+
+
+def test_before_and_after_are_steps_of_the_works_turn():
+    """The ledger's steps around the work (run's `before` and `after`) take the work's turn on the
+    engine thread; the work is called by the scheduler's loop itself, with no frame between; a
+    `before` that answers means the work does not run."""
+    import sys
+
+    s = FairScheduler()
+    seen = []
+
+    def work():
+        seen.append(("work", threading.current_thread().name, sys._getframe(1).f_code.co_qualname))
+        time.sleep(0.01)
+        return "result"
+
+    def after(result, seconds):
+        seen.append(("after", threading.current_thread().name, result, seconds >= 0.01))
+        return "answer"
+    before = lambda: seen.append(("before", threading.current_thread().name))  # noqa: E731 - None: go on
+    assert s.run("t", work, before=before, after=after) == "answer"
+    assert seen == [("before", "fair-scheduler"), ("work", "fair-scheduler", "FairScheduler._loop"),
+                    ("after", "fair-scheduler", "result", True)]
+    assert s.run("t", work, before=lambda: "kept", after=after) == "kept"
+    assert len(seen) == 3
