@@ -33,7 +33,7 @@ from gateway.futures.completions import Completions, Target
 from gateway.futures.waits import Waits
 from gateway import usage
 from gateway.jobs.base import Job as TypedJob
-from gateway.storage.db import Database, FutureRow, now
+from gateway.storage.db import Database, FutureRow, Status, now
 from gateway.traces.spans import Traces
 from tinkerd.errors import UserError
 
@@ -159,8 +159,8 @@ class Futures:
             raise UserError(f"{idempotency_key.replace('#', ' seq_id ')} was already used for a different "
                             f"request ({row.request_type}); every request needs its own seq_id")
         if row.request_id != request_id or row.request_id in self._pending:
-            if target is not None and row.status != "pending":    # reported again: the client may have missed it
-                await self.db.run(self.completions.report_again, target, row.request_id, row.status == "failed",
+            if target is not None and row.status != Status.PENDING:    # reported again: the client may have missed it
+                await self.db.run(self.completions.report_again, target, row.request_id, row.status == Status.FAILED,
                                   len(row.result or b""))
                 self.completions.arrived(target)
             return row, False    # a resend: started (here or on another gateway) or finished
@@ -193,7 +193,7 @@ class Futures:
 
     async def fail_unrunnable(self, row: FutureRow) -> None:
         """A claimed future stored by an older gateway, in a form this one cannot run."""
-        await self.db.run(self.db.finish_future, row.request_id, "failed", "application/json", error_json(
+        await self.db.run(self.db.finish_future, row.request_id, Status.FAILED, "application/json", error_json(
             f"the gateway running this {row.request_type} request stopped before it finished and the "
             f"request cannot be run again here (it was accepted by an older gateway); send it again", "server"))
 
@@ -212,7 +212,7 @@ class Futures:
         if pending is None:
             return
         self.traces.finished(request_id, "cancelled" if request_id in self._cancelled else status)
-        completion = None if pending.target is None else Completions.row(pending.target, status == "failed", len(body))
+        completion = None if pending.target is None else Completions.row(pending.target, status == Status.FAILED, len(body))
         added: list[bool] = []
         also = None if work is None else (lambda conn: added.append(usage.add(conn, work)))
         if await self.db.run(self.db.finish_future, request_id, status, content_type, body, completion, also):
@@ -238,15 +238,15 @@ class Futures:
             row = await self.finished_row(request_id)
             if row is None or row.owner != owner:
                 return None
-            if row.status == "pending" and row.request_type == "sample":    # running on another gateway
+            if row.status == Status.PENDING and row.request_type == "sample":    # running on another gateway
                 body = _cancelled_body(request_id)
                 target = (row.extra or {}).get("target")
                 completion = Completions.row(tuple(target), True, len(body)) if target else None
-                if await self.db.run(self.db.finish_future, request_id, "failed", "application/json", body,
+                if await self.db.run(self.db.finish_future, request_id, Status.FAILED, "application/json", body,
                                      completion):
                     return Cancelled(True, "cancelled")
                 row = await self.db.run(self.db.get, FutureRow, request_id)
-            elif row.status == "pending":
+            elif row.status == Status.PENDING:
                 raise UserError(_not_cancellable(request_id, row.request_type))
             return Cancelled(False, "cancelled" if request_id in self._cancelled else row.status)
         if pending.owner != owner:
@@ -254,7 +254,7 @@ class Futures:
         if pending.request_type != "sample":
             raise UserError(_not_cancellable(request_id, pending.request_type))
         self._cancelled.add(request_id)
-        await self.finish(request_id, "failed", "application/json", _cancelled_body(request_id))
+        await self.finish(request_id, Status.FAILED, "application/json", _cancelled_body(request_id))
         return Cancelled(True, "cancelled")
 
     def here(self, request_id: str) -> "_Pending | None":

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from gateway.futures.completions import Target
-from gateway.storage.db import FutureRow
+from gateway.storage.db import FutureRow, Status
 
 POLL_S = 0.075             # a future running on another gateway: its row is read this often
 
@@ -26,13 +26,13 @@ class Waits:
             try:
                 await asyncio.wait_for(pending.done.wait(), timeout_s)
             except asyncio.TimeoutError:
-                return FutureRow(request_id=request_id, status="pending", model_id=pending.model_id)
+                return FutureRow(request_id=request_id, status=Status.PENDING, model_id=pending.model_id)
         row = await self.futures.finished_row(request_id)
         if row is None or row.owner != owner:
             return None
-        if row.status == "pending":       # running on another gateway, or waiting to be re-driven
+        if row.status == Status.PENDING:       # running on another gateway, or waiting to be re-driven
             row = await self._poll_row(row, time.monotonic() + timeout_s, owner)
-            if row.status == "pending":
+            if row.status == Status.PENDING:
                 return row
         if row.request_type == "sample":
             await self.futures.db.run(self.futures.completions.discard, request_id)   # no poll needs to report it
@@ -47,7 +47,7 @@ class Waits:
             if self.futures.here(request_id) is not None:
                 return await self.wait(request_id, max(left, 0.0), owner)
             db = self.futures.db
-            if await db.run(db.future_status, request_id) != "pending":
+            if await db.run(db.future_status, request_id) != Status.PENDING:
                 return await db.run(db.get, FutureRow, request_id)
             if left <= 0:
                 return row

@@ -29,7 +29,7 @@ from gateway.futures.order import ModelOrder
 from gateway.identity.caller import Caller
 from gateway.jobs.base import Done, Job, StoredRequest
 from gateway.jobs.refused import Refused
-from gateway.storage.db import Database, FutureRow, ModelRow, aware, now
+from gateway.storage.db import Database, FutureRow, ModelRow, Status, aware, now
 from gateway.tenant import TENANT
 from gateway.traces.spans import session_of
 from tinkerd.errors import ServiceError, category_for
@@ -135,16 +135,16 @@ class Jobs:
             work = None
             try:
                 done = await run()
-                content_type, body, status = done[0], done[1], "complete"
+                content_type, body, status = done[0], done[1], Status.COMPLETE
                 work = done.usage if isinstance(done, Done) else None
             except ServiceError as e:
-                status, content_type, body = "failed", "application/json", error_json(str(e), category_for(e.code))
+                status, content_type, body = Status.FAILED, "application/json", error_json(str(e), category_for(e.code))
             except grpc.aio.AioRpcError as e:
-                status, content_type = "failed", "application/json"
+                status, content_type = Status.FAILED, "application/json"
                 body = error_json(e.details() or e.code().name, category_for(e.code()))
             except Exception as e:  # noqa: BLE001 - a failed job must still finish its future
                 log.exception("job %s failed", request_id)
-                status, content_type, body = "failed", "application/json", error_json(f"{type(e).__name__}: {e}",
+                status, content_type, body = Status.FAILED, "application/json", error_json(f"{type(e).__name__}: {e}",
                                                                                     "server")
             finally:
                 TENANT.reset(tenant)

@@ -15,7 +15,7 @@ from gateway import bodies
 from gateway.errors import error_response
 from gateway.identity.auth import CallerDep, caller_of
 from gateway.jobs.service import Noop
-from gateway.storage.db import FutureRow
+from gateway.storage.db import FutureRow, Status
 from gateway.protocol import (CancelFutureRequest, CancelFutureResponse, FutureCompletion, FutureResponse,
                               RetrieveFutureRequest, RetrieveFuturesRequest, RetrieveFuturesResponse,
                               TryAgainResponse, parse_json)
@@ -46,7 +46,7 @@ async def retrieve_future(request: Request):
     row = await gw.futures.waits.wait(body.request_id, LONG_POLL_S, caller_of(request).user_id)
     if row is None:
         return error_response(f"unknown request_id {body.request_id!r}", 404)
-    if row.status == "pending":
+    if row.status == Status.PENDING:
         queue_state, reason = await _describe_queue(gw, row, caller_of(request).user_id)
         try_again = TryAgainResponse(request_id=body.request_id, queue_state=queue_state, queue_state_reason=reason)
         return JSONResponse(try_again.model_dump(), status_code=408)

@@ -32,7 +32,7 @@ from gateway.futures.store import new_request_id
 from gateway.identity.auth import caller_of
 from gateway.identity.caller import Caller
 from gateway.jobs.sampling import Sample, SampleOf
-from gateway.storage.db import CheckpointRow
+from gateway.storage.db import CheckpointRow, Status
 from gateway.openai.format import (ChatRequest, Choice, CommonRequest, CompletionRequest, OaiError, TokenTexts,
                                    answer_json, answer_response, chat_logprob, check_logprob_entries,
                                    completion_logprobs, decode_choices, events, json_object, openai_errors, stream,
@@ -94,9 +94,9 @@ async def _sample(gw: Gateway, caller: Caller, prompt: list[int], req: CommonReq
     msg.request_id = new_request_id()
     row = await gw.jobs.submit(Sample(msg, of=SampleOf(caller.user_id, "", gw.settings.base_model)), caller,
                                request_id=msg.request_id, admit=gw.limits.admit_sample(caller))  # burst-proof cap
-    while (row := await gw.futures.waits.wait(row.request_id, _WAIT_S, caller.user_id)).status == "pending":
+    while (row := await gw.futures.waits.wait(row.request_id, _WAIT_S, caller.user_id)).status == Status.PENDING:
         pass
-    if row.status != "complete":
+    if row.status != Status.COMPLETE:
         error = json.loads(row.result)
         raise OaiError(error.get("error", "sampling failed"), 400 if error.get("category") == "user" else 503)
     reply = tw.SampleResponse()

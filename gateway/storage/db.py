@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import datetime
+import enum
 import functools
 import hashlib
 import logging
@@ -118,6 +119,13 @@ class ModelRow(Base):
     resident: Mapped[bool] = mapped_column(Boolean, default=True)
 
 
+class Status(enum.StrEnum):
+    """A future's state (its row's `status`, stored as the string)."""
+    PENDING = "pending"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
 class FutureRow(Base):
     __tablename__ = "futures"
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -128,7 +136,7 @@ class FutureRow(Base):
     owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
     request_type: Mapped[str] = mapped_column(String(64))
     model_id: Mapped[str | None] = mapped_column(String(256), nullable=True, index=True)
-    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | complete | failed
+    status: Mapped[str] = mapped_column(String(16), default=Status.PENDING)
     content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
     result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     extra: Mapped[dict] = mapped_column(JSON, default=dict)
@@ -376,7 +384,7 @@ _FUTURES = FutureRow.__table__.c
 # Only a pending future finishes: the first of two runs (a re-drive racing a slow owner, a
 # cancel) wins, the other's result is dropped.
 _FINISH_FUTURE = FutureRow.__table__.update().where(
-    _FUTURES.request_id == bindparam("rid"), _FUTURES.status == "pending").values(
+    _FUTURES.request_id == bindparam("rid"), _FUTURES.status == Status.PENDING).values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
     completed_at=bindparam("completed_at"), lease_until=None, request_args=None, request_body=None)
 _INSERT_COMPLETION = CompletionRow.__table__.insert()
@@ -650,8 +658,8 @@ class Database:
         row counted) and raises to refuse it: nothing is written then. A resend is not admitted
         again."""
         values = {c.name: getattr(row, c.name) for c in FutureRow.__table__.columns}
-        values.update(status="pending", created_at=now(), extra=row.extra or {})
-        row.status = "pending"
+        values.update(status=Status.PENDING, created_at=now(), extra=row.extra or {})
+        row.status = Status.PENDING
         try:
             if admit is None:
                 with self.engine.begin() as conn:
@@ -697,7 +705,7 @@ class Database:
             for i in range(0, len(request_ids), 500):
                 conn.execute(update(FutureRow.__table__).where(
                     _FUTURES.request_id.in_(request_ids[i:i + 500]), _FUTURES.claimed_by == owner,
-                    _FUTURES.status == "pending").values(lease_until=until))
+                    _FUTURES.status == Status.PENDING).values(lease_until=until))
 
     def claim_lapsed_futures(self, owner: str, until: datetime.datetime, limit: int = 1000) -> list[FutureRow]:
         """Takes over pending futures whose lease lapsed (their gateway died), oldest first. Each
@@ -706,13 +714,13 @@ class Database:
         stamp = now()
         with self.session() as s:
             candidates = list(s.scalars(select(FutureRow.request_id).where(
-                FutureRow.lease_until < stamp, FutureRow.status == "pending").order_by(
+                FutureRow.lease_until < stamp, FutureRow.status == Status.PENDING).order_by(
                 FutureRow.created_at).limit(limit)))
         claimed = []
         for request_id in candidates:
             with self.engine.begin() as conn:
                 n = conn.execute(update(FutureRow.__table__).where(
-                    _FUTURES.request_id == request_id, _FUTURES.status == "pending",
+                    _FUTURES.request_id == request_id, _FUTURES.status == Status.PENDING,
                     _FUTURES.lease_until < stamp).values(claimed_by=owner, lease_until=until)).rowcount
             if n:
                 claimed.append(request_id)
