@@ -90,7 +90,7 @@ class Gateway:
     def is_resend(self, kind: str, model_id: str, seq_id: int) -> bool:
         """Whether a `kind` request with (model_id, seq_id) was submitted already: a route skips the
         checks that only a first send must pass (a named checkpoint that this very request created
-        exists now), and submit_training answers it with the first one's future, or refuses it if
+        exists now), and Jobs.submit answers it with the first one's future, or refuses it if
         its content differs."""
         return self.db.future_type_by_key(f"{model_id}#{seq_id}") == kind
 

@@ -301,7 +301,5 @@ def test_the_architecture_page_lists_the_measured_hops(measured):
     assert not wrong, "\n".join(wrong) + f"\nmeasured:\n{listing}"
 
 
-@pytest.mark.xfail(strict=True, reason="the goal docs/architecture.md sets, not reached yet: when this passes, "
-                                      "drop the mark")
 def test_forward_backward_reaches_the_computation_in_at_most_twelve_hops(measured):
     assert len(measured) <= GOAL, "\n".join(h.line(n) for n, h in enumerate(measured, 1))
