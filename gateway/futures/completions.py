@@ -4,11 +4,12 @@ retrieve_future long-poll per sample, then fetches each payload with retrieve_fu
 
 The queue is the `completions` table (gateway/storage/db.py CompletionRow), so a poll on any
 gateway reports a sample finished on any other, and no gateway's restart loses one:
-- a row is written in the transaction that finishes its sample (Database.finish_future);
+- a row is written in the transaction that finishes its sample (FutureStore.finish);
 - a poll answers the target's rows not reported yet, and those reported under a cursor after
   its `prev_cursor` (that answer never reached the client), and gives them a new cursor;
-- the next poll's `prev_cursor` acknowledges them (deleted), as do `retrieved_request_ids` and
-  a payload fetched with retrieve_future (older SDKs fetch without polling);
+- the next poll's `prev_cursor` acknowledges them (deleted), as do its `retrieved_request_ids`
+  (in the same transaction); a payload fetched with retrieve_future deletes its row unless a poll
+  here reported it (older SDKs fetch without polling);
 - rows live at most as long as their futures (housekeeping).
 A row another gateway writes wakes a poll waiting here within WATCH_S: one watcher per gateway
 reads the rows new since it last looked while some poll waits.
@@ -73,11 +74,14 @@ class Completions:
         # row reported since has a larger cursor), so the next polls skip the statement.
         self._acked: collections.OrderedDict[Target, int] = collections.OrderedDict()
         self._fetched: collections.OrderedDict[str, None] = collections.OrderedDict()   # rows deleted here
-        self._memo = threading.Lock()     # _acked and _fetched, used on the database's threads
+        # Samples a poll here reported: the client's next poll acknowledges each (its prev_cursor,
+        # its retrieved_request_ids), so fetching the payload need not delete the row as well.
+        self._reported: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._memo = threading.Lock()     # the memos above, used on the database's threads
 
     @staticmethod
     def row(target: Target, failed: bool, size: int) -> dict:
-        """A sample's completion as Database.finish_future writes it."""
+        """A sample's completion as FutureStore.finish writes it."""
         return {"sampling_session_id": target[0], "clone": target[1], "failed": failed, "size": size}
 
     def arrived(self, target: Target) -> None:
@@ -94,7 +98,11 @@ class Completions:
                                        "reported_cursor": None, "finished_at": now()})
 
     def discard(self, request_id: str) -> None:
-        """The client has the payload (fetched with retrieve_future): its row goes, if any."""
+        """The client has the payload (fetched with retrieve_future): its row goes, if any, unless
+        a poll here reported it (then the client's next poll acknowledges it: one delete, not two)."""
+        with self._memo:
+            if request_id in self._reported:
+                return
         with self.db.engine.begin() as conn:
             conn.execute(_FETCHED, {"rid": request_id})
         with self._memo:
@@ -102,22 +110,25 @@ class Completions:
             while len(self._fetched) > _ACKED_KEPT:
                 self._fetched.popitem(last=False)
 
-    def discard_all(self, request_ids: list[str], target: Target) -> None:
+    def _discard_all(self, conn, request_ids: list[str], target: Target) -> None:
         """The target's rows of these samples go (retrieve_futures' `retrieved_request_ids`), but
         for those this process deleted already when their payloads were fetched here."""
         with self._memo:
             left = [r for r in request_ids if r not in self._fetched]
-        if not left:
-            return
-        with self.db.engine.begin() as conn:
-            for i in range(0, len(left), 500):
-                conn.execute(delete(_T).where(_of(target), _C.request_id.in_(left[i:i + 500])))
+            for r in request_ids:
+                self._reported.pop(r, None)
+        for i in range(0, len(left), 500):
+            conn.execute(delete(_T).where(_of(target), _C.request_id.in_(left[i:i + 500])))
 
-    def _take(self, target: Target, prev_cursor: int, limit: int) -> tuple[list[Completion], int]:
-        """One transaction: acknowledges what `prev_cursor` covers, then reports (at most `limit`)
-        the rows not reported yet or reported after it, under a new cursor."""
+    def _take(self, target: Target, prev_cursor: int, limit: int,
+              retrieved: list[str] = ()) -> tuple[list[Completion], int]:
+        """One transaction: the `retrieved` rows go, what `prev_cursor` covers is acknowledged,
+        then (at most `limit`) the rows not reported yet or reported after it are reported, under
+        a new cursor."""
         where = {"sid": target[0], "clone": target[1], "prev": prev_cursor}
         with self.db.engine.begin() as conn:
+            if retrieved:
+                self._discard_all(conn, retrieved, target)
             with self._memo:
                 acknowledged = not prev_cursor or self._acked.get(target) == prev_cursor
             if not acknowledged:
@@ -135,17 +146,23 @@ class Completions:
             seqs = [r.seq for r in rows]
             for i in range(0, len(seqs), 500):
                 conn.execute(_REPORTED, {"seqs": seqs[i:i + 500], "cursor": cursor})
+        with self._memo:
+            for r in rows:
+                self._reported[r.request_id] = None
+            while len(self._reported) > _ACKED_KEPT:
+                self._reported.popitem(last=False)
         return [Completion(r.request_id, r.failed, r.size) for r in rows], cursor
 
     async def poll(self, target: Target, prev_cursor: int, timeout_s: float, limit: int,
-                   gather_s: float = 0.0) -> tuple[list[Completion], int]:
-        """The target's completions after `prev_cursor` (which acknowledges those before), at
-        most `limit`, waiting up to `timeout_s` for one, then `gather_s` more for others that
-        finish just after it (samples of one burst finish close together: one answer, not one
-        each); and the cursor to send back next: `prev_cursor` itself when none (a larger one
-        would make the SDK send an acknowledgement for nothing)."""
+                   gather_s: float = 0.0, retrieved: list[str] = ()) -> tuple[list[Completion], int]:
+        """The target's completions after `prev_cursor` (which acknowledges those before, as
+        `retrieved` does the payloads the client has), at most `limit`, waiting up to `timeout_s`
+        for one, then `gather_s` more for others that finish just after it (samples of one burst
+        finish close together: one answer, not one each); and the cursor to send back next:
+        `prev_cursor` itself when none (a larger one would make the SDK send an acknowledgement
+        for nothing)."""
         if timeout_s <= 0:
-            return await self.db.run(self._take, target, prev_cursor, limit)
+            return await self.db.run(self._take, target, prev_cursor, limit, retrieved)
         event = asyncio.Event()
         waiters = self._waiting.setdefault(target, [])
         waiters.append(event)
@@ -157,7 +174,8 @@ class Completions:
             deadline = time.monotonic() + timeout_s
             while True:
                 event.clear()           # before the look: a sample finished while it runs sets it again
-                found, cursor = await self.db.run(self._take, target, prev_cursor, limit)
+                found, cursor = await self.db.run(self._take, target, prev_cursor, limit, retrieved)
+                retrieved = ()
                 left = deadline - time.monotonic()
                 if found or left <= 0:
                     return found, cursor

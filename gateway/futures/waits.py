@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.futures.completions import Target
 from gateway.storage.db import FutureRow, Status
 
 POLL_S = 0.075             # a future running on another gateway: its row is read this often
@@ -47,17 +46,15 @@ class Waits:
             if self.futures.here(request_id) is not None:
                 return await self.wait(request_id, max(left, 0.0), owner)
             db = self.futures.db
-            if await db.run(db.future_status, request_id) != Status.PENDING:
+            if await db.run(self.futures.store.status, request_id) != Status.PENDING:
                 return await db.run(db.get, FutureRow, request_id)
             if left <= 0:
                 return row
             await asyncio.sleep(min(POLL_S, left))
 
-    async def retrieved(self, request_ids: list[str], owner: str, target: Target) -> None:
+    def retrieved(self, request_ids: list[str], owner: str) -> None:
         """retrieve_futures' acknowledgement that the client has these payloads: they leave the
-        owner's `target` queue and the memory cache (the futures table keeps them). Unknown ids
-        and other users' are skipped."""
-        if request_ids:
-            await self.futures.db.run(self.futures.completions.discard_all, request_ids, target)
+        memory cache (the futures table keeps them; their queue rows go in the poll's first look,
+        Completions.poll). Unknown ids and other users' are skipped."""
         for request_id in request_ids:
             self.futures.drop_result(request_id, owner)

@@ -69,9 +69,10 @@ async def retrieve_futures(request: Request):
     caller = caller_of(request)
     gw.sessions.sampling_session(caller, body.target.sampling_session_id)
     target = (body.target.sampling_session_id, body.target.cloned_sampler_id)
-    await gw.futures.waits.retrieved(body.retrieved_request_ids, caller.user_id, target)
+    gw.futures.waits.retrieved(body.retrieved_request_ids, caller.user_id)
     timeout = LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S)
-    found, cursor = await gw.futures.completions.poll(target, body.prev_cursor, timeout, MAX_COMPLETIONS, GATHER_S)
+    found, cursor = await gw.futures.completions.poll(target, body.prev_cursor, timeout, MAX_COMPLETIONS, GATHER_S,
+                                                      body.retrieved_request_ids)
     CALLS["completions_reported"] += len(found)
     completions = [FutureCompletion(state="failed", request_id=c.request_id) if c.failed else
                    FutureCompletion(state="finished", request_id=c.request_id,

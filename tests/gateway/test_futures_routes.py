@@ -154,6 +154,21 @@ def test_the_payload_fetch_takes_it_off_the_queue(gw):
     assert gw.futures.completions.queued() == 0
 
 
+def test_a_reported_sample_leaves_the_queue_once_with_the_next_poll(gw):
+    """SDK 0.38: a poll reports a sample, the SDK fetches its payload, and its next poll carries
+    the cursor and the fetched id. The row goes in that poll's own transaction; the fetch leaves it
+    (one delete a sample, not one at the fetch and another at the acknowledgement)."""
+    api = gw.api
+    sid = _sampling_session(api)
+    rid = _sample(api, sid, 0)
+    seen, cursor = _collect(api, sid, 1)
+    assert set(seen) == {rid}
+    assert api.result({"request_id": rid}).status_code == 200
+    assert gw.futures.completions.queued() == 1            # reported here: the next poll acknowledges it
+    assert _poll(api, sid, cursor, timeout=0, retrieved_request_ids=[rid]) == {"completions": [], "cursor": cursor}
+    assert gw.futures.completions.queued() == 0
+
+
 def test_clones_have_their_own_queue(gw):
     api = gw.api
     sid = _sampling_session(api)
