@@ -19,6 +19,7 @@ from gateway.backends import Backends
 from gateway.body_limit import BodyLimits
 from gateway.edge import Edge
 from gateway.identity import limits
+from gateway.jobs.context import JobContext
 from gateway.jobs.engine import Jobs
 from gateway.jobs.table import JOBS
 from gateway.identity.auth import Authentication
@@ -31,11 +32,14 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     gw = Gateway.create(settings)
-    gw.jobs = Jobs(gw, gw.futures, gw.limits, gw.db, settings, JOBS)
+    gw.jobs = Jobs(gw.futures, gw.limits, gw.db, settings, JOBS)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         gw.backends = Backends(settings, gw.db, gw.service_auth)
+        gw.jobs.context = JobContext(trainer=gw.backends.trainer, samplers=gw.backends.samplers, db=gw.db,
+                                     stability=gw.stability, drained=gw.futures.drained,
+                                     served_model=settings.base_model)      # what every job runs with
         reaper = asyncio.create_task(housekeeping.run_forever(gw))
         leases = asyncio.create_task(gw.jobs.keep_leases_forever())   # re-drives a stopped gateway's futures
         spans = asyncio.create_task(gw.traces.flush_forever())           # request spans to the database

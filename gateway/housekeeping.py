@@ -57,7 +57,7 @@ async def unload_lapsed_models(gw: Gateway) -> list[str]:
     unloaded = []
     for model_id in gw.db.models_of_lapsed_sessions(cutoff):
         try:
-            await unload_model(gw, model_id)
+            await unload_model(gw.trainer, gw.db, model_id)
         except grpc.aio.AioRpcError as e:
             log.warning("could not unload %s: %s", model_id, e.details())
             continue

@@ -114,10 +114,10 @@ def sample_work(request_id: str, prompt: int, sampled_tokens: int, owner: str, s
                 (("sampling_prefill", False, prompt), ("sampling_sample", False, sampled_tokens)))
 
 
-async def trained(gw, message) -> None:
+async def trained(db: Database, message) -> None:
     """A forward_backward or forward (trainer_pb2.ForwardBackwardRequest) the trainer answered."""
     tokens = sum(len(d.tokens) for d in message.data)
-    await asyncio.to_thread(_count_training, gw.db, message.model_id, message.seq_id, tokens)
+    await asyncio.to_thread(_count_training, db, message.model_id, message.seq_id, tokens)
 
 
 def _count_training(db: Database, model_id: str, seq_id: int, tokens: int) -> None:
@@ -129,11 +129,11 @@ def _count_training(db: Database, model_id: str, seq_id: int, tokens: int) -> No
                    (("training", False, tokens),)))
 
 
-async def sampled(gw, message, reply) -> None:
+async def sampled(db: Database, served_model: str, message, reply) -> None:
     """A sample (sampler_pb2.SampleRequest) a replica answered with `reply`, stored by a gateway that
     did not record whose it is (SampleOf): looked up from its future's row."""
     sampled_tokens = sum(len(s.tokens) for s in reply.sequences)
-    await asyncio.to_thread(_count_sample, gw.db, gw.settings.base_model, message.request_id,
+    await asyncio.to_thread(_count_sample, db, served_model, message.request_id,
                             len(message.prompt_tokens), sampled_tokens)
 
 
@@ -159,10 +159,10 @@ def disk_bytes(directory: str) -> int | None:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory) for name in names)
 
 
-async def checkpoint_made(gw, tinker_path: str, key: str) -> None:
+async def checkpoint_made(db: Database, tinker_path: str, key: str) -> None:
     """A named checkpoint was written (save_state, save_weights_for_sampler with a name,
     save_weights_external, copy_weights): one checkpoint counted, its storage from now on."""
-    await asyncio.to_thread(_checkpoint_made, gw.db, tinker_path, key)
+    await asyncio.to_thread(_checkpoint_made, db, tinker_path, key)
 
 
 def _checkpoint_made(db: Database, tinker_path: str, key: str) -> None:

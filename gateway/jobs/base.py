@@ -14,6 +14,7 @@ import typing
 from typing import Any, ClassVar, NamedTuple
 
 from gateway.identity.caller import Caller
+from gateway.jobs.context import JobContext
 
 
 @dataclasses.dataclass
@@ -60,7 +61,7 @@ class Job:
         """This request's type (the future's request_type)."""
         return self.kinds[0]
 
-    async def run(self, gw) -> Result:
+    async def run(self, ctx: JobContext) -> Result:
         raise NotImplementedError
 
     def stored(self) -> StoredRequest:

@@ -7,6 +7,7 @@ import dataclasses
 
 from gateway import custom_losses
 from gateway.jobs.base import Job, Owner, Result, json_body
+from gateway.jobs.context import JobContext
 from gateway.storage.db import CustomLossRow
 from tinkerd.errors import UserError
 
@@ -25,13 +26,13 @@ class CreateCustomLoss(Job):
     spec_json: str
     digest: str
 
-    async def run(self, gw) -> Result:
+    async def run(self, ctx: JobContext) -> Result:
         if self.spec_json:
             row = CustomLossRow(loss_id=self.loss_id, session_id=self.session_id, owner=self.caller.user_id,
                                 name=self.name, spec_json=self.spec_json, digest=self.digest)
-            stored = await asyncio.to_thread(custom_losses.store, gw.db, row) or row
+            stored = await asyncio.to_thread(custom_losses.store, ctx.db, row) or row
         else:
-            stored = await asyncio.to_thread(gw.db.get, CustomLossRow, self.loss_id)
+            stored = await asyncio.to_thread(ctx.db.get, CustomLossRow, self.loss_id)
             if stored is None:
                 raise UserError(f"custom loss {self.loss_id} is no longer stored: its session was closed")
         if stored.digest != self.digest:

@@ -28,13 +28,14 @@ from gateway.errors import error_json
 from gateway.futures.order import ModelOrder
 from gateway.identity.caller import Caller
 from gateway.jobs.base import Done, Job, StoredRequest
+from gateway.jobs.context import JobContext
 from gateway.jobs.refused import Refused
 from gateway.storage.db import Database, FutureRow, ModelRow, Status, aware, now
 from gateway.tenant import TENANT
 from gateway.traces.spans import session_of
 from tinkerd.errors import ServiceError, category_for
 
-if typing.TYPE_CHECKING:         # the parts it is built from (gateway/state.py builds it)
+if typing.TYPE_CHECKING:         # the parts it is built from (gateway/app.py builds it)
     from sqlalchemy.engine import Connection
 
     from gateway.futures.completions import Target
@@ -57,12 +58,14 @@ def fingerprint(kind: str, request: bytes | str) -> str:
 
 
 class Jobs:
-    def __init__(self, gateway, futures: "Futures", limits: "Limits", db: Database, settings: "GatewaySettings",
+    def __init__(self, futures: "Futures", limits: "Limits", db: Database, settings: "GatewaySettings",
                  table: Mapping[str, type[Job]]):
-        """`gateway` (gateway/state.py) is what every job's `run` is handed; `table` the job class
-        of each request type (gateway/jobs/table.py), by which a stored future is run again."""
-        self.gateway, self.futures, self.limits, self.db, self.settings = gateway, futures, limits, db, settings
+        """`table`: the job class of each request type (gateway/jobs/table.py), by which a stored
+        future is run again."""
+        self.futures, self.limits, self.db, self.settings = futures, limits, db, settings
         self.table = table
+        # What every job's `run` is handed: set at startup (gateway/app.py), once the backends exist.
+        self.context: JobContext | None = None
         self.order = ModelOrder(futures.elsewhere)
         self._tasks: dict[str, asyncio.Task] = {}       # each job started here and still running
 
@@ -82,8 +85,7 @@ class Jobs:
                                                  idempotency_key=idempotency_key, model_id=model_id, seq_id=seq_id,
                                                  target=target, request_id=request_id, admit=admit)
         if new:
-            self._start(row.request_id, job.kind(), functools.partial(job.run, self.gateway), caller.user_id,
-                        model_id, seq_id, target)
+            self._start(row.request_id, job.kind(), job, caller.user_id, model_id, seq_id, target)
         if ordered:
             await self.db.run(self._used, model_id)
         return row
@@ -99,8 +101,7 @@ class Jobs:
         except ServiceError:
             return
         if new:
-            self._start(row.request_id, job.kind(), functools.partial(job.run, self.gateway), caller.user_id,
-                        model_id, seq_id, None)
+            self._start(row.request_id, job.kind(), job, caller.user_id, model_id, seq_id, None)
 
     async def redrive(self, row: FutureRow) -> None:
         """Runs a claimed future of a gateway that stopped, from its stored request."""
@@ -115,13 +116,14 @@ class Jobs:
             return
         extra = row.extra or {}
         log.info("re-driving %s %s of a stopped gateway", row.request_type, row.request_id)
-        self._start(row.request_id, row.request_type, functools.partial(job.run, self.gateway), row.owner,
-                    row.model_id, extra.get("seq_id"), tuple(extra["target"]) if "target" in extra else None)
+        self._start(row.request_id, row.request_type, job, row.owner, row.model_id, extra.get("seq_id"),
+                    tuple(extra["target"]) if "target" in extra else None)
 
-    def _start(self, request_id: str, request_type: str, run: Run, owner: str, model_id: str | None,
+    def _start(self, request_id: str, request_type: str, job: Job, owner: str, model_id: str | None,
                seq_id: int | None, target: "Target | None") -> None:
         """The job's task, started before anything else runs on the loop; a model's request takes
         its turn now (it may run at once)."""
+        run = functools.partial(job.run, self.context)      # a partial: no frame of ours between task and job
         self.futures.started(request_id, request_type, owner, model_id, target)
         turn = self.order.put(model_id, seq_id, request_id, request_type) if seq_id is not None and \
             model_id is not None else contextlib.nullcontext()

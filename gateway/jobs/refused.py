@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from gateway.jobs.base import Job, Result
+from gateway.jobs.context import JobContext
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
@@ -20,6 +21,6 @@ class Refused(Job):
     seq_id: int
     error: str
 
-    async def run(self, gw) -> Result:
-        await gw.trainer.SkipSeq(trainer_pb2.SkipSeqRequest(model_id=self.model_id, seq_id=self.seq_id))
+    async def run(self, ctx: JobContext) -> Result:
+        await ctx.trainer.SkipSeq(trainer_pb2.SkipSeqRequest(model_id=self.model_id, seq_id=self.seq_id))
         raise UserError(self.error)

@@ -8,8 +8,9 @@ import dataclasses
 from gateway import convert, metrics, step_metrics, usage
 from gateway.identity import audit
 from gateway.jobs.base import Job, Owner, Result, json_body
+from gateway.jobs.context import JobContext
 from gateway.jobs.refused import Refused  # noqa: F401 - a model's request its route refused, in its order
-from gateway.storage.db import ModelRow
+from gateway.storage.db import Database, ModelRow
 from gateway.traces import spans
 from tinkerd.optimizers import ADAMW
 from tinkerd.v1 import trainer_pb2
@@ -26,10 +27,10 @@ class NewRun:
     lora_config: dict
     optimizer: str = ADAMW          # fixed for the run's life
 
-    def add(self, gw, owner: Owner) -> None:
-        if gw.db.get(ModelRow, self.model_id) is None:
-            gw.db.add(ModelRow(**dataclasses.asdict(self)))
-            audit.record(gw.db, "training_run_created", user_id=owner.user_id, org_id=owner.org_id,
+    def add(self, db: Database, owner: Owner) -> None:
+        if db.get(ModelRow, self.model_id) is None:
+            db.add(ModelRow(**dataclasses.asdict(self)))
+            audit.record(db, "training_run_created", user_id=owner.user_id, org_id=owner.org_id,
                          model_id=self.model_id, base_model=self.base_model, lora_rank=self.lora_rank)
 
 
@@ -41,9 +42,9 @@ class CreateModel(Job):
     caller: Owner
     new_run: NewRun
 
-    async def run(self, gw) -> Result:
-        await gw.trainer.CreateModel(self.message)
-        self.new_run.add(gw, self.caller)
+    async def run(self, ctx: JobContext) -> Result:
+        await ctx.trainer.CreateModel(self.message)
+        self.new_run.add(ctx.db, self.caller)
         return json_body({"model_id": self.message.model_id, "type": "create_model"})
 
 
@@ -57,12 +58,12 @@ class ForwardBackward(Job):
     def kind(self) -> str:
         return "forward" if self.message.forward_only else "forward_backward"
 
-    async def run(self, gw) -> Result:
-        reply = await gw.trainer.ForwardBackward(self.message)
+    async def run(self, ctx: JobContext) -> Result:
+        reply = await ctx.trainer.ForwardBackward(self.message)
         metrics.trained(self.message)
         spans.note(tokens_in=sum(len(d.tokens) for d in self.message.data))
-        step_metrics.record(gw.db, self.message, reply)
-        await usage.trained(gw, self.message)
+        step_metrics.record(ctx.db, self.message, reply)
+        await usage.trained(ctx.db, self.message)
         return "application/x-protobuf", convert.forward_backward_output(reply)
 
 
@@ -72,7 +73,7 @@ class OptimStep(Job):
     message_type = trainer_pb2.OptimStepRequest
     message: trainer_pb2.OptimStepRequest
 
-    async def run(self, gw) -> Result:
-        reply = await gw.trainer.OptimStep(self.message)
-        step_metrics.record(gw.db, self.message, reply)
+    async def run(self, ctx: JobContext) -> Result:
+        reply = await ctx.trainer.OptimStep(self.message)
+        step_metrics.record(ctx.db, self.message, reply)
         return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})

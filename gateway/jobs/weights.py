@@ -10,8 +10,9 @@ import time
 from gateway import metrics, usage
 from gateway.identity import audit
 from gateway.jobs.base import Job, Owner, Result, json_body
+from gateway.jobs.context import JobContext
 from gateway.jobs.training import NewRun
-from gateway.storage.db import CheckpointRow, InflightTargetRow, SamplingSessionRow, now
+from gateway.storage.db import CheckpointRow, Database, InflightTargetRow, SamplingSessionRow, now
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
@@ -20,8 +21,8 @@ def _expiry(stored: str | None) -> datetime.datetime | None:
     return datetime.datetime.fromisoformat(stored) if stored else None
 
 
-def _audit_saved(gw, owner: Owner, model_id: str, path: str) -> None:
-    audit.record(gw.db, "checkpoint_saved", user_id=owner.user_id, org_id=owner.org_id, model_id=model_id,
+def _audit_saved(db: Database, owner: Owner, model_id: str, path: str) -> None:
+    audit.record(db, "checkpoint_saved", user_id=owner.user_id, org_id=owner.org_id, model_id=model_id,
                  tinker_path=path)
 
 
@@ -42,33 +43,33 @@ class PushWeights(Job):
     expires_at: str | None          # ISO time, for a named checkpoint with a ttl
     inflight: bool = False
 
-    async def run(self, gw) -> Result:
+    async def run(self, ctx: JobContext) -> Result:
         push, sid = trainer_pb2.PushWeightsRequest(), self.sampling_session_id
         push.CopyFrom(self.message)
         # (In the job, not the route: a resend of this very request must still find its future. A
         # session with this very snapshot is this request's own, recorded before a re-drive.)
-        existing = sid and gw.db.get(SamplingSessionRow, sid)
+        existing = sid and ctx.db.get(SamplingSessionRow, sid)
         if existing and existing.snapshot_id != push.snapshot_id:
             raise UserError(f"sampling session {sid} exists already: every "
                             f"save_weights_for_sampler needs its own sampling_session_seq_id")
         if not self.inflight:
-            await gw.backends.samplers.refresh()      # a replica that died since the last check would stall the push
-            push.sampler_addresses[:] = gw.backends.samplers.live_addresses()
+            await ctx.samplers.refresh()      # a replica that died since the last check would stall the push
+            push.sampler_addresses[:] = ctx.samplers.live_addresses()
         t0 = time.perf_counter()
-        pushed = await gw.trainer.PushWeights(push)      # a resent (model_id, seq_id) gets the first push's reply
+        pushed = await ctx.trainer.PushWeights(push)      # a resent (model_id, seq_id) gets the first push's reply
         metrics.pushed(pushed, time.perf_counter() - t0)
-        gw.backends.samplers.holds(push.snapshot_id, list(push.sampler_addresses), dict(pushed.transports))
+        ctx.samplers.holds(push.snapshot_id, list(push.sampler_addresses), dict(pushed.transports))
         if self.inflight:
-            _publish_inflight(gw, push, pushed.persisted_path)
+            _publish_inflight(ctx.db, push, pushed.persisted_path)
         if self.path is not None:
-            gw.db.put(CheckpointRow(tinker_path=self.path, model_id=push.model_id, owner=self.caller.user_id,
-                                    checkpoint_type="sampler", name=self.path.rsplit("/", 1)[1],
-                                    snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
-                                    directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
-                                    expires_at=_expiry(self.expires_at), created_at=now()))   # overwritten: a new generation
-            _audit_saved(gw, self.caller, push.model_id, self.path)
-            await usage.checkpoint_made(gw, self.path, f"{push.model_id}#{push.seq_id}")
-        elif not existing and not gw.db.add_if_absent(SamplingSessionRow(
+            ctx.db.put(CheckpointRow(tinker_path=self.path, model_id=push.model_id, owner=self.caller.user_id,
+                                     checkpoint_type="sampler", name=self.path.rsplit("/", 1)[1],
+                                     snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
+                                     directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
+                                     expires_at=_expiry(self.expires_at), created_at=now()))  # overwritten: a new generation
+            _audit_saved(ctx.db, self.caller, push.model_id, self.path)
+            await usage.checkpoint_made(ctx.db, self.path, f"{push.model_id}#{push.seq_id}")
+        elif not existing and not ctx.db.add_if_absent(SamplingSessionRow(
                 sampling_session_id=sid, owner=self.caller.user_id, session_id=self.session_id,
                 base_model=self.base_model, snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
                 snapshot_bytes=pushed.num_bytes, inflight_model_id=push.model_id if self.inflight else None)):
@@ -78,13 +79,13 @@ class PushWeights(Job):
         return json_body({"path": self.path, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
 
-def _publish_inflight(gw, push: trainer_pb2.PushWeightsRequest, path: str) -> None:
+def _publish_inflight(db: Database, push: trainer_pb2.PushWeightsRequest, path: str) -> None:
     """The model's inflight target becomes this save's snapshot, unless a later save's is there
     already (a re-driven save must not move it back)."""
-    current = gw.db.get(InflightTargetRow, push.model_id)
+    current = db.get(InflightTargetRow, push.model_id)
     if current is None or current.seq_id < push.seq_id:
-        gw.db.put(InflightTargetRow(model_id=push.model_id, seq_id=push.seq_id, snapshot_id=push.snapshot_id,
-                                    snapshot_path=path, updated_at=now()))
+        db.put(InflightTargetRow(model_id=push.model_id, seq_id=push.seq_id, snapshot_id=push.snapshot_id,
+                                 snapshot_path=path, updated_at=now()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,16 +104,16 @@ class SaveState(Job):
     def kind(self) -> str:
         return f"save_{self.message.kind}"
 
-    async def run(self, gw) -> Result:
+    async def run(self, ctx: JobContext) -> Result:
         save = self.message
         row = CheckpointRow(tinker_path=self.path, model_id=save.model_id, owner=self.caller.user_id,
                             name=save.name, checkpoint_type=self.checkpoint_type, user_metadata=self.user_metadata,
                             expires_at=_expiry(self.expires_at))
-        saved = await gw.trainer.SaveState(save)      # a resent (model_id, seq_id) gets the first save's reply
+        saved = await ctx.trainer.SaveState(save)      # a resent (model_id, seq_id) gets the first save's reply
         row.directory, row.size_bytes, row.created_at = saved.directory, saved.size_bytes, now()
-        gw.db.put(row)
-        _audit_saved(gw, self.caller, row.model_id, row.tinker_path)
-        await usage.checkpoint_made(gw, row.tinker_path, f"{save.model_id}#{save.seq_id}")
+        ctx.db.put(row)
+        _audit_saved(ctx.db, self.caller, row.model_id, row.tinker_path)
+        await usage.checkpoint_made(ctx.db, row.tinker_path, f"{save.model_id}#{save.seq_id}")
         return json_body({"path": row.tinker_path, "type": self.response_type})
 
 
@@ -128,10 +129,10 @@ class LoadWeights(Job):
     path: str
     new_run: NewRun | None
 
-    async def run(self, gw) -> Result:
+    async def run(self, ctx: JobContext) -> Result:
         if self.seq_id > 0:
-            await gw.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=self.message.model_id))
-        await gw.trainer.CreateModel(self.message)
+            await ctx.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=self.message.model_id))
+        await ctx.trainer.CreateModel(self.message)
         if self.new_run is not None:
-            self.new_run.add(gw, self.caller)
+            self.new_run.add(ctx.db, self.caller)
         return json_body({"path": self.path, "model_id": self.message.model_id, "type": "load_weights"})

@@ -170,7 +170,7 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
                                        owner=caller.user_id, admit=gw.limits.admit_copy(caller, source.size_bytes))
     audit.record(gw.db, "checkpoint_saved", user_id=caller.user_id, org_id=caller.org_id, model_id=run_id,
                  tinker_path=path, copied_from=body.source_path)
-    await usage.checkpoint_made(gw, path, f"copy:{path}")
+    await usage.checkpoint_made(gw.db, path, f"copy:{path}")
     return CopyWeightsResponse(tinker_path=path)
 
 
