@@ -55,11 +55,23 @@ class DurableModels:
         self.interval_s = interval_s
         self._written_at: dict[str, float] = {}     # model_id -> monotonic time of its last write
         self._last_turn: dict[str, int] = {}        # model_id -> the newest seq_id noted (note_turn)
+        # Each model's directory, resolved and checked once (paths.model_dir resolves symlinks:
+        # several system calls, on every request otherwise), and whether this process made it.
+        self._dirs: dict[str, str] = {}
+        self._made: set[str] = set()
 
     # ---- where ----------------------------------------------------------------------------
 
     def model_dir(self, model_id: str) -> str:
-        return paths.model_dir(self.state_dir, model_id)
+        found = self._dirs.get(model_id)
+        if found is None:
+            found = self._dirs[model_id] = paths.model_dir(self.state_dir, model_id)
+        return found
+
+    def _make_dir(self, model_id: str) -> None:
+        if model_id not in self._made:
+            os.makedirs(self.model_dir(model_id), exist_ok=True)
+            self._made.add(model_id)
 
     def state_path(self, model_id: str) -> str:
         return os.path.join(self.model_dir(model_id), STATE)
@@ -74,6 +86,7 @@ class DurableModels:
         shutil.rmtree(self.model_dir(model_id), ignore_errors=True)
         self._written_at.pop(model_id, None)
         self._last_turn.pop(model_id, None)
+        self._made.discard(model_id)
 
     # ---- cadence --------------------------------------------------------------------------
 
@@ -92,7 +105,7 @@ class DurableModels:
     def record(self, model_id: str, seq: int, kind: str, reply: bytes | None = None) -> None:
         """Appends one executed request. Written before its reply leaves, unbuffered: a killed
         process loses nothing the OS has (a machine crash may lose the last lines)."""
-        os.makedirs(self.model_dir(model_id), exist_ok=True)
+        self._make_dir(model_id)
         with open(self._journal_path(model_id), "a") as f:
             f.write(_line(Entry(seq, kind, reply)))
 
@@ -108,7 +121,7 @@ class DurableModels:
             return
         self._last_turn[model_id] = seq
         if created:
-            os.makedirs(self.model_dir(model_id), exist_ok=True)
+            self._make_dir(model_id)
         try:
             with open(os.path.join(self.model_dir(model_id), LAST_SEQ), "w") as f:
                 f.write(str(seq))
