@@ -86,7 +86,7 @@ def prune_futures(gw: Gateway) -> int:
     """Deletes futures finished more than --futures-retention-s ago (a later retrieve of one is
     a 404, as for an unknown id), request spans older than --trace-retention-s, and forgets idle
     models' runners; returns the futures deleted."""
-    deleted = gw.db.delete_finished_futures(now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
+    deleted = gw.futures.store.delete_finished(now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
     if deleted:
         log.info("deleted %d futures finished over %.0f s ago", deleted, gw.settings.futures_retention_s)
     gw.jobs.order.drop_idle()

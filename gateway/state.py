@@ -92,7 +92,7 @@ class Gateway:
         checks that only a first send must pass (a named checkpoint that this very request created
         exists now), and Jobs.submit answers it with the first one's future, or refuses it if
         its content differs."""
-        return self.db.future_type_by_key(f"{model_id}#{seq_id}") == kind
+        return self.futures.store.type_by_key(f"{model_id}#{seq_id}") == kind
 
     @contextlib.asynccontextmanager
     async def refusing(self, caller: Caller, model_id: str, seq_id: int):

@@ -15,7 +15,7 @@ Any gateway on the database answers any future, and a killed gateway loses none:
 - a future running elsewhere is waited for by polling its row (POLL_S).
 
 Training jobs of one model run in seq_id order (gateway/futures/order.py); samples run concurrently.
-Waiting for a future (the long-poll) is gateway/futures/waits.py.
+Waiting for a future (the long-poll) is gateway/futures/waits.py. The rows' SQL is FutureStore's.
 """
 
 from __future__ import annotations
@@ -28,12 +28,18 @@ import logging
 import os
 import socket
 import uuid
+from typing import Callable
+
+from sqlalchemy import bindparam, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
+
 from gateway.errors import error_json
 from gateway.futures.completions import Completions, Target
 from gateway.futures.waits import Waits
 from gateway import usage
 from gateway.jobs.base import Job as TypedJob
-from gateway.storage.db import Database, FutureRow, Status, now
+from gateway.storage.db import CompletionRow, Database, FutureRow, Status, now
 from gateway.traces.spans import Traces
 from tinkerd.errors import UserError
 
@@ -83,6 +89,109 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+# Futures are the hot path: prebuilt Core statements (parameters apart), no ORM unit of work.
+_INSERT_FUTURE = FutureRow.__table__.insert()
+_FUTURES = FutureRow.__table__.c
+# Only a pending future finishes: the first of two runs (a re-drive racing a slow owner, a
+# cancel) wins, the other's result is dropped.
+_FINISH_FUTURE = FutureRow.__table__.update().where(
+    _FUTURES.request_id == bindparam("rid"), _FUTURES.status == Status.PENDING).values(
+    status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
+    completed_at=bindparam("completed_at"), lease_until=None, request_args=None, request_body=None)
+_INSERT_COMPLETION = CompletionRow.__table__.insert()
+
+
+class FutureStore:
+    """The futures' rows in the database (gateway/storage/db.py FutureRow): inserted with the
+    owner's limits, finished once, leased by the gateway running them, claimed once lapsed."""
+
+    def __init__(self, db: Database):
+        self.db = db
+
+    def insert(self, row: FutureRow, admit: Callable[[Connection], None] | None = None) -> FutureRow:
+        """Inserts a pending future, or returns the existing one with the same idempotency key.
+        `admit(conn)`, if given, checks the owner's limits in the inserting transaction (the new
+        row counted) and raises to refuse it: nothing is written then. A resend is not admitted
+        again."""
+        values = {c.name: getattr(row, c.name) for c in FutureRow.__table__.columns}
+        values.update(status=Status.PENDING, created_at=now(), extra=row.extra or {})
+        row.status = Status.PENDING
+        try:
+            if admit is None:
+                with self.db.engine.begin() as conn:
+                    conn.execute(_INSERT_FUTURE, values)
+            else:
+                with self.db.owner_turn(row.owner) as conn:
+                    conn.execute(_INSERT_FUTURE, values)
+                    admit(conn)
+            return row
+        except IntegrityError:
+            with self.db.session() as s:
+                return s.scalars(select(FutureRow).where(FutureRow.idempotency_key == row.idempotency_key)).one()
+
+    def finish(self, request_id: str, status: str, content_type: str, result: bytes,
+               completion: dict | None = None, also=None) -> bool:
+        """Records the result of a pending future and drops its stored request (nothing re-drives
+        a finished future); False if it had finished already (elsewhere). A sample's `completion`
+        (a CompletionRow's values) is written in the same transaction: no gateway can finish a
+        sample that no retrieve_futures poll will report; and so is `also(connection)` (its usage)."""
+        stamp = now()
+        with self.db.engine.begin() as conn:
+            finished = conn.execute(_FINISH_FUTURE, {"rid": request_id, "status": status, "content_type": content_type,
+                                                     "result": result, "completed_at": stamp}).rowcount > 0
+            if finished and completion is not None:
+                conn.execute(_INSERT_COMPLETION, {**completion, "request_id": request_id, "reported_cursor": None,
+                                                  "finished_at": stamp})
+            if finished and also is not None:
+                also(conn)
+            return finished
+
+    def status(self, request_id: str) -> str | None:
+        with self.db.engine.connect() as conn:
+            return conn.execute(select(_FUTURES.status).where(_FUTURES.request_id == request_id)).scalar()
+
+    def type_by_key(self, idempotency_key: str) -> str | None:
+        """The request type of the future submitted under this key; None if there is none."""
+        with self.db.engine.connect() as conn:
+            return conn.execute(select(_FUTURES.request_type).where(_FUTURES.idempotency_key == idempotency_key)).scalar()
+
+    def renew_leases(self, request_ids: list[str], owner: str, until: datetime.datetime) -> None:
+        """Extends the lease of the pending futures this gateway runs."""
+        with self.db.engine.begin() as conn:
+            for i in range(0, len(request_ids), 500):
+                conn.execute(update(FutureRow.__table__).where(
+                    _FUTURES.request_id.in_(request_ids[i:i + 500]), _FUTURES.claimed_by == owner,
+                    _FUTURES.status == Status.PENDING).values(lease_until=until))
+
+    def claim_lapsed(self, owner: str, until: datetime.datetime, limit: int = 1000) -> list[FutureRow]:
+        """Takes over pending futures whose lease lapsed (their gateway died), oldest first. Each
+        claim is one conditional UPDATE, so of several gateways claiming at once exactly one gets
+        each row (SQLite and Postgres alike)."""
+        stamp = now()
+        with self.db.session() as s:
+            candidates = list(s.scalars(select(FutureRow.request_id).where(
+                FutureRow.lease_until < stamp, FutureRow.status == Status.PENDING).order_by(
+                FutureRow.created_at).limit(limit)))
+        claimed = []
+        for request_id in candidates:
+            with self.db.engine.begin() as conn:
+                n = conn.execute(update(FutureRow.__table__).where(
+                    _FUTURES.request_id == request_id, _FUTURES.status == Status.PENDING,
+                    _FUTURES.lease_until < stamp).values(claimed_by=owner, lease_until=until)).rowcount
+            if n:
+                claimed.append(request_id)
+        if not claimed:
+            return []
+        with self.db.session() as s:
+            return list(s.scalars(select(FutureRow).where(FutureRow.request_id.in_(claimed))))
+
+    def delete_finished(self, before: datetime.datetime) -> int:
+        """Drops futures that finished before `before` (their retention ended)."""
+        with self.db.engine.begin() as conn:
+            conn.execute(CompletionRow.__table__.delete().where(CompletionRow.__table__.c.finished_at < before))
+            return conn.execute(FutureRow.__table__.delete().where(_FUTURES.completed_at < before)).rowcount
+
+
 @dataclasses.dataclass
 class _Pending:
     done: asyncio.Event
@@ -105,6 +214,7 @@ class Futures:
 
     def __init__(self, db: Database, lease_s: float = 10.0, traces: Traces | None = None):
         self.db = db
+        self.store = FutureStore(db)                # the rows' SQL
         self.lease_s = lease_s
         self.traces = traces or Traces(db)          # each session's request spans (gateway/traces/spans.py)
         # This process, as the owner of the futures it runs (unique across restarts and hosts).
@@ -125,7 +235,7 @@ class Futures:
         is recording right now (about to be started here)."""
         if idempotency_key in self._submitting:
             return False
-        found = await self.db.run(self.db.future_type_by_key, idempotency_key) is not None
+        found = await self.db.run(self.store.type_by_key, idempotency_key) is not None
         return found and idempotency_key not in self._submitting
 
     def lease(self) -> datetime.datetime:
@@ -147,7 +257,7 @@ class Futures:
             extra["target"] = list(target)
         self._submitting[idempotency_key] += 1
         try:
-            row = await self.db.run(self.db.insert_future, FutureRow(
+            row = await self.db.run(self.store.insert, FutureRow(
                 request_id=request_id, idempotency_key=idempotency_key, fingerprint=fingerprint, owner=owner,
                 request_type=request_type, model_id=model_id, extra=extra, request_args=request.args,
                 request_body=request.body, claimed_by=self.instance, lease_until=self.lease()), admit)
@@ -186,14 +296,14 @@ class Futures:
         """Renews the lease of every future running here, then claims those whose gateway
         stopped renewing: the rows to run again here, each model's in seq_id order. Called every
         lease/3 (gateway/jobs/engine.py), the first time at start-up."""
-        await self.db.run(self.db.renew_leases, list(self._pending), self.instance, self.lease())
-        claimed = await self.db.run(self.db.claim_lapsed_futures, self.instance, self.lease())
+        await self.db.run(self.store.renew_leases, list(self._pending), self.instance, self.lease())
+        claimed = await self.db.run(self.store.claim_lapsed, self.instance, self.lease())
         return sorted((r for r in claimed if r.request_id not in self._pending),
                       key=lambda r: (r.extra or {}).get("seq_id", 0))
 
     async def fail_unrunnable(self, row: FutureRow) -> None:
         """A claimed future stored by an older gateway, in a form this one cannot run."""
-        await self.db.run(self.db.finish_future, row.request_id, Status.FAILED, "application/json", error_json(
+        await self.db.run(self.store.finish, row.request_id, Status.FAILED, "application/json", error_json(
             f"the gateway running this {row.request_type} request stopped before it finished and the "
             f"request cannot be run again here (it was accepted by an older gateway); send it again", "server"))
 
@@ -202,7 +312,7 @@ class Futures:
         up at once, so another gateway (or this one restarted) re-drives them without waiting."""
         self.stopping = True
         try:
-            self.db.renew_leases(list(self._pending), self.instance, now())
+            self.store.renew_leases(list(self._pending), self.instance, now())
         except Exception:  # noqa: BLE001 - then they are re-driven once the lease lapses
             log.exception("could not give up the leases of %d futures", len(self._pending))
 
@@ -215,7 +325,7 @@ class Futures:
         completion = None if pending.target is None else Completions.row(pending.target, status == Status.FAILED, len(body))
         added: list[bool] = []
         also = None if work is None else (lambda conn: added.append(usage.add(conn, work)))
-        if await self.db.run(self.db.finish_future, request_id, status, content_type, body, completion, also):
+        if await self.db.run(self.store.finish, request_id, status, content_type, body, completion, also):
             if any(added):
                 usage.counted(work)
             row = FutureRow(request_id=request_id, status=status, content_type=content_type, result=body,
@@ -242,7 +352,7 @@ class Futures:
                 body = _cancelled_body(request_id)
                 target = (row.extra or {}).get("target")
                 completion = Completions.row(tuple(target), True, len(body)) if target else None
-                if await self.db.run(self.db.finish_future, request_id, Status.FAILED, "application/json", body,
+                if await self.db.run(self.store.finish, request_id, Status.FAILED, "application/json", body,
                                      completion):
                     return Cancelled(True, "cancelled")
                 row = await self.db.run(self.db.get, FutureRow, request_id)
@@ -273,7 +383,7 @@ class Futures:
 
     def pending_of(self, owner: str, request_type: str | None = None) -> int:
         """The owner's futures scheduled here and not finished yet (of one type, or all): this
-        gateway's share, for its metrics; the limits count every gateway's (Database.pending_*)."""
+        gateway's share, for its metrics; the limits count every gateway's (gateway/identity/limits.py)."""
         if request_type is None:
             return sum(n for (o, _), n in self._pending_by_owner.items() if o == owner)
         return self._pending_by_owner[owner, request_type]

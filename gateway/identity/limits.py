@@ -20,17 +20,125 @@ from __future__ import annotations
 from typing import Callable
 
 from fastapi import Request
-from sqlalchemy import delete, func, select
+from sqlalchemy import and_, bindparam, delete, func, or_, select, text
 from sqlalchemy.engine import Connection
 
 from gateway.errors import OverLimit, error_response      # noqa: F401 - OverLimit: limits' refusals
 from gateway.identity.caller import Caller
 from gateway.settings import GatewaySettings
-from gateway.storage.db import NEW_RUN_TYPES, SAVE_TYPES, Database, ExportPlaceRow, now
+from gateway.storage.db import (CheckpointRow, Database, ExportPlaceRow, FutureRow, ModelRow, SamplingSessionRow,
+                                 SessionRow, now)
 from tinkerd.errors import UserError
 
 
-Admit = Callable[[Connection], None]     # raises to refuse (Database.insert_future, add_admitted)
+Admit = Callable[[Connection], None]     # raises to refuse (FutureStore.insert, Database.add_admitted)
+
+# Requests that make a new training run, and those that write a checkpoint or snapshot to disk:
+# pending ones are counted against the model cap and the checkpoint quota.
+NEW_RUN_TYPES = ("create_model", "load_weights")
+SAVE_TYPES = ("save_weights", "save_external_weights", "save_weights_for_sampler")
+
+# The counts, prebuilt (parameters apart). Pending futures are counted so that they use
+# ix_futures_pending: the literal `status = 'pending'` (a bound parameter would not match the
+# partial index's condition).
+_FUTURES = FutureRow.__table__.c
+_MODELS = ModelRow.__table__.c
+_SESSIONS = SessionRow.__table__.c
+_SAMPLING = SamplingSessionRow.__table__.c
+_CHECKPOINTS = CheckpointRow.__table__.c
+_PENDING_OF = text("futures.status = 'pending'")
+_COUNT = select(func.count()).select_from(FutureRow.__table__)
+_PENDING_SAMPLES = select(
+    _COUNT.where(_PENDING_OF, _FUTURES.request_type == text("'sample'")).scalar_subquery(),
+    _COUNT.where(_PENDING_OF, _FUTURES.request_type == text("'sample'"),
+                 _FUTURES.owner == bindparam("owner")).scalar_subquery())
+_PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sample'"),
+                                 _FUTURES.owner == bindparam("owner"))
+_PENDING_TRAINING_BYTES = select(func.coalesce(func.sum(func.length(_FUTURES.request_body)), 0)).where(
+    _PENDING_OF, _FUTURES.request_type != text("'sample'"), _FUTURES.owner == bindparam("owner"))
+_OPEN_RUNS = select(func.count()).select_from(ModelRow.__table__.join(
+    SessionRow.__table__, _SESSIONS.session_id == _MODELS.session_id)).where(
+    _MODELS.owner == bindparam("owner"), _SESSIONS.finished.is_(False))
+# Runs being created: their future is pending and the trainer has not made them yet (no row).
+_RUNS_BEING_MADE = _COUNT.where(
+    _PENDING_OF, _FUTURES.request_type.in_(NEW_RUN_TYPES),
+    _FUTURES.owner == bindparam("owner"),
+    ~select(_MODELS.model_id).where(_MODELS.model_id == _FUTURES.model_id).exists())
+_PENDING_SAVES = _COUNT.where(_PENDING_OF, _FUTURES.request_type.in_(SAVE_TYPES),
+                              _FUTURES.owner == bindparam("owner"))
+# Ephemeral snapshots (save_weights_and_get_sampling_client): a sampling session of its own per
+# snapshot, not made from a checkpoint's path.
+_EPHEMERAL = and_(_SAMPLING.owner == bindparam("owner"), _SAMPLING.model_path.is_(None), _SAMPLING.snapshot_id != "")
+_STORED_BYTES = select(
+    select(func.coalesce(func.sum(_CHECKPOINTS.size_bytes), 0)).where(
+        _CHECKPOINTS.owner == bindparam("owner")).scalar_subquery(),
+    select(func.coalesce(func.sum(_SAMPLING.snapshot_bytes), 0)).where(_EPHEMERAL).scalar_subquery(),
+    select(func.coalesce(func.max(_CHECKPOINTS.size_bytes), 0)).where(
+        _CHECKPOINTS.owner == bindparam("owner")).scalar_subquery(),
+    select(func.coalesce(func.max(_SAMPLING.snapshot_bytes), 0)).where(_EPHEMERAL).scalar_subquery())
+_OPEN_SESSIONS = select(func.count()).select_from(SessionRow.__table__).where(
+    _SESSIONS.owner == bindparam("owner"), _SESSIONS.finished.is_(False))
+# Sampling sessions made by create_sampling_session (over the base model or a checkpoint's path)
+# in open sessions; ephemeral ones are bounded by the checkpoint quota and pruned with their snapshot.
+_OPEN_SAMPLING_SESSIONS = select(func.count()).select_from(SamplingSessionRow.__table__.join(
+    SessionRow.__table__, _SESSIONS.session_id == _SAMPLING.session_id)).where(
+    _SAMPLING.owner == bindparam("owner"), _SESSIONS.finished.is_(False),
+    or_(_SAMPLING.snapshot_id == "", _SAMPLING.model_path.is_not(None)))
+# The server-wide sample count's turn (samples_turn): a Postgres advisory lock, held to the commit.
+_LOCK_SAMPLES = text("SELECT pg_advisory_xact_lock(:key)")
+_SAMPLES_LOCK_KEY = 0x74696E6B73616D70     # "tinksamp"
+
+
+def pending_training_in(conn: Connection, owner: str) -> int:
+    """`owner`'s training futures pending on every gateway (queued or running)."""
+    return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
+
+
+def pending_training_bytes_in(conn: Connection, owner: str) -> int:
+    """The bytes of request `owner`'s pending training futures hold (stored, and queued in memory)."""
+    return int(conn.execute(_PENDING_TRAINING_BYTES, {"owner": owner}).scalar())
+
+
+def pending_samples_in(conn: Connection, owner: str) -> tuple[int, int]:
+    """(sample futures pending on every gateway, those of `owner`): one indexed query."""
+    total, mine = conn.execute(_PENDING_SAMPLES, {"owner": owner}).one()
+    return total, mine
+
+
+def samples_turn(conn: Connection) -> None:
+    """In an admitting transaction (Database.owner_turn): one sample admission at a time over all
+    users, for the server-wide count. Postgres: an advisory lock to the commit, taken last
+    (after the owner's), so no two transactions wait on each other. SQLite: the insert
+    holds the write lock already."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(_LOCK_SAMPLES, {"key": _SAMPLES_LOCK_KEY})
+
+
+def runs_of(conn: Connection, owner: str) -> int:
+    """`owner`'s training runs in open sessions, and those being made (create_model or
+    load_weights pending, no row yet)."""
+    return (conn.execute(_OPEN_RUNS, {"owner": owner}).scalar()
+            + conn.execute(_RUNS_BEING_MADE, {"owner": owner}).scalar())
+
+
+def run_exists(conn: Connection, model_id: str) -> bool:
+    return conn.execute(select(_MODELS.model_id).where(_MODELS.model_id == model_id)).first() is not None
+
+
+def stored_bytes(conn: Connection, owner: str) -> tuple[int, int, int]:
+    """(bytes of `owner`'s checkpoints and ephemeral snapshots, the largest one of them (0:
+    none yet), their saves pending)."""
+    checkpoints, snapshots, largest_ckpt, largest_snapshot = conn.execute(_STORED_BYTES, {"owner": owner}).one()
+    pending = conn.execute(_PENDING_SAVES, {"owner": owner}).scalar()
+    return int(checkpoints) + int(snapshots), max(int(largest_ckpt), int(largest_snapshot)), pending
+
+
+def open_sessions(conn: Connection, owner: str) -> int:
+    return conn.execute(_OPEN_SESSIONS, {"owner": owner}).scalar()
+
+
+def open_sampling_sessions(conn: Connection, owner: str) -> int:
+    return conn.execute(_OPEN_SAMPLING_SESSIONS, {"owner": owner}).scalar()
 
 
 async def on_over_limit(request: Request, exc: OverLimit):
@@ -43,20 +151,20 @@ class Limits:
         self.db = db
 
     def admit_training(self, caller: Caller, request_type: str, model_id: str | None) -> Admit:
-        """What admits a training request's future (Database.insert_future): the queue, and for a
+        """What admits a training request's future (FutureStore.insert): the queue, and for a
         new run the model cap, for a save the checkpoint quota."""
         def admit(conn: Connection) -> None:
             # What only the user can free first (a 400 that says how), then what waiting frees (429).
-            if request_type in NEW_RUN_TYPES and not self.db.run_exists(conn, model_id):
+            if request_type in NEW_RUN_TYPES and not run_exists(conn, model_id):
                 self._admit_run(conn, caller)
             if request_type in SAVE_TYPES:
                 self._admit_save(conn, caller)
-            queued = self.db.pending_training_in(conn, caller.user_id) - 1
+            queued = pending_training_in(conn, caller.user_id) - 1
             if queued >= self.settings.max_queued_per_user:
                 raise OverLimit(f"{queued} of your training requests are queued (limit "
                                 f"{self.settings.max_queued_per_user}, --max-queued-per-user); retry when some "
                                 f"finish")
-            held = self.db.pending_training_bytes_in(conn, caller.user_id)
+            held = pending_training_bytes_in(conn, caller.user_id)
             if held > self.settings.max_queued_mib_per_user << 20:
                 raise OverLimit(f"your queued training requests hold {held / 2**20:.1f} MiB (limit "
                                 f"{self.settings.max_queued_mib_per_user} MiB, --max-queued-mib-per-user); retry "
@@ -64,7 +172,7 @@ class Limits:
         return admit
 
     def _admit_run(self, conn: Connection, caller: Caller) -> None:
-        runs = self.db.runs_of(conn, caller.user_id) - 1
+        runs = runs_of(conn, caller.user_id) - 1
         if runs >= self.settings.max_models_per_user:
             raise UserError(f"you have {runs} training runs in open sessions or being created (limit "
                             f"{self.settings.max_models_per_user}, --max-models-per-user); close a ServiceClient "
@@ -74,7 +182,7 @@ class Limits:
         """The user's checkpoints and ephemeral snapshots on disk, plus what their other queued
         saves will write: each reserves the size of the user's largest save so far. While that
         is unknown (none finished yet) one save at a time is queued."""
-        used, largest, pending = self.db.stored_bytes(conn, caller.user_id)
+        used, largest, pending = stored_bytes(conn, caller.user_id)
         self._refuse_over_quota(used, largest * (pending - 1), pending - 1)
         if pending > 1 and largest == 0:
             raise OverLimit("your first checkpoint save is still running, and its size sets what each queued save "
@@ -96,7 +204,7 @@ class Limits:
 
     def admit_session(self, caller: Caller) -> Admit:
         def admit(conn: Connection) -> None:
-            sessions = self.db.open_sessions(conn, caller.user_id) - 1
+            sessions = open_sessions(conn, caller.user_id) - 1
             if sessions >= self.settings.max_sessions_per_user:
                 raise UserError(f"you have {sessions} open sessions (limit {self.settings.max_sessions_per_user}, "
                                 f"--max-sessions-per-user); close the ServiceClients you no longer use, or "
@@ -105,7 +213,7 @@ class Limits:
 
     def admit_sampling_session(self, caller: Caller) -> Admit:
         def admit(conn: Connection) -> None:
-            open_ = self.db.open_sampling_sessions(conn, caller.user_id) - 1
+            open_ = open_sampling_sessions(conn, caller.user_id) - 1
             if open_ >= self.settings.max_sampling_sessions_per_user:
                 raise UserError(f"you have {open_} sampling sessions in open sessions (limit "
                                 f"{self.settings.max_sampling_sessions_per_user}, --max-sampling-sessions-per-user); "
@@ -113,13 +221,13 @@ class Limits:
         return admit
 
     def admit_sample(self, caller: Caller) -> Admit:
-        """What admits a sample's future (Database.insert_future): the server's samples in flight
+        """What admits a sample's future (FutureStore.insert): the server's samples in flight
         (--max-pending-samples, every user on every gateway), then the caller's. The server-wide
-        count is taken one sample at a time (Database.samples_turn), so a burst of several users
+        count is taken one sample at a time (samples_turn), so a burst of several users
         cannot pass it either."""
         def admit(conn: Connection) -> None:
-            self.db.samples_turn(conn)
-            queued, pending = self.db.pending_samples_in(conn, caller.user_id)
+            samples_turn(conn)
+            queued, pending = pending_samples_in(conn, caller.user_id)
             if queued > self.settings.max_pending_samples:
                 raise OverLimit(f"{queued - 1} sample requests are queued (limit {self.settings.max_pending_samples}, "
                                 f"--max-pending-samples); retry shortly", retry_after_s=1)
@@ -133,7 +241,7 @@ class Limits:
         was before this copy of `size` bytes, counted with the row, so a burst of copies passes it
         no more than a burst of saves does."""
         def admit(conn: Connection) -> None:
-            used, largest, pending = self.db.stored_bytes(conn, caller.user_id)
+            used, largest, pending = stored_bytes(conn, caller.user_id)
             self._refuse_over_quota(used - size, largest * pending, pending)
         return admit
 
@@ -155,5 +263,5 @@ class Limits:
         """Before a checkpoint made outside the queue (copy_weights): the user's checkpoints and
         snapshots on disk and what their queued saves reserve."""
         with self.db.engine.connect() as conn:
-            used, largest, pending = self.db.stored_bytes(conn, caller.user_id)
+            used, largest, pending = stored_bytes(conn, caller.user_id)
         self._refuse_over_quota(used, largest * pending, pending)

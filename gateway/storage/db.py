@@ -1,6 +1,8 @@
 """Durable gateway state in a SQL database (SQLite by default, Postgres by URL): users and their
 API keys, sessions, training models, futures (with their results), sampling sessions,
-checkpoints, the audit log. Every row a user makes carries `owner` (their user id)."""
+checkpoints, the audit log. Every row a user makes carries `owner` (their user id). The futures'
+statements are their store's (gateway/futures/store.py), the per-user counts the limits'
+(gateway/identity/limits.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 from typing import Callable, Iterator
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Index, Integer, LargeBinary, String, Text, and_, case,
-                        bindparam, create_engine, event, func, literal, or_, select, text, update)
+                        create_engine, event, func, literal, or_, select, text, update)
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -379,67 +381,12 @@ def _delete_step_metrics(_mapper, connection, row: ModelRow) -> None:
     connection.execute(StepMetricRow.__table__.delete().where(StepMetricRow.__table__.c.model_id == row.model_id))
 
 
-_INSERT_FUTURE = FutureRow.__table__.insert()
-_FUTURES = FutureRow.__table__.c
-# Only a pending future finishes: the first of two runs (a re-drive racing a slow owner, a
-# cancel) wins, the other's result is dropped.
-_FINISH_FUTURE = FutureRow.__table__.update().where(
-    _FUTURES.request_id == bindparam("rid"), _FUTURES.status == Status.PENDING).values(
-    status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
-    completed_at=bindparam("completed_at"), lease_until=None, request_args=None, request_body=None)
-_INSERT_COMPLETION = CompletionRow.__table__.insert()
-
-# Counts for the per-user limits, written so that they use ix_futures_pending: the literal
-# `status = 'pending'` (a bound parameter would not match the partial index's condition).
-_PENDING_OF = text("futures.status = 'pending'")
-_COUNT = select(func.count()).select_from(FutureRow.__table__)
-_PENDING_SAMPLES = select(
-    _COUNT.where(_PENDING_OF, _FUTURES.request_type == text("'sample'")).scalar_subquery(),
-    _COUNT.where(_PENDING_OF, _FUTURES.request_type == text("'sample'"),
-                 _FUTURES.owner == bindparam("owner")).scalar_subquery())
-_PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sample'"),
-                                 _FUTURES.owner == bindparam("owner"))
-_PENDING_TRAINING_BYTES = select(func.coalesce(func.sum(func.length(_FUTURES.request_body)), 0)).where(
-    _PENDING_OF, _FUTURES.request_type != text("'sample'"), _FUTURES.owner == bindparam("owner"))
-
-# Requests that make a new training run, and those that write a checkpoint or snapshot to disk:
-# pending ones are counted against the model cap and the checkpoint quota (gateway/identity/limits.py).
-NEW_RUN_TYPES = ("create_model", "load_weights")
-SAVE_TYPES = ("save_weights", "save_external_weights", "save_weights_for_sampler")
 _MODELS = ModelRow.__table__.c
 _SESSIONS = SessionRow.__table__.c
 _SAMPLING = SamplingSessionRow.__table__.c
 _CHECKPOINTS = CheckpointRow.__table__.c
-_OPEN_RUNS = select(func.count()).select_from(ModelRow.__table__.join(
-    SessionRow.__table__, _SESSIONS.session_id == _MODELS.session_id)).where(
-    _MODELS.owner == bindparam("owner"), _SESSIONS.finished.is_(False))
-# Runs being created: their future is pending and the trainer has not made them yet (no row).
-_RUNS_BEING_MADE = _COUNT.where(
-    _PENDING_OF, _FUTURES.request_type.in_(NEW_RUN_TYPES),
-    _FUTURES.owner == bindparam("owner"),
-    ~select(_MODELS.model_id).where(_MODELS.model_id == _FUTURES.model_id).exists())
-_PENDING_SAVES = _COUNT.where(_PENDING_OF, _FUTURES.request_type.in_(SAVE_TYPES),
-                              _FUTURES.owner == bindparam("owner"))
-# Ephemeral snapshots (save_weights_and_get_sampling_client): a sampling session of its own per
-# snapshot, not made from a checkpoint's path.
-_EPHEMERAL = and_(_SAMPLING.owner == bindparam("owner"), _SAMPLING.model_path.is_(None), _SAMPLING.snapshot_id != "")
-_STORED_BYTES = select(
-    select(func.coalesce(func.sum(_CHECKPOINTS.size_bytes), 0)).where(
-        _CHECKPOINTS.owner == bindparam("owner")).scalar_subquery(),
-    select(func.coalesce(func.sum(_SAMPLING.snapshot_bytes), 0)).where(_EPHEMERAL).scalar_subquery(),
-    select(func.coalesce(func.max(_CHECKPOINTS.size_bytes), 0)).where(
-        _CHECKPOINTS.owner == bindparam("owner")).scalar_subquery(),
-    select(func.coalesce(func.max(_SAMPLING.snapshot_bytes), 0)).where(_EPHEMERAL).scalar_subquery())
-_OPEN_SESSIONS = select(func.count()).select_from(SessionRow.__table__).where(
-    _SESSIONS.owner == bindparam("owner"), _SESSIONS.finished.is_(False))
-# Sampling sessions made by create_sampling_session (over the base model or a checkpoint's path)
-# in open sessions; ephemeral ones are bounded by the checkpoint quota and pruned with their snapshot.
-_OPEN_SAMPLING_SESSIONS = select(func.count()).select_from(SamplingSessionRow.__table__.join(
-    SessionRow.__table__, _SESSIONS.session_id == _SAMPLING.session_id)).where(
-    _SAMPLING.owner == bindparam("owner"), _SESSIONS.finished.is_(False),
-    or_(_SAMPLING.snapshot_id == "", _SAMPLING.model_path.is_not(None)))
+# A user's turn to write a row counted against their limits (Database.owner_turn), held to the commit.
 _LOCK_OWNER = text("SELECT pg_advisory_xact_lock(:key)")
-_SAMPLES_LOCK_KEY = 0x74696E6B73616D70     # "tinksamp": the server-wide sample count (Database.samples_turn)
 
 
 def _owner_lock_key(owner: str) -> int:
@@ -512,7 +459,7 @@ class Database:
 
     def _end_silent_transactions(self, after_s: float) -> None:
         """A gateway cut off from Postgres mid-transaction (a partition, a frozen host) keeps its
-        locks -- a user's or the server-wide sample admission lock (owner_turn, samples_turn) --
+        locks -- a user's or the server-wide sample admission lock (owner_turn, limits.samples_turn) --
         until the server sees the peer is gone: hours with the kernel's keepalive defaults, while
         every other gateway's admissions wait on them. Each connection of this gateway asks the
         server to end its transaction once it has waited `after_s` on it, in one statement or
@@ -576,43 +523,6 @@ class Database:
         self._cache.pop(_cache_key(row), None)
         return True
 
-    @staticmethod
-    def pending_training_in(conn: Connection, owner: str) -> int:
-        """`owner`'s training futures pending on every gateway (queued or running)."""
-        return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
-
-    @staticmethod
-    def pending_training_bytes_in(conn: Connection, owner: str) -> int:
-        """The bytes of request `owner`'s pending training futures hold (stored, and queued in memory)."""
-        return int(conn.execute(_PENDING_TRAINING_BYTES, {"owner": owner}).scalar())
-
-    @staticmethod
-    def runs_of(conn: Connection, owner: str) -> int:
-        """`owner`'s training runs in open sessions, and those being made (create_model or
-        load_weights pending, no row yet)."""
-        return (conn.execute(_OPEN_RUNS, {"owner": owner}).scalar()
-                + conn.execute(_RUNS_BEING_MADE, {"owner": owner}).scalar())
-
-    @staticmethod
-    def run_exists(conn: Connection, model_id: str) -> bool:
-        return conn.execute(select(_MODELS.model_id).where(_MODELS.model_id == model_id)).first() is not None
-
-    @staticmethod
-    def stored_bytes(conn: Connection, owner: str) -> tuple[int, int, int]:
-        """(bytes of `owner`'s checkpoints and ephemeral snapshots, the largest one of them (0:
-        none yet), their saves pending)."""
-        checkpoints, snapshots, largest_ckpt, largest_snapshot = conn.execute(_STORED_BYTES, {"owner": owner}).one()
-        pending = conn.execute(_PENDING_SAVES, {"owner": owner}).scalar()
-        return int(checkpoints) + int(snapshots), max(int(largest_ckpt), int(largest_snapshot)), pending
-
-    @staticmethod
-    def open_sessions(conn: Connection, owner: str) -> int:
-        return conn.execute(_OPEN_SESSIONS, {"owner": owner}).scalar()
-
-    @staticmethod
-    def open_sampling_sessions(conn: Connection, owner: str) -> int:
-        return conn.execute(_OPEN_SAMPLING_SESSIONS, {"owner": owner}).scalar()
-
     def _remember(self, key: tuple[str, str], row) -> None:
         """Caches `row` for CACHE_TTL_S. Bounded: past _CACHE_SWEEP_AT entries the expired ones are
         dropped (each add caches its row, and a row never read again would stay for good)."""
@@ -638,8 +548,6 @@ class Database:
             self._cache.pop((cls.__name__, key), None)
         return row
 
-    # Futures are the hot path: plain Core statements, no ORM unit of work.
-
     @contextlib.contextmanager
     def owner_turn(self, owner: str) -> Iterator[Connection]:
         """A transaction in which one of `owner`'s new rows is written and then their limits are
@@ -651,104 +559,6 @@ class Database:
             if conn.dialect.name == "postgresql":
                 conn.execute(_LOCK_OWNER, {"key": _owner_lock_key(owner)})
             yield conn
-
-    def insert_future(self, row: FutureRow, admit: Callable[[Connection], None] | None = None) -> FutureRow:
-        """Inserts a pending future, or returns the existing one with the same idempotency key.
-        `admit(conn)`, if given, checks the owner's limits in the inserting transaction (the new
-        row counted) and raises to refuse it: nothing is written then. A resend is not admitted
-        again."""
-        values = {c.name: getattr(row, c.name) for c in FutureRow.__table__.columns}
-        values.update(status=Status.PENDING, created_at=now(), extra=row.extra or {})
-        row.status = Status.PENDING
-        try:
-            if admit is None:
-                with self.engine.begin() as conn:
-                    conn.execute(_INSERT_FUTURE, values)     # prebuilt statement, parameters apart
-            else:
-                with self.owner_turn(row.owner) as conn:
-                    conn.execute(_INSERT_FUTURE, values)
-                    admit(conn)
-            return row
-        except IntegrityError:
-            with self.session() as s:
-                return s.scalars(select(FutureRow).where(FutureRow.idempotency_key == row.idempotency_key)).one()
-
-    def finish_future(self, request_id: str, status: str, content_type: str, result: bytes,
-                      completion: dict | None = None, also=None) -> bool:
-        """Records the result of a pending future and drops its stored request (nothing re-drives
-        a finished future); False if it had finished already (elsewhere). A sample's `completion`
-        (a CompletionRow's values) is written in the same transaction: no gateway can finish a
-        sample that no retrieve_futures poll will report; and so is `also(connection)` (its usage)."""
-        stamp = now()
-        with self.engine.begin() as conn:
-            finished = conn.execute(_FINISH_FUTURE, {"rid": request_id, "status": status, "content_type": content_type,
-                                                     "result": result, "completed_at": stamp}).rowcount > 0
-            if finished and completion is not None:
-                conn.execute(_INSERT_COMPLETION, {**completion, "request_id": request_id, "reported_cursor": None,
-                                                  "finished_at": stamp})
-            if finished and also is not None:
-                also(conn)
-            return finished
-
-    def future_status(self, request_id: str) -> str | None:
-        with self.engine.connect() as conn:
-            return conn.execute(select(_FUTURES.status).where(_FUTURES.request_id == request_id)).scalar()
-
-    def future_type_by_key(self, idempotency_key: str) -> str | None:
-        """The request type of the future submitted under this key; None if there is none."""
-        with self.engine.connect() as conn:
-            return conn.execute(select(_FUTURES.request_type).where(_FUTURES.idempotency_key == idempotency_key)).scalar()
-
-    def renew_leases(self, request_ids: list[str], owner: str, until: datetime.datetime) -> None:
-        """Extends the lease of the pending futures this gateway runs."""
-        with self.engine.begin() as conn:
-            for i in range(0, len(request_ids), 500):
-                conn.execute(update(FutureRow.__table__).where(
-                    _FUTURES.request_id.in_(request_ids[i:i + 500]), _FUTURES.claimed_by == owner,
-                    _FUTURES.status == Status.PENDING).values(lease_until=until))
-
-    def claim_lapsed_futures(self, owner: str, until: datetime.datetime, limit: int = 1000) -> list[FutureRow]:
-        """Takes over pending futures whose lease lapsed (their gateway died), oldest first. Each
-        claim is one conditional UPDATE, so of several gateways claiming at once exactly one gets
-        each row (SQLite and Postgres alike)."""
-        stamp = now()
-        with self.session() as s:
-            candidates = list(s.scalars(select(FutureRow.request_id).where(
-                FutureRow.lease_until < stamp, FutureRow.status == Status.PENDING).order_by(
-                FutureRow.created_at).limit(limit)))
-        claimed = []
-        for request_id in candidates:
-            with self.engine.begin() as conn:
-                n = conn.execute(update(FutureRow.__table__).where(
-                    _FUTURES.request_id == request_id, _FUTURES.status == Status.PENDING,
-                    _FUTURES.lease_until < stamp).values(claimed_by=owner, lease_until=until)).rowcount
-            if n:
-                claimed.append(request_id)
-        if not claimed:
-            return []
-        with self.session() as s:
-            return list(s.scalars(select(FutureRow).where(FutureRow.request_id.in_(claimed))))
-
-    def delete_finished_futures(self, before: datetime.datetime) -> int:
-        """Drops futures that finished before `before` (their retention ended)."""
-        with self.engine.begin() as conn:
-            conn.execute(CompletionRow.__table__.delete().where(CompletionRow.__table__.c.finished_at < before))
-            return conn.execute(FutureRow.__table__.delete().where(_FUTURES.completed_at < before)).rowcount
-
-    @staticmethod
-    def pending_samples_in(conn: Connection, owner: str) -> tuple[int, int]:
-        """(sample futures pending on every gateway, those of `owner`): one indexed query."""
-        total, mine = conn.execute(_PENDING_SAMPLES, {"owner": owner}).one()
-        return total, mine
-
-    @staticmethod
-    def samples_turn(conn: Connection) -> None:
-        """In an admitting transaction (owner_turn): one sample admission at a time over all
-        users, for the server-wide count. Postgres: an advisory lock to the commit, taken last
-        (after the owner's), so no two transactions wait on each other. SQLite: the insert
-        holds the write lock already."""
-        if conn.dialect.name == "postgresql":
-            conn.execute(_LOCK_OWNER, {"key": _SAMPLES_LOCK_KEY})
 
     def prunable_snapshots(self, unused_before: datetime.datetime, lapsed_before: datetime.datetime,
                            superseded_unused_before: datetime.datetime) -> dict[str, tuple[str, list[str]]]:

@@ -12,6 +12,8 @@ import time
 import pytest
 from sqlalchemy.exc import DBAPIError
 
+from gateway.futures.store import FutureStore
+from gateway.identity.limits import samples_turn
 from gateway.storage.db import Database, FutureRow
 
 
@@ -34,15 +36,15 @@ def test_a_gateway_silent_mid_admission_frees_the_sample_lock(postgres_url):
     holding, wake = threading.Event(), threading.Event()
 
     def admit_then_freeze(conn):
-        Database.samples_turn(conn)          # the server-wide sample lock, held to the commit
+        samples_turn(conn)                   # the server-wide sample lock, held to the commit
         holding.set()
         wake.wait(30)                        # frozen here, in the transaction
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        frozen = pool.submit(silent.insert_future, _sample("req-frozen", "alice"), admit_then_freeze)
+        frozen = pool.submit(FutureStore(silent).insert, _sample("req-frozen", "alice"), admit_then_freeze)
         assert holding.wait(30)
         start = time.monotonic()
-        row = other.insert_future(_sample("req-other", "bob"), Database.samples_turn)
+        row = FutureStore(other).insert(_sample("req-other", "bob"), samples_turn)
         waited = time.monotonic() - start
         wake.set()
         with pytest.raises(DBAPIError, match="idle-in-transaction"):
@@ -51,4 +53,4 @@ def test_a_gateway_silent_mid_admission_frees_the_sample_lock(postgres_url):
     assert silent.get(FutureRow, "req-frozen") is None
     assert 0.5 < waited < 10, waited         # about idle_in_transaction_s, not until a keepalive gives up
     # The silent gateway's next transaction runs on a fresh connection.
-    assert silent.insert_future(_sample("req-again", "alice"), Database.samples_turn).request_id == "req-again"
+    assert FutureStore(silent).insert(_sample("req-again", "alice"), samples_turn).request_id == "req-again"

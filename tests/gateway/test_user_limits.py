@@ -17,7 +17,8 @@ from gateway_fakes import gateway  # noqa: F401 - the fixture
 from gateway import housekeeping
 from gateway.app import create_app
 from gateway.identity.keys import Caller, create_user
-from gateway.identity.limits import Limits, OverLimit
+from gateway.futures.store import FutureStore
+from gateway.identity.limits import Limits, OverLimit, pending_samples_in, pending_training_in
 from gateway.settings import GatewaySettings
 from gateway.storage.db import Database, FutureRow, SessionRow
 from tinkerd.errors import UserError
@@ -121,7 +122,7 @@ def _admit_all(url: str, settings: GatewaySettings, request_type: str, n: int) -
                         request_type=request_type, model_id=model_id, extra={}, request_args={})
         start.wait()
         try:
-            dbs[i % 2].insert_future(row, limits[i % 2].admit_training(caller, request_type, model_id))
+            FutureStore(dbs[i % 2]).insert(row, limits[i % 2].admit_training(caller, request_type, model_id))
         except (UserError, OverLimit) as e:
             return e
         return None
@@ -129,7 +130,7 @@ def _admit_all(url: str, settings: GatewaySettings, request_type: str, n: int) -
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         outcomes = list(pool.map(insert, range(n)))
     with dbs[0].engine.connect() as conn:
-        written = dbs[0].pending_training_in(conn, user.user_id)
+        written = pending_training_in(conn, user.user_id)
     refusals = [e for e in outcomes if e is not None]
     assert written == n - len(refusals)          # a refused request left nothing behind
     return written, refusals
@@ -294,7 +295,7 @@ def test_a_burst_of_samples_over_two_gateways_passes_neither_sample_cap(db_url, 
         row = FutureRow(request_id=f"s{i}", owner=user.user_id, request_type="sample", extra={}, request_args={})
         start.wait()
         try:
-            dbs[i % 2].insert_future(row, limits[i % 2].admit_sample(caller))
+            FutureStore(dbs[i % 2]).insert(row, limits[i % 2].admit_sample(caller))
         except OverLimit as e:
             return e
         return None
@@ -302,8 +303,8 @@ def test_a_burst_of_samples_over_two_gateways_passes_neither_sample_cap(db_url, 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         refusals = [e for e in pool.map(insert, range(n)) if e is not None]
     with dbs[0].engine.connect() as conn:
-        per_user = [Database.pending_samples_in(conn, u.user_id)[1] for u in users]
-        total = Database.pending_samples_in(conn, users[0].user_id)[0]
+        per_user = [pending_samples_in(conn, u.user_id)[1] for u in users]
+        total = pending_samples_in(conn, users[0].user_id)[0]
     assert total == 10 == n - len(refusals), (total, per_user, refusals)
     assert all(n <= 4 for n in per_user), per_user
     assert all("--max-pending-samples" in str(e) or "of your sample requests" in str(e) for e in refusals)
