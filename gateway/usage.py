@@ -114,19 +114,23 @@ def sample_work(request_id: str, prompt: int, sampled_tokens: int, owner: str, s
                 (("sampling_prefill", False, prompt), ("sampling_sample", False, sampled_tokens)))
 
 
-async def trained(db: Database, message) -> None:
-    """A forward_backward or forward (trainer_pb2.ForwardBackwardRequest) the trainer answered."""
-    tokens = sum(len(d.tokens) for d in message.data)
-    await asyncio.to_thread(_count_training, db, message.model_id, message.seq_id, tokens)
+_RUN = select(ModelRow.owner, ModelRow.session_id, ModelRow.base_model).where(ModelRow.model_id == bindparam("mid"))
 
 
-def _count_training(db: Database, model_id: str, seq_id: int, tokens: int) -> None:
-    run = db.get(ModelRow, model_id)
-    if run is None:
-        log.warning("usage: no run %s for its trained tokens", model_id)
-        return
-    count(db, Work(f"train:{model_id}#{seq_id}", run.owner or "", run.session_id, run.base_model,
-                   (("training", False, tokens),)))
+def trained(message):
+    """A forward_backward or forward (trainer_pb2.ForwardBackwardRequest) the trainer answered: its
+    Work as a function of the connection (its run read there), for the transaction that finishes
+    its future (gateway/jobs/base.py Done.usage)."""
+    model_id, seq_id, tokens = message.model_id, message.seq_id, sum(len(d.tokens) for d in message.data)
+
+    def work(conn) -> Work | None:
+        run = conn.execute(_RUN, {"mid": model_id}).first()
+        if run is None:
+            log.warning("usage: no run %s for its trained tokens", model_id)
+            return None
+        return Work(f"train:{model_id}#{seq_id}", run.owner or "", run.session_id, run.base_model,
+                    (("training", False, tokens),))
+    return work
 
 
 async def sampled(db: Database, served_model: str, message, reply) -> None:

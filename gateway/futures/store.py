@@ -316,18 +316,28 @@ class Futures:
         except Exception:  # noqa: BLE001 - then they are re-driven once the lease lapses
             log.exception("could not give up the leases of %d futures", len(self._pending))
 
-    async def finish(self, request_id: str, status: str, content_type: str, body: bytes, work=None) -> None:
-        """The future's result, written once; dropped if it was finished already (cancelled)."""
+    async def finish(self, request_id: str, status: str, content_type: str, body: bytes, work=None,
+                     records=None) -> None:
+        """The future's result, written once; dropped if it was finished already (cancelled). In
+        the same transaction: `work`, the usage to count (gateway/usage.py Work, or a function of
+        the connection making one), and `records(connection)`, the job's other rows."""
         pending = self._pending.pop(request_id, None)
         if pending is None:
             return
         self.traces.finished(request_id, "cancelled" if request_id in self._cancelled else status)
         completion = None if pending.target is None else Completions.row(pending.target, status == Status.FAILED, len(body))
-        added: list[bool] = []
-        also = None if work is None else (lambda conn: added.append(usage.add(conn, work)))
-        if await self.db.run(self.store.finish, request_id, status, content_type, body, completion, also):
-            if any(added):
-                usage.counted(work)
+        added: list[usage.Work] = []
+
+        def also(conn) -> None:
+            if records is not None:
+                records(conn)
+            done = work(conn) if callable(work) else work
+            if done is not None and usage.add(conn, done):
+                added.append(done)
+        if await self.db.run(self.store.finish, request_id, status, content_type, body, completion,
+                             None if work is None and records is None else also):
+            for done in added:
+                usage.counted(done)
             row = FutureRow(request_id=request_id, status=status, content_type=content_type, result=body,
                             owner=pending.owner, request_type=pending.request_type)
             if pending.target is not None:

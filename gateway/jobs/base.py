@@ -39,11 +39,13 @@ Result = tuple[str, bytes]      # (content type, body) of the future's result
 
 
 class Done(NamedTuple):
-    """A result with the usage the job did (gateway/usage.py), counted in the transaction that
-    finishes its future: exactly once, with no write of its own."""
+    """A result with what the job writes once it is done, in the transaction that finishes its
+    future (exactly once, with no transaction of its own): the usage it did (gateway/usage.py) and
+    its other records (`records(connection)`, e.g. gateway/step_metrics.py)."""
     content_type: str
     body: bytes
-    usage: Any = None          # gateway.usage.Work
+    usage: Any = None          # gateway.usage.Work, or a function of the connection making one (None: nothing)
+    records: Any = None        # a function of the connection
 
 
 def json_body(obj) -> Result:

@@ -87,7 +87,9 @@ class Jobs:
         if new:
             self._start(row.request_id, job.kind(), job, caller.user_id, model_id, seq_id, target)
         if ordered:
-            await self.db.run(self._used, model_id)
+            cached = self.db.cached(ModelRow, model_id)      # read on the loop only from memory
+            if cached is None or self._marks(cached):
+                await self.db.run(self._used, model_id)
         return row
 
     async def refuse(self, caller: Caller, model_id: str, seq_id: int, error: str) -> None:
@@ -134,11 +136,12 @@ class Jobs:
         async with turn:
             tenant = TENANT.set(owner)          # whom its trainer calls are for
             self.futures.traces.started(request_id)
-            work = None
+            work = records = None
             try:
                 done = await run()
                 content_type, body, status = done[0], done[1], Status.COMPLETE
-                work = done.usage if isinstance(done, Done) else None
+                if isinstance(done, Done):
+                    work, records = done.usage, done.records
             except ServiceError as e:
                 status, content_type, body = Status.FAILED, "application/json", error_json(str(e), category_for(e.code))
             except grpc.aio.AioRpcError as e:
@@ -152,7 +155,7 @@ class Jobs:
                 TENANT.reset(tenant)
             if self.futures.stopping:      # shutting down (the call was cut short): it is re-driven, not failed
                 return
-            await self.futures.finish(request_id, status, content_type, body, work)
+            await self.futures.finish(request_id, status, content_type, body, work, records)
 
     def _ended(self, request_id: str, request_type: str, owner: str, _task: asyncio.Task) -> None:
         del self._tasks[request_id]
@@ -185,12 +188,15 @@ class Jobs:
             task.cancel()
         self.futures.give_up_leases()
 
+    def _marks(self, model: ModelRow) -> bool:
+        """Whether a request now marks the model used: it is not resident, or its request time is
+        older than the resolution (5 s, or a third of the session timeout if shorter)."""
+        resolution = min(_REQUEST_TIME_RESOLUTION_S, self.settings.session_timeout_s / 3)
+        return not model.resident or (now() - aware(model.last_request_time)).total_seconds() > resolution
+
     def _used(self, model_id: str) -> None:
         """The model is in use: it is not unloaded as idle (finer than the session timeout:
         db.models_of_lapsed_sessions), and it is resident again."""
         model = self.db.get(ModelRow, model_id)
-        stamp = now()
-        resolution = min(_REQUEST_TIME_RESOLUTION_S, self.settings.session_timeout_s / 3)
-        if model is not None and (not model.resident or (stamp - aware(model.last_request_time)).total_seconds()
-                                  > resolution):
-            self.db.touch(ModelRow, model_id, last_request_time=stamp, resident=True)
+        if model is not None and self._marks(model):
+            self.db.touch(ModelRow, model_id, last_request_time=now(), resident=True)

@@ -7,7 +7,7 @@ import dataclasses
 
 from gateway import convert, metrics, step_metrics, usage
 from gateway.identity import audit
-from gateway.jobs.base import Job, Owner, Result, json_body
+from gateway.jobs.base import Done, Job, Owner, Result, json_body
 from gateway.jobs.context import JobContext
 from gateway.jobs.refused import Refused  # noqa: F401 - a model's request its route refused, in its order
 from gateway.storage.db import Database, ModelRow
@@ -44,7 +44,7 @@ class CreateModel(Job):
 
     async def run(self, ctx: JobContext) -> Result:
         await ctx.trainer.CreateModel(self.message)
-        self.new_run.add(ctx.db, self.caller)
+        await ctx.db.run(self.new_run.add, ctx.db, self.caller)
         return json_body({"model_id": self.message.model_id, "type": "create_model"})
 
 
@@ -62,9 +62,8 @@ class ForwardBackward(Job):
         reply = await ctx.trainer.ForwardBackward(self.message)
         metrics.trained(self.message)
         spans.note(tokens_in=sum(len(d.tokens) for d in self.message.data))
-        step_metrics.record(ctx.db, self.message, reply)
-        await usage.trained(ctx.db, self.message)
-        return "application/x-protobuf", convert.forward_backward_output(reply)
+        return Done("application/x-protobuf", convert.forward_backward_output(reply), usage.trained(self.message),
+                    step_metrics.recorder(self.message, reply))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,5 +74,5 @@ class OptimStep(Job):
 
     async def run(self, ctx: JobContext) -> Result:
         reply = await ctx.trainer.OptimStep(self.message)
-        step_metrics.record(ctx.db, self.message, reply)
-        return json_body({"metrics": dict(reply.metrics), "type": "optim_step"})
+        return Done(*json_body({"metrics": dict(reply.metrics), "type": "optim_step"}),
+                    records=step_metrics.recorder(self.message, reply))

@@ -21,9 +21,11 @@ def _expiry(stored: str | None) -> datetime.datetime | None:
     return datetime.datetime.fromisoformat(stored) if stored else None
 
 
-def _audit_saved(db: Database, owner: Owner, model_id: str, path: str) -> None:
-    audit.record(db, "checkpoint_saved", user_id=owner.user_id, org_id=owner.org_id, model_id=model_id,
-                 tinker_path=path)
+def _saved(db: Database, row: CheckpointRow, owner: Owner) -> None:
+    """A checkpoint's row (written over an older one of the same path) and its audit entry."""
+    db.put(row)
+    audit.record(db, "checkpoint_saved", user_id=owner.user_id, org_id=owner.org_id, model_id=row.model_id,
+                 tinker_path=row.tinker_path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,7 @@ class PushWeights(Job):
         push.CopyFrom(self.message)
         # (In the job, not the route: a resend of this very request must still find its future. A
         # session with this very snapshot is this request's own, recorded before a re-drive.)
-        existing = sid and ctx.db.get(SamplingSessionRow, sid)
+        existing = sid and await ctx.db.run(ctx.db.get, SamplingSessionRow, sid)
         if existing and existing.snapshot_id != push.snapshot_id:
             raise UserError(f"sampling session {sid} exists already: every "
                             f"save_weights_for_sampler needs its own sampling_session_seq_id")
@@ -60,16 +62,16 @@ class PushWeights(Job):
         metrics.pushed(pushed, time.perf_counter() - t0)
         ctx.samplers.holds(push.snapshot_id, list(push.sampler_addresses), dict(pushed.transports))
         if self.inflight:
-            _publish_inflight(ctx.db, push, pushed.persisted_path)
+            await ctx.db.run(_publish_inflight, ctx.db, push, pushed.persisted_path)
         if self.path is not None:
-            ctx.db.put(CheckpointRow(tinker_path=self.path, model_id=push.model_id, owner=self.caller.user_id,
-                                     checkpoint_type="sampler", name=self.path.rsplit("/", 1)[1],
-                                     snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
-                                     directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
-                                     expires_at=_expiry(self.expires_at), created_at=now()))  # overwritten: a new generation
-            _audit_saved(ctx.db, self.caller, push.model_id, self.path)
+            row = CheckpointRow(tinker_path=self.path, model_id=push.model_id, owner=self.caller.user_id,
+                                checkpoint_type="sampler", name=self.path.rsplit("/", 1)[1],
+                                snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
+                                directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
+                                expires_at=_expiry(self.expires_at), created_at=now())   # overwritten: a new generation
+            await ctx.db.run(_saved, ctx.db, row, self.caller)
             await usage.checkpoint_made(ctx.db, self.path, f"{push.model_id}#{push.seq_id}")
-        elif not existing and not ctx.db.add_if_absent(SamplingSessionRow(
+        elif not existing and not await ctx.db.run(ctx.db.add_if_absent, SamplingSessionRow(
                 sampling_session_id=sid, owner=self.caller.user_id, session_id=self.session_id,
                 base_model=self.base_model, snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
                 snapshot_bytes=pushed.num_bytes, inflight_model_id=push.model_id if self.inflight else None)):
@@ -111,8 +113,7 @@ class SaveState(Job):
                             expires_at=_expiry(self.expires_at))
         saved = await ctx.trainer.SaveState(save)      # a resent (model_id, seq_id) gets the first save's reply
         row.directory, row.size_bytes, row.created_at = saved.directory, saved.size_bytes, now()
-        ctx.db.put(row)
-        _audit_saved(ctx.db, self.caller, row.model_id, row.tinker_path)
+        await ctx.db.run(_saved, ctx.db, row, self.caller)
         await usage.checkpoint_made(ctx.db, row.tinker_path, f"{save.model_id}#{save.seq_id}")
         return json_body({"path": row.tinker_path, "type": self.response_type})
 
@@ -134,5 +135,5 @@ class LoadWeights(Job):
             await ctx.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=self.message.model_id))
         await ctx.trainer.CreateModel(self.message)
         if self.new_run is not None:
-            self.new_run.add(ctx.db, self.caller)
+            await ctx.db.run(self.new_run.add, ctx.db, self.caller)
         return json_body({"path": self.path, "model_id": self.message.model_id, "type": "load_weights"})

@@ -534,6 +534,11 @@ class Database:
                 self._cache.clear()
         self._cache[key] = (row, stamp + CACHE_TTL_S)
 
+    def cached(self, cls, key):
+        """The row if this process read or wrote it within CACHE_TTL_S, else None: memory only."""
+        found = self._cache.get((cls.__name__, key))
+        return found[0] if found is not None and found[1] > time.monotonic() else None
+
     def get(self, cls, key):
         cached = self._cache.get((cls.__name__, key))
         if cached is not None and cached[1] > time.monotonic():

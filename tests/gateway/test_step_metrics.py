@@ -1,5 +1,5 @@
 """A run's step metrics rows (gateway/step_metrics.py), written by one prebuilt INSERT ... SELECT
-that reads the step of the run's previous row: right on SQLite and Postgres, when two gateways
+that reads the step of the run's previous row, in the transaction finishing the request's future: right on SQLite and Postgres, when two gateways
 on one database record a run's requests in turn, and when a request is recorded twice (a job
 re-driven after a restart: the first row stands)."""
 
@@ -26,15 +26,21 @@ def _optim_step(model_id: str, seq_id: int, lr: float):
     return request, trainer_pb2.OptimStepResponse(metrics={"step:max": 1.0})
 
 
+def _record(db: Database, request, reply) -> None:
+    """As a training job's future is finished: its row written in that transaction."""
+    with db.engine.begin() as conn:
+        step_metrics.recorder(request, reply)(conn)
+
+
 def test_two_gateways_record_a_run_in_turn_and_a_rerun_keeps_the_first_row(db_url):
     one, two = Database(db_url), Database(db_url)
     run, other = "s:train:0", "s:train:1"
     requests = [_forward_backward(run, 1, 3.0), _forward_backward(run, 2, 1.0), _optim_step(run, 3, 0.01),
                 _forward_backward(run, 4, 2.0), _optim_step(run, 5, 0.02), _forward_backward(run, 6, 0.5, True)]
     for i, (request, reply) in enumerate(requests):
-        step_metrics.record((one, two)[i % 2], request, reply)
-        step_metrics.record(one, *_optim_step(other, i + 1, 0.1))     # another run's steps count for it alone
-    step_metrics.record(two, *_forward_backward(run, 2, 99.0))        # re-driven after a restart
+        _record((one, two)[i % 2], request, reply)
+        _record(one, *_optim_step(other, i + 1, 0.1))     # another run's steps count for it alone
+    _record(two, *_forward_backward(run, 2, 99.0))        # re-driven after a restart
 
     rows = step_metrics.of_run(one, run)
     assert [(r.seq_id, r.step, r.kind) for r in rows] == [

@@ -19,6 +19,7 @@ from test_futures_routes import HeldSampler, _sample, _sampling_session
 from gateway import billing, usage
 from gateway.app import create_app
 from gateway.storage.db import CheckpointStorageRow, now
+from tinkerd.v1 import common_pb2, trainer_pb2
 
 
 def _window(hours: int = 1) -> dict:
@@ -107,7 +108,9 @@ def test_work_run_again_is_counted_once(gateway):
     work = _workload(api)
     db = api.client.app.state.gateway.db
     before = _totals(api.get("billing/usage/events", params=_window()).json())
-    usage._count_training(db, work["model"], 1, 3)
+    again = trainer_pb2.ForwardBackwardRequest(model_id=work["model"], seq_id=1, data=[common_pb2.Datum(tokens=[5, 6, 7])])
+    with db.engine.begin() as conn:          # as the re-run's future would be finished
+        assert not usage.add(conn, usage.trained(again)(conn))
     sample_key = next(k for k in db.select(select(usage.UsageCountedRow.key)) if k.startswith("sample:"))
     usage._count_sample(db, "tiny/base", sample_key.removeprefix("sample:"), 3, 4)
     usage._checkpoint_made(db, work["path"], f"{work['model']}#4")
