@@ -11,8 +11,10 @@ gateway reports a sample finished on any other, and no gateway's restart loses o
   (in the same transaction); a payload fetched with retrieve_future deletes its row unless a poll
   here reported it (older SDKs fetch without polling);
 - rows live at most as long as their futures (housekeeping).
-A row another gateway writes wakes a poll waiting here within WATCH_S: one watcher per gateway
-reads the rows new since it last looked while some poll waits.
+A row another gateway writes wakes a poll waiting here: on PostgreSQL at once, by a notice the
+writing transaction sends on commit (NOTIFY on CHANNEL, heard by one listening connection per
+gateway); and within WATCH_S by one watcher per gateway that reads the rows new since it last
+looked while some poll waits (SQLite, and a notice missed while the listener reconnects).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import threading
 import time
 
-from sqlalchemy import and_, bindparam, delete, func, or_, select, update
+from sqlalchemy import and_, bindparam, delete, func, or_, select, text, update
 
 from gateway.storage.db import CompletionRow, Database, now
 
@@ -36,6 +39,10 @@ WATCH_S = 0.05                  # how often the watcher looks for other gateways
 # (on Postgres) a row may become visible after rows with larger seqs.
 _COMMIT_LAG_S = 1.0
 _IDLE_LOOK_S = 0.5              # how often the watcher notes the highest seq while no poll waits
+CHANNEL = "tinkerd_completions"     # PostgreSQL notices of new completions: [writer, session, clone]
+_NOTIFY = text("SELECT pg_notify(:channel, :payload)")
+_LISTEN_RETRY_S = 1.0
+_NET_WATCH_S = 0.5              # the watcher's period while notices are heard
 
 _T = CompletionRow.__table__
 _C = _T.c
@@ -46,6 +53,13 @@ class Completion:
     request_id: str
     failed: bool
     size: int                   # the payload's bytes (the SDK reserves its memory before fetching)
+
+
+def announce(conn, target: Target, writer: str) -> None:
+    """In the transaction writing a completion of `target`: on PostgreSQL, a notice every gateway's
+    listener hears once it commits (`writer`, the writing gateway, skips its own)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(_NOTIFY, {"channel": CHANNEL, "payload": json.dumps([writer, target[0], target[1]])})
 
 
 def _of(target: Target):
@@ -65,9 +79,11 @@ _ACKED_KEPT = 4096        # targets whose last acknowledgement this process reme
 
 
 class Completions:
-    def __init__(self, db: Database, watch_s: float = WATCH_S):
+    def __init__(self, db: Database, instance: str = "", watch_s: float = WATCH_S):
         self.db = db
+        self.instance = instance        # this gateway (gateway/futures/store.py Futures.instance)
         self.watch_s = watch_s
+        self.listening = False          # a PostgreSQL listener hears other gateways' notices now
         self._waiting: dict[Target, list[asyncio.Event]] = {}     # polls waiting here, by target
         self._seen: collections.deque[tuple[float, int]] = collections.deque()   # (when, highest seq then)
         # Each target's prev_cursor acknowledged last: acknowledging it again deletes nothing (a
@@ -96,6 +112,7 @@ class Completions:
             conn.execute(delete(_T).where(_C.request_id == request_id, _of(target)))
             conn.execute(_T.insert(), {**self.row(target, failed, size), "request_id": request_id,
                                        "reported_cursor": None, "finished_at": now()})
+            announce(conn, target, self.instance)
 
     def discard(self, request_id: str) -> None:
         """The client has the payload (fetched with retrieve_future): its row goes, if any, unless
@@ -220,13 +237,56 @@ class Completions:
         with self.db.engine.connect() as conn:
             return conn.execute(_NEW, {"low": low}).all()
 
+    def _listen(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+        """PostgreSQL: hears other gateways' completion notices on a connection of its own (a
+        thread: psycopg waits for them blocking) and wakes the polls waiting here for them."""
+        while not stop.is_set():
+            raw = None
+            try:
+                raw = self.db.engine.raw_connection()
+                conn = raw.driver_connection
+                raw.detach()                  # held for good: not the pool's any more
+                conn.rollback()
+                conn.autocommit = True
+                conn.execute(f"LISTEN {CHANNEL}")
+                self.listening = True
+                while not stop.is_set():
+                    for notice in conn.notifies(timeout=1.0):
+                        writer, session, clone = json.loads(notice.payload)
+                        if writer != self.instance:
+                            loop.call_soon_threadsafe(self.arrived, (session, clone))
+            except Exception as e:  # noqa: BLE001 - the watcher covers the gap; the listener comes back
+                log.warning("completion notices: %s: %s; listening again in %.0f s", type(e).__name__, e,
+                            _LISTEN_RETRY_S)
+                stop.wait(_LISTEN_RETRY_S)
+            finally:
+                self.listening = False
+                if raw is not None:
+                    try:
+                        raw.close()
+                    except Exception:  # noqa: BLE001 - a connection already broken
+                        pass
+
     async def watch_forever(self) -> None:
+        stop = None
+        if self.db.engine.dialect.name == "postgresql":
+            stop = threading.Event()
+            threading.Thread(target=self._listen, args=(asyncio.get_running_loop(), stop),
+                             name="completion-notices", daemon=True).start()
+        try:
+            await self._watch()
+        finally:
+            if stop is not None:
+                stop.set()
+
+    async def _watch(self) -> None:
         while True:
             try:
                 await self.look()
             except Exception:  # noqa: BLE001 - a database hiccup: the polls still end at their timeout
                 log.exception("could not look for completions")
-            await asyncio.sleep(self.watch_s)
+            # While notices are heard the watcher is only the net under them.
+            await asyncio.sleep(max(self.watch_s, _NET_WATCH_S) if self.listening else self.watch_s)
 
     def queued(self) -> int:
         with self.db.engine.connect() as conn:

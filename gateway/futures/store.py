@@ -35,7 +35,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from gateway.errors import error_json
-from gateway.futures.completions import Completions, Target
+from gateway.futures.completions import Completions, Target, announce
 from gateway.futures.waits import Waits
 from gateway import usage
 from gateway.jobs.base import Job as TypedJob
@@ -105,8 +105,9 @@ class FutureStore:
     """The futures' rows in the database (gateway/storage/db.py FutureRow): inserted with the
     owner's limits, finished once, leased by the gateway running them, claimed once lapsed."""
 
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, instance: str = ""):
         self.db = db
+        self.instance = instance        # the gateway writing (its own completion notices are not for it)
 
     def insert(self, row: FutureRow, admit: Callable[[Connection], None] | None = None) -> FutureRow:
         """Inserts a pending future, or returns the existing one with the same idempotency key.
@@ -142,6 +143,7 @@ class FutureStore:
             if finished and completion is not None:
                 conn.execute(_INSERT_COMPLETION, {**completion, "request_id": request_id, "reported_cursor": None,
                                                   "finished_at": stamp})
+                announce(conn, (completion["sampling_session_id"], completion["clone"]), self.instance)
             if finished and also is not None:
                 also(conn)
             return finished
@@ -214,11 +216,11 @@ class Futures:
 
     def __init__(self, db: Database, lease_s: float = 10.0, traces: Traces | None = None):
         self.db = db
-        self.store = FutureStore(db)                # the rows' SQL
         self.lease_s = lease_s
         self.traces = traces or Traces(db)          # each session's request spans (gateway/traces/spans.py)
         # This process, as the owner of the futures it runs (unique across restarts and hosts).
         self.instance = f"{socket.gethostname()[:32]}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.store = FutureStore(db, self.instance)         # the rows' SQL
         self.started_at = now()
         self._pending: dict[str, _Pending] = {}        # started here, not finished yet
         self._finished = FinishedResults()
@@ -226,7 +228,7 @@ class Futures:
         self._pending_by_owner: collections.Counter[tuple[str, str]] = collections.Counter()
         self._submitting: collections.Counter[str] = collections.Counter()   # keys being recorded here, unstarted
         self._cancelled: set[str] = set()              # finished by cancel(); their jobs still running
-        self.completions = Completions(db)
+        self.completions = Completions(db, self.instance)
         self.waits = Waits(self)
         self.stopping = False       # shutting down: a job cut short is left to be re-driven, not failed
 

@@ -2,8 +2,8 @@
 team runs them: the unmodified SDK 0.38 trains, saves and samples through the balancer, balanced
 per connection and per request. Every sample must reach the SDK (its retrieve_futures poll may
 land on a gateway other than the one that ran the sample), and a sample's latency through the
-balancer stays within 1.5x of going to one gateway directly (p95 of 16 concurrent samples, the
-median of rounds taken in turn)."""
+balancer stays within 1.5x of going to one gateway directly (p95 of 16 concurrent samples; the
+median over rounds taken in turn of each round's ratio)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from launcher.up import free_port
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 CONCURRENT = 16
-ROUNDS = 3
+ROUNDS = 5
 
 
 def _latencies(sampling_client, prompt, params) -> list[float]:
@@ -98,14 +98,20 @@ def test_samples_reach_the_sdk_through_any_gateway(tiny_model_dir, tmp_path):
 
         params = types.SamplingParams(max_tokens=16, temperature=1.0, stop=[])
         samplers = {mode: c.create_sampling_client(model_path=path) for mode, c in clients.items()}
+        for sampler in samplers.values():    # each client's connections made and first polls sent, untimed
+            _latencies(sampler, prompt, params)
         p95: dict[str, list[float]] = {mode: [] for mode in samplers}
-        for _ in range(ROUNDS):               # in turn, so the machine's drift falls on all alike
-            for mode, sampler in samplers.items():
-                p95[mode].append(float(np.percentile(_latencies(sampler, prompt, params), 95)))
-        median = {mode: statistics.median(v) for mode, v in p95.items()}
-        print(f"p95 of {CONCURRENT} concurrent samples, per round: {p95}; medians {median}")
+        modes = list(samplers)
+        for r in range(ROUNDS):               # in turn, each round starting one further along
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+                p95[mode].append(float(np.percentile(_latencies(samplers[mode], prompt, params), 95)))
+        # Each mode against going direct in the same round: the machine's drift between rounds
+        # (this VM's speed swings by tens of percent within minutes) falls on both alike.
+        ratio = {mode: statistics.median(a / b for a, b in zip(p95[mode], p95["direct"]))
+                 for mode in ("connection", "request")}
+        print(f"p95 of {CONCURRENT} concurrent samples, per round: {p95}; median ratio to direct {ratio}")
         for mode in ("connection", "request"):
-            assert median[mode] <= 1.5 * median["direct"], (mode, median)
+            assert ratio[mode] <= 1.5, (mode, ratio, p95)
         # Balanced per request, both gateways answered the SDK's polls and payload fetches.
         sent = httpx.get(balanced["request"] + "/_balancer/stats").json()
         for url in urls:

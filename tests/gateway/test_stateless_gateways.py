@@ -227,3 +227,40 @@ def test_stable_reinforce_on_one_gateway_finds_what_was_sampled_through_the_othe
         assert on_b == on_a                            # b built the very request a builds
         other_model = api_b.model(api_b.session(), model_seq_id=1)    # records belong to their session
         assert_user_error(_forward_backward(api_b, other_model, 1, sequence_id), 400, "no stability record")
+
+
+def test_a_sample_finished_on_one_gateway_wakes_a_poll_on_the_other_by_its_notice(tmp_path):
+    """PostgreSQL: the transaction that writes a completion sends a notice on commit, and every
+    other gateway's listener wakes its polls for that sampling session at once, not at the
+    watcher's next look (which runs only as a net under the notices: here every 30 s)."""
+    pytest.importorskip("pgserver")
+    from harness.postgres import postgres
+
+    sampler = HeldSampler()
+    with postgres(tmp_path / "pg", "tinkerd") as url, \
+            fake_services(tmp_path, FakeTrainer(str(tmp_path / "state")), sampler, db_url=url) as settings:
+        with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+            api_a = Api(a, "").as_user("tester")
+            api_b = Api(b, api_a.api_key)
+            completions_b = b.app.state.gateway.futures.completions
+            completions_b.watch_s = 30.0
+            deadline = time.monotonic() + 10
+            while not completions_b.listening:
+                assert time.monotonic() < deadline, "gateway b never listened for notices"
+                time.sleep(0.05)
+            time.sleep(0.6)          # the watcher's look in flight at start is over: it sleeps 30 s now
+            sid = _sampling_session(api_a)
+            sampler.release.clear()
+            rid = _sample(api_a, sid, 0)
+            body = {"target": {"type": "sampling_session", "sampling_session_id": sid, "cloned_sampler_id": 0},
+                    "prev_cursor": 0, "timeout": 20.0}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(api_b.post, "retrieve_futures", body)
+                time.sleep(0.5)
+                assert not waiting.done()
+                released = time.monotonic()
+                sampler.release.set()
+                answer = waiting.result(timeout=20).json()
+                woken_s = time.monotonic() - released
+            assert [c["request_id"] for c in answer["completions"]] == [rid]
+            assert woken_s < 2.0, woken_s          # the notice, not the 30 s watcher nor the 20 s timeout
