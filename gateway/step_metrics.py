@@ -48,7 +48,20 @@ _INSERTS = {"postgresql": _insert(postgresql), "sqlite": _insert(sqlite)}
 def recorder(request, reply):
     """A finished forward_backward/forward (ForwardBackwardRequest/Response) or optim_step
     (OptimStepRequest/Response), as a function of the connection that writes its row: run in the
-    transaction that finishes the request's future (gateway/jobs/base.py Done.records)."""
+    transaction that finishes the request's future (gateway/jobs/base.py Done.records). None if
+    they cannot be made: metrics are for display, a failure to record is logged, never the job's."""
+    try:
+        values = _values(request, reply)
+    except Exception:  # noqa: BLE001 - the training result must still go out
+        log.exception("could not record step metrics of %s seq %s", request.model_id, request.seq_id)
+        return None
+
+    def write(conn) -> None:
+        conn.execute(_INSERTS["postgresql" if conn.dialect.name == "postgresql" else "sqlite"], values)
+    return write
+
+
+def _values(request, reply) -> dict:
     if isinstance(request, trainer_pb2.ForwardBackwardRequest):
         kind = "forward" if request.forward_only else "forward_backward"
         metrics = {**dict(reply.metrics), **_request_counts(request)}
@@ -60,11 +73,7 @@ def recorder(request, reply):
         metrics = {**dict(reply.metrics), "learning_rate": params.learning_rate}
     else:
         raise TypeError(f"not a training request: {type(request).__name__}")
-    values = {"model_id": request.model_id, "seq_id": request.seq_id, "kind": kind, "metrics": metrics, "at": now()}
-
-    def write(conn) -> None:
-        conn.execute(_INSERTS["postgresql" if conn.dialect.name == "postgresql" else "sqlite"], values)
-    return write
+    return {"model_id": request.model_id, "seq_id": request.seq_id, "kind": kind, "metrics": metrics, "at": now()}
 
 
 def _request_counts(request: trainer_pb2.ForwardBackwardRequest) -> dict[str, float]:

@@ -114,12 +114,16 @@ class Completions:
                                        "reported_cursor": None, "finished_at": now()})
             announce(conn, target, self.instance)
 
-    def discard(self, request_id: str) -> None:
+    async def fetched(self, request_id: str) -> None:
         """The client has the payload (fetched with retrieve_future): its row goes, if any, unless
-        a poll here reported it (then the client's next poll acknowledges it: one delete, not two)."""
+        a poll here reported it (then the client's next poll acknowledges it: one delete, not two,
+        and no hand-off to the database's threads)."""
         with self._memo:
             if request_id in self._reported:
                 return
+        await self.db.run(self._discard, request_id)
+
+    def _discard(self, request_id: str) -> None:
         with self.db.engine.begin() as conn:
             conn.execute(_FETCHED, {"rid": request_id})
         with self._memo:

@@ -34,7 +34,7 @@ class Waits:
             if row.status == Status.PENDING:
                 return row
         if row.request_type == "sample":
-            await self.futures.db.run(self.futures.completions.discard, request_id)   # no poll needs to report it
+            await self.futures.completions.fetched(request_id)     # no poll needs to report it
         return row
 
     async def _poll_row(self, row: FutureRow, deadline: float, owner: str) -> FutureRow:

@@ -182,7 +182,6 @@ class Jobs:
 
     def stop(self) -> None:
         """A clean shutdown: the jobs running here stop unfinished and their leases are given up."""
-        self.futures.stopping = True
         self.order.stop()
         for task in self._tasks.values():
             task.cancel()

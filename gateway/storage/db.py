@@ -540,17 +540,17 @@ class Database:
         return found[0] if found is not None and found[1] > time.monotonic() else None
 
     def get(self, cls, key):
-        cached = self._cache.get((cls.__name__, key))
-        if cached is not None and cached[1] > time.monotonic():
-            return cached[0]
+        row = self.cached(cls, key)
+        if row is not None:
+            return row
         if isinstance(key, str) and not _encodable(key):
             return None              # a lone surrogate from JSON: no row has it, and no driver takes it
         with self.session() as s:
             row = s.get(cls, key)
         if row is not None and cls.__name__ in _CACHED:
             self._remember((cls.__name__, key), row)
-        elif cached is not None:
-            self._cache.pop((cls.__name__, key), None)
+        else:
+            self._cache.pop((cls.__name__, key), None)      # an expired entry of a row gone
         return row
 
     @contextlib.contextmanager
