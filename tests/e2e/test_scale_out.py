@@ -84,7 +84,10 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
     token = service_token_file(state)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                                               "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
+    # One thread per service: the twin below must get the same weights, and with `auto` a step's
+    # thread count follows which services are busy at that moment, so its sums are ordered
+    # differently (seen: one logprob 1.4e-5 apart after four steps).
+    env.update(OMP_NUM_THREADS="1", TINKERD_CPU_THREADS="1", HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
     tinkerd = [sys.executable, "-m", "launcher.cli"]
     trainer_port, ports = free_port(), [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
