@@ -7,14 +7,21 @@ gateway reports a sample finished on any other, and no gateway's restart loses o
 - a row is written in the transaction that finishes its sample (FutureStore.finish);
 - a poll answers the target's rows not reported yet, and those reported under a cursor after
   its `prev_cursor` (that answer never reached the client), and gives them a new cursor;
-- the next poll's `prev_cursor` acknowledges them (deleted), as do its `retrieved_request_ids`
-  (in the same transaction); a payload fetched with retrieve_future deletes its row unless a poll
-  here reported it (older SDKs fetch without polling);
+- the next poll's `prev_cursor` acknowledges them (deleted), as do its `retrieved_request_ids`,
+  in the transaction of the next look at that target, or within GARBAGE_S by the watcher: a row
+  acknowledged is never reported again whether deleted yet or not; a payload fetched with
+  retrieve_future deletes its row unless a poll here reported it (older SDKs fetch without
+  polling);
+- a poll needs no look at a target when no completion of it has arrived here since a look here
+  reported all there was up to a cursor at or before the poll's `prev_cursor` (`_empty`): an
+  acknowledgement-only poll then answers from memory, and a long poll waits for an arrival
+  before it looks (SDK 0.38 polls three times for a lone sample; two are acknowledgements);
 - rows live at most as long as their futures (housekeeping).
 A row another gateway writes wakes a poll waiting here: on PostgreSQL at once, by a notice the
 writing transaction sends on commit (NOTIFY on CHANNEL, heard by one listening connection per
 gateway); and within WATCH_S by one watcher per gateway that reads the rows new since it last
-looked while some poll waits (SQLite, and a notice missed while the listener reconnects).
+looked while some poll waits (SQLite, and a notice missed while the listener reconnects), and
+every _IDLE_LOOK_S while none waits but a target is known empty here.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ CHANNEL = "tinkerd_completions"     # PostgreSQL notices of new completions: [wr
 _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
 _LISTEN_RETRY_S = 1.0
 _NET_WATCH_S = 0.5              # the watcher's period while notices are heard
+GARBAGE_S = 0.5                 # acknowledged rows no look took along are deleted this often
 
 _T = CompletionRow.__table__
 _C = _T.c
@@ -94,6 +102,13 @@ class Completions:
         # its retrieved_request_ids), so fetching the payload need not delete the row as well.
         self._reported: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._memo = threading.Lock()     # the memos above, used on the database's threads
+        # Acknowledgements not applied yet, by target: (the largest prev_cursor, retrieved ids).
+        self._garbage: dict[Target, tuple[int, list[str]]] = {}
+        self._garbage_at = time.monotonic()
+        # Targets whose last look here left nothing to report after this cursor, with no arrival
+        # since (any arrival here counts: `_arrivals` tells a look that raced one).
+        self._clean: collections.OrderedDict[Target, int] = collections.OrderedDict()
+        self._arrivals = 0
 
     @staticmethod
     def row(target: Target, failed: bool, size: int) -> dict:
@@ -101,9 +116,54 @@ class Completions:
         return {"sampling_session_id": target[0], "clone": target[1], "failed": failed, "size": size}
 
     def arrived(self, target: Target) -> None:
-        """A sample of `target` finished here: wake the polls waiting for it at once."""
+        """A completion of `target` was written (here, or by another gateway: its notice, the
+        watcher): wake the polls waiting for it at once; the next poll looks."""
+        self._arrivals += 1
+        self._clean.pop(target, None)
         for event in self._waiting.get(target, ()):
             event.set()
+
+    def _empty(self, target: Target, prev_cursor: int) -> bool:
+        """Whether a look at `target` now would report nothing (see the module's docstring)."""
+        clean = self._clean.get(target)
+        return clean is not None and prev_cursor >= clean
+
+    def _defer(self, target: Target, prev_cursor: int, retrieved: list[str]) -> None:
+        """A poll's acknowledgements, for the next look at its target or the watcher."""
+        with self._memo:
+            if not retrieved and (not prev_cursor or self._acked.get(target) == prev_cursor):
+                return
+            cursor, ids = self._garbage.get(target, (0, []))
+            self._garbage[target] = (max(cursor, prev_cursor), ids + list(retrieved))
+
+    def _garbage_of(self, target: Target) -> list[str]:
+        """The retrieved ids waiting to go of `target` (the look applies its cursor itself)."""
+        with self._memo:
+            return self._garbage.pop(target, (0, []))[1]
+
+    def collect_garbage(self) -> None:
+        """Every acknowledgement not applied yet, in one transaction (the database's thread)."""
+        with self._memo:
+            garbage, self._garbage = self._garbage, {}
+        if not garbage:
+            return
+        with self.db.engine.begin() as conn:
+            for target, (prev_cursor, retrieved) in garbage.items():
+                if retrieved:
+                    self._discard_all(conn, retrieved, target)
+                self._acknowledge(conn, target, prev_cursor)
+
+    def _acknowledge(self, conn, target: Target, prev_cursor: int) -> None:
+        """The target's rows reported at or before `prev_cursor` go (once per cursor)."""
+        with self._memo:
+            if not prev_cursor or self._acked.get(target) == prev_cursor:
+                return
+        conn.execute(_ACKNOWLEDGE, {"sid": target[0], "clone": target[1], "prev": prev_cursor})
+        with self._memo:
+            self._acked.pop(target, None)
+            self._acked[target] = prev_cursor
+            while len(self._acked) > _ACKED_KEPT:
+                self._acked.popitem(last=False)
 
     def report_again(self, target: Target, request_id: str, failed: bool, size: int) -> None:
         """A resent sample that had finished: the client may have missed its report (the caller
@@ -150,15 +210,7 @@ class Completions:
         with self.db.engine.begin() as conn:
             if retrieved:
                 self._discard_all(conn, retrieved, target)
-            with self._memo:
-                acknowledged = not prev_cursor or self._acked.get(target) == prev_cursor
-            if not acknowledged:
-                conn.execute(_ACKNOWLEDGE, where)
-                with self._memo:
-                    self._acked.pop(target, None)
-                    self._acked[target] = prev_cursor
-                    while len(self._acked) > _ACKED_KEPT:
-                        self._acked.popitem(last=False)
+            self._acknowledge(conn, target, prev_cursor)
             rows = conn.execute(_TO_REPORT, {**where, "limit": limit}).all()
             if not rows:
                 return [], prev_cursor
@@ -182,8 +234,11 @@ class Completions:
         finish close together: one answer, not one each); and the cursor to send back next:
         `prev_cursor` itself when none (a larger one would make the SDK send an acknowledgement
         for nothing)."""
+        self._defer(target, prev_cursor, retrieved)
         if timeout_s <= 0:
-            return await self.db.run(self._take, target, prev_cursor, limit, retrieved)
+            if self._empty(target, prev_cursor):
+                return [], prev_cursor
+            return await self._look(target, prev_cursor, limit)
         event = asyncio.Event()
         waiters = self._waiting.setdefault(target, [])
         waiters.append(event)
@@ -193,10 +248,13 @@ class Completions:
                 if not self._seen:
                     self._seen.append((stamp, highest))
             deadline = time.monotonic() + timeout_s
+            wait_first = self._empty(target, prev_cursor)
             while True:
                 event.clear()           # before the look: a sample finished while it runs sets it again
-                found, cursor = await self.db.run(self._take, target, prev_cursor, limit, retrieved)
-                retrieved = ()
+                if wait_first:
+                    wait_first, found, cursor = False, [], prev_cursor
+                else:
+                    found, cursor = await self._look(target, prev_cursor, limit)
                 left = deadline - time.monotonic()
                 if found or left <= 0:
                     return found, cursor
@@ -211,6 +269,24 @@ class Completions:
             if not waiters:
                 del self._waiting[target]
 
+    async def _look(self, target: Target, prev_cursor: int, limit: int) -> tuple[list[Completion], int]:
+        """One look at the target (with its acknowledgements waiting). With no arrival meanwhile,
+        and fewer than `limit` rows found, nothing is left to report after the cursor it answers:
+        the target is marked empty there (a client that never got this answer polls again from an
+        older cursor, and that poll looks)."""
+        arrivals, retrieved = self._arrivals, self._garbage_of(target)
+        try:
+            found, cursor = await self.db.run(self._take, target, prev_cursor, limit, retrieved)
+        except BaseException:
+            self._defer(target, 0, retrieved)         # for the next look, or the watcher
+            raise
+        self._clean.pop(target, None)
+        if len(found) < limit and arrivals == self._arrivals:
+            self._clean[target] = cursor
+            while len(self._clean) > _ACKED_KEPT:
+                self._clean.popitem(last=False)
+        return found, cursor
+
     def _highest(self) -> int:
         with self.db.engine.connect() as conn:
             return conn.execute(select(func.coalesce(func.max(_C.seq), 0))).scalar()
@@ -223,13 +299,23 @@ class Completions:
         stamp = time.monotonic()
         while len(self._seen) > 1 and self._seen[1][0] < stamp - _COMMIT_LAG_S:
             self._seen.popleft()
+        if stamp - self._garbage_at >= GARBAGE_S:
+            self._garbage_at = stamp
+            await self.db.run(self.collect_garbage)
         if not self._waiting:
             if not self._seen or stamp - self._seen[-1][0] >= _IDLE_LOOK_S:
-                highest = await self.db.run(self._highest)
-                self._seen.append((stamp, max(highest, self._seen[-1][1] if self._seen else 0)))
+                if self._clean and self._seen:      # a target known empty must hear of new rows
+                    await self._arrivals_since(stamp)
+                else:
+                    highest = await self.db.run(self._highest)
+                    self._seen.append((stamp, max(highest, self._seen[-1][1] if self._seen else 0)))
             return
         if not self._seen:        # the first poll is still reading its start
             return
+        await self._arrivals_since(stamp)
+
+    async def _arrivals_since(self, stamp: float) -> None:
+        """The rows new since the watcher's look of _COMMIT_LAG_S ago: those not reported arrive."""
         low = self._seen[0][1]
         rows = await self.db.run(self._new_since, low)
         self._seen.append((stamp, max([low] + [r.seq for r in rows])))
@@ -293,6 +379,8 @@ class Completions:
             await asyncio.sleep(max(self.watch_s, _NET_WATCH_S) if self.listening else self.watch_s)
 
     def queued(self) -> int:
+        """Rows not acknowledged yet (those acknowledged go first)."""
+        self.collect_garbage()
         with self.db.engine.connect() as conn:
             return conn.execute(select(func.count()).select_from(_T)).scalar()
 

@@ -271,7 +271,10 @@ class CompletionRow(Base):
     size: Mapped[int] = mapped_column(BigInteger)           # the payload's bytes (the SDK reserves them)
     reported_cursor: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     finished_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
-    __table_args__ = (Index("ix_completions_target", "sampling_session_id", "clone", "seq"),)
+    # AUTOINCREMENT: SQLite reuses the highest rowid once its row is deleted, and a watcher that
+    # reads the rows above the highest seq it saw would miss the row that reused it.
+    __table_args__ = (Index("ix_completions_target", "sampling_session_id", "clone", "seq"),
+                      {"sqlite_autoincrement": True})
 
 
 class TraceSpanRow(Base):

@@ -169,6 +169,39 @@ def test_a_reported_sample_leaves_the_queue_once_with_the_next_poll(gw):
     assert gw.futures.completions.queued() == 0
 
 
+def test_a_session_known_empty_is_acknowledged_without_a_look(gw, monkeypatch):
+    """SDK 0.38 polls three times for a lone sample; the last two only acknowledge. Once a look
+    here reported all there was up to the client's cursor and no sample of its session finished
+    since, an acknowledgement-only poll answers from memory (no look at the database), a long
+    poll waits for a finish before it looks, and the acknowledged rows go with the watcher's next
+    collection. A poll from an older cursor (an answer the client never got) still looks."""
+    api = gw.api
+    completions = gw.futures.completions
+    sid = _sampling_session(api)
+    rid = _sample(api, sid, 0)
+    _, cursor = _collect(api, sid, 1)
+    assert api.result({"request_id": rid}).status_code == 200
+    looks = []
+    take = completions._take
+    monkeypatch.setattr(completions, "_take", lambda *a, **k: looks.append(a) or take(*a, **k))
+    assert _poll(api, sid, cursor, timeout=0) == {"completions": [], "cursor": cursor}
+    assert _poll(api, sid, cursor, timeout=0, retrieved_request_ids=[rid]) == {"completions": [], "cursor": cursor}
+    assert looks == []
+    # A long poll waits without a look until its session's next sample finishes here.
+    gw.sampler.release.clear()
+    second = _sample(api, sid, 1)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_poll, api, sid, cursor, 20.0)
+        time.sleep(0.3)
+        assert not waiting.done() and looks == []
+        gw.sampler.release.set()
+        out = waiting.result(timeout=10)
+    assert [c["request_id"] for c in out["completions"]] == [second] and len(looks) == 1
+    again = _poll(api, sid, cursor, timeout=0)          # that answer lost: from the older cursor
+    assert [c["request_id"] for c in again["completions"]] == [second] and len(looks) == 2
+    assert completions.queued() == 1          # the second sample's, reported, not acknowledged yet
+
+
 def test_clones_have_their_own_queue(gw):
     api = gw.api
     sid = _sampling_session(api)

@@ -229,6 +229,43 @@ def test_stable_reinforce_on_one_gateway_finds_what_was_sampled_through_the_othe
         assert_user_error(_forward_backward(api_b, other_model, 1, sequence_id), 400, "no stability record")
 
 
+def test_a_session_known_empty_on_one_gateway_hears_of_a_sample_finished_on_the_other(two):
+    """SQLite (no notices): gateway b looked at a sampling session and found it empty, so its next
+    polls for that session answer without a look. A sample then finishes on gateway a while no
+    poll waits on b: b's watcher still reads the new rows (every 0.5 s while a session is known
+    empty), so b's acknowledgement-only poll afterwards looks, and reports it; and a long poll on
+    b for a second sample hears of it within a look of the watcher."""
+    trainer, sampler, settings = two
+    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+        api_a = Api(a, "").as_user("tester")
+        api_b = Api(b, api_a.api_key)
+        sid = _sampling_session(api_a)
+        body = {"target": {"type": "sampling_session", "sampling_session_id": sid, "cloned_sampler_id": 0},
+                "prev_cursor": 0, "timeout": 0}
+        assert api_b.post("retrieve_futures", body).json() == {"completions": [], "cursor": 0}
+        first = _sample(api_a, sid, 0)
+        deadline = time.monotonic() + 10
+        while a.app.state.gateway.futures.pending("sample"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(2.0)          # b's watcher has looked since (the sample's row is older than its lag)
+        answer = api_b.post("retrieve_futures", body).json()
+        assert [c["request_id"] for c in answer["completions"]] == [first]
+        cursor = answer["cursor"]
+        assert api_b.post("retrieve_futures", {**body, "prev_cursor": cursor}).json()["completions"] == []
+        sampler.release.clear()
+        second = _sample(api_a, sid, 1)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(api_b.post, "retrieve_futures", {**body, "prev_cursor": cursor, "timeout": 20.0})
+            time.sleep(0.3)
+            assert not waiting.done()
+            released = time.monotonic()
+            sampler.release.set()
+            answer = waiting.result(timeout=20).json()
+        assert [c["request_id"] for c in answer["completions"]] == [second]
+        assert time.monotonic() - released < 2.0
+
+
 def test_a_sample_finished_on_one_gateway_wakes_a_poll_on_the_other_by_its_notice(tmp_path):
     """PostgreSQL: the transaction that writes a completion sends a notice on commit, and every
     other gateway's listener wakes its polls for that sampling session at once, not at the

@@ -64,3 +64,38 @@ def test_the_row_cache_stays_bounded_when_rows_are_added_and_never_read(tmp_path
         db.add(SamplingSessionRow(sampling_session_id=f"s:sample:{i}", session_id="s", base_model="m"))
     assert len(db._cache) <= 16
     assert db.get(SamplingSessionRow, "s:sample:3").session_id == "s"
+
+
+def test_a_completions_seq_is_never_reused_after_the_upgrade(tmp_path):
+    """0019: a database made at 0018 keeps its queued completions, and once the highest row is
+    deleted (acknowledged) the next row still gets a larger seq, so another gateway's watcher,
+    which reads rows above the highest seq it has seen, sees it (gateway/futures/completions.py)."""
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'at18.db'}"
+    engine = sqlalchemy.create_engine(url)
+    insert = sqlalchemy.text(
+        "INSERT INTO completions (sampling_session_id, clone, request_id, failed, size, finished_at) "
+        "VALUES ('s', 0, :rid, 0, 1, '2026-12-06 00:00:00')")
+    with engine.begin() as conn:
+        command.upgrade(schema._config(conn), "0018_export_places")
+        conn.execute(insert, {"rid": "a"})
+        conn.execute(insert, {"rid": "b"})
+    engine.dispose()
+    db = Database(url)
+    assert _revision(url) == _head()
+    with db.engine.begin() as conn:
+        assert conn.execute(sqlalchemy.text("SELECT seq, request_id FROM completions ORDER BY seq")).all() == [
+            (1, "a"), (2, "b")]
+        conn.execute(sqlalchemy.text("DELETE FROM completions WHERE seq = 2"))
+        conn.execute(insert, {"rid": "c"})
+        assert conn.execute(sqlalchemy.text("SELECT seq FROM completions WHERE request_id = 'c'")).scalar_one() == 3
+
+
+def test_every_revision_id_fits_postgres_alembic_version():
+    """alembic_version.version_num is VARCHAR(32) on PostgreSQL (SQLite does not enforce it)."""
+    from alembic.script import ScriptDirectory
+
+    from gateway.storage.schema import _config
+    long = [r.revision for r in ScriptDirectory.from_config(_config(None)).walk_revisions() if len(r.revision) > 32]
+    assert long == []
