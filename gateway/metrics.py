@@ -86,8 +86,18 @@ def observe(scope, status: int, seconds: float, routes) -> None:
     if route is None:     # refused before routing, or the body limit routed a copy of the scope
         route = next((r for r in routes if r.matches(scope)[0] == Match.FULL), None)
     template = getattr(route, "path", None) or UNMATCHED
-    REQUESTS.labels(scope["method"], template, str(status)).inc()
-    REQUEST_SECONDS.labels(scope["method"], template).observe(seconds)
+    key = (scope["method"], template, status)
+    series = _SERIES.get(key)
+    if series is None:
+        series = _SERIES[key] = (REQUESTS.labels(key[0], template, str(status)),
+                                 REQUEST_SECONDS.labels(key[0], template))
+    series[0].inc()
+    series[1].observe(seconds)
+
+
+# (method, route template, status) -> its two series: `labels` builds and locks on every call, and
+# every request is counted. Bounded as the label sets are (templates, not paths).
+_SERIES: dict[tuple[str, str, int], tuple] = {}
 
 
 router = APIRouter()

@@ -33,7 +33,7 @@ from sqlalchemy import select
 from gateway.storage.db import Database, SamplerReplicaRow, now
 from gateway.traces import spans
 from tinkerd.errors import UnavailableError
-from tinkerd.rpc import ServiceAuth, aio_channel, deadline_calls
+from tinkerd.rpc import AioCallsWithMetadata, ServiceAuth, aio_channel, deadline_calls
 from tinkerd.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ _HOLDERS_KEPT = 4096
 @dataclasses.dataclass
 class Member:
     address: str
-    stub: sampler_pb2_grpc.SamplerStub
+    stub: AioCallsWithMetadata          # a SamplerStub whose calls carry the service token
     channel: grpc.aio.Channel
     static: bool
     alive: bool = False
@@ -77,8 +77,12 @@ class SamplerPool:
         self._task = asyncio.create_task(self._watch())
 
     def _add(self, address: str, *, static: bool) -> Member:
-        channel = aio_channel(address, self.auth, deadline_calls("tinkerd.v1.Sampler", self.timeout_s))
-        member = Member(address, sampler_pb2_grpc.SamplerStub(channel), channel, static)
+        # The token goes on each call, not by an interceptor (tinkerd/rpc.py AioCallsWithMetadata);
+        # the health check the pool makes on the channel itself is open (tinkerd/rpc.py OPEN_METHODS).
+        channel = aio_channel(address, self.auth, deadline_calls("tinkerd.v1.Sampler", self.timeout_s),
+                              send_token=False)
+        stub = AioCallsWithMetadata(sampler_pb2_grpc.SamplerStub(channel), self.auth.bearer("sampler"))
+        member = Member(address, stub, channel, static)
         self.members[address] = member
         log.info("sampler replica %s joined the pool", address)
         return member
