@@ -8,7 +8,11 @@ sent), and a span whose tokens differ from what was sampled is refused. Records 
 session that sampled them and expire after a period without use, as in Tinker. They are rows of
 the database, so a step that reaches any gateway finds what was sampled through another. Each
 user's records are capped in bytes and in rows (their oldest go first): one user's sampling
-cannot push out anyone else's.
+cannot push out anyone else's. A user's rows are counted (a walk over all of them) when what this
+gateway recorded for them since it last counted could take them past a cap, or comes to a
+sixteenth of one: an RL loop records 128 sequences a step, and a count on every sample made each
+step's cost grow with the run. So a user holds at most a cap plus a sixteenth of it per other
+gateway.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import threading
 
 import numpy as np
 from sqlalchemy import delete, func, select, update
@@ -57,6 +62,9 @@ class StabilityRecords:
         self.ttl_s = ttl_s
         self.max_bytes_per_user = max_bytes_per_user
         self.max_sequences_per_user = max_sequences_per_user
+        # owner -> (rows, bytes) when last counted here, (rows, bytes) recorded here since.
+        self._counted: dict[str, tuple[int, int, int, int]] = {}
+        self._counting = threading.Lock()     # record_all runs on the database's threads
 
     def __len__(self) -> int:
         with self.db.engine.connect() as conn:
@@ -72,7 +80,8 @@ class StabilityRecords:
 
     def record_all(self, session_id: str, sequences: dict) -> None:
         """Records sequence_id -> (tokens, logprobs) for the session, in one transaction; a
-        sequence recorded again (a re-driven sample) replaces its record."""
+        sequence recorded again (a re-driven sample) replaces its record. On the database's
+        threads (Database.run)."""
         if not sequences:
             return
         stamp = now()
@@ -90,7 +99,7 @@ class StabilityRecords:
             with self.db.engine.begin() as conn:
                 conn.execute(delete(StabilityRecordRow.__table__).where(_ROWS.sequence_id.in_(list(sequences))))
                 conn.execute(StabilityRecordRow.__table__.insert(), rows)
-                self._cap(conn, owner)
+                self._cap(conn, owner, len(rows), sum(r["size_bytes"] for r in rows))
         except IntegrityError:       # another gateway recorded the same sequences at this moment
             log.warning("stability records of %s were recorded concurrently elsewhere; kept theirs", list(sequences))
 
@@ -100,11 +109,24 @@ class StabilityRecords:
                                    .where(_ROWS.owner == owner)).one()
         return int(count), int(size)
 
-    def _cap(self, conn, owner: str) -> None:
+    def _cap(self, conn, owner: str, added_rows: int, added_bytes: int) -> None:
         """Drops the user's oldest records once over either cap, down to 7/8 of it (so the next
-        few records do not each walk the user's rows again)."""
+        few records do not each walk the user's rows again); counts them only when what was
+        added here since the last count could matter (the module's docstring)."""
+        rows_cap, bytes_cap = self.max_sequences_per_user, self.max_bytes_per_user
+        with self._counting:
+            counted = self._counted.get(owner)
+            if counted is not None:
+                rows, size, new_rows, new_bytes = counted
+                new_rows, new_bytes = new_rows + added_rows, new_bytes + added_bytes
+                if (rows + new_rows <= rows_cap and size + new_bytes <= bytes_cap
+                        and new_rows <= rows_cap // 16 and new_bytes <= bytes_cap // 16):
+                    self._counted[owner] = (rows, size, new_rows, new_bytes)
+                    return
         count, size = self._held(conn, owner)
-        if count <= self.max_sequences_per_user and size <= self.max_bytes_per_user:
+        with self._counting:
+            self._counted[owner] = (count, size, 0, 0)
+        if count <= rows_cap and size <= bytes_cap:
             return
         keep_rows, keep_bytes = self.max_sequences_per_user * 7 // 8, self.max_bytes_per_user * 7 // 8
         kept_rows = kept_bytes = 0
@@ -116,6 +138,8 @@ class StabilityRecords:
                 newest_first.close()
                 conn.execute(delete(StabilityRecordRow.__table__).where(_ROWS.owner == owner,
                                                                          _ROWS.record_id <= record_id))
+                with self._counting:
+                    self._counted[owner] = (kept_rows - 1, kept_bytes - row_bytes, 0, 0)
                 return
 
     def expire(self) -> int:

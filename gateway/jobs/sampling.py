@@ -36,8 +36,9 @@ class Sample(Job):
         prompt, sampled = len(self.message.prompt_tokens), sum(len(s.tokens) for s in reply.sequences)
         spans.note(tokens_in=prompt, tokens_out=sampled)
         if self.record_for is not None:
-            ctx.stability.record_all(self.record_for, {f"{self.message.request_id}:{i}": (seq.tokens, seq.logprobs)
-                                                       for i, seq in enumerate(reply.sequences)})
+            await ctx.db.run(ctx.stability.record_all, self.record_for,
+                             {f"{self.message.request_id}:{i}": (seq.tokens, seq.logprobs)
+                              for i, seq in enumerate(reply.sequences)})
         work = None if self.of is None else usage.sample_work(
             self.message.request_id, prompt, sampled, self.of.owner, self.of.session_id, self.of.base_model)
         return Done("application/x-protobuf", convert.sample_response(reply), work)

@@ -53,7 +53,8 @@ def gw(tmp_path):
         try:
             with TestClient(create_app(settings)) as client:
                 api = Api(client, "").as_user("tester")
-                yield types.SimpleNamespace(api=api, sampler=sampler, futures=client.app.state.gateway.futures)
+                yield types.SimpleNamespace(api=api, sampler=sampler, futures=client.app.state.gateway.futures,
+                                            stability=client.app.state.gateway.stability)
         finally:
             sampler.release.set()
 
@@ -200,6 +201,24 @@ def test_a_session_known_empty_is_acknowledged_without_a_look(gw, monkeypatch):
     again = _poll(api, sid, cursor, timeout=0)          # that answer lost: from the older cursor
     assert [c["request_id"] for c in again["completions"]] == [second] and len(looks) == 2
     assert completions.queued() == 1          # the second sample's, reported, not acknowledged yet
+
+
+def test_a_samples_stability_records_are_written_off_the_event_loop(gw, monkeypatch):
+    """record_stability_info: the sampled sequences are written on the database's threads (the
+    event loop only awaits; a database that stalls must not stall every request with it)."""
+    api = gw.api
+    stability = gw.stability
+    threads = []
+    record_all = stability.record_all
+    monkeypatch.setattr(stability, "record_all", lambda *a: threads.append(threading.current_thread().name)
+                        or record_all(*a))
+    sid = _sampling_session(api)
+    body = {"sampling_session_id": sid, "seq_id": 0, "num_samples": 1, "record_stability_info": True,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]}, "sampling_params": {"max_tokens": 2}}
+    rid = api.post("asample", body).json()["request_id"]
+    assert set(_collect(api, sid, 1)[0]) == {rid}
+    assert len(threads) == 1 and threads[0].startswith("db"), threads
+    assert len(stability) == 1
 
 
 def test_clones_have_their_own_queue(gw):

@@ -75,3 +75,21 @@ def test_each_user_is_capped_in_records():
     r.record("sess-b", "b:0", [1], [-1.0])
     r.record_all("sess-a", {f"a{i}:0": ([1], [-1.0]) for i in range(20)})
     assert r.held_by("alice")[0] <= 8 and r.held_by("bob")[0] == 1
+
+
+def test_a_user_is_counted_only_when_what_was_added_could_reach_a_cap(monkeypatch):
+    """An RL loop records every sample's sequences: counting the user's rows on each (a walk over
+    all of them) made a step's cost grow with the run. They are counted when what was recorded
+    since the last count could take them past a cap, or comes to a sixteenth of one."""
+    r = _two_users(max_sequences_per_user=1600, max_bytes_per_user=256 << 20)
+    counts = []
+    held = StabilityRecords._held
+    monkeypatch.setattr(StabilityRecords, "_held", staticmethod(lambda conn, owner: counts.append(owner)
+                                                                or held(conn, owner)))
+    for step in range(40):                       # 40 samples of 8 sequences: 320 rows
+        r.record_all("sess-a", {f"s{step}:{i}": ([1, 2, 3], [-1.0, -1.0, -1.0]) for i in range(8)})
+    assert len(counts) == 4          # the first, then every 13th sample (104 rows added: over 1600 / 16)
+    for step in range(40, 400):                  # on to 3,200 rows: the cap holds, counted as it nears it
+        r.record_all("sess-a", {f"s{step}:{i}": ([1, 2, 3], [-1.0, -1.0, -1.0]) for i in range(8)})
+    assert r.held_by("alice")[0] <= 1600
+    assert len(counts) <= 400 // 12             # still about every 13th sample
