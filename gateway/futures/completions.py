@@ -82,7 +82,8 @@ _TO_REPORT = select(_C.seq, _C.request_id, _C.failed, _C.size).where(
     bindparam("limit"))
 _REPORTED = update(_T).where(_C.seq.in_(bindparam("seqs", expanding=True))).values(reported_cursor=bindparam("cursor"))
 _FETCHED = delete(_T).where(_C.request_id == bindparam("rid"))
-_NEW = select(_C.seq, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(_C.seq > bindparam("low"))
+_NEW = select(_C.seq, _C.request_id, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(
+    _C.seq > bindparam("low"))
 _ACKED_KEPT = 4096        # targets whose last acknowledgement this process remembers
 
 
@@ -106,20 +107,27 @@ class Completions:
         self._garbage: dict[Target, tuple[int, list[str]]] = {}
         self._garbage_at = time.monotonic()
         # Targets whose last look here left nothing to report after this cursor, with no arrival
-        # since (any arrival here counts: `_arrivals` tells a look that raced one).
+        # since; and the arrivals during each look in flight, by target (None: by whom unknown).
         self._clean: collections.OrderedDict[Target, int] = collections.OrderedDict()
-        self._arrivals = 0
+        self._looking: dict[Target, list[set[str | None]]] = {}
 
     @staticmethod
     def row(target: Target, failed: bool, size: int) -> dict:
         """A sample's completion as FutureStore.finish writes it."""
         return {"sampling_session_id": target[0], "clone": target[1], "failed": failed, "size": size}
 
-    def arrived(self, target: Target) -> None:
+    def arrived(self, target: Target, request_id: str | None = None) -> None:
         """A completion of `target` was written (here, or by another gateway: its notice, the
-        watcher): wake the polls waiting for it at once; the next poll looks."""
-        self._arrivals += 1
+        watcher): wake the polls waiting for it at once; the next poll looks. A sample finished
+        here that a look here reported already (it committed just before the look read) is no
+        news."""
+        if request_id is not None:
+            with self._memo:
+                if request_id in self._reported:
+                    return
         self._clean.pop(target, None)
+        for arrivals in self._looking.get(target, ()):
+            arrivals.add(request_id)
         for event in self._waiting.get(target, ()):
             event.set()
 
@@ -270,18 +278,26 @@ class Completions:
                 del self._waiting[target]
 
     async def _look(self, target: Target, prev_cursor: int, limit: int) -> tuple[list[Completion], int]:
-        """One look at the target (with its acknowledgements waiting). With no arrival meanwhile,
-        and fewer than `limit` rows found, nothing is left to report after the cursor it answers:
-        the target is marked empty there (a client that never got this answer polls again from an
-        older cursor, and that poll looks)."""
-        arrivals, retrieved = self._arrivals, self._garbage_of(target)
+        """One look at the target (with its acknowledgements waiting). When it found fewer than
+        `limit` rows and nothing arrived meanwhile but what it found, nothing is left to report
+        after the cursor it answers: the target is marked empty there (a client that never got
+        this answer polls again from an older cursor, and that poll looks)."""
+        arrivals: set[str | None] = set()
+        self._looking.setdefault(target, []).append(arrivals)
+        retrieved = self._garbage_of(target)
         try:
             found, cursor = await self.db.run(self._take, target, prev_cursor, limit, retrieved)
         except BaseException:
             self._defer(target, 0, retrieved)         # for the next look, or the watcher
             raise
+        finally:
+            looks = [a for a in self._looking[target] if a is not arrivals]      # this look's, not an equal one
+            if looks:
+                self._looking[target] = looks
+            else:
+                del self._looking[target]
         self._clean.pop(target, None)
-        if len(found) < limit and arrivals == self._arrivals:
+        if len(found) < limit and arrivals <= {c.request_id for c in found}:
             self._clean[target] = cursor
             while len(self._clean) > _ACKED_KEPT:
                 self._clean.popitem(last=False)
@@ -315,13 +331,17 @@ class Completions:
         await self._arrivals_since(stamp)
 
     async def _arrivals_since(self, stamp: float) -> None:
-        """The rows new since the watcher's look of _COMMIT_LAG_S ago: those not reported arrive."""
+        """The rows new since the watcher's look of _COMMIT_LAG_S ago: those not reported arrive
+        (nor by a poll here since the read: its look saw them, and a target it marked empty
+        stays so)."""
         low = self._seen[0][1]
         rows = await self.db.run(self._new_since, low)
         self._seen.append((stamp, max([low] + [r.seq for r in rows])))
-        for r in rows:
-            if r.reported_cursor is None:
-                self.arrived((r.sampling_session_id, r.clone))
+        with self._memo:
+            new = {(r.sampling_session_id, r.clone) for r in rows
+                   if r.reported_cursor is None and r.request_id not in self._reported}
+        for target in new:
+            self.arrived(target)
 
     def _new_since(self, low: int) -> list:
         with self.db.engine.connect() as conn:

@@ -343,7 +343,7 @@ class Futures:
             row = FutureRow(request_id=request_id, status=status, content_type=content_type, result=body,
                             owner=pending.owner, request_type=pending.request_type)
             if pending.target is not None:
-                self.completions.arrived(pending.target)
+                self.completions.arrived(pending.target, request_id)
         else:      # finished elsewhere first (cancelled there, or re-driven by a gateway that thought us dead)
             row = await self.db.run(self.db.get, FutureRow, request_id)
         self._finished.put(row)
