@@ -9,17 +9,25 @@ Reported from the recipe's own metrics.jsonl: time/total, time/sampling, time/tr
 step, and optim/kl_sample_train_v1 (the sampler's logprobs against the trainer's: ~0 in fp32).
 The cookbook's venv is the one scripts/cookbook-venv.sh builds for the tests.
 
+`--minutes M`: the learning run instead, `auto` only: the recipe at rank 16, lr 2e-4 for M minutes
+of its wall time; its reward step by step, when it first reached 0.5, the mean of its last 10
+steps, where a step's seconds go (sampling, training, the rest), and the gateway's CPU against
+the wall time (our own work on the request path).
+
   python -m bench.rl_loop --steps 4 --rounds 1          (about 5 minutes on 2 cores, SmolLM2)
+  python -m bench.rl_loop --minutes 15                  (the learning run)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import tempfile
+import time
 from unittest import mock
 
 from bench.common import smollm2_model
@@ -30,6 +38,8 @@ MODES = ("1", "auto")
 RECIPE = ["renderer_name=role_colon", "env=arithmetic", "groups_per_batch=16", "group_size=8", "max_tokens=12",
           "lora_rank=32", "learning_rate=1e-4", "eval_every=0", "save_every=0", "behavior_if_log_dir_exists=delete"]
 KEYS = ("time/total", "time/sampling", "time/train_step", "optim/kl_sample_train_v1")
+LEARNING = {"lora_rank": "16", "learning_rate": "2e-4"}      # the learning run's (issue: fixed costs)
+REWARD = "env/all/reward/total"
 
 
 def default_cookbook_python() -> str:
@@ -49,6 +59,44 @@ def one_run(model_dir: str, threads: str, steps: int, cookbook_python: str, work
                            env={**os.environ, "TINKER_API_KEY": stack.api_key})
     with open(os.path.join(log_path, "metrics.jsonl")) as f:
         return [m for m in map(json.loads, f) if "time/total" in m]
+
+
+def learning_run(model_dir: str, minutes: float, cookbook_python: str, work: str) -> str:
+    """The recipe at LEARNING's settings, `auto` threads, stopped after `minutes` of its own wall
+    time; a report of its reward and of where its seconds went."""
+    from bench.request_costs import _cpu, _process
+
+    log_path = tempfile.mkdtemp(prefix="rl-learning-", dir=work)
+    recipe = [a for a in RECIPE if a.split("=")[0] not in LEARNING] + [f"{k}={v}" for k, v in LEARNING.items()]
+    os.environ.pop("OMP_NUM_THREADS", None)
+    with running_stack(model_dir, tempfile.mkdtemp(prefix="state-", dir=work)) as stack:
+        gateway = _process(stack, "gateway")
+        cpu0, t0 = _cpu(gateway), time.monotonic()
+        run = subprocess.Popen([cookbook_python, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={model_dir}",
+                                *recipe, "max_steps=100000", f"log_path={log_path}", f"base_url={stack.url}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "TINKER_API_KEY": stack.api_key})
+        try:
+            run.wait(timeout=60 * minutes)
+        except subprocess.TimeoutExpired:
+            run.terminate()
+            run.wait(timeout=60)
+        wall, gateway_cpu = time.monotonic() - t0, _cpu(gateway) - cpu0
+    with open(os.path.join(log_path, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if REWARD in m and "time/total" in m]
+    rewards = [m[REWARD] for m in steps]
+    elapsed = list(itertools.accumulate(m["time/total"] for m in steps))
+    first = next((t for t, r in zip(elapsed, rewards) if r >= 0.5), None)
+    total, sampling, training = (sum(m[k] for m in steps) for k in KEYS[:3])
+    return "\n".join([
+        f"{len(steps)} steps in {wall:.0f} s ({minutes:g} minutes asked); reward {rewards[0]:.2f} -> "
+        f"{rewards[-1]:.2f}; first >= 0.5 after {first:.0f} s" if first is not None else
+        f"{len(steps)} steps in {wall:.0f} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; never >= 0.5",
+        f"mean reward of the last 10 steps: {statistics.mean(rewards[-10:]):.3f}",
+        f"a step: median {statistics.median(m['time/total'] for m in steps):.2f} s; of all steps' time, sampling "
+        f"{sampling / total:.0%}, training {training / total:.0%}, the rest {1 - (sampling + training) / total:.0%}",
+        f"the gateway's CPU: {gateway_cpu:.1f} s over {wall:.0f} s of wall time ({gateway_cpu / wall:.1%} of one core)",
+        "reward by step: " + " ".join(f"{r:.2f}" for r in rewards)])
 
 
 def render(runs: dict[str, list[list[dict]]]) -> str:
@@ -74,10 +122,15 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1, help="runs of each mode, taken in turn")
     p.add_argument("--cookbook-python", default=default_cookbook_python())
+    p.add_argument("--minutes", type=float, default=0.0, help="the learning run, this long (0: the threads runs)")
     args = p.parse_args(argv)
     if not args.model or not os.path.isfile(args.cookbook_python):
         p.error("needs --model (or `tinkerd fetch-smollm2 models/smollm2`) and the cookbook's venv "
                 "(bash scripts/cookbook-venv.sh)")
+    if args.minutes:
+        with tempfile.TemporaryDirectory(prefix="rl-loop-") as work:
+            print(learning_run(os.path.abspath(args.model), args.minutes, args.cookbook_python, work))
+        return
     runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="rl-loop-") as work:
         for _ in range(args.rounds):
