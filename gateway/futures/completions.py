@@ -317,7 +317,10 @@ class Completions:
             self._seen.popleft()
         if stamp - self._garbage_at >= GARBAGE_S:
             self._garbage_at = stamp
-            await self.db.run(self.collect_garbage)
+            with self._memo:
+                collect = bool(self._garbage)
+            if collect:
+                await self.db.run(self.collect_garbage)
         if not self._waiting:
             if not self._seen or stamp - self._seen[-1][0] >= _IDLE_LOOK_S:
                 if self._clean and self._seen:      # a target known empty must hear of new rows
