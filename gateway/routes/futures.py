@@ -99,7 +99,7 @@ async def futures_stats(caller: CallerDep, gw: GatewayDep) -> dict:
     counts over all users)."""
     if not caller.admin:
         raise NotFoundError("unknown route /internal/futures_stats")
-    return {"calls": dict(CALLS), "completions_queued": gw.futures.completions.queued()}
+    return {"calls": dict(CALLS), "completions_queued": await gw.db.run(gw.futures.completions.queued)}
 
 
 async def _json(request: Request):
