@@ -5,6 +5,8 @@ with its momentum, from a full-state save: as a new model, and loaded into one o
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import tinker
@@ -20,8 +22,25 @@ ADAM = types.AdamParams(learning_rate=1e-2)
 
 
 @pytest.fixture(scope="module")
-def service(stack):
-    return tinker.ServiceClient(base_url=stack.url)
+def service(start_stack, tiny_model_dir, tmp_path_factory):
+    """A stack of this module's own, its services computing on one thread each: a resumed model
+    is held to step exactly as the original, and with `auto` a step's thread count follows which
+    compute processes on the host are busy (tinkerd/cores.py: other tests' stacks too), so two
+    steps could sum in a different order (the suite saw one such difference)."""
+    before = os.environ.get("TINKERD_CPU_THREADS")
+    os.environ["TINKERD_CPU_THREADS"] = "1"            # what the stack's services start with
+    try:
+        own = start_stack(tiny_model_dir, tmp_path_factory.mktemp("optimizer-state"))
+        stack = own.__enter__()
+    finally:
+        if before is None:
+            del os.environ["TINKERD_CPU_THREADS"]
+        else:
+            os.environ["TINKERD_CPU_THREADS"] = before
+    try:
+        yield tinker.ServiceClient(base_url=stack.url, api_key=stack.api_key)
+    finally:
+        own.__exit__(None, None, None)
 
 
 def _step(tc, data, params) -> float:
