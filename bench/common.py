@@ -178,6 +178,12 @@ def new_dir(ctx: Context, name: str) -> str:
     return tempfile.mkdtemp(prefix=f"{name}-", dir=ctx.work_dir)
 
 
+def cpu_seconds(process) -> float:
+    """A psutil.Process's CPU time so far, user and system."""
+    t = process.cpu_times()
+    return t.user + t.system
+
+
 def rss_mib(pid: int) -> float:
     import psutil
     return psutil.Process(pid).memory_info().rss / 2**20

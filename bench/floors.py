@@ -20,6 +20,8 @@ import time
 
 import psutil
 
+from bench.common import cpu_seconds
+
 _SERVER = r'''
 import sys, uvicorn
 kind, port = sys.argv[1], int(sys.argv[2])
@@ -55,11 +57,6 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http="httptoo
 '''
 
 
-def _cpu(process: psutil.Process) -> float:
-    t = process.cpu_times()
-    return t.user + t.system
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,11 +87,11 @@ def http(kind: str, n: int) -> dict[str, float]:
             for _ in range(max(10, n // 10)):
                 client.post(url, content=body, headers=headers)
             proc, me = psutil.Process(server.pid), psutil.Process()
-            s0, c0, t0 = _cpu(proc), _cpu(me), time.perf_counter()
+            s0, c0, t0 = cpu_seconds(proc), cpu_seconds(me), time.perf_counter()
             for _ in range(n):
                 client.post(url, content=body, headers=headers)
             wall = time.perf_counter() - t0
-            s1, c1 = _cpu(proc), _cpu(me)
+            s1, c1 = cpu_seconds(proc), cpu_seconds(me)
     finally:
         server.terminate()
         server.wait()
@@ -111,12 +108,12 @@ def sqlite_commit(directory: str, n: int) -> float:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("CREATE TABLE IF NOT EXISTS t (id TEXT PRIMARY KEY, body BLOB)")
         me = psutil.Process()
-        c0 = _cpu(me)
+        c0 = cpu_seconds(me)
         for i in range(n):
             conn.execute("BEGIN")
             conn.execute("INSERT INTO t VALUES (?, ?)", (f"r{i}", b"x" * 200))
             conn.execute("COMMIT")
-        return 1e3 * (_cpu(me) - c0) / n
+        return 1e3 * (cpu_seconds(me) - c0) / n
     finally:
         conn.close()
         for suffix in ("", "-wal", "-shm"):
@@ -139,12 +136,12 @@ def postgres_commit(directory: str, n: int) -> dict[str, float] | None:
             conn.execute("CREATE TABLE t (id TEXT PRIMARY KEY, body BYTEA)")
             conn.commit()
             me = psutil.Process()
-            c0, t0 = _cpu(me), time.perf_counter()
+            c0, t0 = cpu_seconds(me), time.perf_counter()
             for i in range(n):
                 conn.execute("INSERT INTO t VALUES (%s, %s)", (f"r{i}", b"x" * 200))
                 conn.commit()
             wall = time.perf_counter() - t0
-            return {"client": 1e3 * (_cpu(me) - c0) / n, "wall": 1e3 * wall / n}
+            return {"client": 1e3 * (cpu_seconds(me) - c0) / n, "wall": 1e3 * wall / n}
 
 
 def journal_append(directory: str, n: int) -> float:

@@ -22,25 +22,13 @@ import httpx
 import psutil
 
 from bench import floors
-from bench.common import Context, Row, tinkerd_up
+from bench.common import Context, Row, cpu_seconds, tinkerd_up
+from harness.stack import service_pids
 
 TARGET_MS = {"sample": 1.0}          # gateway CPU per request; training requests 2 ms (issue: fixed costs)
 BURST = 16                           # samples at once in the burst kind
 # Not part of a request: the stack's own traffic during the measurement.
 _BACKGROUND = ("/metrics", "/api/v1/healthz", "/internal/v1/samplers/register", "/api/v1/session_heartbeat")
-
-
-def _process(stack, service: str) -> psutil.Process:
-    for child in psutil.Process(stack.pid).children(recursive=True):
-        cmdline = child.cmdline()
-        if len(cmdline) > 3 and cmdline[3] == service:       # python -m launcher.cli <service>
-            return child
-    raise RuntimeError(f"no {service} process under the stack")
-
-
-def _cpu(process: psutil.Process) -> float:
-    t = process.cpu_times()
-    return t.user + t.system
 
 
 def _requests(stack) -> collections.Counter:
@@ -60,12 +48,12 @@ def _measure(fn, n: int, per_call: int, processes: dict[str, psutil.Process], st
     fn()                                     # warm
     time.sleep(0.2)                          # the SDK's acknowledgements of the warm-up answered
     http0 = _requests(stack)
-    before = {name: _cpu(p) for name, p in processes.items()}
+    before = {name: cpu_seconds(p) for name, p in processes.items()}
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
     wall = time.perf_counter() - t0
-    out = {name: 1e3 * (_cpu(p) - before[name]) / (n * per_call) for name, p in processes.items()}
+    out = {name: 1e3 * (cpu_seconds(p) - before[name]) / (n * per_call) for name, p in processes.items()}
     time.sleep(0.2)
     http = _requests(stack) - http0
     out["wall"] = 1e3 * wall / (n * per_call)
@@ -86,10 +74,10 @@ def _grpc_floor(stack, n: int) -> dict[str, float]:
     stub = trainer_pb2_grpc.TrainerStub(channel(f"127.0.0.1:{port}", auth))
     stub.Health(common_pb2.HealthRequest())
     me = psutil.Process()
-    c0, t0 = _cpu(me), time.perf_counter()
+    c0, t0 = cpu_seconds(me), time.perf_counter()
     for _ in range(n):
         stub.Health(common_pb2.HealthRequest())
-    return {"wall": 1e3 * (time.perf_counter() - t0) / n, "client": 1e3 * (_cpu(me) - c0) / n}
+    return {"wall": 1e3 * (time.perf_counter() - t0) / n, "client": 1e3 * (cpu_seconds(me) - c0) / n}
 
 
 def _hop_floors(ctx: Context) -> dict:
@@ -107,8 +95,8 @@ def run(ctx: Context) -> list[Row]:
     hop = _hop_floors(ctx)
     n = ctx.iters(60, 3)
     with tinkerd_up(ctx, "request_costs", ctx.models["tiny"]) as stack:
-        processes = {"gateway": _process(stack, "gateway"), "trainer": _process(stack, "trainer"),
-                     "client": psutil.Process()}
+        processes = {name: psutil.Process(pid) for name, pid in service_pids(stack.pid).items() if name != "sampler"}
+        processes["client"] = psutil.Process()
         service = tinker.ServiceClient(base_url=stack.url)
         tc = service.create_lora_training_client(base_model=ctx.models["tiny"], rank=8).result()
         data = [types.Datum(model_input=types.ModelInput.from_ints(list(range(5, 69))),

@@ -30,9 +30,9 @@ import tempfile
 import time
 from unittest import mock
 
-from bench.common import smollm2_model
+from bench.common import cpu_seconds, smollm2_model
 from harness.client_venvs import client_venv_root
-from harness.stack import running_stack
+from harness.stack import running_stack, service_pids
 
 MODES = ("1", "auto")
 RECIPE = ["renderer_name=role_colon", "env=arithmetic", "groups_per_batch=16", "group_size=8", "max_tokens=12",
@@ -64,14 +64,14 @@ def one_run(model_dir: str, threads: str, steps: int, cookbook_python: str, work
 def learning_run(model_dir: str, minutes: float, cookbook_python: str, work: str) -> str:
     """The recipe at LEARNING's settings, `auto` threads, stopped after `minutes` of its own wall
     time; a report of its reward and of where its seconds went."""
-    from bench.request_costs import _cpu, _process
+    import psutil
 
     log_path = tempfile.mkdtemp(prefix="rl-learning-", dir=work)
     recipe = [a for a in RECIPE if a.split("=")[0] not in LEARNING] + [f"{k}={v}" for k, v in LEARNING.items()]
     os.environ.pop("OMP_NUM_THREADS", None)
     with running_stack(model_dir, tempfile.mkdtemp(prefix="state-", dir=work)) as stack:
-        gateway = _process(stack, "gateway")
-        cpu0, t0 = _cpu(gateway), time.monotonic()
+        gateway = psutil.Process(service_pids(stack.pid)["gateway"])
+        cpu0, t0 = cpu_seconds(gateway), time.monotonic()
         run = subprocess.Popen([cookbook_python, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={model_dir}",
                                 *recipe, "max_steps=100000", f"log_path={log_path}", f"base_url={stack.url}"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -81,7 +81,7 @@ def learning_run(model_dir: str, minutes: float, cookbook_python: str, work: str
         except subprocess.TimeoutExpired:
             run.terminate()
             run.wait(timeout=60)
-        wall, gateway_cpu = time.monotonic() - t0, _cpu(gateway) - cpu0
+        wall, gateway_cpu = time.monotonic() - t0, cpu_seconds(gateway) - cpu0
     with open(os.path.join(log_path, "metrics.jsonl")) as f:
         steps = [m for m in map(json.loads, f) if REWARD in m and "time/total" in m]
     rewards = [m[REWARD] for m in steps]
