@@ -139,7 +139,7 @@ class Completions:
     def _defer(self, target: Target, prev_cursor: int, retrieved: list[str]) -> None:
         """A poll's acknowledgements, for the next look at its target or the watcher."""
         with self._memo:
-            if not retrieved and (not prev_cursor or self._acked.get(target) == prev_cursor):
+            if not retrieved and self._acknowledged(target, prev_cursor):
                 return
             cursor, ids = self._garbage.get(target, (0, []))
             self._garbage[target] = (max(cursor, prev_cursor), ids + list(retrieved))
@@ -161,10 +161,14 @@ class Completions:
                     self._discard_all(conn, retrieved, target)
                 self._acknowledge(conn, target, prev_cursor)
 
+    def _acknowledged(self, target: Target, prev_cursor: int) -> bool:
+        """Whether acknowledging `prev_cursor` would delete nothing (under self._memo)."""
+        return not prev_cursor or self._acked.get(target) == prev_cursor
+
     def _acknowledge(self, conn, target: Target, prev_cursor: int) -> None:
         """The target's rows reported at or before `prev_cursor` go (once per cursor)."""
         with self._memo:
-            if not prev_cursor or self._acked.get(target) == prev_cursor:
+            if self._acknowledged(target, prev_cursor):
                 return
         conn.execute(_ACKNOWLEDGE, {"sid": target[0], "clone": target[1], "prev": prev_cursor})
         with self._memo:

@@ -18,12 +18,12 @@ depends_on = None
 def upgrade() -> None:
     if op.get_bind().dialect.name == "sqlite":
         with op.batch_alter_table('completions', recreate='always',
-                                  table_kwargs={'sqlite_autoincrement': True}) as batch_op:
-            del batch_op
+                                  table_kwargs={'sqlite_autoincrement': True}):
+            pass      # recreated with the new table options
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "sqlite":
         with op.batch_alter_table('completions', recreate='always',
-                                  table_kwargs={'sqlite_autoincrement': False}) as batch_op:
-            del batch_op
+                                  table_kwargs={'sqlite_autoincrement': False}):
+            pass      # recreated with the new table options
