@@ -51,6 +51,9 @@ _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
 _LISTEN_RETRY_S = 1.0
 _NET_WATCH_S = 0.5              # the watcher's period while notices are heard
 GARBAGE_S = 0.5                 # acknowledged rows no look took along are deleted this often
+# A poll acknowledging more retrieved ids than this applies them in a look of its own: what waits
+# for the watcher stays a few ids a poll, not up to MAX_RETRIEVED_IDS each.
+DEFER_IDS = 512
 
 _T = CompletionRow.__table__
 _C = _T.c
@@ -248,7 +251,7 @@ class Completions:
         for nothing)."""
         self._defer(target, prev_cursor, retrieved)
         if timeout_s <= 0:
-            if self._empty(target, prev_cursor):
+            if self._empty(target, prev_cursor) and len(retrieved) <= DEFER_IDS:
                 return [], prev_cursor
             return await self._look(target, prev_cursor, limit)
         event = asyncio.Event()

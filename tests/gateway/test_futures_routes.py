@@ -18,6 +18,7 @@ from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, fake
 
 from gateway.app import create_app
 from gateway.protocol import MAX_RETRIEVED_IDS
+from gateway.futures import completions as completions_module
 from gateway.routes import futures as futures_routes
 from tinkerd.v1 import sampler_pb2
 
@@ -188,6 +189,9 @@ def test_a_session_known_empty_is_acknowledged_without_a_look(gw, monkeypatch):
     assert _poll(api, sid, cursor, timeout=0) == {"completions": [], "cursor": cursor}
     assert _poll(api, sid, cursor, timeout=0, retrieved_request_ids=[rid]) == {"completions": [], "cursor": cursor}
     assert looks == []
+    many = [f"{i:032x}" for i in range(completions_module.DEFER_IDS + 1)]     # more than a few: applied at once
+    assert _poll(api, sid, cursor, timeout=0, retrieved_request_ids=many) == {"completions": [], "cursor": cursor}
+    assert len(looks) == 1 and looks.pop()[3] == [rid, *many]      # with the one deferred before
     # A long poll waits without a look until its session's next sample finishes here.
     gw.sampler.release.clear()
     second = _sample(api, sid, 1)
