@@ -12,10 +12,13 @@ The cookbook's venv is the one scripts/cookbook-venv.sh builds for the tests.
 `--minutes M`: the learning run instead, `auto` only: the recipe at rank 16, lr 2e-4 for M minutes
 of its wall time; its reward step by step, when it first reached 0.5, the mean of its last 10
 steps, where a step's seconds go (sampling, training, the rest), and the gateway's CPU against
-the wall time (our own work on the request path).
+the wall time (our own work on the request path). `--off-policy 0,1`: one learning run per value
+of the recipe's own `max_steps_off_policy` (0: on-policy; 1: the next batch sampled while this one
+trains, off-policy by at most one step), in turn.
 
   python -m bench.rl_loop --steps 4 --rounds 1          (about 5 minutes on 2 cores, SmolLM2)
   python -m bench.rl_loop --minutes 15                  (the learning run)
+  python -m bench.rl_loop --minutes 15 --off-policy 0,1 (on-policy, then off-policy by one step)
 """
 
 from __future__ import annotations
@@ -61,13 +64,16 @@ def one_run(model_dir: str, threads: str, steps: int, cookbook_python: str, work
         return [m for m in map(json.loads, f) if "time/total" in m]
 
 
-def learning_run(model_dir: str, minutes: float, cookbook_python: str, work: str) -> str:
+def learning_run(model_dir: str, minutes: float, cookbook_python: str, work: str, off_policy: int = 0) -> str:
     """The recipe at LEARNING's settings, `auto` threads, stopped after `minutes` of its own wall
-    time; a report of its reward and of where its seconds went."""
+    time, on-policy or (`off_policy` > 0) sampling up to that many steps ahead of training; a
+    report of its reward and of where its seconds went."""
     import psutil
 
     log_path = tempfile.mkdtemp(prefix="rl-learning-", dir=work)
     recipe = [a for a in RECIPE if a.split("=")[0] not in LEARNING] + [f"{k}={v}" for k, v in LEARNING.items()]
+    if off_policy:
+        recipe.append(f"max_steps_off_policy={off_policy}")
     os.environ.pop("OMP_NUM_THREADS", None)
     with running_stack(model_dir, tempfile.mkdtemp(prefix="state-", dir=work)) as stack:
         gateway = psutil.Process(service_pids(stack.pid)["gateway"])
@@ -87,8 +93,8 @@ def learning_run(model_dir: str, minutes: float, cookbook_python: str, work: str
     rewards = [m[REWARD] for m in steps]
     elapsed = list(itertools.accumulate(m["time/total"] for m in steps))
     first = next((t for t, r in zip(elapsed, rewards) if r >= 0.5), None)
-    total, sampling, training = (sum(m[k] for m in steps) for k in KEYS[:3])
-    return "\n".join([
+    total, sampling, training = (sum(m.get(k, 0.0) for m in steps) for k in KEYS[:3])
+    return "\n".join([f"max_steps_off_policy={off_policy}",
         f"{len(steps)} steps in {wall:.0f} s ({minutes:g} minutes asked); reward {rewards[0]:.2f} -> "
         f"{rewards[-1]:.2f}; first >= 0.5 after {first:.0f} s" if first is not None else
         f"{len(steps)} steps in {wall:.0f} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; never >= 0.5",
@@ -123,13 +129,16 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=1, help="runs of each mode, taken in turn")
     p.add_argument("--cookbook-python", default=default_cookbook_python())
     p.add_argument("--minutes", type=float, default=0.0, help="the learning run, this long (0: the threads runs)")
+    p.add_argument("--off-policy", default="0", help="the learning runs' max_steps_off_policy values, in turn")
     args = p.parse_args(argv)
     if not args.model or not os.path.isfile(args.cookbook_python):
         p.error("needs --model (or `tinkerd fetch-smollm2 models/smollm2`) and the cookbook's venv "
                 "(bash scripts/cookbook-venv.sh)")
     if args.minutes:
         with tempfile.TemporaryDirectory(prefix="rl-loop-") as work:
-            print(learning_run(os.path.abspath(args.model), args.minutes, args.cookbook_python, work))
+            for off_policy in map(int, args.off_policy.split(",")):
+                print(learning_run(os.path.abspath(args.model), args.minutes, args.cookbook_python, work, off_policy),
+                      flush=True)
         return
     runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="rl-loop-") as work:

@@ -57,7 +57,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     errors.install(app)
     app.add_exception_handler(limits.OverLimit, limits.on_over_limit)
     app.add_middleware(Edge, authentication=Authentication(gw.authenticator, lambda: gw.service_auth),
-                       bodies=BodyLimits(settings.max_body_bytes), routes=app.router.routes)
+                       bodies=BodyLimits(settings.max_body_bytes), routes=app.router.routes,
+                       handlers=app.exception_handlers)
     for router in ROUTERS:
         app.include_router(router)
     app.include_router(console.api_router)          # the web console (gateway/console/)

@@ -12,7 +12,8 @@ import asyncio
 from typing import Any, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from gateway.protocol import parse_json
 
@@ -34,3 +35,14 @@ async def model_of(request: Request, model: type[M], parse=parse_json) -> M:
     def read() -> M:
         return model.model_validate(parse(raw))
     return read() if len(raw) <= OFF_LOOP_BYTES else await asyncio.to_thread(read)
+
+
+async def model_request_of(request: Request, model: type[M]) -> M:
+    """A model's request body (model_id, seq_id: a training request) as `model`, read by hand as
+    FastAPI reads a body model, and refused as it refuses one: a RequestValidationError with the
+    body, which gateway/errors.py records as refused in the model's order."""
+    data = await json_of(request)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(), body=data) from None

@@ -37,9 +37,8 @@ CALLS: collections.Counter[str] = collections.Counter()
 
 @router.post("/api/v1/retrieve_future")
 async def retrieve_future(request: Request):
-    """The hottest route (every future polls it): read and checked by hand, without FastAPI's
-    dependency and body machinery, whose cost counts on every poll
-    (docs/benchmarks.md#in-the-gateway-and-every-process)."""
+    """The hottest route (every future polls it): read and checked by hand, and called from the
+    edge directly (gateway/edge.py), without FastAPI's layers, whose cost counts on every poll."""
     body = RetrieveFutureRequest.model_validate(await _json(request))
     CALLS["retrieve_future"] += 1
     gw = gateway_of(request)

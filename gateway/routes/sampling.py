@@ -10,12 +10,12 @@ from gateway import bodies, convert
 from gateway.futures.store import new_request_id
 from gateway.jobs.engine import fingerprint
 from gateway.identity import audit
-from gateway.identity.auth import CallerDep
+from gateway.identity.auth import CallerDep, caller_of
 from gateway.jobs.sampling import Sample, SampleOf
 from gateway.storage.db import ModelRow, SamplingSessionRow
 from gateway.protocol import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, FutureResponse,
                               GetSamplerResponse, JoinSamplingSessionRequest, SAMPLING_CLONE_SPAN, SampleRequest)
-from gateway.state import GatewayDep
+from gateway.state import GatewayDep, gateway_of
 from tinkerd.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
@@ -72,7 +72,9 @@ async def join_sampling_session(body: JoinSamplingSessionRequest, caller: Caller
 
 
 @router.post("/asample")
-async def asample(request: Request, caller: CallerDep, gw: GatewayDep):
+async def asample(request: Request):
+    """Hot: called from the edge directly (gateway/edge.py)."""
+    caller, gw = caller_of(request), gateway_of(request)
     body = await bodies.model_of(request, SampleRequest)       # a long prompt is parsed off the loop
     session = gw.sessions.live_sampling_session(caller, body.sampling_session_id)
     convert.check_sample(body, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from gateway import convert, custom_losses
+from gateway import bodies, convert, custom_losses
 from gateway.jobs.engine import fingerprint
-from gateway.identity.auth import CallerDep
+from gateway.identity.auth import CallerDep, caller_of
 from gateway.jobs.base import Owner
 from gateway.jobs.training import CreateModel, ForwardBackward, NewRun, OptimStep
 from gateway.protocol import (CreateModelRequest, FutureResponse, GetInfoResponse, ModelData, ModelIdRequest,
                               OptimStepRequest, optimizer_config)
-from gateway.state import GatewayDep
+from gateway.state import GatewayDep, gateway_of
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
 
@@ -52,8 +52,10 @@ async def get_info(body: ModelIdRequest, caller: CallerDep, gw: GatewayDep) -> G
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
-    """The SDK's protobuf body (maybe zstd); stable_reinforce gets the sampler's recorded logprobs."""
+async def forward_backward(request: Request) -> FutureResponse:
+    """The SDK's protobuf body (maybe zstd); stable_reinforce gets the sampler's recorded logprobs.
+    Hot: called from the edge directly (gateway/edge.py)."""
+    caller, gw = caller_of(request), gateway_of(request)
     if "json" in request.headers.get("content-type", ""):
         raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
     raw = await request.body()          # inflated already, if it came zstd (body_limit.py)
@@ -76,7 +78,10 @@ async def forward_backward(request: Request, caller: CallerDep, gw: GatewayDep) 
 
 
 @router.post("/optim_step")
-async def optim_step(body: OptimStepRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
+async def optim_step(request: Request) -> FutureResponse:
+    """Hot: called from the edge directly (gateway/edge.py)."""
+    body = await bodies.model_request_of(request, OptimStepRequest)
+    caller, gw = caller_of(request), gateway_of(request)
     model = gw.sessions.live_model(caller, body.model_id)
     async with gw.refusing(caller, body.model_id, body.seq_id):       # the other optimizer's parameters: a 400
         msg = convert.optim_step_request(body.model_id, body.seq_id, body.params, model.optimizer)
