@@ -24,7 +24,7 @@ trains, off-policy by at most one step), in turn.
 from __future__ import annotations
 
 import argparse
-import itertools
+import contextlib
 import json
 import os
 import statistics
@@ -82,27 +82,43 @@ def learning_run(model_dir: str, minutes: float, cookbook_python: str, work: str
                                 *recipe, "max_steps=100000", f"log_path={log_path}", f"base_url={stack.url}"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, "TINKER_API_KEY": stack.api_key})
-        try:
-            run.wait(timeout=60 * minutes)
-        except subprocess.TimeoutExpired:
-            run.terminate()
-            run.wait(timeout=60)
+        elapsed = _step_times(run, os.path.join(log_path, "metrics.jsonl"), t0, t0 + 60 * minutes)
         wall, gateway_cpu = time.monotonic() - t0, cpu_seconds(gateway) - cpu0
     with open(os.path.join(log_path, "metrics.jsonl")) as f:
         steps = [m for m in map(json.loads, f) if REWARD in m and "time/total" in m]
     rewards = [m[REWARD] for m in steps]
-    elapsed = list(itertools.accumulate(m["time/total"] for m in steps))
+    elapsed = elapsed[:len(steps)]
     first = next((t for t, r in zip(elapsed, rewards) if r >= 0.5), None)
     total, sampling, training = (sum(m.get(k, 0.0) for m in steps) for k in KEYS[:3])
-    return "\n".join([f"max_steps_off_policy={off_policy}",
-        f"{len(steps)} steps in {wall:.0f} s ({minutes:g} minutes asked); reward {rewards[0]:.2f} -> "
-        f"{rewards[-1]:.2f}; first >= 0.5 after {first:.0f} s" if first is not None else
-        f"{len(steps)} steps in {wall:.0f} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; never >= 0.5",
+    walls = [b - a for a, b in zip([0.0] + elapsed, elapsed)][2:] or [0.0]      # from the third step
+    where = (f"of the recipe's time/total, sampling {sampling / total:.0%}, training {training / total:.0%}, "
+             f"the rest {1 - (sampling + training) / total:.0%}" if not off_policy else
+             "sampling overlaps training (the recipe's time/sampling is not kept)")
+    return "\n".join([
+        f"max_steps_off_policy={off_policy}: {len(steps)} steps in {wall:.0f} s ({minutes:g} minutes asked); "
+        f"reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; " +
+        (f"first >= 0.5 after {first:.0f} s" if first is not None else "never >= 0.5"),
         f"mean reward of the last 10 steps: {statistics.mean(rewards[-10:]):.3f}",
-        f"a step: median {statistics.median(m['time/total'] for m in steps):.2f} s; of all steps' time, sampling "
-        f"{sampling / total:.0%}, training {training / total:.0%}, the rest {1 - (sampling + training) / total:.0%}",
+        f"a step, from the third, wall: median {statistics.median(walls):.2f} s; {where}",
         f"the gateway's CPU: {gateway_cpu:.1f} s over {wall:.0f} s of wall time ({gateway_cpu / wall:.1%} of one core)",
+        "seconds at each step: " + " ".join(f"{t:.0f}" for t in elapsed),
         "reward by step: " + " ".join(f"{r:.2f}" for r in rewards)])
+
+
+def _step_times(run: subprocess.Popen, metrics_path: str, t0: float, deadline: float) -> list[float]:
+    """Seconds from `t0` at which each step's metrics line appeared, read every 0.2 s until the
+    run ends or the deadline (then it is stopped): the wall time of each step, on-policy or off
+    (off-policy, the recipe's own time/total leaves out the wait for the next batch)."""
+    seen: list[float] = []
+    while run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        with contextlib.suppress(FileNotFoundError), open(metrics_path) as f:
+            lines = sum(1 for line in f if REWARD in line)
+        seen += [time.monotonic() - t0] * (lines - len(seen))
+    if run.poll() is None:
+        run.terminate()
+        run.wait(timeout=60)
+    return seen
 
 
 def render(runs: dict[str, list[list[dict]]]) -> str:

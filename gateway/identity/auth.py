@@ -62,11 +62,15 @@ class Authenticator:
         there without holding up the threads other work runs in."""
         if credential.startswith("tml-"):
             key_id = self.keys.key_id_of(credential)
-        else:
-            key_id = self.signer.token_key_id(credential)     # a signature check: no database
-        if key_id is None or self.keys.cached(key_id):
-            return self.caller(credential)
-        return await asyncio.get_running_loop().run_in_executor(_LOOKUPS, self.caller, credential)
+            if key_id is None or self.keys.cached(key_id):
+                return self.caller(credential)
+            return await asyncio.get_running_loop().run_in_executor(_LOOKUPS, self.caller, credential)
+        key_id = self.signer.token_key_id(credential)     # a signature check: no database
+        if key_id is None:
+            return None, True
+        if self.keys.cached(key_id):
+            return self.keys.caller_for_key_id(key_id), True      # checked once, not again by `caller`
+        return await asyncio.get_running_loop().run_in_executor(_LOOKUPS, self.keys.caller_for_key_id, key_id), True
 
 
 def _credential(scope) -> str:
