@@ -3,7 +3,8 @@ the requests themselves (bench/request_costs.py): an HTTP request served by uvic
 as the gateway is served) to a bare ASGI app and to one FastAPI route with a pydantic body, from
 httpx (the SDK's client); a SQLite WAL commit with the gateway's pragmas; a PostgreSQL commit
 (pgserver, where installed); a journal append as the trainer writes one. gRPC's floor needs the
-stack's trainer: request_costs measures it.
+stack's trainer: request_costs measures it. Beside the SQLite floor, ours: a future's two
+transactions as the gateway's store writes them.
 """
 
 from __future__ import annotations
@@ -156,3 +157,28 @@ def journal_append(directory: str, n: int) -> float:
     wall = time.perf_counter() - t0
     os.remove(path)
     return 1e3 * wall / n
+
+
+def future_transactions(directory: str, n: int) -> float:
+    """Ours beside sqlite_commit's floor: ms of CPU per future for its two transactions as the
+    gateway writes them (gateway/futures/store.py FutureStore: the pending row inserted, then
+    finished with its result), on SQLite with the gateway's pragmas, in this thread."""
+    from gateway.futures.store import FutureStore, new_request_id
+    from gateway.storage.db import Database, FutureRow, Status
+
+    path = os.path.join(directory, "ours.sqlite")
+    store = FutureStore(Database(f"sqlite:///{path}"), "bench")
+    try:
+        me = psutil.Process()
+        c0 = cpu_seconds(me)
+        for _ in range(n):
+            row = store.insert(FutureRow(request_id=new_request_id(), fingerprint="f" * 64, owner="u",
+                                         request_type="sample", extra={}, request_args={"a": 1},
+                                         request_body=b"x" * 200, claimed_by="bench"))
+            store.finish(row.request_id, Status.COMPLETE, "application/x-protobuf", b"y" * 200)
+        return 1e3 * (cpu_seconds(me) - c0) / n
+    finally:
+        store.db.engine.dispose()
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path + suffix)

@@ -112,6 +112,7 @@ def _step_times(run: subprocess.Popen, metrics_path: str, t0: float, deadline: f
     seen: list[float] = []
     while run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
+        lines = len(seen)
         with contextlib.suppress(FileNotFoundError), open(metrics_path) as f:
             lines = sum(1 for line in f if REWARD in line)
         seen += [time.monotonic() - t0] * (lines - len(seen))

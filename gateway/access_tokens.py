@@ -73,12 +73,12 @@ def revoke(db: Database, caller: Caller, token_id: str) -> WeightsAccessTokenRow
     return db.get(WeightsAccessTokenRow, token_id)
 
 
-def readable(db: Database, sessions, caller: Caller, path: str, token: str | None, via: str) -> CheckpointRow:
+async def readable(db: Database, sessions, caller: Caller, path: str, token: str | None, via: str) -> CheckpointRow:
     """The checkpoint at `path` the caller may read: theirs or published (gateway/sessions.py), or
     with `token` the one it grants (TokenRefused where it grants none). Reads of others' are audited."""
     if token is not None:
         return checkpoint_with(db, caller, path, token, via)
-    ckpt = sessions.readable_checkpoint(caller, path)
+    ckpt = await sessions.readable_checkpoint(caller, path)
     audit.read_by_other_user(db, caller, ckpt, via)
     return ckpt
 

@@ -70,7 +70,7 @@ async def _refused_in_order(request: Request, body, message: str) -> None:
         return
     gw = request.app.state.gateway          # gateway/state.py's Gateway (imported there, not here)
     try:
-        gw.sessions.live_model(caller, model_id)          # only the caller's own, open model
+        await gw.sessions.live_model(caller, model_id)          # only the caller's own, open model
         async with gw.refusing(caller, model_id, seq_id):
             raise UserError(message)
     except UserError:

@@ -1,5 +1,6 @@
 """Which sessions, models, sampling sessions and checkpoints a caller may use now: every lookup
-by an id or path the client sent goes through here.
+by an id or path the client sent goes through here, awaited: a row not in the row cache is read
+on the database's threads (Database.row), never on the event loop.
 
 Rows belong to the user who made them. Another user's id gets the same 404 as an id that does
 not exist, so nobody learns what others have; a published checkpoint can be read (loaded,
@@ -32,47 +33,47 @@ class Sessions:
         self.db = db
         self.settings = settings
 
-    def closed(self, session_id: str) -> bool:
+    async def closed(self, session_id: str) -> bool:
         """Whether the session was closed (ServiceClient.close), on any gateway: read from its row,
         through the row cache, so a close elsewhere is seen within db.CACHE_TTL_S (2 s). A session
         whose row is gone was closed and pruned (housekeeping.prune_sessions)."""
-        row = self.db.get(SessionRow, session_id)
+        row = await self.db.row(SessionRow, session_id)
         return row is None or bool(row.finished)
 
-    def _owned(self, caller: Caller, cls, key: str, unknown: str):
+    async def _owned(self, caller: Caller, cls, key: str, unknown: str):
         """The caller's row of `cls`; anyone else's is as unknown as a missing one."""
-        row = self.db.get(cls, key)
+        row = await self.db.row(cls, key)
         if not mine(caller, row):
             raise NotFoundError(unknown)
         return row
 
-    def session(self, caller: Caller, session_id: str) -> SessionRow:
-        return self._owned(caller, SessionRow, session_id, f"unknown session_id {session_id!r}")
+    async def session(self, caller: Caller, session_id: str) -> SessionRow:
+        return await self._owned(caller, SessionRow, session_id, f"unknown session_id {session_id!r}")
 
-    def open(self, caller: Caller, session_id: str) -> str:
+    async def open(self, caller: Caller, session_id: str) -> str:
         """A session of the caller's that is not closed."""
-        if self.session(caller, session_id).finished:
+        if (await self.session(caller, session_id)).finished:
             raise UserError(f"session {session_id} was closed (ServiceClient.close); start a new ServiceClient")
         return session_id
 
-    def model(self, caller: Caller, model_id: str) -> ModelRow:
-        return self._owned(caller, ModelRow, model_id,
+    async def model(self, caller: Caller, model_id: str) -> ModelRow:
+        return await self._owned(caller, ModelRow, model_id,
                            f"unknown model_id {model_id!r}: create it with create_model first")
 
-    def live_model(self, caller: Caller, model_id: str) -> ModelRow:
+    async def live_model(self, caller: Caller, model_id: str) -> ModelRow:
         """A model that can still be trained: the caller's, and its session not closed."""
-        row = self.model(caller, model_id)
-        if self.closed(row.session_id):
+        row = await self.model(caller, model_id)
+        if await self.closed(row.session_id):
             raise UserError(f"model {model_id} belongs to session {row.session_id}, which was closed "
                             f"(ServiceClient.close); its checkpoints can still be loaded in a new session")
         return row
 
-    def sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
-        row = self.db.get(SamplingSessionRow, sampling_session_id)
+    async def sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
+        row = await self.db.row(SamplingSessionRow, sampling_session_id)
         if mine(caller, row):
             return row
         session_id, sep, _ = sampling_session_id.rpartition(":sample:")
-        if sep and mine(caller, self.db.get(SessionRow, session_id)):
+        if sep and mine(caller, await self.db.row(SessionRow, session_id)):
             # One of the caller's sessions: most likely an ephemeral one that was pruned.
             raise NotFoundError(
                 f"sampling session {sampling_session_id} expired or never existed: a sampling session of "
@@ -88,51 +89,51 @@ class Sessions:
         if last is None or (now() - aware(last)).total_seconds() > resolution:
             await self.db.run(self.db.touch, SamplingSessionRow, row.sampling_session_id, last_used=now())
 
-    def live_sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
+    async def live_sampling_session(self, caller: Caller, sampling_session_id: str) -> SamplingSessionRow:
         """One that can sample now: its session open and, if made from a checkpoint's path, that
         checkpoint still readable by the caller and still these weights. Unpublishing or
         deleting a checkpoint cuts off the sampling sessions others made from it within
         db.CACHE_TTL_S (2 s: the checkpoint row is read through the row cache)."""
-        row = self.sampling_session(caller, sampling_session_id)
-        if self.closed(row.session_id):
+        row = await self.sampling_session(caller, sampling_session_id)
+        if await self.closed(row.session_id):
             raise UserError(f"sampling session {sampling_session_id} belongs to session {row.session_id}, "
                             f"which was closed (ServiceClient.close)")
         if row.model_path:
-            ckpt = self.db.get(CheckpointRow, row.model_path)
+            ckpt = await self.db.row(CheckpointRow, row.model_path)
             if ckpt is None or not (mine(caller, ckpt) or ckpt.public) or ckpt.snapshot_id != row.snapshot_id:
                 raise NotFoundError(f"sampling session {sampling_session_id} samples {row.model_path!r}, which "
                                     f"was deleted, replaced or unpublished since; its weights can no longer be "
                                     f"sampled")
         return row
 
-    def weights(self, row: SamplingSessionRow) -> tuple[str, str, str]:
+    async def weights(self, row: SamplingSessionRow) -> tuple[str, str, str]:
         """What a sampling session samples now: (snapshot id, its path, prefix-cache namespace).
         A snapshot client: its own snapshot, cache shared. An inflight one: its model's newest
-        inflight save (read uncached: it only moves forward, so the client never gets weights
-        older than it was made with), in a cache namespace of its own."""
+        inflight save (read uncached, on the database's threads: it only moves forward, so the
+        client never gets weights older than it was made with), in a cache namespace of its own."""
         if row.inflight_model_id is None:
             return row.snapshot_id, row.snapshot_path, ""
-        target = self.db.get(InflightTargetRow, row.inflight_model_id)
+        target = await self.db.row(InflightTargetRow, row.inflight_model_id)
         if target is None:
             return row.snapshot_id, row.snapshot_path, row.sampling_session_id
         return target.snapshot_id, target.snapshot_path, row.sampling_session_id
 
-    def checkpoint(self, caller: Caller, run_id: str, checkpoint_id: str, *, change: bool) -> CheckpointRow:
+    async def checkpoint(self, caller: Caller, run_id: str, checkpoint_id: str, *, change: bool) -> CheckpointRow:
         """A checkpoint of the run the caller may read (theirs or published) or, with `change`,
         that is theirs."""
-        row = self.db.get(CheckpointRow, f"tinker://{run_id}/{checkpoint_id}")
+        row = await self.db.row(CheckpointRow, f"tinker://{run_id}/{checkpoint_id}")
         if row is None or row.model_id != run_id or not (mine(caller, row) or (row.public and not change)):
             raise NotFoundError(f"run {run_id!r} has no checkpoint {checkpoint_id!r}")
         return row
 
-    def readable_checkpoint(self, caller: Caller, tinker_path: str) -> CheckpointRow:
+    async def readable_checkpoint(self, caller: Caller, tinker_path: str) -> CheckpointRow:
         """The caller's checkpoint, or a published one."""
-        row = self.db.get(CheckpointRow, tinker_path)
+        row = await self.db.row(CheckpointRow, tinker_path)
         if row is None or not (mine(caller, row) or row.public):
             raise NotFoundError(f"unknown checkpoint {tinker_path!r}")
         return row
 
-    def close(self, caller: Caller, session_id: str, reason: str | None = None, detail: str | None = None) -> bool:
+    async def close(self, caller: Caller, session_id: str, reason: str | None = None, detail: str | None = None) -> bool:
         """Marks the caller's session closed, with the reason its client gave; False if it already was."""
-        self.session(caller, session_id)
-        return self.db.close_session(session_id, reason, detail)
+        await self.session(caller, session_id)
+        return await self.db.run(self.db.close_session, session_id, reason, detail)

@@ -38,8 +38,8 @@ def _run(gw: Gateway, caller: Caller, run_id: str) -> ModelRow:
     return row
 
 
-def checkpoint_of(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, *, change: bool) -> CheckpointRow:
-    return gw.sessions.checkpoint(caller, run_id, checkpoint_id, change=change)
+async def checkpoint_of(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, *, change: bool) -> CheckpointRow:
+    return await gw.sessions.checkpoint(caller, run_id, checkpoint_id, change=change)
 
 
 def _changed(gw: Gateway, caller: Caller, event: str, row: CheckpointRow, **details) -> None:
@@ -93,10 +93,10 @@ async def list_all_checkpoints(request: Request, page: PageDep, caller: CallerDe
                                cursor=Cursor(offset=page.offset, limit=page.limit, total_count=gw.db.count(stmt)))
 
 
-def _update(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, event: str, values: dict,
+async def _update(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, event: str, values: dict,
             **details) -> dict:
     """The owner changes a checkpoint's row; the audit log records it."""
-    row = checkpoint_of(gw, caller, run_id, checkpoint_id, change=True)
+    row = await checkpoint_of(gw, caller, run_id, checkpoint_id, change=True)
     gw.db.touch(CheckpointRow, row.tinker_path, **values)
     _changed(gw, caller, event, row, **details)
     return {}
@@ -104,23 +104,23 @@ def _update(gw: Gateway, caller: Caller, run_id: str, checkpoint_id: str, event:
 
 @router.post(CHECKPOINT + "/publish")
 async def publish(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
-    return _update(gw, caller, run_id, checkpoint_id, "checkpoint_published", {"public": True})
+    return await _update(gw, caller, run_id, checkpoint_id, "checkpoint_published", {"public": True})
 
 
 @router.delete(CHECKPOINT + "/publish")
 async def unpublish(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
-    return _update(gw, caller, run_id, checkpoint_id, "checkpoint_unpublished", {"public": False})
+    return await _update(gw, caller, run_id, checkpoint_id, "checkpoint_unpublished", {"public": False})
 
 
 @router.put(CHECKPOINT + "/ttl")
 async def set_ttl(run_id: str, checkpoint_id: str, body: SetTtlRequest, caller: CallerDep, gw: GatewayDep) -> dict:
-    return _update(gw, caller, run_id, checkpoint_id, "checkpoint_ttl_set",
+    return await _update(gw, caller, run_id, checkpoint_id, "checkpoint_ttl_set",
                    {"expires_at": checkpoints.expires(body.ttl_seconds)}, ttl_seconds=body.ttl_seconds)
 
 
 @router.delete(CHECKPOINT)
 async def delete(run_id: str, checkpoint_id: str, caller: CallerDep, gw: GatewayDep) -> dict:
-    row = checkpoint_of(gw, caller, run_id, checkpoint_id, change=True)
+    row = await checkpoint_of(gw, caller, run_id, checkpoint_id, change=True)
     gw.db.delete(CheckpointRow, row.tinker_path)
     usage.checkpoint_gone(gw.db, row.tinker_path)
     checkpoints.delete_checkpoint_files(row)
@@ -131,7 +131,7 @@ async def delete(run_id: str, checkpoint_id: str, caller: CallerDep, gw: Gateway
 @router.post("/weights_info")
 async def weights_info(body: WeightsInfoRequest, caller: CallerDep, gw: GatewayDep) -> WeightsInfoResponse:
     checkpoints.parse_tinker_path(body.tinker_path)
-    row = gw.sessions.readable_checkpoint(caller, body.tinker_path)
+    row = await gw.sessions.readable_checkpoint(caller, body.tinker_path)
     audit.read_by_other_user(gw.db, caller, row, "weights_info")
     run = gw.db.get(ModelRow, row.model_id)
     lora = run.lora_config or {}
@@ -151,12 +151,12 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
     checkpoints.parse_tinker_path(body.source_path)
     token = request.headers.get("x-tinker-weights-access-token") or body.weights_access_token
     try:
-        source = access_tokens.readable(gw.db, gw.sessions, caller, body.source_path, token, "copy_weights")
+        source = await access_tokens.readable(gw.db, gw.sessions, caller, body.source_path, token, "copy_weights")
     except access_tokens.TokenRefused as e:
         return error_response(str(e), 403)
     gw.limits.check_checkpoint_bytes(caller)
     try:
-        session_id = _copy_session(gw, caller, body, request.headers.get("x-idempotency-key") or uuid.uuid4().hex)
+        session_id = await _copy_session(gw, caller, body, request.headers.get("x-idempotency-key") or uuid.uuid4().hex)
     except Forbidden as e:
         return error_response(str(e), 403)
     run_id = f"{session_id}:train:{body.model_seq_id if body.session_id is not None else 0}"
@@ -174,11 +174,11 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
     return CopyWeightsResponse(tinker_path=path)
 
 
-def _copy_session(gw: Gateway, caller: Caller, body: CopyWeightsRequest, idempotency_key: str) -> str:
+async def _copy_session(gw: Gateway, caller: Caller, body: CopyWeightsRequest, idempotency_key: str) -> str:
     """The session the copy's run is in: the one named (the copy is in its project), else a
     closed session of its own in destination_project_id (Forbidden where the caller is no member)."""
     if body.session_id is not None:
-        return gw.sessions.session(caller, body.session_id).session_id
+        return (await gw.sessions.session(caller, body.session_id)).session_id
     if not body.destination_project_id:
         raise UserError("copy_weights needs destination_project_id, or session_id and model_seq_id")
     project_id = Projects(gw.db).place(caller, str(body.destination_project_id))
@@ -199,7 +199,7 @@ async def list_sessions(page: PageDep, caller: CallerDep, gw: GatewayDep) -> Ses
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, caller: CallerDep, gw: GatewayDep) -> SessionResponse:
-    row = gw.sessions.session(caller, session_id)
+    row = await gw.sessions.session(caller, session_id)
     runs = gw.db.select(select(ModelRow.model_id).where(ModelRow.session_id == session_id))
     samplers = gw.db.select(select(SamplingSessionRow.sampling_session_id)
                             .where(SamplingSessionRow.session_id == session_id))

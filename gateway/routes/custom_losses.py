@@ -27,7 +27,7 @@ async def create_custom_loss(request: Request, caller: CallerDep, gw: GatewayDep
     """The loss is stored here, counted against its session's and its owner's limits in the same
     transaction; the future then answers its id."""
     body, spec = await custom_losses.parsed(custom_losses.decode, await request.body())
-    session_id = gw.sessions.open(caller, body.session_id)
+    session_id = await gw.sessions.open(caller, body.session_id)
     loss_id = custom_losses.loss_id_of(session_id, body.custom_loss_seq_id)
     row = CustomLossRow(loss_id=loss_id, session_id=session_id, owner=caller.user_id, name=spec.name,
                         spec_json=spec.canonical, digest=spec.digest)

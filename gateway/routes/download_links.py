@@ -35,7 +35,7 @@ URL_LIFETIME_S = 24 * 3600
 async def external_urls(run_id: str, checkpoint_id: str, request: Request, caller: CallerDep,
                         gw: GatewayDep) -> ExternalWeightsUrlsResponse:
     """Signed URLs: whoever holds one may download that file until it expires, no key needed."""
-    row = gw.sessions.checkpoint(caller, run_id, checkpoint_id, change=False)
+    row = await gw.sessions.checkpoint(caller, run_id, checkpoint_id, change=False)
     if row.checkpoint_type != "external":
         raise UserError(f"{row.tinker_path} is not an external_weights checkpoint")
     expires = _url_expiry(row)
@@ -55,7 +55,7 @@ async def archive_url(run_id: str, checkpoint_id: str, request: Request, caller:
     302 to a signed URL of the checkpoint's files as one tar, with the link's expiry in `Expires`
     (the SDK reads the redirect without following it). `?format=merged`: the adapter merged into
     the base model instead (gateway/export.py), checked here so that what cannot be merged is a 400."""
-    row = gw.sessions.checkpoint(caller, run_id, checkpoint_id, change=False)
+    row = await gw.sessions.checkpoint(caller, run_id, checkpoint_id, change=False)
     if row.checkpoint_type not in ("training", "sampler"):
         raise UserError(f"{row.tinker_path} is an external_weights checkpoint: download its files with "
                         f"get_external_weights_urls")

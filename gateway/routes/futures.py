@@ -66,7 +66,7 @@ async def retrieve_futures(request: Request):
     CALLS["retrieve_futures"] += 1
     gw = gateway_of(request)
     caller = caller_of(request)
-    gw.sessions.sampling_session(caller, body.target.sampling_session_id)
+    await gw.sessions.sampling_session(caller, body.target.sampling_session_id)
     target = (body.target.sampling_session_id, body.target.cloned_sampler_id)
     gw.futures.waits.retrieved(body.retrieved_request_ids, caller.user_id)
     timeout = LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S)

@@ -22,7 +22,7 @@ class UnloadModelRequest(Request):
 async def unload_model(body: UnloadModelRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     """A future: once the model's queued requests have run, its memory on the trainer is freed.
     Nothing is lost: the model loads again on its next request (as after a lapsed heartbeat)."""
-    gw.sessions.model(caller, body.model_id)
+    await gw.sessions.model(caller, body.model_id)
     row = await gw.jobs.submit(UnloadModel(body.model_id), caller,
                                fingerprint=fingerprint("unload_model", body.model_id),
                                admit=gw.limits.admit_queued(caller))

@@ -45,14 +45,14 @@ _WAIT_S = 25.0              # one wait on the future; repeated until it finishes
 
 # ---- the model: base or snapshot -------------------------------------------------------------
 
-def _model(gw: Gateway, caller: Caller, name: str) -> tuple[str, str]:
+async def _model(gw: Gateway, caller: Caller, name: str) -> tuple[str, str]:
     """(snapshot_id, snapshot_path) to sample `name`: ("", "") for the base model."""
     if name in gw.settings.model_names:
         return "", ""
     if not name.startswith("tinker://"):
         raise OaiError(f"the model {name!r} does not exist; GET /oai/api/v1/models lists them", 404,
                        param="model", code="model_not_found")
-    ckpt = gw.sessions.readable_checkpoint(caller, name)
+    ckpt = await gw.sessions.readable_checkpoint(caller, name)
     if ckpt.checkpoint_type != "sampler":
         raise OaiError(f"{name!r} is not a sampler checkpoint (save_weights_for_sampler makes one)",
                        param="model")
@@ -78,7 +78,7 @@ def _check_prompt_chars(gw: Gateway, chars: int, param: str) -> None:
 async def _sample(gw: Gateway, caller: Caller, prompt: list[int], req: CommonRequest, max_tokens: int | None,
                   topk: int, logprobs: bool) -> tuple[str, tw.SampleResponse]:
     """One sample request as asample makes it: checked, limited, run as a "sample" future."""
-    snapshot_id, snapshot_path = await asyncio.to_thread(_model, gw, caller, req.model)
+    snapshot_id, snapshot_path = await _model(gw, caller, req.model)
     limits = convert.model_limits(gw.settings.base_model, gw.settings.max_model_len)
     if max_tokens is None:           # OpenAI's default: up to the context
         max_tokens = max(limits.max_model_len - len(prompt), 1)
@@ -135,7 +135,7 @@ async def list_models(request: Request):
 async def get_model(request: Request):
     gw, caller, name = gateway_of(request), caller_of(request), request.path_params["model"]
     if name not in gw.settings.model_names:
-        row = await asyncio.to_thread(gw.sessions.readable_checkpoint, caller, name)
+        row = await gw.sessions.readable_checkpoint(caller, name)
         if row.checkpoint_type != "sampler":
             raise OaiError(f"{name!r} is not a sampler checkpoint", 404, param="model", code="model_not_found")
         owner = row.owner if row.owner == caller.user_id else "tinkerd"   # a published one's is not theirs to learn

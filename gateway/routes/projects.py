@@ -26,14 +26,14 @@ async def search_sessions(body: SessionSearchRequest, caller: CallerDep, gw: Gat
     return await asyncio.to_thread(session_search.search, gw.db, caller, body, gw.settings.session_timeout_s)
 
 
-def movable_session(gw: Gateway, caller: Caller, session_id: str) -> SessionRow:
+async def movable_session(gw: Gateway, caller: Caller, session_id: str) -> SessionRow:
     """The caller's session, or for an admin any session of their org; else 404."""
     row = gw.db.get(SessionRow, session_id)
     if row is not None and row.owner != caller.user_id and caller.admin:
         owner = gw.db.get(UserRow, row.owner) if row.owner else None
         if owner is not None and owner.org_id == caller.org_id:
             return row
-    return gw.sessions.session(caller, session_id)
+    return await gw.sessions.session(caller, session_id)
 
 
 # PUT is what SDK 0.38 sends; POST is taken too.
@@ -42,7 +42,7 @@ async def assign_session_project(session_id: str, body: AssignProjectRequest, ca
     """Moves the session, with its training runs, samplers and checkpoints, into the project."""
     if not body.project_id:
         raise UserError("project_id is required: a session is always in a project and can only be moved to another")
-    row = movable_session(gw, caller, session_id)
+    row = await movable_session(gw, caller, session_id)
     try:
         project_id = Projects(gw.db).place(caller, body.project_id)
     except Forbidden as e:

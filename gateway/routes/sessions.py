@@ -36,7 +36,7 @@ async def create_session(body: CreateSessionRequest, caller: CallerDep, gw: Gate
 
 @router.post("/session_heartbeat")
 async def heartbeat(body: SessionHeartbeatRequest, caller: CallerDep, gw: GatewayDep):
-    if gw.sessions.session(caller, body.session_id).finished:      # 410 stops the SDK's heartbeats
+    if (await gw.sessions.session(caller, body.session_id)).finished:      # 410 stops the SDK's heartbeats
         return error_response(f"session {body.session_id} was closed", 410)
     gw.db.touch(SessionRow, body.session_id, last_heartbeat=now())
     return {"type": "session_heartbeat"}
@@ -47,7 +47,7 @@ async def finish_session(session_id: str, caller: CallerDep, gw: GatewayDep,
                          body: FinishSessionRequest | None = None) -> dict:
     """ServiceClient.close(status, detail): the reason is the session's status in search_sessions."""
     body = body or FinishSessionRequest()
-    if gw.sessions.close(caller, session_id, body.reason and body.reason.type, body.detail):
+    if await gw.sessions.close(caller, session_id, body.reason and body.reason.type, body.detail):
         audit.record(gw.db, "session_closed", user_id=caller.user_id, org_id=caller.org_id, session_id=session_id)
         gw.in_background(housekeeping.release_models(gw, session_id))
     return {}

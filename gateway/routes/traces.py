@@ -42,7 +42,7 @@ async def flushed(gw: Gateway) -> None:
 
 @router.get("/api/v1/sessions/{session_id}/trace_export")
 async def trace_export(session_id: str, request: Request, caller: CallerDep, gw: GatewayDep) -> dict:
-    session = gw.sessions.session(caller, session_id)     # another user's session is a 404 like a missing one
+    session = await gw.sessions.session(caller, session_id)     # another user's session is a 404 like a missing one
     await flushed(gw)
     path = trace_path(session_id, now_us())
     grant = _grant(session, path, int(time.time()) + URL_LIFETIME_S, caller)

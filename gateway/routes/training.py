@@ -24,7 +24,7 @@ router = APIRouter(prefix="/api/v1")
 async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayDep) -> FutureResponse:
     """The run's row is written only once the trainer has made the model: a failed create
     leaves no run behind."""
-    session_id = gw.sessions.open(caller, body.session_id)
+    session_id = await gw.sessions.open(caller, body.session_id)
     base = gw.settings.supported_base_model(body.base_model)
     if body.lora_config.rank > gw.settings.max_lora_rank:
         raise UserError(f"lora_config.rank {body.lora_config.rank} is over this server's --max-lora-rank "
@@ -43,7 +43,7 @@ async def create_model(body: CreateModelRequest, caller: CallerDep, gw: GatewayD
 
 @router.post("/get_info")
 async def get_info(body: ModelIdRequest, caller: CallerDep, gw: GatewayDep) -> GetInfoResponse:
-    row = gw.sessions.model(caller, body.model_id)
+    row = await gw.sessions.model(caller, body.model_id)
     return GetInfoResponse(model_id=row.model_id, lora_rank=row.lora_rank, model_name=row.base_model,
                            optimizer_config=optimizer_config(row.optimizer),
                            # The name the model was made with (an alias, or the directory the client
@@ -60,13 +60,13 @@ async def forward_backward(request: Request) -> FutureResponse:
         raise UserError("forward_backward expects an application/x-protobuf body (tinker SDK >= 0.30)")
     raw = await request.body()          # inflated already, if it came zstd (body_limit.py)
     msg = convert.parse_forward_backward(raw)
-    model = gw.sessions.live_model(caller, msg.model_id)     # before any array is made for it
+    model = await gw.sessions.live_model(caller, msg.model_id)     # before any array is made for it
     async with gw.refusing(caller, msg.model_id, msg.seq_id):
         convert.check_cost(msg, convert.Budget.of(gw.settings))   # from shapes: nothing expanded yet
         fb = convert.decode_forward_backward(msg)
         convert.check_forward_backward(fb, convert.model_limits(gw.settings.base_model, gw.settings.max_model_len))
         if fb.loss_fn == "stable_reinforce" and not fb.forward_only:
-            gw.stability.apply(fb, model.session_id)
+            await gw.db.run(gw.stability.apply, fb, model.session_id)      # reads the records
         msg = convert.trainer_request(fb)
         if fb.loss_fn == "custom":      # a create_custom_loss graph, run on the trainer by its loss id
             msg.custom_loss.CopyFrom(await custom_losses.for_forward_backward(gw.db, caller, model.session_id,
@@ -82,7 +82,7 @@ async def optim_step(request: Request) -> FutureResponse:
     """Hot: called from the edge directly (gateway/edge.py)."""
     body = await bodies.model_request_of(request, OptimStepRequest)
     caller, gw = caller_of(request), gateway_of(request)
-    model = gw.sessions.live_model(caller, body.model_id)
+    model = await gw.sessions.live_model(caller, body.model_id)
     async with gw.refusing(caller, body.model_id, body.seq_id):       # the other optimizer's parameters: a 400
         msg = convert.optim_step_request(body.model_id, body.seq_id, body.params, model.optimizer)
     row = await gw.jobs.submit(OptimStep(msg), caller, model_id=body.model_id, seq_id=body.seq_id,

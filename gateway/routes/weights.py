@@ -29,7 +29,7 @@ router = APIRouter(prefix="/api/v1")
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: CallerDep,
                                    gw: GatewayDep) -> FutureResponse:
-    model = gw.sessions.live_model(caller, body.model_id)
+    model = await gw.sessions.live_model(caller, body.model_id)
     # Where the snapshot is recorded once the samplers hold it: a named sampler checkpoint
     # (`path`), or an ephemeral sampling session.
     path = sampling_session_id = None
@@ -70,7 +70,7 @@ async def save_weights_external(body: SaveWeightsRequest, caller: CallerDep, gw:
 
 async def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kind: str, *, with_optimizer: bool,
                 response_type: str) -> FutureResponse:
-    gw.sessions.live_model(caller, body.model_id)
+    await gw.sessions.live_model(caller, body.model_id)
     async with gw.refusing(caller, body.model_id, body.seq_id):
         name = checkpoints.checkpoint_name(body.path)
         path = checkpoints.tinker_path(body.model_id, kind, name)
@@ -97,7 +97,7 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
     checkpoint is the caller's, a published one, or one its owner granted by weights_access_token."""
     source_run, kind, name = checkpoints.parse_tinker_path(body.path)
     try:
-        ckpt = access_tokens.readable(gw.db, gw.sessions, caller, body.path, body.weights_access_token,
+        ckpt = await access_tokens.readable(gw.db, gw.sessions, caller, body.path, body.weights_access_token,
                                       "load_weights")
     except access_tokens.TokenRefused as e:
         return error_response(str(e), 403)
@@ -108,12 +108,12 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
     new_run = None
     if body.model_id:
         model_id, seq_id = body.model_id, body.seq_id
-        optimizer = gw.sessions.live_model(caller, model_id).optimizer     # an existing model keeps its own
+        optimizer = (await gw.sessions.live_model(caller, model_id)).optimizer     # an existing model keeps its own
         async with gw.refusing(caller, model_id, seq_id):
             _check_optimizer(body, source.optimizer, optimizer,
                              f"model {model_id} was created with the {optimizer} optimizer")
     else:
-        session_id = gw.sessions.open(caller, body.session_id)
+        session_id = await gw.sessions.open(caller, body.session_id)
         model_id, seq_id = f"{session_id}:train:{body.model_seq_id}", 0
         requested = body.optimizer_config.type if body.optimizer_config else ADAMW
         optimizer = source.optimizer if body.optimizer else requested

@@ -556,6 +556,11 @@ class Database:
             self._cache.pop((cls.__name__, key), None)      # an expired entry of a row gone
         return row
 
+    async def row(self, cls, key):
+        """`get` for the event loop: from the row cache at once, else read on the database's threads."""
+        row = self.cached(cls, key)
+        return row if row is not None else await self.run(self.get, cls, key)
+
     @contextlib.contextmanager
     def owner_turn(self, owner: str) -> Iterator[Connection]:
         """A transaction in which one of `owner`'s new rows is written and then their limits are
