@@ -61,6 +61,26 @@ def _measure(fn, n: int, per_call: int, processes: dict[str, psutil.Process], st
     return out
 
 
+def _alone(stack, gateway: psutil.Process, model_id: str, n: int) -> dict[str, float]:
+    """Ms of gateway CPU for one request with nothing waiting on it (httpx, kept alive): the edge's
+    direct call (retrieve_future of a finished future: a no-op's, POST /internal/noop_future) and
+    a FastAPI route with a body model (get_info)."""
+    with httpx.Client(headers={"X-API-Key": stack.api_key}, timeout=30) as client:
+        request_id = client.post(f"{stack.internal_url}/internal/noop_future").json()["request_id"]
+        calls = {"retrieve_future of a finished future (a direct route)":
+                 lambda: client.post(f"{stack.url}/api/v1/retrieve_future", json={"request_id": request_id}),
+                 "get_info (a FastAPI route)":
+                 lambda: client.post(f"{stack.url}/api/v1/get_info", json={"model_id": model_id})}
+        out = {}
+        for name, call in calls.items():
+            assert call().status_code == 200
+            c0 = cpu_seconds(gateway)
+            for _ in range(n):
+                call()
+            out[name] = 1e3 * (cpu_seconds(gateway) - c0) / n
+    return out
+
+
 def _grpc_floor(stack, n: int) -> dict[str, float]:
     """One trainer Health call over gRPC from this process: a unary round trip's floor (ms of wall,
     and of this process's CPU); and the client's CPU for the same call through grpc.aio on an
@@ -134,6 +154,7 @@ def run(ctx: Context) -> list[Row]:
         measured = {kind: _measure(fn, times, per_call, processes, stack)
                     for kind, (fn, per_call, times) in kinds.items()}
         grpc = _grpc_floor(stack, ctx.iters(500, 5))
+        alone = _alone(stack, processes["gateway"], tc.model_id, ctx.iters(1000, 5))
     rows = []
     for kind, m in measured.items():
         target = TARGET_MS["sample"] if kind.startswith("sample") else 2.0
@@ -147,6 +168,9 @@ def run(ctx: Context) -> list[Row]:
         # The floor in the raw column; no ratio, so the verdict is the gateway's CPU against the target.
         rows.append(Row("request_costs", f"{kind}: gateway CPU per request", m["gateway"], floor, "ms",
                         target=f"<= {target:g}", note=note))
+    for name, cpu in alone.items():
+        rows.append(Row("request_costs", f"ours: {name}, one request alone, gateway CPU", cpu, hop["bare"]["server"],
+                        "ms", note="raw: a bare ASGI app's request"))
     return rows + _floor_rows(hop, grpc)
 
 
