@@ -4,7 +4,7 @@ deleting finished futures after --futures-retention-s and idle per-model runners
 ephemeral sampler snapshots nobody can reach any more.
 
 Every pass (each session_timeout_s / 4, between 0.5 and 30 s), on every gateway (each step is
-safe to run on several at once):
+safe to run on several at once; its deletions in a thread, off the event loop):
 - futures finished more than --futures-retention-s ago are deleted (a later retrieve is a 404);
 - an ephemeral snapshot (save_weights_and_get_sampling_client: a persisted copy under
   <state_dir>/snapshots/, reachable only through the sampling sessions made for it) is deleted,
@@ -55,7 +55,7 @@ async def unload_lapsed_models(gw: Gateway) -> list[str]:
     """Unloads the models of sessions that stopped heart-beating; returns their ids."""
     cutoff = now() - datetime.timedelta(seconds=gw.settings.session_timeout_s)
     unloaded = []
-    for model_id in gw.db.models_of_lapsed_sessions(cutoff):
+    for model_id in await gw.db.run(gw.db.models_of_lapsed_sessions, cutoff):
         try:
             await unload_model(gw.trainer, gw.db, model_id)
         except grpc.aio.AioRpcError as e:
@@ -69,7 +69,7 @@ async def unload_lapsed_models(gw: Gateway) -> list[str]:
 
 async def release_models(gw: Gateway, session_id: str) -> None:
     """After a session closes: once each model's queued requests have run, free it on the trainer."""
-    for model_id in gw.db.select(select(ModelRow.model_id).where(ModelRow.session_id == session_id)):
+    for model_id in await gw.db.run(gw.db.select, select(ModelRow.model_id).where(ModelRow.session_id == session_id)):
         await gw.futures.drained(model_id)
         try:
             await gw.trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id=model_id))
@@ -77,19 +77,18 @@ async def release_models(gw: Gateway, session_id: str) -> None:
             log.warning("could not release %s: %s", model_id, e.details())
             continue
         gw.jobs.order.forget(model_id)       # the trainer deleted its durable state
-        gw.db.touch(ModelRow, model_id, resident=False)
-    custom_losses.forget_session(gw.db, session_id)      # its models' requests have run: none needs them
+        await gw.db.run(gw.db.touch, ModelRow, model_id, resident=False)
+    await gw.db.run(custom_losses.forget_session, gw.db, session_id)      # its models' requests have run
     log.info("session %s closed; its models are released", session_id)
 
 
 def prune_futures(gw: Gateway) -> int:
     """Deletes futures finished more than --futures-retention-s ago (a later retrieve of one is
-    a 404, as for an unknown id), request spans older than --trace-retention-s, and forgets idle
-    models' runners; returns the futures deleted."""
+    a 404, as for an unknown id) and request spans older than --trace-retention-s; returns the
+    futures deleted."""
     deleted = gw.futures.store.delete_finished(now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
     if deleted:
         log.info("deleted %d futures finished over %.0f s ago", deleted, gw.settings.futures_retention_s)
-    gw.jobs.order.drop_idle()
     gw.traces.delete_before(spans.now_us() - int(gw.settings.trace_retention_s * 1e6))
     return deleted
 
@@ -146,18 +145,28 @@ def delete_snapshot_files(state_dir: str, snapshot_id: str, recorded_path: str) 
             pass
 
 
+def _prune(gw: Gateway) -> None:
+    """A pass of deletions, in a thread of its own: big deletes and snapshot directories' removal
+    never hold up the event loop."""
+    delete_expired_checkpoints(gw.db)
+    gw.stability.expire()
+    prune_futures(gw)
+    usage.reconcile(gw.db, now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
+    prune_sessions(gw)
+    prune_snapshots(gw)
+
+
+async def one_pass(gw: Gateway) -> None:
+    await unload_lapsed_models(gw)
+    await asyncio.to_thread(_prune, gw)
+    gw.jobs.order.drop_idle()           # the loop's own state
+
+
 async def run_forever(gw: Gateway) -> None:
     interval = min(max(gw.settings.session_timeout_s / 4, 0.5), 30.0)
     while True:
         await asyncio.sleep(interval)
         try:
-            await unload_lapsed_models(gw)
-            delete_expired_checkpoints(gw.db)
-            gw.stability.expire()
-            prune_futures(gw)
-            await asyncio.to_thread(usage.reconcile, gw.db,
-                                    now() - datetime.timedelta(seconds=gw.settings.futures_retention_s))
-            prune_sessions(gw)
-            prune_snapshots(gw)
+            await one_pass(gw)
         except Exception:  # noqa: BLE001 - housekeeping must outlive one bad pass
             log.exception("housekeeping failed")

@@ -36,7 +36,7 @@ async def unload_model(trainer: "AioCallsWithMetadata", db: Database, model_id: 
     except grpc.aio.AioRpcError as e:
         if e.code() != grpc.StatusCode.NOT_FOUND:       # not loaded: nothing to free
             raise
-    db.touch(ModelRow, model_id, resident=False)
+    await db.run(db.touch, ModelRow, model_id, resident=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,22 +23,28 @@ async def create_session(body: CreateSessionRequest, caller: CallerDep, gw: Gate
     """In the project named (made if new; 403 if it is others' and the caller is no member), else
     in the caller's default project (gateway/projects.py)."""
     try:
-        project_id = Projects(gw.db).place(caller, body.project_id)
+        session_id = await gw.db.run(_create, gw, caller, body)
     except Forbidden as e:
         return error_response(str(e), 403)
+    return CreateSessionResponse(session_id=session_id)
+
+
+def _create(gw, caller, body: CreateSessionRequest) -> str:
+    """The session's row, in its project, admitted by the caller's limits, and its audit event."""
+    project_id = Projects(gw.db).place(caller, body.project_id)
     session_id = f"sess-{uuid.uuid4().hex[:12]}"
     gw.db.add_admitted(SessionRow(session_id=session_id, owner=caller.user_id, tags=body.tags,
                                   user_metadata=body.user_metadata, project_id=project_id,
                                   display_name=body.display_name or None), gw.limits.admit_session(caller))
     audit.record(gw.db, "session_created", user_id=caller.user_id, org_id=caller.org_id, session_id=session_id)
-    return CreateSessionResponse(session_id=session_id)
+    return session_id
 
 
 @router.post("/session_heartbeat")
 async def heartbeat(body: SessionHeartbeatRequest, caller: CallerDep, gw: GatewayDep):
     if (await gw.sessions.session(caller, body.session_id)).finished:      # 410 stops the SDK's heartbeats
         return error_response(f"session {body.session_id} was closed", 410)
-    gw.db.touch(SessionRow, body.session_id, last_heartbeat=now())
+    await gw.db.run(gw.db.touch, SessionRow, body.session_id, last_heartbeat=now())
     return {"type": "session_heartbeat"}
 
 
@@ -48,6 +54,7 @@ async def finish_session(session_id: str, caller: CallerDep, gw: GatewayDep,
     """ServiceClient.close(status, detail): the reason is the session's status in search_sessions."""
     body = body or FinishSessionRequest()
     if await gw.sessions.close(caller, session_id, body.reason and body.reason.type, body.detail):
-        audit.record(gw.db, "session_closed", user_id=caller.user_id, org_id=caller.org_id, session_id=session_id)
+        await gw.db.run(audit.record, gw.db, "session_closed", user_id=caller.user_id, org_id=caller.org_id,
+                        session_id=session_id)
         gw.in_background(housekeeping.release_models(gw, session_id))
     return {}

@@ -1,4 +1,5 @@
-"""The requests of a training and sampling loop run no SQL on the event loop's thread: the
+"""A session's requests (create, heartbeats, close), its training and sampling loop's, and the
+gateway's housekeeping run no SQL on the event loop's thread: the
 database is read and written on its own threads (gateway/storage/db.py Database.run), so a
 database that stops answering stalls those threads, never the loop (healthz, every tenant's
 polls). Every statement the gateway executes while the loop's requests are made is checked for
@@ -12,6 +13,7 @@ import threading
 import pytest
 from sqlalchemy import event
 
+from gateway import housekeeping
 from gateway.storage import db
 
 from gateway_fakes import gateway  # noqa: F401 - the fixture
@@ -24,7 +26,7 @@ DATABASE_THREADS = ("db_", "auth-lookup_", "asyncio_")
 
 
 @pytest.mark.parametrize("cache", ["warm", "cold"])
-def test_a_training_and_sampling_loop_runs_no_sql_on_the_event_loop(gateway, monkeypatch, cache):
+def test_a_session_training_and_sampling_runs_no_sql_on_the_event_loop(gateway, monkeypatch, cache):
     if cache == "cold":
         monkeypatch.setattr(db, "CACHE_TTL_S", 0.0)
     api = gateway.api
@@ -44,10 +46,11 @@ def test_a_training_and_sampling_loop_runs_no_sql_on_the_event_loop(gateway, mon
     engine = api.client.app.state.gateway.db.engine
 
     def note(_conn, _cursor, statement, *_):
-        ran_on.append((threading.current_thread().name, statement.split()[0]))
+        ran_on.append((threading.current_thread().name, statement[:60]))
     event.listen(engine, "before_cursor_execute", note)
     try:
         for step in range(2):
+            assert api.post("session_heartbeat", {"session_id": session_id}).status_code == 200
             seq = 3 + 5 * step
             fb = api.client.post("/api/v1/forward_backward", content=_fb(model_id, seq), headers=proto)
             assert api.result(fb.json()).status_code == 200
@@ -69,6 +72,9 @@ def test_a_training_and_sampling_loop_runs_no_sql_on_the_event_loop(gateway, mon
                 polled = api.post("retrieve_futures", {"target": {"sampling_session_id": sid, "cloned_sampler_id": 0},
                                                        "timeout": 0})
                 assert polled.status_code == 200
+        other = api.session()
+        assert api.post(f"sessions/{other}/finish", {}).status_code == 200
+        api.client.portal.call(housekeeping.one_pass, api.client.app.state.gateway)    # on the loop's thread
     finally:
         event.remove(engine, "before_cursor_execute", note)
     assert ran_on, "no statement was seen: the check would pass vacuously"
