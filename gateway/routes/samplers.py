@@ -40,14 +40,21 @@ async def _replica(request: Request) -> Replica:
 async def register(request: Request, gw: GatewayDep) -> dict:
     """Joins the pool, or heart-beats: a replica re-registers every few seconds."""
     replica = await _replica(request)
-    if not gw.db.touch(SamplerReplicaRow, replica.address, last_seen=now()):
-        gw.db.put(SamplerReplicaRow(address=replica.address))
-    elif (unreachable := await _unreachable(gw, replica.address)) is not None:
+    if await gw.db.run(_heartbeat, gw.db, replica.address) and \
+            (unreachable := await _unreachable(gw, replica.address)) is not None:
         raise UserError(f"this gateway cannot reach the sampler replica at {replica.address}, the address it "
                         f"registered ({unreachable}), and neither, most likely, can the trainer: give `tinkerd "
                         f"sampler` --advertise-address HOST:PORT that the gateways' and the trainer's hosts reach "
                         f"(and --listen on that host's interface)")
     return {"status": "registered"}
+
+
+def _heartbeat(db, address: str) -> bool:
+    """The replica's row seen now, made if new; whether it was there already."""
+    if db.touch(SamplerReplicaRow, address, last_seen=now()):
+        return True
+    db.put(SamplerReplicaRow(address=address))
+    return False
 
 
 # A check of a registered address made for its refusal: as short as the pool's own.
@@ -73,7 +80,7 @@ async def _unreachable(gw, address: str) -> str | None:
 @router.post("/deregister")
 async def deregister(request: Request, gw: GatewayDep) -> dict:
     replica = await _replica(request)
-    gw.db.delete(SamplerReplicaRow, replica.address)
+    await gw.db.run(gw.db.delete, SamplerReplicaRow, replica.address)
     return {"status": "deregistered"}
 
 
