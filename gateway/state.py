@@ -87,12 +87,12 @@ class Gateway:
     def signer(self) -> Signer:
         return self.authenticator.signer
 
-    def is_resend(self, kind: str, model_id: str, seq_id: int) -> bool:
-        """Whether a `kind` request with (model_id, seq_id) was submitted already: a route skips the
-        checks that only a first send must pass (a named checkpoint that this very request created
-        exists now), and Jobs.submit answers it with the first one's future, or refuses it if
-        its content differs."""
-        return self.futures.store.type_by_key(f"{model_id}#{seq_id}") == kind
+    async def is_resend(self, kind: str, model_id: str, seq_id: int) -> bool:
+        """Whether a `kind` request with (model_id, seq_id) was submitted already (read on the
+        database's threads): a route skips the checks that only a first send must pass (a named
+        checkpoint that this very request created exists now), and Jobs.submit answers it with the
+        first one's future, or refuses it if its content differs."""
+        return await self.db.run(self.futures.store.type_by_key, f"{model_id}#{seq_id}") == kind
 
     @contextlib.asynccontextmanager
     async def refusing(self, caller: Caller, model_id: str, seq_id: int):

@@ -18,6 +18,7 @@ is read or bounded. A path on the wrong listener is a 404 before any credential 
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Callable
 
@@ -60,17 +61,17 @@ class Authenticator:
         """`caller`, reading the database (a key not looked up lately, perhaps a made-up one) in
         a small pool of its own: never on the event loop, and a flood of unknown keys waits
         there without holding up the threads other work runs in."""
-        if credential.startswith("tml-"):
-            key_id = self.keys.key_id_of(credential)
-            if key_id is None or self.keys.cached(key_id):
-                return self.caller(credential)
-            return await asyncio.get_running_loop().run_in_executor(_LOOKUPS, self.caller, credential)
-        key_id = self.signer.token_key_id(credential)     # a signature check: no database
-        if key_id is None:
-            return None, True
+        is_token = not credential.startswith("tml-")
+        if is_token:     # a signature check (no database), done once: the lookup takes its key id
+            key_id = self.signer.token_key_id(credential)
+            lookup = functools.partial(self.keys.caller_for_key_id, key_id)
+        else:
+            key_id, lookup = self.keys.key_id_of(credential), functools.partial(self.keys.caller_for_key, credential)
+        if not key_id:
+            return None, is_token
         if self.keys.cached(key_id):
-            return self.keys.caller_for_key_id(key_id), True      # checked once, not again by `caller`
-        return await asyncio.get_running_loop().run_in_executor(_LOOKUPS, self.keys.caller_for_key_id, key_id), True
+            return lookup(), is_token
+        return await asyncio.get_running_loop().run_in_executor(_LOOKUPS, lookup), is_token
 
 
 def _credential(scope) -> str:

@@ -7,24 +7,21 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import zstandard
 from fastapi import Depends, FastAPI, Request
 
 from gateway import tinker_wire_pb2 as tw
 from gateway.edge import Edge
 from gateway_fakes import gateway  # noqa: F401 - the fixture
+from test_training_routes import _fwdbwd_body
 
 DIRECT = {("POST", f"/api/v1/{name}") for name in ("forward_backward", "optim_step", "asample", "retrieve_future",
                                                      "retrieve_futures")}
 
 
 def _fb(model_id: str, seq_id: int, loss_fn: str = "cross_entropy") -> bytes:
-    req = tw.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn=loss_fn)
-    datum = req.data.add()
-    datum.model_input.add().encoded_text.tokens = np.asarray([1, 2, 3], "<i4").tobytes()
-    targets = datum.loss_fn_inputs["target_tokens"]
-    targets.dtype, targets.dense = tw.DTYPE_INT64, np.asarray([2, 3, 0], "<i8").tobytes()
+    req = tw.ForwardBackwardRequest.FromString(_fwdbwd_body(model_id, seq_id, [1, 2, 3]))
+    req.loss_fn = loss_fn
     return req.SerializeToString()
 
 
