@@ -22,6 +22,7 @@ from sqlalchemy import JSON, DateTime, bindparam, case, func, literal, select, t
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.storage.db import Database, StepMetricRow, now
+from gateway.storage.prepared import Prepared
 from tinkerd.tensors import to_numpy
 from tinkerd.v1 import trainer_pb2
 
@@ -42,7 +43,7 @@ def _insert(dialect):
         ["model_id", "seq_id", "kind", "metrics", "at", "step"], values.where(true())).on_conflict_do_nothing()
 
 
-_INSERTS = {"postgresql": _insert(postgresql), "sqlite": _insert(sqlite)}
+_INSERTS = {"postgresql": Prepared(_insert(postgresql)), "sqlite": Prepared(_insert(sqlite))}
 
 
 def recorder(request, reply):
@@ -57,7 +58,7 @@ def recorder(request, reply):
         return None
 
     def write(conn) -> None:
-        conn.execute(_INSERTS["postgresql" if conn.dialect.name == "postgresql" else "sqlite"], values)
+        _INSERTS["postgresql" if conn.dialect.name == "postgresql" else "sqlite"].rowcount(conn, values)
     return write
 
 

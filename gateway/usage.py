@@ -33,6 +33,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.storage.db import (CheckpointRow, CheckpointStorageRow, Database, FutureRow, ModelRow,
                                 SamplingSessionRow, SessionRow, UsageCountedRow, UsageRow, aware, now)
+from gateway.storage.prepared import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ def _statements(dialect) -> tuple:
         "quantity": _USAGE.c.quantity + bucket.excluded.quantity, "project_id": bucket.excluded.project_id})
 
 
-_STATEMENTS = {"postgresql": _statements(postgresql), "sqlite": _statements(sqlite)}
+_STATEMENTS = {name: tuple(map(Prepared, _statements(dialect))) for name, dialect in (
+    ("postgresql", postgresql), ("sqlite", sqlite))}
 
 
 def count(db: Database, work: Work) -> bool:
@@ -92,11 +94,11 @@ def add(conn, work: Work) -> bool:
     counters are the caller's to move, with `counted`, once that transaction commits."""
     at = now()
     key, bucket = _STATEMENTS["postgresql" if conn.dialect.name == "postgresql" else "sqlite"]
-    if conn.execute(key, {"key": work.key, "at": at}).first() is None:
+    if key.first(conn, {"key": work.key, "at": at}) is None:
         return False
     for kind, cached, quantity in work.quantities:
         if quantity > 0:
-            conn.execute(bucket, {"bucket_start": hour_of(at), "owner": work.owner, "session_id": work.session_id,
+            bucket.rowcount(conn, {"bucket_start": hour_of(at), "owner": work.owner, "session_id": work.session_id,
                                   "base_model": work.base_model, "kind": kind, "cached": cached,
                                   "quantity": quantity})
     return True
@@ -114,7 +116,8 @@ def sample_work(request_id: str, prompt: int, sampled_tokens: int, owner: str, s
                 (("sampling_prefill", False, prompt), ("sampling_sample", False, sampled_tokens)))
 
 
-_RUN = select(ModelRow.owner, ModelRow.session_id, ModelRow.base_model).where(ModelRow.model_id == bindparam("mid"))
+_RUN = Prepared(select(ModelRow.owner, ModelRow.session_id, ModelRow.base_model).where(
+    ModelRow.model_id == bindparam("mid")))
 
 
 def trained(message):
@@ -124,11 +127,12 @@ def trained(message):
     model_id, seq_id, tokens = message.model_id, message.seq_id, sum(len(d.tokens) for d in message.data)
 
     def work(conn) -> Work | None:
-        run = conn.execute(_RUN, {"mid": model_id}).first()
+        run = _RUN.first(conn, {"mid": model_id})
         if run is None:
             log.warning("usage: no run %s for its trained tokens", model_id)
             return None
-        return Work(f"train:{model_id}#{seq_id}", run.owner or "", run.session_id, run.base_model,
+        owner, session_id, base_model = run
+        return Work(f"train:{model_id}#{seq_id}", owner or "", session_id, base_model,
                     (("training", False, tokens),))
     return work
 

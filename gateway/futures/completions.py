@@ -37,6 +37,7 @@ import time
 from sqlalchemy import and_, bindparam, delete, func, or_, select, text, update
 
 from gateway.storage.db import CompletionRow, Database, now
+from gateway.storage.prepared import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +80,14 @@ def _of(target: Target):
 
 # Prebuilt statements, parameters apart: the poll path runs them for every sample.
 _TARGET = and_(_C.sampling_session_id == bindparam("sid"), _C.clone == bindparam("clone"))
-_ACKNOWLEDGE = delete(_T).where(_TARGET, _C.reported_cursor <= bindparam("prev"))
-_TO_REPORT = select(_C.seq, _C.request_id, _C.failed, _C.size).where(
+_ACKNOWLEDGE = Prepared(delete(_T).where(_TARGET, _C.reported_cursor <= bindparam("prev")))
+_TO_REPORT = Prepared(select(_C.seq, _C.request_id, _C.failed, _C.size).where(
     _TARGET, or_(_C.reported_cursor.is_(None), _C.reported_cursor > bindparam("prev"))).order_by(_C.seq).limit(
-    bindparam("limit"))
+    bindparam("limit")))
 _REPORTED = update(_T).where(_C.seq.in_(bindparam("seqs", expanding=True))).values(reported_cursor=bindparam("cursor"))
-_FETCHED = delete(_T).where(_C.request_id == bindparam("rid"))
-_NEW = select(_C.seq, _C.request_id, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(
-    _C.seq > bindparam("low"))
+_FETCHED = Prepared(delete(_T).where(_C.request_id == bindparam("rid")))
+_NEW = Prepared(select(_C.seq, _C.request_id, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(
+    _C.seq > bindparam("low")))
 _ACKED_KEPT = 4096        # targets whose last acknowledgement this process remembers
 
 
@@ -173,7 +174,7 @@ class Completions:
         with self._memo:
             if self._acknowledged(target, prev_cursor):
                 return
-        conn.execute(_ACKNOWLEDGE, {"sid": target[0], "clone": target[1], "prev": prev_cursor})
+        _ACKNOWLEDGE.rowcount(conn, {"sid": target[0], "clone": target[1], "prev": prev_cursor})
         with self._memo:
             self._acked.pop(target, None)
             self._acked[target] = prev_cursor
@@ -200,7 +201,7 @@ class Completions:
 
     def _discard(self, request_id: str) -> None:
         with self.db.engine.begin() as conn:
-            conn.execute(_FETCHED, {"rid": request_id})
+            _FETCHED.rowcount(conn, {"rid": request_id})
         with self._memo:
             self._fetched[request_id] = None
             while len(self._fetched) > _ACKED_KEPT:
@@ -226,7 +227,7 @@ class Completions:
             if retrieved:
                 self._discard_all(conn, retrieved, target)
             self._acknowledge(conn, target, prev_cursor)
-            rows = conn.execute(_TO_REPORT, {**where, "limit": limit}).all()
+            rows = _TO_REPORT.all(conn, {**where, "limit": limit})
             if not rows:
                 return [], prev_cursor
             # Above prev_cursor, so the next poll acknowledges these rows and no others.
@@ -355,7 +356,7 @@ class Completions:
 
     def _new_since(self, low: int) -> list:
         with self.db.engine.connect() as conn:
-            return conn.execute(_NEW, {"low": low}).all()
+            return _NEW.all(conn, {"low": low})
 
     def _listen(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
         """PostgreSQL: hears other gateways' completion notices on a connection of its own (a

@@ -40,6 +40,7 @@ from gateway.futures.waits import Waits
 from gateway import usage
 from gateway.jobs.base import Job as TypedJob
 from gateway.storage.db import CompletionRow, Database, FutureRow, Status, now
+from gateway.storage.prepared import Prepared
 from gateway.traces.spans import Traces
 from tinkerd.errors import UserError
 
@@ -89,16 +90,17 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-# Futures are the hot path: prebuilt Core statements (parameters apart), no ORM unit of work.
-_INSERT_FUTURE = FutureRow.__table__.insert()
+# Futures are the hot path: statements prepared once (gateway/storage/prepared.py), no ORM unit of work.
+_INSERT_FUTURE = Prepared(FutureRow.__table__.insert())
 _FUTURES = FutureRow.__table__.c
 # Only a pending future finishes: the first of two runs (a re-drive racing a slow owner, a
 # cancel) wins, the other's result is dropped.
-_FINISH_FUTURE = FutureRow.__table__.update().where(
+_FINISH_FUTURE = Prepared(FutureRow.__table__.update().where(
     _FUTURES.request_id == bindparam("rid"), _FUTURES.status == Status.PENDING).values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
-    completed_at=bindparam("completed_at"), lease_until=None, request_args=None, request_body=None)
-_INSERT_COMPLETION = CompletionRow.__table__.insert()
+    completed_at=bindparam("completed_at"), lease_until=None, request_args=None, request_body=None))
+_INSERT_COMPLETION = Prepared(CompletionRow.__table__.insert(), [
+    "sampling_session_id", "clone", "request_id", "failed", "size", "reported_cursor", "finished_at"])
 
 
 class FutureStore:
@@ -120,10 +122,10 @@ class FutureStore:
         try:
             if admit is None:
                 with self.db.engine.begin() as conn:
-                    conn.execute(_INSERT_FUTURE, values)
+                    _INSERT_FUTURE.rowcount(conn, values)
             else:
                 with self.db.owner_turn(row.owner) as conn:
-                    conn.execute(_INSERT_FUTURE, values)
+                    _INSERT_FUTURE.rowcount(conn, values)
                     admit(conn)
             return row
         except IntegrityError:
@@ -138,11 +140,11 @@ class FutureStore:
         sample that no retrieve_futures poll will report; and so is `also(connection)` (its usage)."""
         stamp = now()
         with self.db.engine.begin() as conn:
-            finished = conn.execute(_FINISH_FUTURE, {"rid": request_id, "status": status, "content_type": content_type,
-                                                     "result": result, "completed_at": stamp}).rowcount > 0
+            finished = _FINISH_FUTURE.rowcount(conn, {"rid": request_id, "status": status, "content_type": content_type,
+                                                      "result": result, "completed_at": stamp}) > 0
             if finished and completion is not None:
-                conn.execute(_INSERT_COMPLETION, {**completion, "request_id": request_id, "reported_cursor": None,
-                                                  "finished_at": stamp})
+                _INSERT_COMPLETION.rowcount(conn, {**completion, "request_id": request_id, "reported_cursor": None,
+                                                   "finished_at": stamp})
                 announce(conn, (completion["sampling_session_id"], completion["clone"]), self.instance)
             if finished and also is not None:
                 also(conn)

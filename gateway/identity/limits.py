@@ -28,6 +28,7 @@ from gateway.identity.caller import Caller
 from gateway.settings import GatewaySettings
 from gateway.storage.db import (CheckpointRow, Database, ExportPlaceRow, FutureRow, ModelRow, SamplingSessionRow,
                                  SessionRow, now)
+from gateway.storage.prepared import Prepared
 from tinkerd.errors import UserError
 
 
@@ -48,14 +49,15 @@ _SAMPLING = SamplingSessionRow.__table__.c
 _CHECKPOINTS = CheckpointRow.__table__.c
 _PENDING_OF = text("futures.status = 'pending'")
 _COUNT = select(func.count()).select_from(FutureRow.__table__)
-_PENDING_SAMPLES = select(
+# Every request's admission counts: prepared (gateway/storage/prepared.py).
+_PENDING_SAMPLES = Prepared(select(
     _COUNT.where(_PENDING_OF, _FUTURES.request_type == text("'sample'")).scalar_subquery(),
     _COUNT.where(_PENDING_OF, _FUTURES.request_type == text("'sample'"),
-                 _FUTURES.owner == bindparam("owner")).scalar_subquery())
-_PENDING_TRAINING = _COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sample'"),
-                                 _FUTURES.owner == bindparam("owner"))
-_PENDING_TRAINING_BYTES = select(func.coalesce(func.sum(func.length(_FUTURES.request_body)), 0)).where(
-    _PENDING_OF, _FUTURES.request_type != text("'sample'"), _FUTURES.owner == bindparam("owner"))
+                 _FUTURES.owner == bindparam("owner")).scalar_subquery()))
+_PENDING_TRAINING = Prepared(_COUNT.where(_PENDING_OF, _FUTURES.request_type != text("'sample'"),
+                                          _FUTURES.owner == bindparam("owner")))
+_PENDING_TRAINING_BYTES = Prepared(select(func.coalesce(func.sum(func.length(_FUTURES.request_body)), 0)).where(
+    _PENDING_OF, _FUTURES.request_type != text("'sample'"), _FUTURES.owner == bindparam("owner")))
 _OPEN_RUNS = select(func.count()).select_from(ModelRow.__table__.join(
     SessionRow.__table__, _SESSIONS.session_id == _MODELS.session_id)).where(
     _MODELS.owner == bindparam("owner"), _SESSIONS.finished.is_(False))
@@ -91,17 +93,17 @@ _SAMPLES_LOCK_KEY = 0x74696E6B73616D70     # "tinksamp"
 
 def pending_training_in(conn: Connection, owner: str) -> int:
     """`owner`'s training futures pending on every gateway (queued or running)."""
-    return conn.execute(_PENDING_TRAINING, {"owner": owner}).scalar()
+    return _PENDING_TRAINING.first(conn, {"owner": owner})[0]
 
 
 def pending_training_bytes_in(conn: Connection, owner: str) -> int:
     """The bytes of request `owner`'s pending training futures hold (stored, and queued in memory)."""
-    return int(conn.execute(_PENDING_TRAINING_BYTES, {"owner": owner}).scalar())
+    return int(_PENDING_TRAINING_BYTES.first(conn, {"owner": owner})[0])
 
 
 def pending_samples_in(conn: Connection, owner: str) -> tuple[int, int]:
     """(sample futures pending on every gateway, those of `owner`): one indexed query."""
-    total, mine = conn.execute(_PENDING_SAMPLES, {"owner": owner}).one()
+    total, mine = _PENDING_SAMPLES.first(conn, {"owner": owner})
     return total, mine
 
 
