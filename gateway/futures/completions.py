@@ -84,8 +84,9 @@ _ACKNOWLEDGE = Prepared(delete(_T).where(_TARGET, _C.reported_cursor <= bindpara
 _TO_REPORT = Prepared(select(_C.seq, _C.request_id, _C.failed, _C.size).where(
     _TARGET, or_(_C.reported_cursor.is_(None), _C.reported_cursor > bindparam("prev"))).order_by(_C.seq).limit(
     bindparam("limit")))
-_REPORTED = update(_T).where(_C.seq.in_(bindparam("seqs", expanding=True))).values(reported_cursor=bindparam("cursor"))
+_REPORTED = Prepared(update(_T).where(_C.seq == bindparam("row")).values(reported_cursor=bindparam("cursor")))
 _FETCHED = Prepared(delete(_T).where(_C.request_id == bindparam("rid")))
+_FETCHED_OF = Prepared(delete(_T).where(_TARGET, _C.request_id == bindparam("rid")))
 _NEW = Prepared(select(_C.seq, _C.request_id, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(
     _C.seq > bindparam("low")))
 _ACKED_KEPT = 4096        # targets whose last acknowledgement this process remembers
@@ -214,8 +215,7 @@ class Completions:
             left = [r for r in request_ids if r not in self._fetched]
             for r in request_ids:
                 self._reported.pop(r, None)
-        for i in range(0, len(left), 500):
-            conn.execute(delete(_T).where(_of(target), _C.request_id.in_(left[i:i + 500])))
+        _FETCHED_OF.executemany(conn, [{"sid": target[0], "clone": target[1], "rid": r} for r in left])
 
     def _take(self, target: Target, prev_cursor: int, limit: int,
               retrieved: list[str] = ()) -> tuple[list[Completion], int]:
@@ -232,9 +232,7 @@ class Completions:
                 return [], prev_cursor
             # Above prev_cursor, so the next poll acknowledges these rows and no others.
             cursor = max(prev_cursor + 1, rows[-1].seq)
-            seqs = [r.seq for r in rows]
-            for i in range(0, len(seqs), 500):
-                conn.execute(_REPORTED, {"seqs": seqs[i:i + 500], "cursor": cursor})
+            _REPORTED.executemany(conn, [{"row": r.seq, "cursor": cursor} for r in rows])
         with self._memo:
             for r in rows:
                 self._reported[r.request_id] = None

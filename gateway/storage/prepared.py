@@ -54,17 +54,25 @@ class Prepared:
     def execute(self, conn: Connection, values: dict):
         """Runs it in `conn`'s transaction; the DBAPI cursor, for its rowcount or rows (`all`, `first`)."""
         form = self._forms.get(conn.dialect.name) or self._compile(conn.dialect)
-        args = form.bind(values)
+        return self._run(conn, form.sql, form.bind(values), False)
+
+    def executemany(self, conn: Connection, values: list[dict]) -> None:
+        """Runs it once for each of `values`, in `conn`'s transaction."""
+        if values:
+            form = self._forms.get(conn.dialect.name) or self._compile(conn.dialect)
+            self._run(conn, form.sql, [form.bind(v) for v in values], True).close()
+
+    @staticmethod
+    def _run(conn: Connection, sql: str, args, many: bool):
         fairy = conn.connection
         cursor = fairy.driver_connection.cursor()
-        conn.dispatch.before_cursor_execute(conn, cursor, form.sql, args, None, False)
+        conn.dispatch.before_cursor_execute(conn, cursor, sql, args, None, many)
         try:
-            cursor.execute(form.sql, args)
+            (cursor.executemany if many else cursor.execute)(sql, args)
         except conn.dialect.loaded_dbapi.Error as e:     # as SQLAlchemy raises it (IntegrityError, ...)
             if conn.dialect.is_disconnect(e, fairy.dbapi_connection, cursor):
                 conn.invalidate(e)
-            raise DBAPIError.instance(form.sql, args, e, conn.dialect.loaded_dbapi.Error,
-                                      dialect=conn.dialect) from e
+            raise DBAPIError.instance(sql, args, e, conn.dialect.loaded_dbapi.Error, dialect=conn.dialect) from e
         return cursor
 
     def rowcount(self, conn: Connection, values: dict) -> int:

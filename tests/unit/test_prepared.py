@@ -1,8 +1,8 @@
 """The hot statements run on the DBAPI cursor (gateway/storage/prepared.py) write and read what
 SQLAlchemy's own execution of the same statements does, on SQLite and on PostgreSQL: every type
 the futures, completions, usage and step-metric rows hold, a statement's fixed values, a
-RETURNING that returns nothing, a rowcount; a constraint broken is SQLAlchemy's IntegrityError;
-listeners see each statement."""
+RETURNING that returns nothing, a rowcount, one statement run for several rows; a constraint
+broken is SQLAlchemy's IntegrityError; listeners see each statement."""
 
 import datetime
 
@@ -71,6 +71,12 @@ def test_prepared_statements_write_and_read_what_sqlalchemy_does(url):
         assert reported == [tuple(r) for r in conn.execute(select(
             CompletionRow.seq, CompletionRow.request_id, CompletionRow.failed, CompletionRow.size))]
         assert reported[0].failed is True and reported[0].request_id == "r1"
+        completions._REPORTED.executemany(conn, [{"row": reported[0].seq, "cursor": 9}, {"row": -1, "cursor": 9}])
+        assert conn.execute(select(CompletionRow.reported_cursor)).scalars().all() == [9]
+        completions._FETCHED_OF.executemany(conn, [{"sid": "s", "clone": 1, "rid": "r1"}])     # another target's
+        assert conn.execute(select(CompletionRow.request_id)).scalars().all() == ["r1"]
+        completions._FETCHED_OF.executemany(conn, [{"sid": "s", "clone": 0, "rid": "r1"}])
+        assert conn.execute(select(CompletionRow.request_id)).scalars().all() == []
         assert limits.pending_training_in(conn, "alice") == 1 and limits.pending_samples_in(conn, "alice") == (0, 0)
         assert limits.pending_training_bytes_in(conn, "alice") == len(b"\x00\x01body")
 
