@@ -8,8 +8,10 @@ path) and status, so the label sets stay bounded; paths no route matches share o
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from starlette.routing import Match
 
@@ -26,6 +28,8 @@ TOKENS = Counter("tinkerd_gateway_tokens_total", "tokens of completed calls, by 
                  "(forward_backward), forward (forward only) and sampled (generated, all sequences)", ["kind"])
 SNAPSHOT_PUSHES = Histogram("tinkerd_gateway_snapshot_push_duration_seconds", "save_weights_for_sampler: the "
                             "trainer's PushWeights to every live sampler replica", buckets=DURATION_BUCKETS)
+EVENT_LOOP = Gauge("tinkerd_gateway_event_loop_info", "the event loop the gateway runs on, by its module "
+                   "(uvloop where installed: gateway/server.py event_loop)", ["loop"])
 SNAPSHOT_PUSH_BYTES = Counter("tinkerd_gateway_snapshot_push_bytes_total", "adapter bytes pushed to samplers")
 
 # Every future type the routes submit (gateway/routes/): reported even at zero, so a dashboard
@@ -105,6 +109,7 @@ router = APIRouter()
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics() -> Response:
+    EVENT_LOOP.labels(type(asyncio.get_running_loop()).__module__).set(1)
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 

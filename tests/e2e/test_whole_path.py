@@ -3,6 +3,7 @@ vLLM sampler, adapters streamed over torch.distributed."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -221,3 +222,13 @@ def test_trainer_and_sampler_run_with_tcmalloc(stack):
         assert allocator(pid) == "tcmalloc", service
         with open(f"/proc/{pid}/environ", "rb") as f:
             assert b"LD_PRELOAD=libtcmalloc" in f.read(), service
+
+
+def test_the_gateway_runs_on_uvloop(stack):
+    """`tinkerd up`'s gateway runs its event loop on uvloop (gateway/server.py event_loop), as its
+    /metrics says from inside the loop."""
+    import httpx
+
+    text = httpx.get(f"{stack.internal_url}/metrics", headers={"X-API-Key": stack.api_key}, timeout=10).text
+    loops = re.findall(r'^tinkerd_gateway_event_loop_info\{loop="([^"]+)"\} 1\.0$', text, re.M)
+    assert loops == ["uvloop"], loops
