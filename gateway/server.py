@@ -108,15 +108,17 @@ def serve(settings: GatewaySettings) -> None:
         await asyncio.wait([task, internal_task], return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = internal.should_exit = True
         await asyncio.gather(task, internal_task)
-    event_loop()(serve())
+    event_loop(settings.event_loop)(serve())
 
 
-def event_loop():
-    """How the gateway's loop runs: uvloop's where installed (uvicorn's own choice; the loop's
-    wake-ups and hand-offs are a third of the gateway's CPU per request under asyncio's:
-    docs/benchmarks.md#request_costs), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run
-    return uvloop.run
+def event_loop(choice: str):
+    """How the gateway's loop runs (--event-loop): `auto`, uvloop's where installed (uvicorn's own
+    choice; the loop's wake-ups and hand-offs are a third of the gateway's CPU per request under
+    asyncio's: docs/benchmarks.md#request_costs), else asyncio's."""
+    if choice == "auto":
+        try:
+            import uvloop
+            return uvloop.run
+        except ImportError:
+            pass
+    return asyncio.run

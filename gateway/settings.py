@@ -117,6 +117,9 @@ class GatewaySettings(ServiceAuthSettings):
     header_timeout_s: float = setting(30.0, help="a connection whose request headers are not all in this long after "
                                                  "it connected or the request began is closed (slow clients; "
                                                  "looked at every this long, so cut within twice it)", above=0)
+    event_loop: str = setting("auto", choices=["auto", "asyncio"], help="the event loop: auto is uvloop where "
+                              "installed (less CPU per request), else asyncio's; asyncio for tools that follow "
+                              "its Python frames (profilers, tracers, its debug mode)")
     trace_spans_per_session: int = setting(10_000, help="request spans kept per session for the console's "
                                                          "session panels and trace_export (the oldest go first)",
                                            at_least=0)

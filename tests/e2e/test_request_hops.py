@@ -92,8 +92,11 @@ def _traced_forward_backward(model_dir: str, root: pathlib.Path) -> tuple[list, 
         stack.callback(lambda: [s.kill() for s in services])
         services.append(Service("trainer", [*tinkerd, "trainer", *common, "--dtype", "float32",
                                             "--listen", f"127.0.0.1:{trainer_port}"], logs, env))
+        # asyncio's loop: the tracer follows a task's hand-offs through that loop's Python frames
+        # (uvloop's are C); the hops are our modules' calls, the same on either loop.
         services.append(Service("gateway", [*tinkerd, "gateway", *common, "--trainer", f"127.0.0.1:{trainer_port}",
-                                            "--port", "0", "--internal-port", "0"], logs, env))
+                                            "--port", "0", "--internal-port", "0", "--event-loop", "asyncio"],
+                                logs, env))
         port = services[1].ready()
         services[0].ready()
         api_key = keys.new_key(keys.open_database(str(state), None), "hops", admin=True)
