@@ -46,20 +46,22 @@ class _Form:
 
 
 class Prepared:
+    """One statement, prepared for each dialect (and driver) it first runs on."""
+
     def __init__(self, statement: ClauseElement, keys: list[str] | None = None):
         """`keys`: an INSERT's columns given (by default all of the table's)."""
         self.statement, self.keys = statement, keys
-        self._forms: dict[str, _Form] = {}
+        self._forms: dict[tuple, _Form] = {}      # by _form_key(dialect)
 
     def execute(self, conn: Connection, values: dict):
         """Runs it in `conn`'s transaction; the DBAPI cursor, for its rowcount or rows (`all`, `first`)."""
-        form = self._forms.get(conn.dialect.name) or self._compile(conn.dialect)
+        form = self._form(conn.dialect)
         return self._run(conn, form.sql, form.bind(values), False)
 
     def executemany(self, conn: Connection, values: list[dict]) -> None:
         """Runs it once for each of `values`, in `conn`'s transaction."""
         if values:
-            form = self._forms.get(conn.dialect.name) or self._compile(conn.dialect)
+            form = self._form(conn.dialect)
             self._run(conn, form.sql, [form.bind(v) for v in values], True).close()
 
     @staticmethod
@@ -84,7 +86,7 @@ class Prepared:
     def all(self, conn: Connection, values: dict) -> list[tuple]:
         """A SELECT's (or RETURNING's) rows, as named tuples."""
         cursor = self.execute(conn, values)
-        form = self._forms[conn.dialect.name]
+        form = self._form(conn.dialect)
         rows = [form.row(r) for r in cursor.fetchall()]
         cursor.close()
         return rows
@@ -92,6 +94,9 @@ class Prepared:
     def first(self, conn: Connection, values: dict) -> tuple | None:
         rows = self.all(conn, values)
         return rows[0] if rows else None
+
+    def _form(self, dialect: Dialect) -> _Form:
+        return self._forms.get(_form_key(dialect)) or self._compile(dialect)
 
     def _compile(self, dialect: Dialect) -> _Form:
         compiled = self.statement.compile(dialect=dialect, column_keys=self.keys)
@@ -109,5 +114,12 @@ class Prepared:
         results = tuple(c.type.dialect_impl(dialect).result_processor(dialect, None) for c in columns)
         row_type = collections.namedtuple("Row", [f"_{i}" if not c.key or c.key.startswith("_") else c.key
                                                   for i, c in enumerate(columns)], rename=True)
-        form = self._forms[dialect.name] = _Form(compiled.string, tuple(params), compiled.positional, results, row_type)
+        form = _Form(compiled.string, tuple(params), compiled.positional, results, row_type)
+        self._forms[_form_key(dialect)] = form       # (two threads compiling at once store equal forms)
         return form
+
+
+def _form_key(dialect: Dialect) -> tuple:
+    """What the compiled SQL and the value conversions depend on: one process may hold engines of
+    several databases, or drivers of one."""
+    return dialect.name, dialect.driver, dialect.paramstyle

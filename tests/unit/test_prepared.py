@@ -63,6 +63,11 @@ def test_prepared_statements_write_and_read_what_sqlalchemy_does(url):
         _INSERT_COMPLETION.rowcount(conn, {"sampling_session_id": "s", "clone": 0, "request_id": "r1",
                                            "failed": True, "size": 7, "reported_cursor": None,
                                            "finished_at": now()})
+    for n in range(8):            # past psycopg's prepare_threshold (5): prepared server-side, rowcount still true
+        with db.engine.begin() as conn:
+            _INSERT_FUTURE.rowcount(conn, _future(f"p{n}", f"m1#{10 + n}"))
+            assert _FINISH_FUTURE.rowcount(conn, {**finish, "rid": f"p{n}"}) == 1
+            assert _FINISH_FUTURE.rowcount(conn, {**finish, "rid": f"p{n}"}) == 0
     done = db.get(FutureRow, "r1")
     assert (done.status, done.result, done.request_args, done.request_body, done.lease_until) == \
         ("complete", b"{}", None, None, None)
