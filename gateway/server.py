@@ -113,8 +113,8 @@ def serve(settings: GatewaySettings) -> None:
 
 def event_loop(choice: str):
     """How the gateway's loop runs (--event-loop): `auto`, uvloop's where installed (uvicorn's own
-    choice; the loop's wake-ups and hand-offs are a third of the gateway's CPU per request under
-    asyncio's: docs/benchmarks.md#request_costs), else asyncio's."""
+    choice: the loop's own work in C, less CPU per request, docs/benchmarks.md#request_costs),
+    else asyncio's."""
     if choice == "auto":
         try:
             import uvloop

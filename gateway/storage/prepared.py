@@ -2,9 +2,9 @@
 metrics, a sample's completion), run on the connection's DBAPI cursor. Each is a Core statement
 compiled once per dialect: its SQL and the conversion of each value (JSON, datetimes, binary) are
 SQLAlchemy's own, what is left out is the work around them on every call (the statement cache's
-lookup, the parameters' and the result's objects), which cost several times the statement itself
-(docs/benchmarks.md#request_costs). The transaction stays the caller's `engine.begin()`, and
-`before_cursor_execute` listeners still see every statement.
+lookup, the parameters' and the result's objects: what that saves, docs/benchmarks.md#request_costs).
+The transaction stays the caller's `engine.begin()`, and `before_cursor_execute` listeners still
+see every statement.
 """
 
 from __future__ import annotations
