@@ -284,8 +284,7 @@ def decode_forward_backward(msg: tw.ForwardBackwardRequest) -> ForwardBackward:
 
 
 def _datum(datum: tw.Datum, i: int) -> DatumArrays:
-    _token_count(datum, i)       # text only, whole non-negative int32s
-    tokens: list[int] = []
+    tokens: list[int] = []      # text only, whole non-negative int32s: check_cost saw to it
     for chunk in datum.model_input:
         tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
     inputs = {key: _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]") for key, t in datum.loss_fn_inputs.items()}
@@ -371,12 +370,22 @@ def forward_backward_output(reply: trainer_pb2.ForwardBackwardResponse) -> bytes
     record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(reply.outputs))
     keys = sorted(reply.outputs[0].outputs) if reply.outputs else []
     for key in keys:
-        arrays = [to_numpy(o.outputs[key]).astype("<f4") for o in reply.outputs]
-        sizes = np.array([0] + [a.nbytes for a in arrays], dtype="<i8")
-        record.fields[key].CopyFrom(tw.BatchedTensor(
-            data=b"".join(a.tobytes() for a in arrays), offsets=np.cumsum(sizes).astype("<i8").tobytes(),
-            dtype=tw.DTYPE_FLOAT32, trailing_shape=list(arrays[0].shape[1:])))
+        record.fields[key].CopyFrom(_batched([o.outputs[key] for o in reply.outputs]))
     return out.SerializeToString()
+
+
+def _batched(tensors: list[common_pb2.Tensor]) -> tw.BatchedTensor:
+    """The datums' tensors of one output, as the SDK reads them: one float32 buffer and each
+    datum's offset in it. Dense float32 tensors (what the trainer sends) go as their bytes are."""
+    if all(t.dtype == common_pb2.DTYPE_FLOAT32 and not t.HasField("sparse_csr")
+           and len(t.data) == 4 * math.prod(t.shape or [len(t.data) // 4]) for t in tensors):
+        chunks, trailing = [t.data for t in tensors], list(tensors[0].shape[1:])
+    else:
+        arrays = [to_numpy(t).astype("<f4") for t in tensors]
+        chunks, trailing = [a.tobytes() for a in arrays], list(arrays[0].shape[1:])
+    offsets = np.cumsum([0] + [len(c) for c in chunks], dtype="<i8")
+    return tw.BatchedTensor(data=b"".join(chunks), offsets=offsets.tobytes(), dtype=tw.DTYPE_FLOAT32,
+                            trailing_shape=trailing)
 
 
 # ---- training JSON bodies -> trainer requests ----------------------------------------------

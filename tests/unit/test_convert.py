@@ -30,10 +30,14 @@ def test_forward_backward_output_decodes_in_the_sdk():
     from tinkerd.tensors import from_numpy
 
     reply = trainer_pb2.ForwardBackwardResponse(metrics={"loss:sum": 3.5})
-    for n in (3, 5):
-        reply.outputs.add(outputs={"logprobs": from_numpy(-np.arange(n, dtype=np.float32))})
+    for n in (3, 5):      # float32 goes as its bytes are; float16 (and int) is converted
+        reply.outputs.add(outputs={"logprobs": from_numpy(-np.arange(n, dtype=np.float32)),
+                                   "half": from_numpy(np.arange(n, dtype=np.float16) / 4),
+                                   "pairs": from_numpy(np.arange(2 * n, dtype=np.float32).reshape(n, 2))})
     out = deserialize_forward_backward_output(convert.forward_backward_output(reply))
     assert [o["logprobs"].to_numpy().tolist() for o in out.loss_fn_outputs] == [[0, -1, -2], [0, -1, -2, -3, -4]]
+    assert [o["half"].to_numpy().tolist() for o in out.loss_fn_outputs] == [[0, .25, .5], [0, .25, .5, .75, 1]]
+    assert out.loss_fn_outputs[1]["pairs"].to_numpy().tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     assert out.metrics["loss:sum"] == 3.5
 
 
