@@ -131,8 +131,7 @@ def trained(message):
         if run is None:
             log.warning("usage: no run %s for its trained tokens", model_id)
             return None
-        owner, session_id, base_model = run
-        return Work(f"train:{model_id}#{seq_id}", owner or "", session_id, base_model,
+        return Work(f"train:{model_id}#{seq_id}", run.owner or "", run.session_id, run.base_model,
                     (("training", False, tokens),))
     return work
 

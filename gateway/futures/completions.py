@@ -67,15 +67,19 @@ class Completion:
     size: int                   # the payload's bytes (the SDK reserves its memory before fetching)
 
 
+def insert(conn, completion: dict, request_id: str, at, writer: str) -> None:
+    """A finished sample's completion (Completions.row), not reported yet, written in the caller's
+    transaction and announced (`writer`: the writing gateway)."""
+    _INSERT.rowcount(conn, {**completion, "request_id": request_id, "reported_cursor": None, "finished_at": at})
+    announce(conn, (completion["sampling_session_id"], completion["clone"]), writer)
+
+
 def announce(conn, target: Target, writer: str) -> None:
     """In the transaction writing a completion of `target`: on PostgreSQL, a notice every gateway's
     listener hears once it commits (`writer`, the writing gateway, skips its own)."""
     if conn.dialect.name == "postgresql":
         conn.execute(_NOTIFY, {"channel": CHANNEL, "payload": json.dumps([writer, target[0], target[1]])})
 
-
-def _of(target: Target):
-    return and_(_C.sampling_session_id == target[0], _C.clone == target[1])
 
 
 # Prebuilt statements, parameters apart: the poll path runs them for every sample.
@@ -89,6 +93,8 @@ _FETCHED = Prepared(delete(_T).where(_C.request_id == bindparam("rid")))
 _FETCHED_OF = Prepared(delete(_T).where(_TARGET, _C.request_id == bindparam("rid")))
 _NEW = Prepared(select(_C.seq, _C.request_id, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(
     _C.seq > bindparam("low")))
+_INSERT = Prepared(_T.insert(), ["sampling_session_id", "clone", "request_id", "failed", "size", "reported_cursor",
+                                 "finished_at"])
 _ACKED_KEPT = 4096        # targets whose last acknowledgement this process remembers
 
 
@@ -186,10 +192,8 @@ class Completions:
         """A resent sample that had finished: the client may have missed its report (the caller
         wakes the target's polls: `arrived`)."""
         with self.db.engine.begin() as conn:
-            conn.execute(delete(_T).where(_C.request_id == request_id, _of(target)))
-            conn.execute(_T.insert(), {**self.row(target, failed, size), "request_id": request_id,
-                                       "reported_cursor": None, "finished_at": now()})
-            announce(conn, target, self.instance)
+            _FETCHED_OF.rowcount(conn, {"sid": target[0], "clone": target[1], "rid": request_id})
+            insert(conn, self.row(target, failed, size), request_id, now(), self.instance)
 
     async def fetched(self, request_id: str) -> None:
         """The client has the payload (fetched with retrieve_future): its row goes, if any, unless

@@ -35,7 +35,8 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from gateway.errors import error_json
-from gateway.futures.completions import Completions, Target, announce
+from gateway.futures import completions
+from gateway.futures.completions import Completions, Target
 from gateway.futures.waits import Waits
 from gateway import usage
 from gateway.jobs.base import Job as TypedJob
@@ -99,8 +100,6 @@ _FINISH_FUTURE = Prepared(FutureRow.__table__.update().where(
     _FUTURES.request_id == bindparam("rid"), _FUTURES.status == Status.PENDING).values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
     completed_at=bindparam("completed_at"), lease_until=None, request_args=None, request_body=None))
-_INSERT_COMPLETION = Prepared(CompletionRow.__table__.insert(), [
-    "sampling_session_id", "clone", "request_id", "failed", "size", "reported_cursor", "finished_at"])
 
 
 class FutureStore:
@@ -143,9 +142,7 @@ class FutureStore:
             finished = _FINISH_FUTURE.rowcount(conn, {"rid": request_id, "status": status, "content_type": content_type,
                                                       "result": result, "completed_at": stamp}) > 0
             if finished and completion is not None:
-                _INSERT_COMPLETION.rowcount(conn, {**completion, "request_id": request_id, "reported_cursor": None,
-                                                   "finished_at": stamp})
-                announce(conn, (completion["sampling_session_id"], completion["clone"]), self.instance)
+                completions.insert(conn, completion, request_id, stamp, self.instance)
             if finished and also is not None:
                 also(conn)
             return finished

@@ -85,8 +85,8 @@ class Prepared:
 
     def all(self, conn: Connection, values: dict) -> list[tuple]:
         """A SELECT's (or RETURNING's) rows, as named tuples."""
-        cursor = self.execute(conn, values)
         form = self._form(conn.dialect)
+        cursor = self._run(conn, form.sql, form.bind(values), False)
         rows = [form.row(r) for r in cursor.fetchall()]
         cursor.close()
         return rows

@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from gateway import step_metrics, usage
 from gateway.futures import completions
-from gateway.futures.store import _FINISH_FUTURE, _INSERT_COMPLETION, _INSERT_FUTURE
+from gateway.futures.store import _FINISH_FUTURE, _INSERT_FUTURE
 from gateway.identity import limits
 from gateway.storage.db import CompletionRow, Database, FutureRow, StepMetricRow, UsageRow, now
 
@@ -60,9 +60,8 @@ def test_prepared_statements_write_and_read_what_sqlalchemy_does(url):
     with db.engine.begin() as conn:
         assert _FINISH_FUTURE.rowcount(conn, finish) == 1
         assert _FINISH_FUTURE.rowcount(conn, finish) == 0         # only a pending future finishes
-        _INSERT_COMPLETION.rowcount(conn, {"sampling_session_id": "s", "clone": 0, "request_id": "r1",
-                                           "failed": True, "size": 7, "reported_cursor": None,
-                                           "finished_at": now()})
+        completions.insert(conn, {"sampling_session_id": "s", "clone": 0, "failed": True, "size": 7}, "r1", now(),
+                           "gw-1")
     for n in range(8):            # past psycopg's prepare_threshold (5): prepared server-side, rowcount still true
         with db.engine.begin() as conn:
             _INSERT_FUTURE.rowcount(conn, _future(f"p{n}", f"m1#{10 + n}"))
