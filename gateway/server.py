@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import os
 import socket
+import sys
 
 from gateway import public_url
 from gateway.settings import GatewaySettings
@@ -61,6 +62,13 @@ def check_listeners(settings: GatewaySettings) -> None:
             raise SystemExit(f"tinkerd: {path} (--https-cert/--https-key) is not a file")
     if settings.https_cert:
         _check_certificate(settings.https_cert, settings.https_key)
+        from gateway.routes.service import rustls_accepts
+
+        if not rustls_accepts(settings.https_cert):
+            print(f"tinkerd: --https-cert {settings.https_cert} is a CA certificate (basicConstraints CA:TRUE), which "
+                  f"the tinker SDK's default transport (pyqwest: rustls) refuses as a server's: its clients are told "
+                  f"to use httpx instead, which costs them more CPU per request. Serve a leaf certificate (CA:FALSE) "
+                  f"for the faster one.", file=sys.stderr, flush=True)
     problem = public_url.check(settings.public_url, settings.trusted_proxies)
     if problem:
         raise SystemExit(f"tinkerd: {problem}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -22,19 +23,39 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/api/v1")
 
 # What the SDK switches on or off: only transports and features this server implements.
+# use_pyqwest_transport: the SDK's own default (reqwest/hyper, rustls), less client CPU per request
+# than httpx (docs/benchmarks.md#request_costs); off where rustls cannot reach this gateway
+# (`sdk_transport`).
 # With auth on, the SDK exchanges its API key for a JWT (routes/identity.py) and whoami works.
 # sample_use_retrieve_futures: SDK >= 0.28 polls one retrieve_futures per sampling session in
 # place of one retrieve_future per sample (routes/futures.py); older SDKs ignore it.
 # custom_loss_server_side: SDK >= 0.36 uploads create_custom_loss's traced loss and runs it here by
 # its loss id in one forward_backward (routes/custom_losses.py, gateway/custom_losses.py).
-CLIENT_CONFIG = {"use_pyqwest_transport": False, "proto_compress_fwdbwd": True,
+CLIENT_CONFIG = {"proto_compress_fwdbwd": True,
                  "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": True,
                  "custom_loss_server_side": True, "sample_join_sampling_session": True}
 
 
 @router.post("/client/config")
 async def client_config(gw: GatewayDep) -> dict:
-    return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth}
+    return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth,
+            "use_pyqwest_transport": not gw.settings.https or rustls_accepts(gw.settings.https_cert)}
+
+
+@functools.cache
+def rustls_accepts(cert_path: str) -> bool:
+    """Whether the SDK's default transport (pyqwest: rustls) accepts --https-cert as a server's
+    certificate. rustls refuses a CA certificate in that place (CaUsedAsEndEntity) where OpenSSL,
+    and so httpx, accepts it; `openssl req -x509` makes one unless told `basicConstraints=CA:FALSE`.
+    Such a gateway sends its SDKs to httpx (and says so at start: gateway/server.py)."""
+    from cryptography import x509
+
+    with open(cert_path, "rb") as f:
+        served = x509.load_pem_x509_certificate(f.read())      # the first of the chain: the server's own
+    try:
+        return not served.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return True
 
 
 # sample_cancel_enabled: SDK >= 0.26 sends cancel_future for a sample it abandons (routes/futures.py).

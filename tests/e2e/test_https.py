@@ -1,6 +1,6 @@
 """`tinkerd up --https-cert/--https-key` on a self-signed certificate made here: the official SDK
-reaches the gateway over https (it trusts the certificate through SSL_CERT_FILE, as httpx reads
-it), trains and saves checkpoints, and the download URLs it gets (external weights' signed URLs; the
+reaches the gateway over https on its default transport, pyqwest (it trusts the certificate through
+SSL_CERT_FILE, as rustls and httpx read it), trains and saves checkpoints, and the download URLs it gets (external weights' signed URLs; the
 archive URL older SDKs ask for) are https URLs that download with that CA. `up` became ready at all only because its replica registered over https (verified
 with --register-ca) and its own health checks trusted the certificate. Plain http to either
 listener gets no answer."""
@@ -34,8 +34,10 @@ from sdk_venvs import sdk_python
 pytestmark = pytest.mark.e2e
 
 
-def self_signed(directory) -> tuple[str, str]:
-    """(cert.pem, key.pem) for localhost and 127.0.0.1, its own CA."""
+def self_signed(directory, *, ca: bool = False) -> tuple[str, str]:
+    """(cert.pem, key.pem) for localhost and 127.0.0.1, its own trust anchor: a leaf certificate
+    (CA:FALSE), as rustls wants a server's to be, or with `ca` a CA certificate (what
+    `openssl req -x509` makes by default)."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tinkerd test")])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -45,7 +47,7 @@ def self_signed(directory) -> tuple[str, str]:
             .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                            critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
             .sign(key, hashes.SHA256()))
     cert_path, key_path = directory / "cert.pem", directory / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -66,7 +68,10 @@ def test_the_sdk_trains_and_downloads_a_checkpoint_over_https(start_stack, tiny_
     cert, key = self_signed(tmp_path)
     with start_stack(tiny_model_dir, tmp_path / "state", "--https-cert", cert, "--https-key", key) as stack:
         assert stack.url.startswith("https://") and stack.internal_url.startswith("https://"), stack
-        monkeypatch.setenv("SSL_CERT_FILE", cert)        # httpx (the SDK's client) trusts this CA
+        monkeypatch.setenv("SSL_CERT_FILE", cert)        # the SDK's transport trusts this certificate
+        config = httpx.post(f"{stack.url}/api/v1/client/config", json={"sdk_version": "0.38.0"},
+                            headers={"X-API-Key": stack.api_key}, verify=ssl.create_default_context(cafile=cert)).json()
+        assert config["use_pyqwest_transport"] is True, config      # the SDK's default, rustls: a leaf certificate
         tc = tinker.ServiceClient(base_url=stack.url).create_lora_training_client(
             base_model=tiny_model_dir, rank=8, seed=0)
         tc.forward_backward(sft_data(tc.get_tokenizer(), ["the cat sat"]), "cross_entropy").result()
