@@ -6,7 +6,8 @@ Each round starts `tinkerd up` on the tiny model from one tree and loops each re
 through the SDK for a few seconds: forward_backward (4 x 64), optim_step, a one-token sample,
 and 16 such samples at once. Per request: the gateway's CPU, the SDK client's, and the wall time.
 The verdict is the gateway's CPU over the SDK client's in the same round: the client does the
-same work in both trees, so the quotient cancels the VM's speed of the moment.
+same work in both trees, so the quotient cancels the VM's speed of the moment. A change to what
+the client does (its transport, its requests) voids that: read the medians then, wall time too.
 
     python -m bench.paired_costs --base 51a6108 [--rounds 3] [--seconds 8]
 
@@ -97,8 +98,8 @@ def compare(base: str, rounds: int, seconds: float) -> str:
                     taken[side].append(_round(trees[side], seconds, os.path.join(tmp, "work")))
         finally:
             subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", base_tree], capture_output=True)
-    rows = ["| request | gateway CPU, base / this (median ms) | SDK CPU, base / this | this / base, gateway "
-            "over SDK |", "|---|---|---|---|"]
+    rows = ["| request | gateway CPU, base / this (median ms) | SDK CPU, base / this | wall, base / this | "
+            "this / base, gateway over SDK |", "|---|---|---|---|---|"]
     for kind in KINDS:
         def med(side, what):
             return statistics.median(m[kind][what] for m in taken[side])
@@ -107,6 +108,7 @@ def compare(base: str, rounds: int, seconds: float) -> str:
             return statistics.mean(m[kind]["gateway"] / m[kind]["client"] for m in taken[side])
         rows.append(f"| {kind} | {med('base', 'gateway'):.2f} / {med('this', 'gateway'):.2f} | "
                     f"{med('base', 'client'):.2f} / {med('this', 'client'):.2f} | "
+                    f"{med('base', 'wall'):.2f} / {med('this', 'wall'):.2f} | "
                     f"×{quotient('this') / quotient('base'):.3f} |")
     return "\n".join(rows)
 
