@@ -434,7 +434,10 @@ class Database:
         """`idle_in_transaction_s` (Postgres): how long the server waits on this gateway in the
         middle of a transaction before it ends the transaction and frees its locks."""
         try:
-            self.engine = create_engine(url, future=True)
+            # LIFO: the database thread gets back the connection it just used. SQLite drops a
+            # connection's page cache when another connection committed since; FIFO handed out
+            # the pool's connections in turn, so every transaction began by re-reading its pages.
+            self.engine = create_engine(url, future=True, pool_use_lifo=True)
         except (ArgumentError, NoSuchModuleError, ImportError) as e:
             raise DatabaseUnusable(f"--db-url {shown(url)} is not a database URL this gateway can use "
                                    f"({type(e).__name__}: {str(e).splitlines()[0]}); e.g. postgresql+psycopg://"
