@@ -1,7 +1,9 @@
 """The gateway's connection limits (gateway/http_limits.py, issue 24 L3) on a real uvicorn server
 built as `tinkerd gateway` builds it (`uvicorn_options` of the settings): requests beyond
 --max-connections get 503 at once, a request head sent too slowly is cut off after
---header-timeout-s, and an idle kept-alive connection is closed after --keep-alive-timeout-s."""
+--header-timeout-s, and an idle kept-alive connection is closed after --keep-alive-timeout-s.
+And its writes: a response is one send, an interim 100 Continue is not held back, a large
+streamed body and a response before a close arrive whole."""
 
 from __future__ import annotations
 
@@ -17,9 +19,28 @@ from gateway.http_limits import uvicorn_options
 from gateway.settings import GatewaySettings
 
 
+STREAMED = [bytes([65 + i]) * 50_000 for i in range(8)]     # 400 kB in chunks, past what a turn holds
+
+
 async def _slow_app(scope, receive, send):
-    """Answers after `?s` seconds (a long-poll, say)."""
+    """Answers after `?s` seconds (a long-poll, say); /echo answers the request's body, /stream
+    streams STREAMED."""
     if scope["type"] != "http":
+        return
+    if scope["path"] == "/echo":
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+        return
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"%d" % sum(map(len, STREAMED)))]})
+        for chunk in STREAMED:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
         return
     await asyncio.sleep(float(scope["query_string"].decode() or 0))
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
@@ -96,3 +117,89 @@ def test_a_slow_request_is_not_cut_off_and_idle_keep_alive_ends(server):
     conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")         # kept alive: a second request
     assert _status(conn) == 200
     assert 0.7 < _closed_after(conn) < 2.5                     # then idle: closed after 1 s
+
+
+class _Recording(asyncio.Transport):
+    """The socket's side of a connection: what the protocol sends, one entry per system call."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent: list[bytes] = []
+        self.closed = False
+
+    def write(self, data):
+        self.sent.append(bytes(data))
+
+    def is_closing(self):
+        return self.closed
+
+    def close(self):
+        self.closed = True
+
+    def get_extra_info(self, name, default=None):
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+
+def test_a_response_is_one_send():
+    """uvicorn writes a response's head and its body apart: two sends, two TCP segments on the
+    gateway's TCP_NODELAY socket, and two wake-ups of the client, for every request. Through the
+    gateway's protocol (the real uvicorn one, only the socket recorded) each response is one."""
+    settings = GatewaySettings(base_model="/m", trainer="t:1")
+    config = uvicorn.Config(_slow_app, log_level="warning", lifespan="off", **uvicorn_options(settings))
+    config.load()
+
+    async def exchange():
+        protocol = config.http_protocol_class(config=config, server_state=uvicorn.server.ServerState(),
+                                              app_state={})
+        transport = _Recording()
+        protocol.connection_made(transport)
+        for body in (b"hello", b"again"):       # two requests on one kept-alive connection
+            protocol.data_received(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n" + body)
+            for _ in range(20):
+                await asyncio.sleep(0)
+        protocol.connection_lost(None)
+        return transport.sent
+
+    sent = asyncio.run(exchange())
+    assert len(sent) == 2, sent
+    for data, body in zip(sent, (b"hello", b"again")):
+        assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b"\r\n\r\n" + body), data
+
+
+def _response(conn: socket.socket) -> tuple[bytes, bytes]:
+    """(head, body) of one response with a content-length."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        assert chunk, "closed before the body was whole"
+        body += chunk
+    return head, body
+
+
+def test_writes_held_for_a_turn_keep_interim_responses_streams_and_closes_whole(server):
+    # An interim 100 Continue goes out while the server waits for the body (curl sends
+    # Expect: 100-continue for bodies over 1 KiB and waits a second for it).
+    conn = socket.create_connection(("127.0.0.1", server), timeout=10)
+    conn.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+    conn.settimeout(0.5)
+    assert conn.recv(4096).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+    conn.settimeout(10)
+    conn.sendall(b"body")
+    assert _response(conn)[1] == b"body"
+    # A streamed body over what one turn holds arrives whole and in order.
+    conn.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _response(conn)[1] == b"".join(STREAMED)
+    # A response the server closes the connection after (the client asked it to) arrives whole.
+    conn.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 3\r\n\r\nend")
+    assert _response(conn)[1] == b"end"
+    assert conn.recv(4096) == b""
