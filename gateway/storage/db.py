@@ -429,15 +429,23 @@ def shown(url: str) -> str:
         return "(not shown: it does not parse, and may hold a password)"
 
 
+def _pool_order(url: str) -> dict:
+    """LIFO, where the pool is a queue (a server's, or an SQLite file's; an in-memory SQLite
+    database has one connection a thread): the database thread gets back the connection it just
+    used. SQLite drops a connection's page cache when another connection committed since; FIFO
+    handed out the pool's connections in turn, so every transaction began by re-reading its pages."""
+    parsed = make_url(url)
+    in_memory = parsed.get_backend_name() == "sqlite" and (parsed.database in (None, "", ":memory:")
+                                                           or parsed.query.get("mode") == "memory")
+    return {} if in_memory else {"pool_use_lifo": True}
+
+
 class Database:
     def __init__(self, url: str, idle_in_transaction_s: float = 10.0):
         """`idle_in_transaction_s` (Postgres): how long the server waits on this gateway in the
         middle of a transaction before it ends the transaction and frees its locks."""
         try:
-            # LIFO: the database thread gets back the connection it just used. SQLite drops a
-            # connection's page cache when another connection committed since; FIFO handed out
-            # the pool's connections in turn, so every transaction began by re-reading its pages.
-            self.engine = create_engine(url, future=True, pool_use_lifo=True)
+            self.engine = create_engine(url, future=True, **_pool_order(url))
         except (ArgumentError, NoSuchModuleError, ImportError) as e:
             raise DatabaseUnusable(f"--db-url {shown(url)} is not a database URL this gateway can use "
                                    f"({type(e).__name__}: {str(e).splitlines()[0]}); e.g. postgresql+psycopg://"
