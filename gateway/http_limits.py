@@ -9,8 +9,8 @@
   closes a connection whose request head is not complete this long (to twice this long) after it
   connected or after the head's first byte arrived.
 
-And what the connection writes in one turn of the event loop goes out in one system call
-(`OneWritePerTurn`): uvicorn writes a response's head and its body apart.
+And a response's head goes out with its body, in one system call (`HeadWithBody`): uvicorn
+writes them apart.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def header_deadline_protocol(timeout_s: float) -> type:
     class HeaderDeadline(AutoHTTPProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self.transport = OneWritePerTurn(transport, self.loop)     # what the requests' cycles write to
+            self.transport = HeadWithBody(transport, self.loop)     # what the requests' cycles write to
             self._late_cycle = _NOT_LOOKED
             self._look = self.loop.call_later(timeout_s, self._look_at_head)
 
@@ -57,37 +57,34 @@ def header_deadline_protocol(timeout_s: float) -> type:
 
 
 _NOT_LOOKED = object()
-_HELD_BYTES = 64 << 10
 
 
-class OneWritePerTurn:
-    """A connection's transport that sends what one turn of the event loop writes in one system
-    call. uvicorn writes a response's status line and headers, then its body: on a TCP_NODELAY
-    socket, two sends and two segments, which wake the client twice (what one costs:
-    docs/benchmarks.md#request_costs). Held bytes go out at the end of the turn, before a close
-    or an EOF, or at once past _HELD_BYTES (a streamed download is not gathered in memory)."""
+class HeadWithBody:
+    """A connection's transport that sends a response's head with its body, in one system call.
+    uvicorn writes a response's status line and headers, then its body: on a TCP_NODELAY socket,
+    two sends and two segments, which wake the client twice (what one costs:
+    docs/benchmarks.md#request_costs). A head is held until the next write (its body, sent with
+    it at once), a close or an EOF, or the end of the loop's turn (a head with no body yet, or an
+    interim 100 Continue)."""
 
     def __init__(self, transport, loop):
         self._transport, self._loop = transport, loop
-        self._held: list[bytes] = []
-        self._size = 0
+        self._head = b""
 
     def write(self, data: bytes) -> None:
-        if not self._held:
+        if self._head:
+            data, self._head = self._head + data, b""
+            self._transport.write(data)
+        elif data.startswith(b"HTTP/") and data.endswith(b"\r\n\r\n"):
+            self._head = bytes(data)
             self._loop.call_soon(self._send)
-        self._held.append(data)
-        self._size += len(data)
-        if self._size > _HELD_BYTES:
-            self._send()
+        else:
+            self._transport.write(data)
 
     def _send(self) -> None:
-        if not self._held:
-            return
-        data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
-        self._held.clear()
-        self._size = 0
-        if not self._transport.is_closing():        # a connection lost in the meantime takes nothing
-            self._transport.write(data)
+        head, self._head = self._head, b""
+        if head and not self._transport.is_closing():     # a connection lost in the meantime takes nothing
+            self._transport.write(head)
 
     def writelines(self, lines) -> None:
         for data in lines:
@@ -102,7 +99,7 @@ class OneWritePerTurn:
         self._transport.close()
 
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + self._size
+        return self._transport.get_write_buffer_size() + len(self._head)
 
     def __getattr__(self, name):
         return getattr(self._transport, name)

@@ -19,7 +19,7 @@ from gateway.http_limits import uvicorn_options
 from gateway.settings import GatewaySettings
 
 
-STREAMED = [bytes([65 + i]) * 50_000 for i in range(8)]     # 400 kB in chunks, past what a turn holds
+STREAMED = [bytes([65 + i]) * 50_000 for i in range(8)]     # 400 kB in chunks after the head
 
 
 async def _slow_app(scope, receive, send):
@@ -186,7 +186,7 @@ def _response(conn: socket.socket) -> tuple[bytes, bytes]:
     return head, body
 
 
-def test_writes_held_for_a_turn_keep_interim_responses_streams_and_closes_whole(server):
+def test_a_held_head_keeps_interim_responses_streams_and_closes_whole(server):
     # An interim 100 Continue goes out while the server waits for the body (curl sends
     # Expect: 100-continue for bodies over 1 KiB and waits a second for it).
     conn = socket.create_connection(("127.0.0.1", server), timeout=10)
