@@ -175,6 +175,37 @@ def assert_reproducible_sampling(sampler, prompt) -> None:
     assert seeded[0] == seeded[1], seeded
 
 
+def self_signed(directory, *, ca: bool = False) -> tuple[str, str]:
+    """(cert.pem, key.pem) for localhost and 127.0.0.1, its own trust anchor: a leaf certificate
+    (CA:FALSE), as rustls wants a server's to be, or with `ca` a CA certificate (what
+    `openssl req -x509` makes by default)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tinkerd test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    return str(cert_path), str(key_path)
+
+
 def run_tinkerd(*argv: str, timeout: float = 120):
     """`tinkerd ARGV` (python -m launcher.cli, from the repo root, one OpenMP thread) run to its end:
     the CompletedProcess, its output captured as text. Test modules import it."""

@@ -25,7 +25,7 @@ router = APIRouter(prefix="/api/v1")
 # What the SDK switches on or off: only transports and features this server implements.
 # use_pyqwest_transport: the SDK's own default (reqwest/hyper, rustls), less client CPU per request
 # than httpx (docs/benchmarks.md#request_costs); off where rustls cannot reach this gateway
-# (`sdk_transport`).
+# (`rustls_accepts`).
 # With auth on, the SDK exchanges its API key for a JWT (routes/identity.py) and whoami works.
 # sample_use_retrieve_futures: SDK >= 0.28 polls one retrieve_futures per sampling session in
 # place of one retrieve_future per sample (routes/futures.py); older SDKs ignore it.

@@ -7,9 +7,7 @@ listener gets no answer."""
 
 from __future__ import annotations
 
-import datetime
 import http.client
-import ipaddress
 import io
 import os
 import ssl
@@ -22,39 +20,12 @@ import urllib.request
 import certifi
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
-from conftest import run_tinkerd, sft_data
+from conftest import run_tinkerd, self_signed, sft_data
 from harness.stack import sampler_pool
 from sdk_venvs import sdk_python
 
 pytestmark = pytest.mark.e2e
-
-
-def self_signed(directory, *, ca: bool = False) -> tuple[str, str]:
-    """(cert.pem, key.pem) for localhost and 127.0.0.1, its own trust anchor: a leaf certificate
-    (CA:FALSE), as rustls wants a server's to be, or with `ca` a CA certificate (what
-    `openssl req -x509` makes by default)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tinkerd test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    key_path.chmod(0o600)
-    return str(cert_path), str(key_path)
 
 
 # What an SDK 0.35 user runs: RestClient.get_checkpoint_archive_url_from_tinker_path(path).url

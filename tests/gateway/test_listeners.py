@@ -174,30 +174,6 @@ def test_https_cert_and_key_go_together(tmp_path):
                                     https_key=str(tmp_path / "missing.pem")))
 
 
-def _certificate(path, *, ca: bool) -> str:
-    """A self-signed certificate for 127.0.0.1: a CA one, or a leaf."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key, name = ec.generate_private_key(ec.SECP256R1()), x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "t")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now)
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True).sign(key, hashes.SHA256()))
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
-    return str(path)
-
-
 def test_the_sdk_is_told_to_use_pyqwest_unless_rustls_would_refuse_the_gateways_certificate(tmp_path, capsys):
     """SDK 0.38's default transport (pyqwest: rustls) refuses a CA certificate as a server's
     (CaUsedAsEndEntity; OpenSSL and httpx accept it): over https with one, the official SDK
@@ -210,10 +186,13 @@ def test_the_sdk_is_told_to_use_pyqwest_unless_rustls_would_refuse_the_gateways_
     from gateway.server import check_listeners
     from gateway.settings import GatewaySettings
 
-    leaf, ca = _certificate(tmp_path / "leaf.pem", ca=False), _certificate(tmp_path / "ca.pem", ca=True)
+    from conftest import self_signed
+
+    (tmp_path / "leaf").mkdir()
+    (tmp_path / "ca").mkdir()
+    (leaf, leaf_key), (ca, ca_key) = self_signed(tmp_path / "leaf"), self_signed(tmp_path / "ca", ca=True)
     chain = tmp_path / "chain.pem"
     chain.write_text(open(leaf).read() + open(ca).read())       # the server's own first, as PEM chains are
-    leaf_key, ca_key = str(tmp_path / "leaf.key"), str(tmp_path / "ca.key")
     for tls, pyqwest in (({}, True), ({"https_cert": leaf, "https_key": leaf_key}, True),
                          ({"https_cert": str(chain), "https_key": leaf_key}, True),
                          ({"https_cert": ca, "https_key": ca_key}, False)):
