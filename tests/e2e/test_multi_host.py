@@ -353,11 +353,12 @@ def _worker(service: Service):
     return next(p for p in psutil.Process(service.proc.pid).children(recursive=True) if "launcher.cli" in p.cmdline())
 
 
-def _busy(process, window_s: float = 0.2) -> bool:
-    """Whether `process` spent most of the next `window_s` on a CPU (a rank inside a step)."""
+def _busy(process, window_s: float = 0.5) -> bool:
+    """Whether `process` spent a quarter of the next `window_s` on a CPU (a rank inside a step: an
+    idle one spends ~1%; a busy one under a full suite's load may get a third of a core)."""
     before = sum(process.cpu_times()[:2])
     time.sleep(window_s)
-    return sum(process.cpu_times()[:2]) - before > window_s / 2
+    return sum(process.cpu_times()[:2]) - before > window_s / 4
 
 
 def _pending(future) -> bool:

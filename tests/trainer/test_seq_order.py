@@ -60,12 +60,15 @@ def _steps_taken(trainer) -> list[tuple[str, int]]:
 
 
 def test_seq_order_holds_later_seq_ids_and_gives_up_on_a_gap():
-    order, ran = SeqOrder(gap_timeout_s=0.5), []
+    # A gap timeout far above the threads' spacing while they arrive out of order: under a full
+    # suite's load a thread can start half a second late, and 3 would rightly stop waiting.
+    order, ran = SeqOrder(gap_timeout_s=30), []
     order.created("m")
 
     request = _request_of(order, ran)
     _run_in_threads([request(3), request(2), request(1)])
     assert ran == [1, 2, 3]
+    order.gap_timeout_s = 0.5
     t0 = time.monotonic()
     request(5)()                      # 4 never comes: 5 runs after the gap timeout
     assert ran[-1] == 5 and 0.4 < time.monotonic() - t0 < 2
