@@ -33,6 +33,7 @@ import json
 import logging
 import threading
 import time
+from typing import Callable
 
 from sqlalchemy import and_, bindparam, delete, func, or_, select, text, update
 
@@ -99,12 +100,19 @@ _ACKED_KEPT = 4096        # targets whose last acknowledgement this process reme
 
 
 class Completions:
-    def __init__(self, db: Database, instance: str = "", watch_s: float = WATCH_S):
+    def __init__(self, db: Database, instance: str = "", watch_s: float = WATCH_S,
+                 running: Callable[[Target], int] = lambda target: 0):
+        """`running(target)`: the target's samples running on this gateway now (a poll woken by one
+        of them gathers only while more of them are coming)."""
         self.db = db
         self.instance = instance        # this gateway (gateway/futures/store.py Futures.instance)
         self.watch_s = watch_s
+        self.running = running
         self.listening = False          # a PostgreSQL listener hears other gateways' notices now
         self._waiting: dict[Target, list[asyncio.Event]] = {}     # polls waiting here, by target
+        # Waited-for targets with a completion from elsewhere (another gateway's, a resend's)
+        # since a poll last woke: how many more are coming is not known here.
+        self._from_elsewhere: set[Target] = set()
         self._seen: collections.deque[tuple[float, int]] = collections.deque()   # (when, highest seq then)
         # Each target's prev_cursor acknowledged last: acknowledging it again deletes nothing (a
         # row reported since has a larger cursor), so the next polls skip the statement.
@@ -139,6 +147,8 @@ class Completions:
         self._clean.pop(target, None)
         for arrivals in self._looking.get(target, ()):
             arrivals.add(request_id)
+        if request_id is None and target in self._waiting:
+            self._from_elsewhere.add(target)
         for event in self._waiting.get(target, ()):
             event.set()
 
@@ -248,8 +258,10 @@ class Completions:
                    gather_s: float = 0.0, retrieved: list[str] = ()) -> tuple[list[Completion], int]:
         """The target's completions after `prev_cursor` (which acknowledges those before, as
         `retrieved` does the payloads the client has), at most `limit`, waiting up to `timeout_s`
-        for one, then `gather_s` more for others that finish just after it (samples of one burst
-        finish close together: one answer, not one each); and the cursor to send back next:
+        for one, then `gather_s` more for others that finish just after it
+        (samples of one burst finish close together: one answer, not one each) unless it finished
+        here and no other of the target's samples runs here (a lone sample's answer waits for
+        nothing); and the cursor to send back next:
         `prev_cursor` itself when none (a larger one would make the SDK send an acknowledgement
         for nothing)."""
         self._defer(target, prev_cursor, retrieved)
@@ -280,12 +292,15 @@ class Completions:
                     await asyncio.wait_for(event.wait(), left)
                 except asyncio.TimeoutError:
                     continue
-                if gather_s > 0:
+                elsewhere = target in self._from_elsewhere
+                self._from_elsewhere.discard(target)
+                if gather_s > 0 and (elsewhere or self.running(target)):
                     await asyncio.sleep(gather_s)
         finally:
             waiters.remove(event)
             if not waiters:
                 del self._waiting[target]
+                self._from_elsewhere.discard(target)
 
     async def _look(self, target: Target, prev_cursor: int, limit: int) -> tuple[list[Completion], int]:
         """One look at the target (with its acknowledgements waiting). When it found fewer than

@@ -225,9 +225,10 @@ class Futures:
         self._finished = FinishedResults()
         self._pending_by_type: collections.Counter[str] = collections.Counter()
         self._pending_by_owner: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._running_by_target: collections.Counter[Target] = collections.Counter()     # samples, unfinished
         self._submitting: collections.Counter[str] = collections.Counter()   # keys being recorded here, unstarted
         self._cancelled: set[str] = set()              # finished by cancel(); their jobs still running
-        self.completions = Completions(db, self.instance)
+        self.completions = Completions(db, self.instance, running=self._running_by_target.__getitem__)
         self.waits = Waits(self)
         self.stopping = False       # shutting down: a job cut short is left to be re-driven, not failed
 
@@ -283,6 +284,8 @@ class Futures:
         self._pending[request_id] = _Pending(asyncio.Event(), model_id, request_type, owner, target)
         self._pending_by_type[request_type] += 1
         self._pending_by_owner[owner, request_type] += 1
+        if target is not None:
+            self._running_by_target[target] += 1
         self.traces.received(request_id, request_type, model_id, target[0] if target else None)
 
     def ended(self, request_id: str, request_type: str, owner: str) -> None:
@@ -325,6 +328,10 @@ class Futures:
         pending = self._pending.pop(request_id, None)
         if pending is None:
             return
+        if pending.target is not None:
+            self._running_by_target[pending.target] -= 1
+            if not self._running_by_target[pending.target]:
+                del self._running_by_target[pending.target]
         self.traces.finished(request_id, "cancelled" if request_id in self._cancelled else status)
         completion = None if pending.target is None else Completions.row(pending.target, status == Status.FAILED, len(body))
         added: list[usage.Work] = []

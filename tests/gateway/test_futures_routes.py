@@ -377,6 +377,68 @@ def test_completions_finishing_together_come_in_one_answer(gw, monkeypatch):
     assert {c["request_id"] for c in out["completions"]} == set(ids)
 
 
+def test_a_lone_samples_answer_does_not_wait_to_gather(gw, monkeypatch):
+    """The poll gathers only while more of the session's samples run here: a lone sample's
+    completion is answered as soon as it finishes (a whole gather was a fifth of a lone 1-token
+    sample's time through the SDK)."""
+    monkeypatch.setattr(futures_routes, "GATHER_S", 3.0)
+    api = gw.api
+    sid = _sampling_session(api)
+    gw.sampler.release.clear()
+    rid = _sample(api, sid, 0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_poll, api, sid, 0, 20.0)
+        time.sleep(0.3)
+        released = time.monotonic()
+        gw.sampler.release.set()
+        out = waiting.result(timeout=10)
+    assert time.monotonic() - released < 1.5
+    assert [c["request_id"] for c in out["completions"]] == [rid]
+
+
+def test_a_completion_from_elsewhere_is_gathered_for_and_a_lone_one_from_here_is_not(tmp_path):
+    """Whether a poll woken by a completion waits GATHER_S for more: yes when it came from
+    elsewhere (another gateway's notice or the watcher: what else runs there is not known here),
+    or while another of the target's samples runs here; no for the last one finished here."""
+    import asyncio
+    import collections
+
+    from gateway.storage.db import Database, now
+
+    db = Database(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    running: collections.Counter = collections.Counter()
+    queue = completions_module.Completions(db, "here", running=running.__getitem__)
+    target = ("session:sample:0", 0)
+
+    def write(request_id: str) -> None:
+        with db.engine.begin() as conn:
+            completions_module.insert(conn, queue.row(target, False, 10), request_id, now(), "a gateway")
+
+    async def answer_after(cursor: int, request_id: str, told_by: str | None) -> tuple[float, int]:
+        poll = asyncio.create_task(queue.poll(target, cursor, 20.0, 100, gather_s=1.0))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(write, request_id)
+        t0 = time.monotonic()
+        queue.arrived(target, told_by)
+        found, cursor = await poll
+        assert [c.request_id for c in found] == [request_id]
+        return time.monotonic() - t0, cursor
+
+    async def main():
+        waited, cursor = await answer_after(0, "a" * 32, None)              # elsewhere
+        assert waited >= 1.0
+        running[target] = 1                                                  # another runs here
+        waited, cursor = await answer_after(cursor, "b" * 32, "b" * 32)
+        assert waited >= 1.0
+        running[target] = 0                                                  # the last one here
+        waited, cursor = await answer_after(cursor, "c" * 32, "c" * 32)
+        assert waited < 0.5
+    try:
+        asyncio.run(main())
+    finally:
+        db.engine.dispose()
+
+
 def test_a_poller_from_before_a_restart_hears_of_its_redriven_samples(tmp_path):
     """Samples the earlier gateway process never finished are re-driven once its lease lapses;
     a client still polling with that process's cursor gets them reported, finished."""
