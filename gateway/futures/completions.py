@@ -258,12 +258,11 @@ class Completions:
                    gather_s: float = 0.0, retrieved: list[str] = ()) -> tuple[list[Completion], int]:
         """The target's completions after `prev_cursor` (which acknowledges those before, as
         `retrieved` does the payloads the client has), at most `limit`, waiting up to `timeout_s`
-        for one, then `gather_s` more for others that finish just after it
-        (samples of one burst finish close together: one answer, not one each) unless it finished
-        here and no other of the target's samples runs here (a lone sample's answer waits for
-        nothing); and the cursor to send back next:
-        `prev_cursor` itself when none (a larger one would make the SDK send an acknowledgement
-        for nothing)."""
+        for one, then `gather_s` more for others that finish just after it (samples of one burst
+        finish close together: one answer, not one each), unless it finished here and no other of
+        the target's samples runs here (a lone sample's answer waits for nothing); and the cursor
+        to send back next: `prev_cursor` itself when none (a larger one would make the SDK send an
+        acknowledgement for nothing)."""
         self._defer(target, prev_cursor, retrieved)
         if timeout_s <= 0:
             if self._empty(target, prev_cursor) and len(retrieved) <= DEFER_IDS:
