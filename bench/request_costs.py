@@ -61,14 +61,20 @@ def _measure(fn, n: int, per_call: int, processes: dict[str, psutil.Process], st
     return out
 
 
-def _alone(stack, gateway: psutil.Process, model_id: str, n: int) -> dict[str, float]:
+def _alone(stack, gateway: psutil.Process, model_id: str, sampling_session_id: str, n: int) -> dict[str, float]:
     """Ms of gateway CPU for one request with nothing waiting on it (httpx, kept alive): the edge's
-    direct call (retrieve_future of a finished future: a no-op's, POST /internal/noop_future) and
-    a FastAPI route with a body model (get_info)."""
+    direct calls (retrieve_future of a finished future: a no-op's, POST /internal/noop_future; an
+    acknowledgement-only retrieve_futures poll, as SDK 0.38 sends two a lone sample: timeout 0,
+    the session's current cursor) and a FastAPI route with a body model (get_info)."""
     with httpx.Client(headers={"X-API-Key": stack.api_key}, timeout=30) as client:
         request_id = client.post(f"{stack.internal_url}/internal/noop_future").json()["request_id"]
+        poll = {"target": {"type": "sampling_session", "sampling_session_id": sampling_session_id,
+                           "cloned_sampler_id": 0}, "prev_cursor": 0, "timeout": 0}
+        poll["prev_cursor"] = client.post(f"{stack.url}/api/v1/retrieve_futures", json=poll).json()["cursor"]
         calls = {"retrieve_future of a finished future (a direct route)":
                  lambda: client.post(f"{stack.url}/api/v1/retrieve_future", json={"request_id": request_id}),
+                 "retrieve_futures, an acknowledgement-only poll (a direct route)":
+                 lambda: client.post(f"{stack.url}/api/v1/retrieve_futures", json=poll),
                  "get_info (a FastAPI route)":
                  lambda: client.post(f"{stack.url}/api/v1/get_info", json={"model_id": model_id})}
         out = {}
@@ -154,7 +160,8 @@ def run(ctx: Context) -> list[Row]:
         measured = {kind: _measure(fn, times, per_call, processes, stack)
                     for kind, (fn, per_call, times) in kinds.items()}
         grpc = _grpc_floor(stack, ctx.iters(500, 5))
-        alone = _alone(stack, processes["gateway"], tc.model_id, ctx.iters(1000, 5))
+        # The SDK names a sampling client's session only privately; the poll above needs it.
+        alone = _alone(stack, processes["gateway"], tc.model_id, sampler._sampling_session_id, ctx.iters(1000, 5))
     rows = []
     for kind, m in measured.items():
         target = TARGET_MS["sample"] if kind.startswith("sample") else 2.0
