@@ -37,6 +37,7 @@ from sqlalchemy.exc import IntegrityError
 from gateway.errors import error_json
 from gateway.futures import completions
 from gateway.futures.completions import Completions, Target
+from gateway.futures.record import FutureRecord
 from gateway.futures.waits import Waits
 from gateway import usage
 from gateway.jobs.base import Job as TypedJob
@@ -110,7 +111,8 @@ class FutureStore:
         self.db = db
         self.instance = instance        # the gateway writing (its own completion notices are not for it)
 
-    def insert(self, row: FutureRow, admit: Callable[[Connection], None] | None = None) -> FutureRow:
+    def insert(self, row: FutureRecord | FutureRow,
+               admit: Callable[[Connection], None] | None = None) -> FutureRecord | FutureRow:
         """Inserts a pending future, or returns the existing one with the same idempotency key.
         `admit(conn)`, if given, checks the owner's limits in the inserting transaction (the new
         row counted) and raises to refuse it: nothing is written then. A resend is not admitted
@@ -246,7 +248,7 @@ class Futures:
     async def record(self, job: TypedJob, *, owner: str, fingerprint: str | None = None,
                      idempotency_key: str | None = None, model_id: str | None = None, seq_id: int | None = None,
                      target: Target | None = None, request_id: str | None = None,
-                     admit=None) -> tuple[FutureRow, bool]:
+                     admit=None) -> tuple[FutureRecord | FutureRow, bool]:
         """Records the future, with its request: (its row, whether it is new and is to be started
         here at once). A resend (same idempotency key and the same request) gets the first one
         back; the same key with a different request is a user error. A sample names its `target`,
@@ -259,7 +261,7 @@ class Futures:
             extra["target"] = list(target)
         self._submitting[idempotency_key] += 1
         try:
-            row = await self.db.run(self.store.insert, FutureRow(
+            row = await self.db.run(self.store.insert, FutureRecord(
                 request_id=request_id, idempotency_key=idempotency_key, fingerprint=fingerprint, owner=owner,
                 request_type=request_type, model_id=model_id, extra=extra, request_args=request.args,
                 request_body=request.body, claimed_by=self.instance, lease_until=self.lease()), admit)
@@ -346,8 +348,8 @@ class Futures:
                              None if work is None and records is None else also):
             for done in added:
                 usage.counted(done)
-            row = FutureRow(request_id=request_id, status=status, content_type=content_type, result=body,
-                            owner=pending.owner, request_type=pending.request_type)
+            row = FutureRecord(request_id=request_id, status=status, content_type=content_type, result=body,
+                               owner=pending.owner, request_type=pending.request_type)
             if pending.target is not None:
                 self.completions.arrived(pending.target, request_id)
         else:      # finished elsewhere first (cancelled there, or re-driven by a gateway that thought us dead)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from gateway.futures.record import FutureRecord
 from gateway.storage.db import FutureRow, Status
 
 POLL_S = 0.075             # a future running on another gateway: its row is read this often
@@ -25,7 +26,7 @@ class Waits:
             try:
                 await asyncio.wait_for(pending.done.wait(), timeout_s)
             except asyncio.TimeoutError:
-                return FutureRow(request_id=request_id, status=Status.PENDING, model_id=pending.model_id)
+                return FutureRecord(request_id=request_id, status=Status.PENDING, model_id=pending.model_id)
         row = await self.futures.finished_row(request_id)
         if row is None or row.owner != owner:
             return None

@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 
 from gateway.errors import error_json
 from gateway.futures.order import ModelOrder
+from gateway.futures.record import FutureRecord
 from gateway.identity.caller import Caller
 from gateway.jobs.base import Done, Job, StoredRequest
 from gateway.jobs.context import JobContext
@@ -72,7 +73,7 @@ class Jobs:
     async def submit(self, job: Job, caller: Caller, *, model_id: str | None = None, seq_id: int | None = None,
                      fingerprint: str | None = None, idempotency_key: str | None = None,
                      target: "Target | None" = None, request_id: str | None = None,
-                     admit: "Callable[[Connection], None] | None" = None) -> FutureRow:
+                     admit: "Callable[[Connection], None] | None" = None) -> FutureRecord | FutureRow:
         """The job's future (a resend, same key and same `fingerprint`, gets the first one back)."""
         ordered = seq_id is not None
         if ordered:
