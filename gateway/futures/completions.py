@@ -100,8 +100,7 @@ _ACKED_KEPT = 4096        # targets whose last acknowledgement this process reme
 
 
 class Completions:
-    def __init__(self, db: Database, instance: str = "", watch_s: float = WATCH_S,
-                 running: Callable[[Target], int] = lambda target: 0):
+    def __init__(self, db: Database, instance: str, running: Callable[[Target], int], watch_s: float = WATCH_S):
         """`running(target)`: the target's samples running on this gateway now (a poll woken by one
         of them gathers only while more of them are coming)."""
         self.db = db

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from gateway.app import create_app
 from gateway.identity import keys
 from gateway.listeners import INTERNAL, Listener
+from conftest import self_signed
 from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, fake_services
 
 TOKEN = "listeners-service-token"
@@ -185,8 +186,6 @@ def test_the_sdk_is_told_to_use_pyqwest_unless_rustls_would_refuse_the_gateways_
     from gateway.routes.service import client_config
     from gateway.server import check_listeners
     from gateway.settings import GatewaySettings
-
-    from conftest import self_signed
 
     (tmp_path / "leaf").mkdir()
     (tmp_path / "ca").mkdir()
