@@ -353,9 +353,10 @@ def _worker(service: Service):
     return next(p for p in psutil.Process(service.proc.pid).children(recursive=True) if "launcher.cli" in p.cmdline())
 
 
-def _busy(process, window_s: float = 0.5) -> bool:
+def _busy(process, window_s: float = 0.2) -> bool:
     """Whether `process` spent a quarter of the next `window_s` on a CPU (a rank inside a step: an
-    idle one spends ~1%; a busy one under a full suite's load may get a third of a core)."""
+    idle one spends ~1%; a busy one under a full suite's load may get a third of a core). Short: on
+    a fast machine the whole step below takes under a second."""
     before = sum(process.cpu_times()[:2])
     time.sleep(window_s)
     return sum(process.cpu_times()[:2]) - before > window_s / 4
@@ -382,10 +383,10 @@ def test_a_trainer_rank_host_partitioned_mid_step(cluster, service, tiny_model_d
 
     tc, datum, tokens = _train_one_step(service, tiny_model_dir)          # step 1, on disk before its reply
     before = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-    long = (tokens * 100)[:900]            # a step of seconds: 64 such datums, half on each rank
+    long = (tokens * 100)[:900]            # a step of ~1 s (AMX) to seconds: 96 such datums, half on each rank
     batch = [types.Datum(model_input=types.ModelInput.from_ints(long[:-1]),
                          loss_fn_inputs={"target_tokens": long[1:], "weights": [1.0] * (len(long) - 1)})
-             for _ in range(64)] + [datum]
+             for _ in range(96)] + [datum]
     trainers = [cluster.services[name] for name in ("trainer", "trainer-rank-1")]
     rank1 = _worker(trainers[1])
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(cluster.address("trainer-0", TRAINER_PORT)))
