@@ -167,7 +167,7 @@ def future_transactions(directory: str, n: int) -> float:
     from gateway.storage.db import Database, FutureRow, Status
 
     path = os.path.join(directory, "ours.sqlite")
-    store = FutureStore(Database(f"sqlite:///{path}"), "bench")
+    store = FutureStore(Database(f"sqlite:///{path}"))
     try:
         me = psutil.Process()
         c0 = cpu_seconds(me)

@@ -43,9 +43,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         reaper = asyncio.create_task(housekeeping.run_forever(gw))
         leases = asyncio.create_task(gw.jobs.keep_leases_forever())   # re-drives a stopped gateway's futures
         spans = asyncio.create_task(gw.traces.flush_forever())           # request spans to the database
-        completions = asyncio.create_task(gw.futures.completions.watch_forever())   # other gateways' samples
+        peers = gw.futures.peers.listen(gw.futures.heard)       # what other gateways finish, at once
+        completions = asyncio.create_task(gw.futures.completions.watch_forever())   # ... and as a net
         yield
         completions.cancel()
+        peers()
         spans.cancel()
         leases.cancel()
         reaper.cancel()

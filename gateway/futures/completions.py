@@ -17,11 +17,10 @@ gateway reports a sample finished on any other, and no gateway's restart loses o
   acknowledgement-only poll then answers from memory, and a long poll waits for an arrival
   before it looks (SDK 0.38 polls three times for a lone sample; two are acknowledgements);
 - rows live at most as long as their futures (housekeeping).
-A row another gateway writes wakes a poll waiting here: on PostgreSQL at once, by a notice the
-writing transaction sends on commit (NOTIFY on CHANNEL, heard by one listening connection per
-gateway); and within WATCH_S by one watcher per gateway that reads the rows new since it last
-looked while some poll waits (SQLite, and a notice missed while the listener reconnects), and
-every _IDLE_LOOK_S while none waits but a target is known empty here.
+A row another gateway writes wakes a poll waiting here at once, by that gateway's message
+(gateway/futures/peers.py); and within WATCH_S by one watcher per gateway that reads the rows new
+since it last looked while some poll waits (only every NET_S while messages are heard: the net
+under them), and every _IDLE_LOOK_S while none waits but a target is known empty here.
 """
 
 from __future__ import annotations
@@ -29,29 +28,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import json
 import logging
 import threading
 import time
 from typing import Callable
 
-from sqlalchemy import and_, bindparam, delete, func, or_, select, text, update
+from sqlalchemy import and_, bindparam, delete, func, or_, select, update
 
+from gateway.futures.peers import NET_S, Peers, Target
 from gateway.storage.db import CompletionRow, Database, now
 from gateway.storage.prepared import Prepared
 
 log = logging.getLogger(__name__)
 
-Target = tuple[str, int]        # (sampling_session_id, cloned_sampler_id)
 WATCH_S = 0.05                  # how often the watcher looks for other gateways' completions
 # The watcher re-reads this far back: a row's seq is drawn before its transaction commits, so
 # (on Postgres) a row may become visible after rows with larger seqs.
 _COMMIT_LAG_S = 1.0
 _IDLE_LOOK_S = 0.5              # how often the watcher notes the highest seq while no poll waits
-CHANNEL = "tinkerd_completions"     # PostgreSQL notices of new completions: [writer, session, clone]
-_NOTIFY = text("SELECT pg_notify(:channel, :payload)")
-_LISTEN_RETRY_S = 1.0
-_NET_WATCH_S = 0.5              # the watcher's period while notices are heard
 GARBAGE_S = 0.5                 # acknowledged rows no look took along are deleted this often
 # A poll acknowledging more retrieved ids than this applies them in a look of its own: what waits
 # for the watcher stays a few ids a poll, not up to MAX_RETRIEVED_IDS each.
@@ -68,19 +62,10 @@ class Completion:
     size: int                   # the payload's bytes (the SDK reserves its memory before fetching)
 
 
-def insert(conn, completion: dict, request_id: str, at, writer: str) -> None:
+def insert(conn, completion: dict, request_id: str, at) -> None:
     """A finished sample's completion (Completions.row), not reported yet, written in the caller's
-    transaction and announced (`writer`: the writing gateway)."""
+    transaction (which announces it to the other gateways: gateway/futures/peers.py)."""
     _INSERT.rowcount(conn, {**completion, "request_id": request_id, "reported_cursor": None, "finished_at": at})
-    announce(conn, (completion["sampling_session_id"], completion["clone"]), writer)
-
-
-def announce(conn, target: Target, writer: str) -> None:
-    """In the transaction writing a completion of `target`: on PostgreSQL, a notice every gateway's
-    listener hears once it commits (`writer`, the writing gateway, skips its own)."""
-    if conn.dialect.name == "postgresql":
-        conn.execute(_NOTIFY, {"channel": CHANNEL, "payload": json.dumps([writer, target[0], target[1]])})
-
 
 
 # Prebuilt statements, parameters apart: the poll path runs them for every sample.
@@ -100,17 +85,17 @@ _ACKED_KEPT = 4096        # targets whose last acknowledgement this process reme
 
 
 class Completions:
-    def __init__(self, db: Database, instance: str, running: Callable[[Target], int], watch_s: float = WATCH_S):
+    def __init__(self, db: Database, peers: Peers, running: Callable[[Target], int], watch_s: float = WATCH_S):
         """`running(target)`: the target's samples running on this gateway now (a poll woken by one
         of them gathers only while more of them are coming)."""
         self.db = db
-        self.instance = instance        # this gateway (gateway/futures/store.py Futures.instance)
+        self.peers = peers              # the other gateways on the database: their messages, ours
         self.watch_s = watch_s
         self.running = running
-        self.listening = False          # a PostgreSQL listener hears other gateways' notices now
         self._waiting: dict[Target, list[asyncio.Event]] = {}     # polls waiting here, by target
-        # Waited-for targets with a completion from elsewhere (another gateway's, a resend's)
-        # since a poll last woke: how many more are coming is not known here.
+        # Waited-for targets with a completion since a poll last woke whose writer may have more
+        # coming: another gateway with more of them running, or one unknown (the watcher's find,
+        # a resend's report).
         self._from_elsewhere: set[Target] = set()
         self._seen: collections.deque[tuple[float, int]] = collections.deque()   # (when, highest seq then)
         # Each target's prev_cursor acknowledged last: acknowledging it again deletes nothing (a
@@ -134,11 +119,11 @@ class Completions:
         """A sample's completion as FutureStore.finish writes it."""
         return {"sampling_session_id": target[0], "clone": target[1], "failed": failed, "size": size}
 
-    def arrived(self, target: Target, request_id: str | None = None) -> None:
-        """A completion of `target` was written (here, or by another gateway: its notice, the
-        watcher): wake the polls waiting for it at once; the next poll looks. A sample finished
-        here that a look here reported already (it committed just before the look read) is no
-        news."""
+    def arrived(self, target: Target, request_id: str | None = None, more_elsewhere: bool = False) -> None:
+        """A completion of `target` was written (here, or by another gateway: its message, which
+        says whether more of the target's samples run there; the watcher, which knows no
+        `request_id`): wake the polls waiting for it at once; the next poll looks. A sample that
+        a look here reported already (it committed just before the look read) is no news."""
         if request_id is not None:
             with self._memo:
                 if request_id in self._reported:
@@ -146,7 +131,7 @@ class Completions:
         self._clean.pop(target, None)
         for arrivals in self._looking.get(target, ()):
             arrivals.add(request_id)
-        if request_id is None and target in self._waiting:
+        if (request_id is None or more_elsewhere) and target in self._waiting:
             self._from_elsewhere.add(target)
         for event in self._waiting.get(target, ()):
             event.set()
@@ -202,7 +187,9 @@ class Completions:
         wakes the target's polls: `arrived`)."""
         with self.db.engine.begin() as conn:
             _FETCHED_OF.rowcount(conn, {"sid": target[0], "clone": target[1], "rid": request_id})
-            insert(conn, self.row(target, failed, size), request_id, now(), self.instance)
+            insert(conn, self.row(target, failed, size), request_id, now())
+            self.peers.in_transaction(conn, request_id, target)
+        self.peers.committed(request_id, target)
 
     async def fetched(self, request_id: str) -> None:
         """The client has the payload (fetched with retrieve_future): its row goes, if any, unless
@@ -373,56 +360,14 @@ class Completions:
         with self.db.engine.connect() as conn:
             return _NEW.all(conn, {"low": low})
 
-    def _listen(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
-        """PostgreSQL: hears other gateways' completion notices on a connection of its own (a
-        thread: psycopg waits for them blocking) and wakes the polls waiting here for them."""
-        while not stop.is_set():
-            raw = None
-            try:
-                raw = self.db.engine.raw_connection()
-                conn = raw.driver_connection
-                raw.detach()                  # held for good: not the pool's any more
-                conn.rollback()
-                conn.autocommit = True
-                conn.execute(f"LISTEN {CHANNEL}")
-                self.listening = True
-                while not stop.is_set():
-                    for notice in conn.notifies(timeout=1.0):
-                        writer, session, clone = json.loads(notice.payload)
-                        if writer != self.instance:
-                            loop.call_soon_threadsafe(self.arrived, (session, clone))
-            except Exception as e:  # noqa: BLE001 - the watcher covers the gap; the listener comes back
-                log.warning("completion notices: %s: %s; listening again in %.0f s", type(e).__name__, e,
-                            _LISTEN_RETRY_S)
-                stop.wait(_LISTEN_RETRY_S)
-            finally:
-                self.listening = False
-                if raw is not None:
-                    try:
-                        raw.close()
-                    except Exception:  # noqa: BLE001 - a connection already broken
-                        pass
-
     async def watch_forever(self) -> None:
-        stop = None
-        if self.db.engine.dialect.name == "postgresql":
-            stop = threading.Event()
-            threading.Thread(target=self._listen, args=(asyncio.get_running_loop(), stop),
-                             name="completion-notices", daemon=True).start()
-        try:
-            await self._watch()
-        finally:
-            if stop is not None:
-                stop.set()
-
-    async def _watch(self) -> None:
         while True:
             try:
                 await self.look()
             except Exception:  # noqa: BLE001 - a database hiccup: the polls still end at their timeout
                 log.exception("could not look for completions")
-            # While notices are heard the watcher is only the net under them.
-            await asyncio.sleep(max(self.watch_s, _NET_WATCH_S) if self.listening else self.watch_s)
+            # While the other gateways' messages are heard the watcher is only the net under them.
+            await asyncio.sleep(max(self.watch_s, NET_S) if self.peers.listening else self.watch_s)
 
     def queued(self) -> int:
         """Rows not acknowledged yet (those acknowledged go first)."""

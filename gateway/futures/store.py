@@ -12,7 +12,8 @@ Any gateway on the database answers any future, and a killed gateway loses none:
   seconds) and runs them again. The trainer answers a resent (model_id, seq_id) with its first
   result, so re-running a training request applies nothing twice; a sample is simply sampled
   again (its first result was never delivered);
-- a future running elsewhere is waited for by polling its row (POLL_S).
+- a future running elsewhere is waited for until its gateway's message says it finished
+  (gateway/futures/peers.py), its row read as a net under the messages.
 
 Training jobs of one model run in seq_id order (gateway/futures/order.py); samples run concurrently.
 Waiting for a future (the long-poll) is gateway/futures/waits.py. The rows' SQL is FutureStore's.
@@ -36,7 +37,8 @@ from sqlalchemy.exc import IntegrityError
 
 from gateway.errors import error_json
 from gateway.futures import completions
-from gateway.futures.completions import Completions, Target
+from gateway.futures.completions import Completions
+from gateway.futures.peers import Peers, Target
 from gateway.futures.record import FutureRecord
 from gateway.futures.waits import Waits
 from gateway import usage
@@ -107,9 +109,9 @@ class FutureStore:
     """The futures' rows in the database (gateway/storage/db.py FutureRow): inserted with the
     owner's limits, finished once, leased by the gateway running them, claimed once lapsed."""
 
-    def __init__(self, db: Database, instance: str = ""):
+    def __init__(self, db: Database, peers: Peers | None = None):
         self.db = db
-        self.instance = instance        # the gateway writing (its own completion notices are not for it)
+        self.peers = peers              # told of each finish (the other gateways' waiters hear it); None: a tool's
 
     def insert(self, row: FutureRecord | FutureRow,
                admit: Callable[[Connection], None] | None = None) -> FutureRecord | FutureRow:
@@ -134,20 +136,29 @@ class FutureStore:
                 return s.scalars(select(FutureRow).where(FutureRow.idempotency_key == row.idempotency_key)).one()
 
     def finish(self, request_id: str, status: str, content_type: str, result: bytes,
-               completion: dict | None = None, also=None) -> bool:
+               completion: dict | None = None, also=None, running: int = 0) -> bool:
         """Records the result of a pending future and drops its stored request (nothing re-drives
         a finished future); False if it had finished already (elsewhere). A sample's `completion`
         (a CompletionRow's values) is written in the same transaction: no gateway can finish a
-        sample that no retrieve_futures poll will report; and so is `also(connection)` (its usage)."""
+        sample that no retrieve_futures poll will report; and so is `also(connection)` (its usage).
+        `running`: the sample's sampling session's samples still running here (the other
+        gateways' polls are told)."""
         stamp = now()
+        target = None if completion is None else (completion["sampling_session_id"], completion["clone"])
         with self.db.engine.begin() as conn:
             finished = _FINISH_FUTURE.rowcount(conn, {"rid": request_id, "status": status, "content_type": content_type,
                                                       "result": result, "completed_at": stamp}) > 0
-            if finished and completion is not None:
-                completions.insert(conn, completion, request_id, stamp, self.instance)
-            if finished and also is not None:
+            if not finished:
+                return False
+            if completion is not None:
+                completions.insert(conn, completion, request_id, stamp)
+            if also is not None:
                 also(conn)
-            return finished
+            if self.peers is not None:
+                self.peers.in_transaction(conn, request_id, target, running)
+        if self.peers is not None:
+            self.peers.committed(request_id, target, running)
+        return True
 
     def status(self, request_id: str) -> str | None:
         with self.db.engine.connect() as conn:
@@ -221,7 +232,8 @@ class Futures:
         self.traces = traces or Traces(db)          # each session's request spans (gateway/traces/spans.py)
         # This process, as the owner of the futures it runs (unique across restarts and hosts).
         self.instance = f"{socket.gethostname()[:32]}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.store = FutureStore(db, self.instance)         # the rows' SQL
+        self.peers = Peers(db.engine, self.instance)       # the other gateways on the database
+        self.store = FutureStore(db, self.peers)           # the rows' SQL
         self.started_at = now()
         self._pending: dict[str, _Pending] = {}        # started here, not finished yet
         self._finished = FinishedResults()
@@ -230,7 +242,7 @@ class Futures:
         self._running_by_target: collections.Counter[Target] = collections.Counter()     # samples, unfinished
         self._submitting: collections.Counter[str] = collections.Counter()   # keys being recorded here, unstarted
         self._cancelled: set[str] = set()              # finished by cancel(); their jobs still running
-        self.completions = Completions(db, self.instance, running=self._running_by_target.__getitem__)
+        self.completions = Completions(db, self.peers, running=self._running_by_target.__getitem__)
         self.waits = Waits(self)
         self.stopping = False       # shutting down: a job cut short is left to be re-driven, not failed
 
@@ -241,6 +253,13 @@ class Futures:
             return False
         found = await self.db.run(self.store.type_by_key, idempotency_key) is not None
         return found and idempotency_key not in self._submitting
+
+    def heard(self, request_id: str, target: Target | None, running: int) -> None:
+        """Another gateway finished `request_id` (a sample of `target`, of which `running` more run
+        there): its waiters here wake."""
+        self.waits.finished_elsewhere(request_id)
+        if target is not None:
+            self.completions.arrived(target, request_id, more_elsewhere=running > 0)
 
     def lease(self) -> datetime.datetime:
         return now() + datetime.timedelta(seconds=self.lease_s)
@@ -345,7 +364,8 @@ class Futures:
             if done is not None and usage.add(conn, done):
                 added.append(done)
         if await self.db.run(self.store.finish, request_id, status, content_type, body, completion,
-                             None if work is None and records is None else also):
+                             None if work is None and records is None else also,
+                             self._running_by_target.get(pending.target, 0) if pending.target else 0):
             for done in added:
                 usage.counted(done)
             row = FutureRecord(request_id=request_id, status=status, content_type=content_type, result=body,

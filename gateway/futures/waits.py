@@ -6,15 +6,18 @@ from __future__ import annotations
 import asyncio
 import time
 
+from gateway.futures.peers import NET_S
 from gateway.futures.record import FutureRecord
 from gateway.storage.db import FutureRow, Status
 
-POLL_S = 0.075             # a future running on another gateway: its row is read this often
+POLL_S = 0.075             # a future running on another gateway: its row is read this often, unless
+                           # the other gateways' messages are heard (then every NET_S, as a net)
 
 
 class Waits:
     def __init__(self, futures):
         self.futures = futures               # gateway/futures/store.py Futures: what runs here, results
+        self._elsewhere: dict[str, list[asyncio.Event]] = {}     # waits for futures of other gateways
 
     async def wait(self, request_id: str, timeout_s: float, owner: str) -> FutureRow | None:
         """The owner's future once finished, or still pending after `timeout_s`; None if unknown
@@ -39,19 +42,37 @@ class Waits:
         return row
 
     async def _poll_row(self, row: FutureRow, deadline: float, owner: str) -> FutureRow:
-        """Waits for a future another gateway runs by reading its row every POLL_S, until it
-        finishes or `deadline`; if it comes to run here meanwhile (re-driven), waits for it here."""
+        """Waits for a future another gateway runs, until its message says it finished (read
+        then), or `deadline`; its row is read every POLL_S (NET_S while messages are heard) in
+        case a message is lost. If it comes to run here meanwhile (re-driven), waits for it here."""
         request_id = row.request_id
-        while True:
-            left = deadline - time.monotonic()
-            if self.futures.here(request_id) is not None:
-                return await self.wait(request_id, max(left, 0.0), owner)
-            db = self.futures.db
-            if await db.run(self.futures.store.status, request_id) != Status.PENDING:
-                return await db.run(db.get, FutureRow, request_id)
-            if left <= 0:
-                return row
-            await asyncio.sleep(min(POLL_S, left))
+        finished = asyncio.Event()
+        self._elsewhere.setdefault(request_id, []).append(finished)     # before the read: none missed
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if self.futures.here(request_id) is not None:
+                    return await self.wait(request_id, max(left, 0.0), owner)
+                db = self.futures.db
+                if await db.run(self.futures.store.status, request_id) != Status.PENDING:
+                    return await db.run(db.get, FutureRow, request_id)
+                if left <= 0:
+                    return row
+                period = NET_S if self.futures.peers.listening else POLL_S
+                try:
+                    await asyncio.wait_for(finished.wait(), min(period, left))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            waiting = self._elsewhere[request_id]
+            waiting.remove(finished)
+            if not waiting:
+                del self._elsewhere[request_id]
+
+    def finished_elsewhere(self, request_id: str) -> None:
+        """Another gateway's message: `request_id` finished there."""
+        for finished in self._elsewhere.get(request_id, ()):
+            finished.set()
 
     def retrieved(self, request_ids: list[str], owner: str) -> None:
         """retrieve_futures' acknowledgement that the client has these payloads: they leave the

@@ -397,29 +397,32 @@ def test_a_lone_samples_answer_does_not_wait_to_gather(gw, monkeypatch):
 
 
 def test_a_completion_from_elsewhere_is_gathered_for_and_a_lone_one_from_here_is_not(tmp_path):
-    """Whether a poll woken by a completion waits GATHER_S for more: yes when it came from
-    elsewhere (another gateway's notice or the watcher: what else runs there is not known here),
-    or while another of the target's samples runs here; no for the last one finished here."""
+    """Whether a poll woken by a completion waits GATHER_S for more: yes when the watcher found it
+    (what else runs elsewhere is not known here), when another gateway's message says more of the
+    target's samples run there, or while another of them runs here; no for the last one finished
+    here, nor for one whose gateway's message says it was its last."""
     import asyncio
     import collections
 
+    from gateway.futures.peers import Peers
     from gateway.storage.db import Database, now
 
     db = Database(f"sqlite:///{tmp_path / 'db.sqlite'}")
     running: collections.Counter = collections.Counter()
-    queue = completions_module.Completions(db, "here", running=running.__getitem__)
+    queue = completions_module.Completions(db, Peers(db.engine, "here"), running=running.__getitem__)
     target = ("session:sample:0", 0)
 
     def write(request_id: str) -> None:
         with db.engine.begin() as conn:
-            completions_module.insert(conn, queue.row(target, False, 10), request_id, now(), "a gateway")
+            completions_module.insert(conn, queue.row(target, False, 10), request_id, now())
 
-    async def answer_after(cursor: int, request_id: str, told_by: str | None) -> tuple[float, int]:
+    async def answer_after(cursor: int, request_id: str, told_by: str | None,
+                           more_elsewhere: bool = False) -> tuple[float, int]:
         poll = asyncio.create_task(queue.poll(target, cursor, 20.0, 100, gather_s=1.0))
         await asyncio.sleep(0.2)
         await asyncio.to_thread(write, request_id)
         t0 = time.monotonic()
-        queue.arrived(target, told_by)
+        queue.arrived(target, told_by, more_elsewhere)
         found, cursor = await poll
         assert [c.request_id for c in found] == [request_id]
         return time.monotonic() - t0, cursor
@@ -432,6 +435,10 @@ def test_a_completion_from_elsewhere_is_gathered_for_and_a_lone_one_from_here_is
         assert waited >= 1.0
         running[target] = 0                                                  # the last one here
         waited, cursor = await answer_after(cursor, "c" * 32, "c" * 32)
+        assert waited < 0.5
+        waited, cursor = await answer_after(cursor, "d" * 32, "d" * 32, more_elsewhere=True)    # more there
+        assert waited >= 1.0
+        waited, cursor = await answer_after(cursor, "e" * 32, "e" * 32, more_elsewhere=False)   # its last there
         assert waited < 0.5
     try:
         asyncio.run(main())

@@ -6,6 +6,7 @@ other, and a stable_reinforce step on one finds the sequences sampled through th
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import time
 
@@ -17,6 +18,9 @@ from test_futures_routes import HeldSampler, _sample, _sampling_session
 
 from gateway import tinker_wire_pb2 as tw
 from gateway.app import create_app
+from gateway.futures import completions as completions_module
+from gateway.futures import waits as waits_module
+from gateway.futures.peers import Peers
 from gateway.storage import db as db_module
 from gateway.storage.db import FutureRow
 from tinkerd.tensors import to_numpy
@@ -229,12 +233,14 @@ def test_stable_reinforce_on_one_gateway_finds_what_was_sampled_through_the_othe
         assert_user_error(_forward_backward(api_b, other_model, 1, sequence_id), 400, "no stability record")
 
 
-def test_a_session_known_empty_on_one_gateway_hears_of_a_sample_finished_on_the_other(two):
-    """SQLite (no notices): gateway b looked at a sampling session and found it empty, so its next
-    polls for that session answer without a look. A sample then finishes on gateway a while no
-    poll waits on b: b's watcher still reads the new rows (every 0.5 s while a session is known
-    empty), so b's acknowledgement-only poll afterwards looks, and reports it; and a long poll on
-    b for a second sample hears of it within a look of the watcher."""
+def test_a_session_known_empty_on_one_gateway_hears_of_a_sample_finished_on_the_other(two, monkeypatch):
+    """SQLite, every message between the gateways lost (the net under them): gateway b looked at a
+    sampling session and found it empty, so its next polls for that session answer without a
+    look. A sample then finishes on gateway a while no poll waits on b: b's watcher still reads
+    the new rows (every 0.5 s while a session is known empty), so b's acknowledgement-only poll
+    afterwards looks, and reports it; and a long poll on b for a second sample hears of it within
+    a look of the watcher."""
+    monkeypatch.setattr(Peers, "committed", lambda self, request_id, target: None)
     trainer, sampler, settings = two
     with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
         api_a = Api(a, "").as_user("tester")
@@ -266,38 +272,102 @@ def test_a_session_known_empty_on_one_gateway_hears_of_a_sample_finished_on_the_
         assert time.monotonic() - released < 2.0
 
 
-def test_a_sample_finished_on_one_gateway_wakes_a_poll_on_the_other_by_its_notice(tmp_path):
-    """PostgreSQL: the transaction that writes a completion sends a notice on commit, and every
-    other gateway's listener wakes its polls for that sampling session at once, not at the
-    watcher's next look (which runs only as a net under the notices: here every 30 s)."""
+def _listening(*clients) -> None:
+    deadline = time.monotonic() + 10
+    while not all(c.app.state.gateway.futures.peers.listening for c in clients):
+        assert time.monotonic() < deadline, "a gateway never listened to the others"
+        time.sleep(0.02)
+
+
+def _woken_at_once(a, b, trainer, sampler) -> None:
+    """A retrieve_future waiting on b for an optim_step running on a, and a retrieve_futures poll
+    on b for a sample running on a, answer within 2 s of a finishing them (the nets' next look at
+    the rows is 30 s away)."""
+    _listening(a, b)
+    time.sleep(0.6)          # b's look at the rows in flight at its start is over
+    api_a = Api(a, "").as_user("tester")
+    api_b = Api(b, api_a.api_key)
+    model_id = api_a.model(api_a.session())
+    sid = _sampling_session(api_a)
+    trainer.release.clear()
+    sampler.release.clear()
+    step = api_a.post("optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 0.1}})
+    sample = _sample(api_a, sid, 0)
+    assert trainer.started.acquire(timeout=10)
+    body = {"target": {"type": "sampling_session", "sampling_session_id": sid, "cloned_sampler_id": 0},
+            "prev_cursor": 0, "timeout": 20.0}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        result = pool.submit(api_b.result, step.json())
+        poll = pool.submit(api_b.post, "retrieve_futures", body)
+        time.sleep(0.5)
+        assert not result.done() and not poll.done()
+        released = time.monotonic()
+        trainer.release.set()
+        answer = result.result(timeout=20)
+        trained_s = time.monotonic() - released
+        released = time.monotonic()
+        sampler.release.set()
+        polled = poll.result(timeout=20).json()
+        sampled_s = time.monotonic() - released
+    assert answer.status_code == 200 and "metrics" in answer.json(), answer.text
+    assert [c["request_id"] for c in polled["completions"]] == [sample]
+    assert trained_s < 2.0 and sampled_s < 2.0, (trained_s, sampled_s)      # the message, not the nets
+
+
+def test_what_one_gateway_finishes_wakes_the_others_waiters_at_once(two, monkeypatch):
+    """SQLite: the gateway finishing a future sends a datagram to each other gateway on the
+    database file (gateway/futures/peers.py), whose waiters answer at once."""
+    monkeypatch.setattr(waits_module, "NET_S", 30.0)
+    monkeypatch.setattr(completions_module, "NET_S", 30.0)
+    trainer, sampler, settings = two
+    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+        _woken_at_once(a, b, trainer, sampler)
+
+
+def test_a_killed_gateways_socket_is_removed_by_the_first_sender_it_refuses(tmp_path):
+    """SQLite: a gateway killed leaves its socket in `<database>.gateways/`. The next gateway to
+    finish a future finds nobody reading it and removes it; a live gateway hears the message."""
+    import asyncio
+    import socket
+
+    from gateway.storage.db import Database
+
+    db = Database(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    sockets = tmp_path / "db.sqlite.gateways"
+
+    async def main():
+        heard = asyncio.Queue()
+        sender, other = Peers(db.engine, "sender"), Peers(db.engine, "other")
+        stops = [sender.listen(lambda *a: None), other.listen(lambda *a: heard.put_nowait(a))]
+        killed, directory = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM), os.open(sockets, os.O_PATH)
+        killed.bind(f"/proc/self/fd/{directory}/0123456789abcdef.sock")     # a socket's path has 107 bytes at most
+        killed.close()                   # its file stays, as a SIGKILL leaves it
+        os.close(directory)
+        assert len(list(sockets.iterdir())) == 3
+        sender.committed("r1", ("session-1", 2), 3)
+        assert await asyncio.wait_for(heard.get(), 10) == ("r1", ("session-1", 2), 3)
+        sender.committed("r2", None)
+        assert await asyncio.wait_for(heard.get(), 10) == ("r2", None, 0)
+        assert not (sockets / "0123456789abcdef.sock").exists()
+        for stop in stops:
+            stop()
+        assert list(sockets.iterdir()) == []
+    asyncio.run(main())
+
+
+def test_what_one_gateway_finishes_wakes_the_others_waiters_at_once_by_its_notice(tmp_path, monkeypatch):
+    """PostgreSQL: the transaction finishing a future sends a notice on commit, and every other
+    gateway's listener wakes its waiters at once (gateways on other hosts included)."""
     pytest.importorskip("pgserver")
     from harness.postgres import postgres
 
-    sampler = HeldSampler()
-    with postgres(tmp_path / "pg", "tinkerd") as url, \
-            fake_services(tmp_path, FakeTrainer(str(tmp_path / "state")), sampler, db_url=url) as settings:
-        with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
-            api_a = Api(a, "").as_user("tester")
-            api_b = Api(b, api_a.api_key)
-            completions_b = b.app.state.gateway.futures.completions
-            completions_b.watch_s = 30.0
-            deadline = time.monotonic() + 10
-            while not completions_b.listening:
-                assert time.monotonic() < deadline, "gateway b never listened for notices"
-                time.sleep(0.05)
-            time.sleep(0.6)          # the watcher's look in flight at start is over: it sleeps 30 s now
-            sid = _sampling_session(api_a)
-            sampler.release.clear()
-            rid = _sample(api_a, sid, 0)
-            body = {"target": {"type": "sampling_session", "sampling_session_id": sid, "cloned_sampler_id": 0},
-                    "prev_cursor": 0, "timeout": 20.0}
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                waiting = pool.submit(api_b.post, "retrieve_futures", body)
-                time.sleep(0.5)
-                assert not waiting.done()
-                released = time.monotonic()
-                sampler.release.set()
-                answer = waiting.result(timeout=20).json()
-                woken_s = time.monotonic() - released
-            assert [c["request_id"] for c in answer["completions"]] == [rid]
-            assert woken_s < 2.0, woken_s          # the notice, not the 30 s watcher nor the 20 s timeout
+    monkeypatch.setattr(waits_module, "NET_S", 30.0)
+    monkeypatch.setattr(completions_module, "NET_S", 30.0)
+    trainer, sampler = HeldTrainer(str(tmp_path / "state")), HeldSampler()
+    with postgres(tmp_path / "pg", "tinkerd") as url, fake_services(tmp_path, trainer, sampler, db_url=url) as settings:
+        try:
+            with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+                _woken_at_once(a, b, trainer, sampler)
+        finally:
+            trainer.release.set()
+            sampler.release.set()

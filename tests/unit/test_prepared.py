@@ -60,8 +60,7 @@ def test_prepared_statements_write_and_read_what_sqlalchemy_does(url):
     with db.engine.begin() as conn:
         assert _FINISH_FUTURE.rowcount(conn, finish) == 1
         assert _FINISH_FUTURE.rowcount(conn, finish) == 0         # only a pending future finishes
-        completions.insert(conn, {"sampling_session_id": "s", "clone": 0, "failed": True, "size": 7}, "r1", now(),
-                           "gw-1")
+        completions.insert(conn, {"sampling_session_id": "s", "clone": 0, "failed": True, "size": 7}, "r1", now())
     for n in range(8):            # past psycopg's prepare_threshold (5): prepared server-side, rowcount still true
         with db.engine.begin() as conn:
             _INSERT_FUTURE.rowcount(conn, _future(f"p{n}", f"m1#{10 + n}"))
