@@ -14,11 +14,14 @@ from gateway import public_url
 from gateway.settings import GatewaySettings
 
 
-def _listening_socket(host: str, port: int, flags: str) -> socket.socket:
+def _listening_socket(host: str, port: int, flags: str, reuse_port: bool = False) -> socket.socket:
     """Bound to (host, port), or SystemExit saying which flags to change (`flags`: the ones that set
-    them) instead of a traceback in the gateway's log."""
+    them) instead of a traceback in the gateway's log. `reuse_port`: shared with the other
+    processes that bind it so (--reuse-port)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     # Accepted connections inherit this. Without it a response written as headers + body waits
     # for the client's delayed ACK: 40 ms added to every call on a kept-alive connection.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -51,10 +54,11 @@ def check_listeners(settings: GatewaySettings) -> None:
     if settings.port and settings.port == settings.internal_port:
         raise SystemExit(f"tinkerd: --port and --internal-port are both {settings.port}: the internal listener "
                          f"(/internal/, /metrics) needs a port of its own")
-    for host, port, flags in ((settings.host, settings.port, "--host/--port"),
-                              (settings.internal_host, settings.internal_port, "--internal-host/--internal-port")):
+    for host, port, flags, shared in ((settings.host, settings.port, "--host/--port", settings.reuse_port),
+                                      (settings.internal_host, settings.internal_port,
+                                       "--internal-host/--internal-port", False)):
         if port:        # a fixed one: free now, not found taken once the trainer and samplers have started
-            _listening_socket(host, port, flags).close()
+            _listening_socket(host, port, flags, shared).close()
     if bool(settings.https_cert) != bool(settings.https_key):
         raise SystemExit("tinkerd: --https-cert and --https-key go together")
     for path in (settings.https_cert, settings.https_key):
@@ -87,7 +91,7 @@ def serve(settings: GatewaySettings) -> None:
     settings = dataclasses.replace(settings, base_model=os.path.abspath(settings.base_model),
                                    state_dir=os.path.abspath(settings.state_dir))
     app = create_app(settings)
-    sock = _listening_socket(settings.host, settings.port, "--host/--port")
+    sock = _listening_socket(settings.host, settings.port, "--host/--port", settings.reuse_port)
     internal_sock = _listening_socket(settings.internal_host, settings.internal_port,
                                       "--internal-host/--internal-port")
     tls = {"ssl_certfile": settings.https_cert, "ssl_keyfile": settings.https_key} if settings.https else {}

@@ -19,6 +19,9 @@ class GatewaySettings(ServiceAuthSettings):
     aliases: list[str] = setting([], flag="alias", help="another accepted name for the base model (repeatable)")
     host: str = setting("127.0.0.1", help="HTTP listen address")
     port: int = setting(8000, help="HTTP port (0 picks a free one)", at_least=0)
+    reuse_port: bool = setting(False, help="share --port with the other gateway processes of this host on the same "
+                                           "database (SO_REUSEPORT: the kernel spreads the connections among "
+                                           "them); `tinkerd up --gateway-workers N` starts N so")
     # The internal listener: replicas joining the pool (/internal/) and Prometheus (/metrics), off
     # the users' port (gateway/listeners.py).
     internal_host: str = setting("127.0.0.1", help="listen address of the internal HTTP listener (/internal/: "

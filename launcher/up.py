@@ -15,6 +15,10 @@ there (sampler_service/registration.py); the gateway gets no --sampler list. Sin
 engine takes longest to start, the gateway's ports are fixed before anything starts (free ones
 when --port / --internal-port are 0), and the replicas start with the trainer.
 
+Gateway processes (`--gateway-workers G`: gateway, gateway-2, ...) share --port (--reuse-port)
+and the database; each has an internal listener of its own, and every replica registers at each.
+The first starts alone (it makes or upgrades the database's schema), then the others.
+
 With --https-cert the gateway serves HTTPS on both its listeners; the replicas and `up`'s own
 health checks verify it against that certificate (register_ca), at the address they reach it by
 (--host, 127.0.0.1 for a wildcard): the certificate must name that address.
@@ -52,7 +56,7 @@ CHILDREN = {"trainer": TrainerSettings, "sampler": SamplerSettings, "gateway": G
 # Settings `up` fills in itself: where the children find each other.
 WIRED = {"trainer": ("listen", "metrics_port"),
          "sampler": ("listen", "register_with", "register_ca", "advertise_address", "metrics_port"),
-         "gateway": ("trainer", "samplers")}
+         "gateway": ("trainer", "samplers", "reuse_port")}
 
 
 @dataclasses.dataclass
@@ -69,6 +73,11 @@ class UpSettings:
     sampler_replicas: int = settings.setting(1, help="sampler processes (one vLLM engine each) on this host; each "
                                                      "registers with the gateway like a replica on another host",
                                              at_least=1)
+    gateway_workers: int = settings.setting(1, help="gateway processes on this host, sharing --port (the kernel "
+                                                    "spreads the connections among them) and the database, for "
+                                                    "more requests a second than one process's Python serves; "
+                                                    "each has an internal listener of its own (the first on "
+                                                    "--internal-port)", at_least=1)
     metrics_port: int = settings.setting(0, help="Prometheus /metrics of the trainer (this port) and the sampler "
                                                  "(the next): 0 picks free ones, -1 turns them off; all targets, "
                                                  "the gateway's /metrics too, are listed in <state-dir>/"
@@ -91,7 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             added.setdefault(field.name, field)
         settings.add_arguments(parser, cls, skip=(*WIRED[name], *shared))
     settings.add_arguments(parser, UpSettings)
-    parser.set_defaults(placement=None)     # where `up` puts its children on the host's GPUs (launcher/gpus.py)
+    # Set by `up` itself: where its children go on the host's GPUs (launcher/gpus.py); the internal
+    # ports of gateway processes 2..N.
+    parser.set_defaults(placement=None, worker_internal_ports=None)
 
 
 def kind_of(name: str) -> str:
@@ -179,6 +190,11 @@ def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
             p.kill()
 
 
+def gateway_names(args: argparse.Namespace) -> list[str]:
+    """The gateway processes' names (and log files): gateway, gateway-2, ..., gateway-N."""
+    return ["gateway", *(f"gateway-{i}" for i in range(2, args.gateway_workers + 1))]
+
+
 def sampler_names(args: argparse.Namespace) -> list[str]:
     """The replicas' names (and log files): sampler, sampler-2, ..., sampler-N."""
     return ["sampler", *(f"sampler-{i}" for i in range(2, args.sampler_replicas + 1))]
@@ -192,10 +208,15 @@ def scheme(args: argparse.Namespace) -> str:
     return "https" if args.https_cert else "http"
 
 
-def gateway_url(args: argparse.Namespace) -> str:
-    """Where this host's replicas register: the gateway's internal listener (its port is fixed by
-    then)."""
-    return f"{scheme(args)}://{_reachable(args.internal_host)}:{args.internal_port}"
+def gateway_url(args: argparse.Namespace, name: str = "gateway") -> str:
+    """A gateway process's internal listener, where this host's replicas register (its port is
+    fixed before anything starts)."""
+    return f"{scheme(args)}://{_reachable(args.internal_host)}:{internal_port_of(args, name)}"
+
+
+def internal_port_of(args: argparse.Namespace, name: str) -> int:
+    """The first gateway process's internal port is --internal-port; the others' are free ones."""
+    return args.internal_port if name == "gateway" else args.worker_internal_ports[name]
 
 
 def client_context(args: argparse.Namespace):
@@ -209,13 +230,14 @@ def _wiring(args: argparse.Namespace, name: str, ready: dict) -> dict:
     """The addresses a child is started with, and on a GPU host its share of its GPU
     (launcher/gpus.py); once the stack runs, a restarted child gets the port it had, so the
     others still find it."""
-    if name == "gateway":
-        return {"trainer": f"127.0.0.1:{ready['trainer']}", "samplers": []}
+    if kind_of(name) == "gateway":
+        return {"trainer": f"127.0.0.1:{ready['trainer']}", "samplers": [],
+                "internal_port": internal_port_of(args, name), "reuse_port": args.gateway_workers > 1}
     wiring = {"listen": f"127.0.0.1:{ready[name]}"} if name in ready else {}
     if args.placement:
         wiring.update(args.placement.overrides(name))
     if kind_of(name) == "sampler":
-        wiring["register_with"] = [gateway_url(args)]
+        wiring["register_with"] = [gateway_url(args, g) for g in gateway_names(args)]    # each heart-beats
         wiring["register_ca"] = args.https_cert
     return wiring
 
@@ -292,14 +314,19 @@ def _start_all(args: argparse.Namespace, procs: dict, ready: dict, log_dir: str)
     for name in first:
         _start_child(args, name, procs, ready, log_dir)
     _wait_ready(procs, ready, ["trainer"], args.start_timeout, log_dir)
-    _start_child(args, "gateway", procs, ready, log_dir)
+    first_gateway, *more_gateways = gateway_names(args)
+    _start_child(args, first_gateway, procs, ready, log_dir)
+    if more_gateways:         # once the first has made (or upgraded) the database's schema
+        _wait_ready(procs, ready, [first_gateway], args.start_timeout, log_dir)
+        for name in more_gateways:
+            _start_child(args, name, procs, ready, log_dir)
     started = first
     for group in later:
         _wait_ready(procs, ready, started, args.start_timeout, log_dir)
         for name in group:
             _start_child(args, name, procs, ready, log_dir)
         started = group
-    _wait_ready(procs, ready, names + ["gateway"], args.start_timeout, log_dir)
+    _wait_ready(procs, ready, names + gateway_names(args), args.start_timeout, log_dir)
     url = f"{scheme(args)}://{_reachable(args.host)}:{ready['gateway']}"
     _wait_pool(args, url, procs, log_dir)
     return url
@@ -398,6 +425,7 @@ def up(args: argparse.Namespace) -> None:
     private_state_dir(args)
     args.port = args.port or free_port()
     args.internal_port = args.internal_port or free_port()
+    args.worker_internal_ports = {name: free_port() for name in gateway_names(args)[1:]}
     claim_state_dir(args)                   # before anything is written there
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, mode=0o700, exist_ok=True)
@@ -415,6 +443,9 @@ def up(args: argparse.Namespace) -> None:
         print(f"tinkerd ready at {url} in {time.monotonic() - t0:.1f} s (logs: {log_dir})", flush=True)
         print(f"internal listener: {gateway_url(args)} (replicas register there; /metrics; every service's "
               f"metrics in {args.state_dir}/prometheus-targets.json)", flush=True)
+        if args.gateway_workers > 1:
+            print(f"{args.gateway_workers} gateway processes share port {args.port} (their internal listeners: "
+                  f"{', '.join(gateway_url(args, g) for g in gateway_names(args))})", flush=True)
         if key_file:
             print("the admin's API key is in its file (readable by you only; more keys with `tinkerd keys create "
                   "--user NAME`):", flush=True)

@@ -162,6 +162,26 @@ def test_the_internal_listener_needs_a_port_of_its_own():
     check_listeners(GatewaySettings(base_model="b", trainer="t:1", port=0, internal_port=0))
 
 
+def test_gateway_processes_share_a_port_only_each_with_reuse_port():
+    """--reuse-port (`tinkerd up --gateway-workers N`): a second gateway process binds the port a
+    first one listens on, and passes the start-up check of it; without it, both are refused."""
+    from launcher.up import free_port
+
+    from gateway.server import _listening_socket, check_listeners
+    from gateway.settings import GatewaySettings
+
+    port = free_port()
+    first = _listening_socket("127.0.0.1", port, "--host/--port", reuse_port=True)
+    first.listen()
+    try:
+        check_listeners(GatewaySettings(base_model="b", trainer="t:1", port=port, reuse_port=True))
+        _listening_socket("127.0.0.1", port, "--host/--port", reuse_port=True).close()
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
+            check_listeners(GatewaySettings(base_model="b", trainer="t:1", port=port))
+    finally:
+        first.close()
+
+
 def test_https_cert_and_key_go_together(tmp_path):
     from gateway.server import check_listeners
     from gateway.settings import GatewaySettings

@@ -43,6 +43,19 @@ def test_up_s_replicas_register_at_the_internal_listener_over_https_trusting_the
     assert plain.register_with == ["http://127.0.0.1:9443"] and plain.register_ca == ""
 
 
+def test_up_s_gateway_workers_share_the_port_each_with_its_own_internal_listener(tmp_path):
+    """--gateway-workers 2: both processes share --port (SO_REUSEPORT), each has an internal
+    listener of its own, and every replica heart-beats at both."""
+    args = _up_args(tmp_path, "--gateway-workers", "2")
+    args.worker_internal_ports = {"gateway-2": 9444}          # free ones, fixed by `up` before anything starts
+    first, second = (_child(args, name, {"trainer": 5000}) for name in up.gateway_names(args))
+    assert (first.port, second.port, first.reuse_port, second.reuse_port) == (8443, 8443, True, True)
+    assert (first.internal_port, second.internal_port) == (9443, 9444)
+    replica = _child(args, "sampler", {"trainer": 5000})
+    assert replica.register_with == ["http://127.0.0.1:9443", "http://127.0.0.1:9444"]
+    assert not _child(_up_args(tmp_path), "gateway", {"trainer": 5000}).reuse_port     # one process: its own port
+
+
 @pytest.mark.parametrize("url", ["http://gateway.internal:8001", "http://10.0.0.5:8001"])
 def test_a_replica_with_tls_refuses_plain_http_to_another_host(url):
     with pytest.raises(SystemExit, match="in clear"):
