@@ -47,11 +47,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         completions = asyncio.create_task(gw.futures.completions.watch_forever())   # ... and as a net
         yield
         completions.cancel()
-        peers()
         spans.cancel()
         leases.cancel()
         reaper.cancel()
         gw.jobs.stop()
+        peers()
         await gw.backends.close()
 
     app = FastAPI(title="tinkerd gateway", lifespan=lifespan)

@@ -16,8 +16,10 @@ engine takes longest to start, the gateway's ports are fixed before anything sta
 when --port / --internal-port are 0), and the replicas start with the trainer.
 
 Gateway processes (`--gateway-workers G`: gateway, gateway-2, ...) share --port (--reuse-port)
-and the database; each has an internal listener of its own, and every replica registers at each.
-The first starts alone (it makes or upgrades the database's schema), then the others.
+and the database; each has an internal listener of its own. One registration reaches every
+gateway on the database, but every replica heart-beats at each, so it stays in the pool while one
+of them restarts. The first starts alone (it makes or upgrades the database's schema), then the
+others.
 
 With --https-cert the gateway serves HTTPS on both its listeners; the replicas and `up`'s own
 health checks verify it against that certificate (register_ca), at the address they reach it by
@@ -425,7 +427,12 @@ def up(args: argparse.Namespace) -> None:
     private_state_dir(args)
     args.port = args.port or free_port()
     args.internal_port = args.internal_port or free_port()
-    args.worker_internal_ports = {name: free_port() for name in gateway_names(args)[1:]}
+    args.worker_internal_ports = {}
+    for name in gateway_names(args)[1:]:      # each a port of its own
+        taken = {args.port, args.internal_port, *args.worker_internal_ports.values()}
+        while (port := free_port()) in taken:
+            pass
+        args.worker_internal_ports[name] = port
     claim_state_dir(args)                   # before anything is written there
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, mode=0o700, exist_ok=True)

@@ -5,13 +5,16 @@ answered when the result is written, not at the next look at the rows.
 - PostgreSQL: the finishing transaction sends a NOTIFY on CHANNEL, delivered on commit to one
   listening connection per gateway (a thread of its own: psycopg waits for notices blocking).
 - SQLite (its gateways share a host: one database file): after the commit, a datagram to each
-  other gateway's Unix socket, the files of `<database>.gateways/`. A socket nobody reads any
-  more (its gateway was killed) is removed by the first sender it refuses.
+  other gateway's Unix socket, the files of `<database>.gateways/`. A sender thread sends what
+  finished since its last send in one datagram (a receiver queues 10 datagrams at most:
+  net.unix.max_dgram_qlen). A socket nobody reads any more (its gateway was killed) is removed
+  by the first sender it refuses. Where the sockets cannot be made, the gateway runs without.
 
-A message is [writer, request_id, sampling_session_id, clone, running]: the last three are a
-sample's (null but for one), `running` the samples of its sampling session still running on the
-writer (a poll woken by it gathers only while more are coming). It only wakes: a message lost (a listener reconnecting, a full socket queue) leaves the
-waiter to its net, a look at the rows every NET_S.
+A message names the writer and, per finished future, [request_id, sampling_session_id, clone,
+running]: the last three are a sample's (null but for one), `running` the samples of its target
+(sampling session, clone) still running on the writer (a poll woken by it gathers only while
+more are coming there). A message only wakes: one lost (a listener reconnecting, a queue full
+for long) leaves the waiter to its net, a look at the rows every NET_S.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ NET_S = 0.5                     # how often a waiter looks at the rows while mes
 _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
 _LISTEN_RETRY_S = 1.0
 _PEERS_FRESH_S = 1.0            # how long a listing of the other gateways' sockets is used
+_SEND_WAIT_S = 0.05             # a full receiver queue is waited for this long before a datagram is dropped
+_BATCH = 256                    # finishes in one datagram at most (~30 KB)
 
 
 class Peers:
@@ -50,113 +55,154 @@ class Peers:
         self.postgres = engine.dialect.name == "postgresql"
         database = engine.url.database if engine.dialect.name == "sqlite" else None
         self._dir = None
-        if database and database != ":memory:" and engine.url.query.get("mode") != "memory":
-            self._dir = os.path.abspath(database) + ".gateways"
+        if database and database != ":memory:" and not database.startswith("file:") \
+                and engine.url.query.get("mode") != "memory":
+            self._dir = os.path.realpath(database) + ".gateways"
         self._dir_fd: int | None = None
         self._name = hashlib.sha256(instance.encode()).hexdigest()[:16] + ".sock"
-        self._sender: socket.socket | None = None
+        self._outbox: list[list] = []           # finishes not sent yet (SQLite)
+        self._ready = threading.Condition()
         self._others: list[str] = []
         self._others_at = -_PEERS_FRESH_S
 
-    def _message(self, request_id: str, target: Target | None, running: int) -> str:
-        return json.dumps([self.instance, request_id, *(target or (None, None)), running])
+    def _finish(self, request_id: str, target: Target | None, running: int) -> list:
+        return [request_id, *(target or (None, None)), running]
 
     def in_transaction(self, conn, request_id: str, target: Target | None, running: int = 0) -> None:
         """In the transaction finishing `request_id`: PostgreSQL's notice, sent on its commit."""
         if self.postgres:
-            conn.execute(_NOTIFY, {"channel": CHANNEL, "payload": self._message(request_id, target, running)})
+            payload = json.dumps([self.instance, [self._finish(request_id, target, running)]])
+            conn.execute(_NOTIFY, {"channel": CHANNEL, "payload": payload})
 
     def committed(self, request_id: str, target: Target | None, running: int = 0) -> None:
-        """After the transaction finishing `request_id` committed: SQLite's datagrams."""
-        if self._sender is None:
+        """After the transaction finishing `request_id` committed: SQLite's datagram, by the
+        sender thread. Never raises: the finish is done whatever becomes of its message."""
+        if self._dir_fd is None:
             return
-        others = self._listing()
-        if not others:
-            return
-        data = self._message(request_id, target, running).encode()
-        for name in others:
-            try:
-                self._sender.sendto(data, self._path(name))
-            except (ConnectionRefusedError, FileNotFoundError):     # its gateway is gone
-                self._forget(name)
-            except OSError:         # its queue is full: the waiter's net covers it
-                pass
-
-    def _path(self, name: str) -> str:
-        # Through the directory's descriptor: a socket's path is limited to 107 bytes, a state
-        # dir's is not.
-        return f"/proc/self/fd/{self._dir_fd}/{name}"
-
-    def _listing(self) -> list[str]:
-        stamp = time.monotonic()
-        if stamp - self._others_at > _PEERS_FRESH_S:
-            try:
-                self._others = [n for n in os.listdir(self._path("")) if n.endswith(".sock") and n != self._name]
-            except OSError:
-                self._others = []
-            self._others_at = stamp
-        return self._others
-
-    def _forget(self, name: str) -> None:
-        try:
-            os.unlink(self._path(name))
-        except OSError:
-            pass
-        self._others = [n for n in self._others if n != name]
+        with self._ready:
+            self._outbox.append(self._finish(request_id, target, running))
+            self._ready.notify()
 
     def listen(self, heard: Heard) -> Callable[[], None]:
-        """Hears the other gateways' finishes from now on (a thread); returns what stops it."""
+        """Hears the other gateways' finishes from now on (threads); returns what stops it."""
         loop, stop = asyncio.get_running_loop(), threading.Event()
         if self.postgres:
-            target = self._listen_postgres
-        elif self._dir is not None:
-            os.makedirs(self._dir, mode=0o700, exist_ok=True)
-            self._dir_fd = os.open(self._dir, os.O_PATH | os.O_DIRECTORY)
-            receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            try:
-                os.unlink(self._path(self._name))
-            except FileNotFoundError:
-                pass
-            receiver.bind(self._path(self._name))
-            receiver.settimeout(1.0)            # to see `stop` while nothing comes
-            self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sender.setblocking(False)
-            self.listening = True
-
-            def target(heard, loop, stop):
-                self._receive(receiver, heard, loop, stop)
-        else:
+            threading.Thread(target=self._listen_postgres, args=(heard, loop, stop), name="peer-finishes",
+                             daemon=True).start()
+            return stop.set
+        if self._dir is None:
             return lambda: None
-        threading.Thread(target=target, args=(heard, loop, stop), name="peer-finishes", daemon=True).start()
+        try:
+            receiver = self._bind()
+        except (OSError, AttributeError) as e:      # no /proc, no O_PATH, a filesystem without sockets
+            log.warning("gateways on this database will not hear each other's finishes at once (%s: %s): "
+                        "their waiters look at the rows instead", type(e).__name__, e)
+            return lambda: None
+        self.listening = True
+        threading.Thread(target=self._receive, args=(receiver, heard, loop, stop), name="peer-finishes",
+                         daemon=True).start()
+        threading.Thread(target=self._send, args=(stop,), name="peer-sends", daemon=True).start()
 
         def stopped() -> None:
             stop.set()
-            self.listening = False
-            if self._sender is not None:
-                self._sender, sender = None, self._sender
-                sender.close()
-                self._forget(self._name)
-                os.close(self._dir_fd)
+            with self._ready:
+                self._ready.notify()
         return stopped
 
-    def _deliver(self, payload: str, heard: Heard, loop: asyncio.AbstractEventLoop) -> None:
-        writer, request_id, session, clone, running = json.loads(payload)
-        if writer != self.instance:
-            loop.call_soon_threadsafe(heard, request_id, None if session is None else (session, clone), running)
+    def _bind(self) -> socket.socket:
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)
+        dir_fd = os.open(self._dir, os.O_PATH | os.O_DIRECTORY)
+        receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            # Through the directory's descriptor: a socket's path is limited to 107 bytes, a
+            # state dir's is not.
+            path = f"/proc/self/fd/{dir_fd}/{self._name}"
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            receiver.bind(path)
+        except BaseException:
+            receiver.close()
+            os.close(dir_fd)
+            raise
+        receiver.settimeout(1.0)            # to see `stop` while nothing comes
+        self._dir_fd = dir_fd
+        return receiver
+
+    def _send(self, stop: threading.Event) -> None:
+        """The sender thread: what finished since its last send, to each other gateway."""
+        sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sender.settimeout(_SEND_WAIT_S)
+        dir_fd = self._dir_fd
+        try:
+            while True:
+                with self._ready:
+                    while not self._outbox and not stop.is_set():
+                        self._ready.wait()
+                    finished, self._outbox = self._outbox[:_BATCH], self._outbox[_BATCH:]
+                if stop.is_set():
+                    return
+                try:
+                    self._send_to_others(sender, dir_fd, json.dumps([self.instance, finished]).encode())
+                except Exception:  # noqa: BLE001 - the waiters' nets cover a message lost
+                    log.exception("could not tell the other gateways of %d finishes", len(finished))
+        finally:
+            sender.close()
+            self.listening = False
+            self._dir_fd = None
+            try:
+                os.unlink(f"/proc/self/fd/{dir_fd}/{self._name}")
+            except OSError:
+                pass
+            os.close(dir_fd)
+
+    def _send_to_others(self, sender: socket.socket, dir_fd: int, data: bytes) -> None:
+        stamp = time.monotonic()
+        if stamp - self._others_at > _PEERS_FRESH_S:
+            self._others = [n for n in os.listdir(f"/proc/self/fd/{dir_fd}")
+                            if n.endswith(".sock") and n != self._name]
+            self._others_at = stamp
+        for name in self._others:
+            path = f"/proc/self/fd/{dir_fd}/{name}"
+            try:
+                sender.sendto(data, path)
+            except (ConnectionRefusedError, FileNotFoundError):     # its gateway is gone
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                self._others = [n for n in self._others if n != name]
+            except OSError:         # its queue stayed full: the waiters' nets cover it
+                pass
+
+    def _deliver(self, payload: str | bytes, heard: Heard, loop: asyncio.AbstractEventLoop) -> bool:
+        """Hands a message's finishes to the event loop; False once the loop is closed."""
+        try:
+            writer, finished = json.loads(payload)
+            if writer == self.instance:
+                return True
+            for request_id, session, clone, running in finished:
+                loop.call_soon_threadsafe(heard, request_id, None if session is None else (session, clone), running)
+        except RuntimeError:            # the event loop closed: the gateway stops
+            return False
+        except Exception:  # noqa: BLE001 - not a message of ours
+            log.warning("a message that is not a gateway's, on the finishes' channel: %r", payload[:200])
+        return True
 
     def _receive(self, receiver: socket.socket, heard: Heard, loop, stop: threading.Event) -> None:
         with receiver:
             while not stop.is_set():
                 try:
-                    data = receiver.recv(65536)
+                    data = receiver.recv(1 << 20)
                 except TimeoutError:
                     continue
                 except OSError:
-                    break
-                try:
-                    self._deliver(data.decode(), heard, loop)
-                except (ValueError, RuntimeError):      # not ours; or the loop closed
-                    pass
+                    log.exception("no more messages from the other gateways")
+                    self.listening = False
+                    return
+                if not self._deliver(data, heard, loop):
+                    return
 
     def _listen_postgres(self, heard: Heard, loop, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -171,7 +217,8 @@ class Peers:
                 self.listening = True
                 while not stop.is_set():
                     for notice in conn.notifies(timeout=1.0):
-                        self._deliver(notice.payload, heard, loop)
+                        if not self._deliver(notice.payload, heard, loop):
+                            return
             except Exception as e:  # noqa: BLE001 - the nets cover the gap; the listener comes back
                 log.warning("finish notices: %s: %s; listening again in %.0f s", type(e).__name__, e,
                             _LISTEN_RETRY_S)

@@ -257,7 +257,7 @@ class Futures:
     def heard(self, request_id: str, target: Target | None, running: int) -> None:
         """Another gateway finished `request_id` (a sample of `target`, of which `running` more run
         there): its waiters here wake."""
-        self.waits.finished_elsewhere(request_id)
+        self.waits.wake(request_id)
         if target is not None:
             self.completions.arrived(target, request_id, more_elsewhere=running > 0)
 
@@ -308,6 +308,7 @@ class Futures:
         if target is not None:
             self._running_by_target[target] += 1
         self.traces.received(request_id, request_type, model_id, target[0] if target else None)
+        self.waits.wake(request_id)             # a wait for it elsewhere waits here now (re-driven)
 
     def ended(self, request_id: str, request_type: str, owner: str) -> None:
         """Its job's task ended (after `finish`, or cancelled with it): its place in this

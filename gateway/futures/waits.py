@@ -44,12 +44,14 @@ class Waits:
     async def _poll_row(self, row: FutureRow, deadline: float, owner: str) -> FutureRow:
         """Waits for a future another gateway runs, until its message says it finished (read
         then), or `deadline`; its row is read every POLL_S (NET_S while messages are heard) in
-        case a message is lost. If it comes to run here meanwhile (re-driven), waits for it here."""
+        case a message is lost. If it comes to run here meanwhile (re-driven: `wake`), waits for
+        it here."""
         request_id = row.request_id
         finished = asyncio.Event()
         self._elsewhere.setdefault(request_id, []).append(finished)     # before the read: none missed
         try:
             while True:
+                finished.clear()
                 left = deadline - time.monotonic()
                 if self.futures.here(request_id) is not None:
                     return await self.wait(request_id, max(left, 0.0), owner)
@@ -69,8 +71,8 @@ class Waits:
             if not waiting:
                 del self._elsewhere[request_id]
 
-    def finished_elsewhere(self, request_id: str) -> None:
-        """Another gateway's message: `request_id` finished there."""
+    def wake(self, request_id: str) -> None:
+        """`request_id` finished on another gateway (its message), or came to run here."""
         for finished in self._elsewhere.get(request_id, ()):
             finished.set()
 

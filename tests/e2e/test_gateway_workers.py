@@ -38,18 +38,27 @@ def _gateways(stack) -> dict[str, int]:
     return found
 
 
-def _answered(stack) -> dict[str, float]:
-    """Each gateway process's retrieve_future(s) requests answered so far, from its /metrics."""
+def _metrics(stack) -> dict[str, str]:
+    """Each gateway process's /metrics, by its name."""
     with open(os.path.join(stack.state_dir, "prometheus-targets.json")) as f:
         targets = [t for t in json.load(f) if t["labels"]["service"] == "gateway"]
-    answered = {}
+    texts = {}
     for t in targets:
         with urllib.request.urlopen(f"http://{t['targets'][0]}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        answered[t["labels"]["process"]] = sum(
-            float(m.group(1)) for m in re.finditer(
-                r'^tinkerd_gateway_requests_total\{[^}]*route="/api/v1/retrieve_futures?"[^}]*\} (\S+)$', text, re.M))
-    return answered
+            texts[t["labels"]["process"]] = r.read().decode()
+    return texts
+
+
+def _answered(stack) -> dict[str, float]:
+    """Each gateway process's retrieve_future(s) requests answered so far."""
+    return {name: sum(float(m.group(1)) for m in re.finditer(
+        r'^tinkerd_gateway_requests_total\{[^}]*route="/api/v1/retrieve_futures?"[^}]*\} (\S+)$', text, re.M))
+        for name, text in _metrics(stack).items()}
+
+
+def _samples_running(stack, name: str) -> float:
+    m = re.search(r'^tinkerd_gateway_futures_pending\{type="sample"\} (\S+)$', _metrics(stack)[name], re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def _samples(sampler, prompt, params, n: int = CONCURRENT) -> list[list[int]]:
@@ -90,15 +99,19 @@ def test_two_gateway_processes_share_the_port_and_every_result_reaches_the_sdk(s
         params = types.SamplingParams(max_tokens=LONG, temperature=0.0)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             burst = pool.submit(_samples, sampler, types.ModelInput.from_ints(prompt), params)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 60
+            while not _samples_running(stack, "gateway-2"):
+                assert time.monotonic() < deadline and not burst.done(), "no sample of the burst ran on gateway-2"
+                time.sleep(0.01)
             os.kill(pids["gateway-2"], signal.SIGKILL)
             killed = time.monotonic()
             out = burst.result(timeout=180)
         print(f"the burst ended {time.monotonic() - killed:.1f} s after the kill")
         assert len(out) == CONCURRENT and all(t == out[0] and len(t) == LONG for t in out)
-        # Some of them ran on the killed process: the other re-drove them once their lease lapsed.
-        with open(os.path.join(stack.state_dir, "logs", "gateway.log")) as f:
-            assert "re-driving sample" in f.read()
+        # Those that ran on the killed process were re-driven once their lease lapsed (by the
+        # other, or by the killed one restarted).
+        logs = [os.path.join(stack.state_dir, "logs", f"{name}.log") for name in ("gateway", "gateway-2")]
+        assert any("re-driving sample" in open(log).read() for log in logs)
         deadline = time.monotonic() + 120
         while (restarted := _gateways(stack)).get("gateway-2") in (None, pids["gateway-2"]):
             assert time.monotonic() < deadline, "gateway-2 was not restarted"

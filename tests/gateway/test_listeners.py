@@ -162,7 +162,7 @@ def test_the_internal_listener_needs_a_port_of_its_own():
     check_listeners(GatewaySettings(base_model="b", trainer="t:1", port=0, internal_port=0))
 
 
-def test_gateway_processes_share_a_port_only_each_with_reuse_port():
+def test_two_gateway_processes_share_a_port_when_both_set_reuse_port():
     """--reuse-port (`tinkerd up --gateway-workers N`): a second gateway process binds the port a
     first one listens on, and passes the start-up check of it; without it, both are refused."""
     from launcher.up import free_port

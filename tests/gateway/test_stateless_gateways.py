@@ -240,7 +240,7 @@ def test_a_session_known_empty_on_one_gateway_hears_of_a_sample_finished_on_the_
     the new rows (every 0.5 s while a session is known empty), so b's acknowledgement-only poll
     afterwards looks, and reports it; and a long poll on b for a second sample hears of it within
     a look of the watcher."""
-    monkeypatch.setattr(Peers, "committed", lambda self, request_id, target: None)
+    monkeypatch.setattr(Peers, "committed", lambda self, *finish: None)
     trainer, sampler, settings = two
     with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
         api_a = Api(a, "").as_user("tester")
@@ -348,11 +348,20 @@ def test_a_killed_gateways_socket_is_removed_by_the_first_sender_it_refuses(tmp_
         assert await asyncio.wait_for(heard.get(), 10) == ("r1", ("session-1", 2), 3)
         sender.committed("r2", None)
         assert await asyncio.wait_for(heard.get(), 10) == ("r2", None, 0)
-        assert not (sockets / "0123456789abcdef.sock").exists()
+        await _until(lambda: not (sockets / "0123456789abcdef.sock").exists())
         for stop in stops:
             stop()
-        assert list(sockets.iterdir()) == []
+        await _until(lambda: list(sockets.iterdir()) == [])        # each removes its own as it stops
     asyncio.run(main())
+
+
+async def _until(predicate, timeout_s: float = 10) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
 
 
 def test_what_one_gateway_finishes_wakes_the_others_waiters_at_once_by_its_notice(tmp_path, monkeypatch):
