@@ -1,5 +1,6 @@
 """A future's row as a gateway makes it in memory (gateway/futures/store.py): a new one, a finished
-one kept among its recent results, a pending one's answer to a long-poll. Its fields are
+one kept among its recent results or read back from the database, a pending one's answer to a
+long-poll. Its fields are
 FutureRow's columns (gateway/storage/db.py), read by the same names, so either serves wherever a
 row is read; the futures' hot path makes no ORM object (whose instrumented attributes cost more
 to make and read than the rest of the row's handling)."""

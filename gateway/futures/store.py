@@ -103,6 +103,7 @@ _FINISH_FUTURE = Prepared(FutureRow.__table__.update().where(
     _FUTURES.request_id == bindparam("rid"), _FUTURES.status == Status.PENDING).values(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
     completed_at=bindparam("completed_at"), lease_until=None, request_args=None, request_body=None))
+_FUTURE = Prepared(select(*FutureRow.__table__.columns).where(_FUTURES.request_id == bindparam("rid")))
 
 
 class FutureStore:
@@ -159,6 +160,17 @@ class FutureStore:
         if self.peers is not None:
             self.peers.committed(request_id, target, running)
         return True
+
+    def get(self, request_id: str) -> FutureRecord | None:
+        """The future's row (a result not kept in this gateway's memory: another gateway's, an
+        older one), without the ORM's object."""
+        try:
+            request_id.encode()
+        except UnicodeEncodeError:          # a lone surrogate from JSON: no row has it, and no driver takes it
+            return None
+        with self.db.engine.connect() as conn:
+            row = _FUTURE.first(conn, {"rid": request_id})
+        return None if row is None else FutureRecord(**row._asdict())
 
     def status(self, request_id: str) -> str | None:
         with self.db.engine.connect() as conn:
@@ -374,7 +386,7 @@ class Futures:
             if pending.target is not None:
                 self.completions.arrived(pending.target, request_id)
         else:      # finished elsewhere first (cancelled there, or re-driven by a gateway that thought us dead)
-            row = await self.db.run(self.db.get, FutureRow, request_id)
+            row = await self.db.run(self.store.get, request_id)
         self._finished.put(row)
         pending.done.set()
 
@@ -396,7 +408,7 @@ class Futures:
                 if await self.db.run(self.store.finish, request_id, Status.FAILED, "application/json", body,
                                      completion):
                     return Cancelled(True, "cancelled")
-                row = await self.db.run(self.db.get, FutureRow, request_id)
+                row = await self.db.run(self.store.get, request_id)
             elif row.status == Status.PENDING:
                 raise UserError(_not_cancellable(request_id, row.request_type))
             return Cancelled(False, "cancelled" if request_id in self._cancelled else row.status)
@@ -414,7 +426,7 @@ class Futures:
 
     async def finished_row(self, request_id: str) -> FutureRow | None:
         """A finished future's row: from this gateway's recent results, else the database."""
-        return self._finished.get(request_id) or await self.db.run(self.db.get, FutureRow, request_id)
+        return self._finished.get(request_id) or await self.db.run(self.store.get, request_id)
 
     def drop_result(self, request_id: str, owner: str) -> None:
         """The client has this result: it leaves the memory cache (the futures table keeps it)."""

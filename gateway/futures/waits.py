@@ -57,7 +57,7 @@ class Waits:
                     return await self.wait(request_id, max(left, 0.0), owner)
                 db = self.futures.db
                 if await db.run(self.futures.store.status, request_id) != Status.PENDING:
-                    return await db.run(db.get, FutureRow, request_id)
+                    return await db.run(self.futures.store.get, request_id)
                 if left <= 0:
                     return row
                 period = NET_S if self.futures.peers.listening else POLL_S
