@@ -398,6 +398,19 @@ def check_metrics_ports(args: argparse.Namespace) -> None:
                                  f"after it)") from None
 
 
+def fix_gateway_ports(args: argparse.Namespace) -> None:
+    """The gateway processes' ports, fixed before anything starts (the replicas need them): free
+    ones for those not given, each internal listener a port of its own."""
+    args.port = args.port or free_port()
+    args.internal_port = args.internal_port or free_port()
+    args.worker_internal_ports = {}
+    for name in gateway_names(args)[1:]:
+        taken = {args.port, args.internal_port, *args.worker_internal_ports.values()}
+        while (port := free_port()) in taken:
+            pass
+        args.worker_internal_ports[name] = port
+
+
 def claim_state_dir(args: argparse.Namespace) -> None:
     """This `up` alone on its state dir (tinkerd/state_lock.py), refused before anything starts if
     another `up` runs there, or a trainer an earlier one left running when it was killed."""
@@ -425,14 +438,7 @@ def up(args: argparse.Namespace) -> None:
     check_listeners(settings.from_args(GatewaySettings, args, trainer="", samplers=[]))
     check_metrics_ports(args)
     private_state_dir(args)
-    args.port = args.port or free_port()
-    args.internal_port = args.internal_port or free_port()
-    args.worker_internal_ports = {}
-    for name in gateway_names(args)[1:]:      # each a port of its own
-        taken = {args.port, args.internal_port, *args.worker_internal_ports.values()}
-        while (port := free_port()) in taken:
-            pass
-        args.worker_internal_ports[name] = port
+    fix_gateway_ports(args)
     claim_state_dir(args)                   # before anything is written there
     log_dir = os.path.join(args.state_dir, "logs")
     os.makedirs(log_dir, mode=0o700, exist_ok=True)

@@ -37,11 +37,11 @@ ITERATIONS = 4
 LEASE_S = 2.0
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 120) -> None:
+def _wait_for(predicate, what: str, timeout_s: float = 120, every_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+        time.sleep(every_s)
 
 
 def _follower_pid(torchrun_pid: int) -> int:
@@ -136,14 +136,16 @@ def test_scale_out_rl_loop_survives_a_dead_replica_and_a_dead_gateway(tiny_model
         prompt = tc.get_tokenizer().encode("the cat sat on")
         adam = types.AdamParams(learning_rate=1e-2)
         short = types.SamplingParams(max_tokens=8, temperature=1.0)
-        long = types.SamplingParams(max_tokens=128, temperature=1.0, stop=[])
+        # Long enough to be caught running: on an AMX machine 128 tokens of 4 samples took
+        # under the 50 ms between two looks.
+        long = types.SamplingParams(max_tokens=512, temperature=1.0, stop=[])
         sc = tc.save_weights_and_get_sampling_client()
         batches, losses, steps = [], [], []
         for i in range(ITERATIONS):
             in_flight = []
             if i == 1:                               # a replica dies mid-sample
                 in_flight = [sc.sample(types.ModelInput.from_ints(prompt), 1, long) for _ in range(4)]
-                _wait_for(lambda: "sample" in pending(), "no sample became pending")
+                _wait_for(lambda: "sample" in pending(), "no sample became pending", every_s=0.005)
                 first.kill()
             batch = _rl_batch(sc.sample(types.ModelInput.from_ints(prompt), 2, short).result(), prompt)
             if i == 2:
