@@ -43,7 +43,8 @@ _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
 _LISTEN_RETRY_S = 1.0
 _PEERS_FRESH_S = 1.0            # how long a listing of the other gateways' sockets is used
 _SEND_WAIT_S = 0.05             # a full receiver queue is waited for this long before a datagram is dropped
-_BATCH = 256                    # finishes in one datagram at most (~30 KB)
+_BATCH = 256                    # finishes taken for one send at most
+_DATAGRAM = 1 << 16             # bytes a datagram holds at most (a larger send is split)
 
 
 class Peers:
@@ -144,7 +145,8 @@ class Peers:
                 if stop.is_set():
                     return
                 try:
-                    self._send_to_others(sender, dir_fd, json.dumps([self.instance, finished]).encode())
+                    for data in self._datagrams(finished):
+                        self._send_to_others(sender, dir_fd, data)
                 except Exception:  # noqa: BLE001 - the waiters' nets cover a message lost
                     log.exception("could not tell the other gateways of %d finishes", len(finished))
         finally:
@@ -156,6 +158,13 @@ class Peers:
             except OSError:
                 pass
             os.close(dir_fd)
+
+    def _datagrams(self, finished: list[list]) -> list[bytes]:
+        data = json.dumps([self.instance, finished]).encode()
+        if len(data) <= _DATAGRAM or len(finished) == 1:
+            return [data]
+        half = len(finished) // 2
+        return self._datagrams(finished[:half]) + self._datagrams(finished[half:])
 
     def _send_to_others(self, sender: socket.socket, dir_fd: int, data: bytes) -> None:
         stamp = time.monotonic()
@@ -194,7 +203,7 @@ class Peers:
         with receiver:
             while not stop.is_set():
                 try:
-                    data = receiver.recv(1 << 20)
+                    data = receiver.recv(_DATAGRAM)
                 except TimeoutError:
                     continue
                 except OSError:
