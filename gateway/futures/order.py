@@ -6,6 +6,9 @@ request until every lower seq_id has run or is known to another gateway, waiting
 for a gap to fill. The trainer enforces the same order itself (trainer_service/seq_order.py),
 since requests of one model may reach different gateways.
 
+A request below a seq_id sent already (another gateway's, re-driven here once that gateway
+stopped) starts at once: the trainer holds the higher one for it.
+
 That lets a runner send a model's next step while the one before it runs (OVERLAPPING): the
 trainer then has it when the step ends, instead of idling through this gateway's bookkeeping of
 the step (its reply converted, its future stored) and the round trip to send the next (on a GPU,
@@ -75,7 +78,7 @@ class _ModelRunner:
     def put(self, seq: int, request_id: str, kind: str) -> Turn:
         turn = Turn(self, seq, request_id, kind)
         heapq.heappush(self.heap, turn)
-        if self.heap[0].seq == self.next_seq and self._may_start_head():
+        if self.heap[0].seq <= self.next_seq and self._may_start_head():
             self._start_head()        # now, not a turn of the event loop later (below)
         self.changed.set()
         return turn
@@ -87,10 +90,15 @@ class _ModelRunner:
         self.changed.set()
 
     def _may_start_head(self) -> bool:
-        """Nothing runs; or only steps do, fewer than IN_FLIGHT, and the head is the next step."""
+        """Nothing runs; or the head is late (below a seq_id sent already); or only steps run,
+        fewer than IN_FLIGHT, and the head is the next step."""
         if not self.running:
             return True
         head = self.heap[0]
+        if head.seq < self.next_seq:
+            # Another gateway's, re-driven here after it stopped: the higher seq_id sent meanwhile
+            # waits in the trainer for this one, so this one must not wait for it.
+            return True
         return (len(self.running) < IN_FLIGHT and head.seq == self.next_seq and head.kind in OVERLAPPING
                 and all(t.kind in OVERLAPPING for t in self.running.values()))
 

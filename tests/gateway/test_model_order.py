@@ -134,6 +134,32 @@ def test_a_step_after_a_gap_is_not_sent_early():
     asyncio.run(scenario())
 
 
+def test_a_late_lower_seq_id_starts_while_a_higher_one_runs():
+    """seq 5 was another gateway's (so 6 went on to the trainer, which holds it for 5), and comes
+    here late, re-driven after that gateway stopped: it starts at once, not after 6 ends (6 waits
+    in the trainer for it: they would wait on each other until the trainer's gap timeout, then
+    run out of order). Seen: test_multi_host's database partition, steps 3 and 2 in that order."""
+    async def elsewhere(key: str) -> bool:
+        return key == "m#5"
+
+    async def scenario():
+        trainer = Trainer()
+        order = ModelOrder(elsewhere)
+        _put(order, trainer, 4, "fb4", "forward_backward")
+        await trainer.finish("fb4")
+        _put(order, trainer, 6, "fb6", "forward_backward")
+        await asyncio.sleep(0.01)
+        await _settle()
+        assert trainer.log[2:] == ["start fb6"]              # 5 is elsewhere: 6 goes on
+        _put(order, trainer, 5, "step5", "optim_step")       # re-driven here
+        await _settle()
+        assert trainer.log[3:] == ["start step5"]
+        await trainer.finish("step5")
+        await trainer.finish("fb6")
+        order.stop()
+    asyncio.run(scenario())
+
+
 def test_forgetting_a_model_cancels_its_running_steps():
     async def scenario():
         trainer = Trainer()
