@@ -324,6 +324,32 @@ def test_what_one_gateway_finishes_wakes_the_others_waiters_at_once(two, monkeyp
         _woken_at_once(a, b, trainer, sampler)
 
 
+def test_gateways_that_cannot_make_their_sockets_start_and_answer_each_other_by_the_rows(two, monkeypatch, caplog):
+    """SQLite where no Unix socket can be made (no /proc, a filesystem without sockets): each
+    gateway says so and starts; a result one finishes reaches a waiter on the other by its net."""
+    def no_sockets(self):
+        raise OSError(95, "Operation not supported")
+    monkeypatch.setattr(Peers, "_bind", no_sockets)
+    trainer, sampler, settings = two
+    with caplog.at_level("WARNING", logger="gateway.futures.peers"):
+        with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+            assert not a.app.state.gateway.futures.peers.listening
+            api_a = Api(a, "").as_user("tester")
+            api_b = Api(b, api_a.api_key)
+            sid = _sampling_session(api_a)
+            sampler.release.clear()
+            held = _sample(api_a, sid, 0)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(api_b.result, {"request_id": held})
+                time.sleep(0.3)
+                assert not waiting.done()
+                released = time.monotonic()
+                sampler.release.set()
+                answer = waiting.result(timeout=20)
+            assert answer.status_code == 200 and time.monotonic() - released < 2.0
+    assert "will not hear each other's finishes at once (OSError" in caplog.text, caplog.text
+
+
 def test_a_killed_gateways_socket_is_removed_by_the_first_sender_it_refuses(tmp_path):
     """SQLite: a gateway killed leaves its socket in `<database>.gateways/`. The next gateway to
     finish a future finds nobody reading it and removes it; a live gateway hears the message."""
