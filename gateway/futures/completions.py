@@ -35,7 +35,7 @@ from typing import Callable
 
 from sqlalchemy import and_, bindparam, delete, func, or_, select, update
 
-from gateway.futures.peers import NET_S, Peers, Target
+from gateway.futures.peers import AGAIN, NET_S, Peers, Target
 from gateway.storage.db import CompletionRow, Database, now
 from gateway.storage.prepared import Prepared
 
@@ -188,8 +188,8 @@ class Completions:
         with self.db.engine.begin() as conn:
             _FETCHED_OF.rowcount(conn, {"sid": target[0], "clone": target[1], "rid": request_id})
             insert(conn, self.row(target, failed, size), request_id, now())
-            self.peers.in_transaction(conn, request_id, target)
-        self.peers.committed(request_id, target)
+            self.peers.in_transaction(conn, request_id, target, AGAIN)
+        self.peers.committed(request_id, target, AGAIN)
 
     async def fetched(self, request_id: str) -> None:
         """The client has the payload (fetched with retrieve_future): its row goes, if any, unless

@@ -13,7 +13,8 @@ answered when the result is written, not at the next look at the rows.
 A message names the writer and, per finished future, [request_id, sampling_session_id, clone,
 running]: the last three are a sample's (null but for one), `running` the samples of its target
 (sampling session, clone) still running on the writer (a poll woken by it gathers only while
-more are coming there). A message only wakes: one lost (a listener reconnecting, a queue full
+more are coming there), or AGAIN for a finished sample's completion written again (a resend of
+it: a poll that reported it before must look again). A message only wakes: one lost (a listener reconnecting, a queue full
 for long) leaves the waiter to its net, a look at the rows every NET_S.
 """
 
@@ -38,6 +39,7 @@ Target = tuple[str, int]        # (sampling_session_id, cloned_sampler_id)
 Heard = Callable[[str, "Target | None", int], None]
 
 CHANNEL = "tinkerd_finished"
+AGAIN = -1                      # `running` of a completion written again (Completions.report_again)
 NET_S = 0.5                     # how often a waiter looks at the rows while messages are heard
 _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
 _LISTEN_RETRY_S = 1.0

@@ -38,7 +38,7 @@ from sqlalchemy.exc import IntegrityError
 from gateway.errors import error_json
 from gateway.futures import completions
 from gateway.futures.completions import Completions
-from gateway.futures.peers import Peers, Target
+from gateway.futures.peers import AGAIN, Peers, Target
 from gateway.futures.record import FutureRecord
 from gateway.futures.waits import Waits
 from gateway import usage
@@ -268,9 +268,13 @@ class Futures:
 
     def heard(self, request_id: str, target: Target | None, running: int) -> None:
         """Another gateway finished `request_id` (a sample of `target`, of which `running` more run
-        there): its waiters here wake."""
+        there; AGAIN: reported again for a resend): its waiters here wake."""
         self.waits.wake(request_id)
-        if target is not None:
+        if target is None:
+            return
+        if running == AGAIN:        # as a resend here: even a poll here that reported it looks again
+            self.completions.arrived(target)
+        else:
             self.completions.arrived(target, request_id, more_elsewhere=running > 0)
 
     def lease(self) -> datetime.datetime:

@@ -446,6 +446,25 @@ def test_a_completion_from_elsewhere_is_gathered_for_and_a_lone_one_from_here_is
         db.engine.dispose()
 
 
+def test_another_gateways_message_of_a_sample_reported_here_is_news_only_when_reported_again(tmp_path):
+    """A sample a poll here reported already is no news when its gateway announces its finish
+    (the look here saw it), but is when a resend made its gateway write its completion again
+    (AGAIN): the target is no longer known empty here, so the next poll looks."""
+    from gateway.futures.peers import AGAIN
+    from gateway.futures.store import Futures
+    from gateway.storage.db import Database
+
+    futures = Futures(Database(f"sqlite:///{tmp_path / 'db.sqlite'}"))
+    queue, target = futures.completions, ("session:sample:0", 0)
+    queue._reported["r1"] = None            # a look here reported it
+    queue._clean[target] = 5                # ... and left nothing after cursor 5
+    futures.heard("r1", target, 0)
+    assert queue._clean.get(target) == 5
+    futures.heard("r1", target, AGAIN)
+    assert target not in queue._clean
+    futures.db.engine.dispose()
+
+
 def test_a_poller_from_before_a_restart_hears_of_its_redriven_samples(tmp_path):
     """Samples the earlier gateway process never finished are re-driven once its lease lapses;
     a client still polling with that process's cursor gets them reported, finished."""
