@@ -43,7 +43,7 @@ from gateway.futures.record import FutureRecord
 from gateway.futures.waits import Waits
 from gateway import usage
 from gateway.jobs.base import Job as TypedJob
-from gateway.storage.db import CompletionRow, Database, FutureRow, Status, now
+from gateway.storage.db import CompletionRow, Database, FutureRow, Status, encodable, now
 from gateway.storage.prepared import Prepared
 from gateway.traces.spans import Traces
 from tinkerd.errors import UserError
@@ -164,9 +164,7 @@ class FutureStore:
     def get(self, request_id: str) -> FutureRecord | None:
         """The future's row (a result not kept in this gateway's memory: another gateway's, an
         older one), without the ORM's object."""
-        try:
-            request_id.encode()
-        except UnicodeEncodeError:          # a lone surrogate from JSON: no row has it, and no driver takes it
+        if not encodable(request_id):
             return None
         with self.db.engine.connect() as conn:
             row = _FUTURE.first(conn, {"rid": request_id})
@@ -382,7 +380,7 @@ class Futures:
                 added.append(done)
         if await self.db.run(self.store.finish, request_id, status, content_type, body, completion,
                              None if work is None and records is None else also,
-                             self._running_by_target.get(pending.target, 0) if pending.target else 0):
+                             self._running_by_target[pending.target]):
             for done in added:
                 usage.counted(done)
             row = FutureRecord(request_id=request_id, status=status, content_type=content_type, result=body,

@@ -409,7 +409,8 @@ def _cache_key(row) -> tuple[str, str]:
     return type(row).__name__, row.__mapper__.primary_key_from_instance(row)[0]
 
 
-def _encodable(text: str) -> bool:
+def encodable(text: str) -> bool:
+    """False for a lone surrogate from JSON: no row has it, and no driver takes it."""
     try:
         text.encode()
     except UnicodeEncodeError:
@@ -557,7 +558,7 @@ class Database:
         row = self.cached(cls, key)
         if row is not None:
             return row
-        if isinstance(key, str) and not _encodable(key):
+        if isinstance(key, str) and not encodable(key):
             return None              # a lone surrogate from JSON: no row has it, and no driver takes it
         with self.session() as s:
             row = s.get(cls, key)
