@@ -79,8 +79,9 @@ class Peers:
 
     def committed(self, request_id: str, target: Target | None, running: int = 0) -> None:
         """After the transaction finishing `request_id` committed: SQLite's datagram, by the
-        sender thread. Never raises: the finish is done whatever becomes of its message."""
-        if self._dir_fd is None:
+        sender thread, if there is another gateway (a gateway alone wakes no thread). Never raises:
+        the finish is done whatever becomes of its message."""
+        if self._dir_fd is None or not self._other_gateways():
             return
         with self._ready:
             self._outbox.append(self._finish(request_id, target, running))
@@ -168,12 +169,19 @@ class Peers:
         half = len(finished) // 2
         return self._datagrams(finished[:half]) + self._datagrams(finished[half:])
 
-    def _send_to_others(self, sender: socket.socket, dir_fd: int, data: bytes) -> None:
+    def _other_gateways(self) -> list[str]:
+        """The other gateways' sockets, listed at most _PEERS_FRESH_S ago."""
         stamp = time.monotonic()
         if stamp - self._others_at > _PEERS_FRESH_S:
-            self._others = [n for n in os.listdir(f"/proc/self/fd/{dir_fd}")
-                            if n.endswith(".sock") and n != self._name]
+            try:
+                self._others = [n for n in os.listdir(f"/proc/self/fd/{self._dir_fd}")
+                                if n.endswith(".sock") and n != self._name]
+            except OSError:         # stopped meanwhile
+                self._others = []
             self._others_at = stamp
+        return self._others
+
+    def _send_to_others(self, sender: socket.socket, dir_fd: int, data: bytes) -> None:
         for name in self._others:
             path = f"/proc/self/fd/{dir_fd}/{name}"
             try:
