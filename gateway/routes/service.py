@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/api/v1")
 
 # What the SDK switches on or off: only transports and features this server implements.
-# use_pyqwest_transport: the SDK's own default (reqwest/hyper, rustls), less client CPU per request
-# than httpx (docs/benchmarks.md#request_costs); off where rustls cannot reach this gateway
-# (`rustls_accepts`).
+# use_pyqwest_transport: the SDK's own default (reqwest/hyper, rustls) costs less client CPU per
+# request than httpx (docs/benchmarks.md#request_costs), but only a client that can survive it gets
+# it (`pyqwest_exits_cleanly`) and only where rustls can reach this gateway (`rustls_accepts`).
 # With auth on, the SDK exchanges its API key for a JWT (routes/identity.py) and whoami works.
 # sample_use_retrieve_futures: SDK >= 0.28 polls one retrieve_futures per sampling session in
 # place of one retrieve_future per sample (routes/futures.py); older SDKs ignore it.
@@ -37,9 +37,28 @@ CLIENT_CONFIG = {"proto_compress_fwdbwd": True,
 
 
 @router.post("/client/config")
-async def client_config(gw: GatewayDep) -> dict:
-    return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth,
-            "use_pyqwest_transport": not gw.settings.https or rustls_accepts(gw.settings.https_cert)}
+async def client_config(request: Request, gw: GatewayDep) -> dict:
+    pyqwest = pyqwest_exits_cleanly(request.headers) and (not gw.settings.https or rustls_accepts(gw.settings.https_cert))
+    return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth, "use_pyqwest_transport": pyqwest}
+
+
+# CPython 3.14 parks a thread that wants the GIL once the interpreter is finalizing (gh-87135).
+# Before it, such a thread is ended by pthread_exit, and a pyqwest (tokio) thread that hands the
+# SDK's last response to its event loop as the script exits unwinds through Rust frames that
+# cannot unwind: the client process aborts (exit 134) after its work is done, silently.
+PYQWEST_SAFE_FROM = (3, 14)
+
+
+def pyqwest_exits_cleanly(headers) -> bool:
+    """Whether the SDK that sent `headers` (its Stainless platform headers name its interpreter)
+    runs where pyqwest's threads cannot abort the process at exit: CPython 3.14 or later."""
+    if headers.get("x-stainless-runtime") != "CPython":
+        return False
+    try:
+        version = tuple(int(part) for part in headers.get("x-stainless-runtime-version", "").split(".")[:2])
+    except ValueError:
+        return False
+    return version >= PYQWEST_SAFE_FROM
 
 
 @functools.cache

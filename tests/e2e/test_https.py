@@ -1,9 +1,11 @@
 """`tinkerd up --https-cert/--https-key` on a self-signed certificate made here: the official SDK
-reaches the gateway over https on its default transport, pyqwest (it trusts the certificate through
-SSL_CERT_FILE, as rustls and httpx read it), trains and saves checkpoints, and the download URLs it gets (external weights' signed URLs; the
-archive URL older SDKs ask for) are https URLs that download with that CA. `up` became ready at all only because its replica registered over https (verified
-with --register-ca) and its own health checks trusted the certificate. Plain http to either
-listener gets no answer."""
+reaches the gateway over https (it trusts the certificate through SSL_CERT_FILE, as rustls and httpx
+read it) on either transport it may be told to use (httpx before CPython 3.14, its default pyqwest
+from 3.14: tests/e2e/test_sdk_transport.py), trains and saves checkpoints, and the download URLs it
+gets (external weights' signed URLs; the archive URL older SDKs ask for) are https URLs that
+download with that CA. `up` became ready at all only because its replica registered over https
+(verified with --register-ca) and its own health checks trusted the certificate. Plain http to
+either listener gets no answer."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import pytest
 from conftest import run_tinkerd, self_signed, sft_data
 from harness.stack import sampler_pool
 from sdk_venvs import sdk_python
+from test_sdk_transport import sdk_run
 
 pytestmark = pytest.mark.e2e
 
@@ -40,9 +43,13 @@ def test_the_sdk_trains_and_downloads_a_checkpoint_over_https(start_stack, tiny_
     with start_stack(tiny_model_dir, tmp_path / "state", "--https-cert", cert, "--https-key", key) as stack:
         assert stack.url.startswith("https://") and stack.internal_url.startswith("https://"), stack
         monkeypatch.setenv("SSL_CERT_FILE", cert)        # the SDK's transport trusts this certificate
-        config = httpx.post(f"{stack.url}/api/v1/client/config", json={"sdk_version": "0.38.0"},
-                            headers={"X-API-Key": stack.api_key}, verify=ssl.create_default_context(cafile=cert)).json()
-        assert config["use_pyqwest_transport"] is True, config      # the SDK's default, rustls: a leaf certificate
+        for python, pyqwest in (("3.14.0", True), ("3.11.7", False)):     # rustls accepts a leaf certificate
+            config = httpx.post(f"{stack.url}/api/v1/client/config", json={"sdk_version": "0.38.0"},
+                                headers={"X-API-Key": stack.api_key, "X-Stainless-Runtime": "CPython",
+                                         "X-Stainless-Runtime-Version": python},
+                                verify=ssl.create_default_context(cafile=cert)).json()
+            assert config["use_pyqwest_transport"] is pyqwest, (python, config)
+        assert sdk_run(stack.url, tiny_model_dir, "3.14", env={**os.environ, "SSL_CERT_FILE": cert}) is True
         tc = tinker.ServiceClient(base_url=stack.url).create_lora_training_client(
             base_model=tiny_model_dir, rank=8, seed=0)
         tc.forward_backward(sft_data(tc.get_tokenizer(), ["the cat sat"]), "cross_entropy").result()

@@ -195,11 +195,13 @@ def test_https_cert_and_key_go_together(tmp_path):
                                     https_key=str(tmp_path / "missing.pem")))
 
 
-def test_the_sdk_is_told_to_use_pyqwest_unless_rustls_would_refuse_the_gateways_certificate(tmp_path, capsys):
+def test_the_sdk_is_told_to_use_pyqwest_only_on_cpython_3_14_and_where_rustls_accepts_the_certificate(tmp_path, capsys):
     """SDK 0.38's default transport (pyqwest: rustls) refuses a CA certificate as a server's
     (CaUsedAsEndEntity; OpenSSL and httpx accept it): over https with one, the official SDK
     failed after six minutes of retries. Such a gateway sends its SDKs to httpx and says so at
-    start; with a leaf certificate, a chain after it, or plain http they get pyqwest."""
+    start. And before CPython 3.14 a pyqwest thread handing over the SDK's last answer as the
+    script exits aborts the client (exit 134; CI's SDK 0.35 whoami and 0.38 `tinker billing`):
+    those clients, and any that do not name their interpreter, get httpx whatever the certificate."""
     import asyncio
     import types
 
@@ -212,12 +214,18 @@ def test_the_sdk_is_told_to_use_pyqwest_unless_rustls_would_refuse_the_gateways_
     (leaf, leaf_key), (ca, ca_key) = self_signed(tmp_path / "leaf"), self_signed(tmp_path / "ca", ca=True)
     chain = tmp_path / "chain.pem"
     chain.write_text(open(leaf).read() + open(ca).read())       # the server's own first, as PEM chains are
-    for tls, pyqwest in (({}, True), ({"https_cert": leaf, "https_key": leaf_key}, True),
-                         ({"https_cert": str(chain), "https_key": leaf_key}, True),
-                         ({"https_cert": ca, "https_key": ca_key}, False)):
+    clients = {"3.14.0": True, "3.15.1": True, "3.13.9": False, "3.11.7": False, "unknown": False, None: False}
+    for tls, rustls_reaches in (({}, True), ({"https_cert": leaf, "https_key": leaf_key}, True),
+                                ({"https_cert": str(chain), "https_key": leaf_key}, True),
+                                ({"https_cert": ca, "https_key": ca_key}, False)):
         settings = GatewaySettings(base_model="b", trainer="t:1", port=0, internal_port=0, **tls)
-        config = asyncio.run(client_config(types.SimpleNamespace(settings=settings)))
-        assert config["use_pyqwest_transport"] is pyqwest, (tls, config)
+        for python, safe in clients.items():
+            headers = {"x-stainless-runtime": "CPython", "x-stainless-runtime-version": python} if python else {}
+            request = types.SimpleNamespace(headers=headers)
+            config = asyncio.run(client_config(request, types.SimpleNamespace(settings=settings)))
+            assert config["use_pyqwest_transport"] is (safe and rustls_reaches), (tls, python, config)
+        pypy = types.SimpleNamespace(headers={"x-stainless-runtime": "PyPy", "x-stainless-runtime-version": "3.14.0"})
+        assert asyncio.run(client_config(pypy, types.SimpleNamespace(settings=settings)))["use_pyqwest_transport"] is False
         check_listeners(settings)
         said = capsys.readouterr().err
-        assert ("is a CA certificate" in said and "use httpx instead" in said) is (not pyqwest), said
+        assert ("is a CA certificate" in said and "use httpx instead" in said) is (not rustls_reaches), said
