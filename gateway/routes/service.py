@@ -38,7 +38,8 @@ CLIENT_CONFIG = {"proto_compress_fwdbwd": True,
 
 @router.post("/client/config")
 async def client_config(request: Request, gw: GatewayDep) -> dict:
-    pyqwest = pyqwest_exits_cleanly(request.headers) and (not gw.settings.https or rustls_accepts(gw.settings.https_cert))
+    reaches = not gw.settings.https or rustls_accepts(gw.settings.https_cert)
+    pyqwest = reaches and pyqwest_exits_cleanly(request.headers)
     return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth, "use_pyqwest_transport": pyqwest}
 
 

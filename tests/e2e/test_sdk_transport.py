@@ -29,7 +29,8 @@ datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
                     loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0, 1.0, 1.0, 1.0]})
 tc.forward_backward([datum], "cross_entropy").result()
 sampler = service.create_sampling_client(base_model=base_model)
-tokens = sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=3)).result().sequences[0].tokens
+reply = sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=3)).result()
+tokens = reply.sequences[0].tokens
 print("pyqwest" in sys.modules, len(tokens), flush=True)
 if claim:
     os._exit(0)

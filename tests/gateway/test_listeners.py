@@ -225,7 +225,8 @@ def test_the_sdk_is_told_to_use_pyqwest_only_on_cpython_3_14_and_where_rustls_ac
             config = asyncio.run(client_config(request, types.SimpleNamespace(settings=settings)))
             assert config["use_pyqwest_transport"] is (safe and rustls_reaches), (tls, python, config)
         pypy = types.SimpleNamespace(headers={"x-stainless-runtime": "PyPy", "x-stainless-runtime-version": "3.14.0"})
-        assert asyncio.run(client_config(pypy, types.SimpleNamespace(settings=settings)))["use_pyqwest_transport"] is False
+        config = asyncio.run(client_config(pypy, types.SimpleNamespace(settings=settings)))
+        assert config["use_pyqwest_transport"] is False, config
         check_listeners(settings)
         said = capsys.readouterr().err
         assert ("is a CA certificate" in said and "use httpx instead" in said) is (not rustls_reaches), said
