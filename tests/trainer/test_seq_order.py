@@ -133,7 +133,8 @@ def test_the_next_seq_id_waits_for_a_running_one_past_the_gap_timeout():
 
 def test_a_restarted_order_resumes_after_the_newest_turn_on_disk(tmp_path):
     """durable.py keeps the newest seq_id whose turn came (any kind, failed and refused ones too);
-    a new process's order starts after it, and without it at the first seq_id it sees."""
+    a new process's order starts after it, and without it (or with a record that does not check)
+    at the first seq_id it sees."""
     from trainer_service.durable import DurableModels
 
     durable = DurableModels(str(tmp_path))
@@ -147,9 +148,20 @@ def test_a_restarted_order_resumes_after_the_newest_turn_on_disk(tmp_path):
     request = _request_of(order, ran)
     _run_in_threads([request(5), request(4)])      # 5 first: it waits for 4
     assert ran == [4, 5]
-    with open(os.path.join(durable.model_dir("m"), "last_seq"), "w") as f:
+    path = os.path.join(durable.model_dir("m"), "last_seq")
+    durable.note_turn("m", 12345)
+    durable.note_turn("m", 12346)                # written in place over the last, the same width
+    assert durable.next_turn("m") == 12347
+    record = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(record[:19] + b"9" + record[20:])      # a machine crash mid-write: a mix of two
+    assert durable.next_turn("m") is None               # does not check: as if never written
+    with open(path, "w") as f:
         f.write("")                              # cut short by a crash: as if never written
     assert durable.next_turn("m") is None
+    with open(path, "w") as f:
+        f.write("41")                            # an older trainer's bare number
+    assert durable.next_turn("m") == 42
     durable.remove("m")
     assert durable.next_turn("m") is None
 
