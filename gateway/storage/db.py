@@ -12,7 +12,6 @@ import contextlib
 import contextvars
 import datetime
 import enum
-import functools
 import hashlib
 import logging
 import time
@@ -418,6 +417,7 @@ def encodable(text: str) -> bool:
     return True
 
 
+
 class DatabaseUnusable(UserError):
     """--db-url names no database this gateway can open; the message says why (never the password)."""
 
@@ -439,6 +439,25 @@ def _pool_order(url: str) -> dict:
     in_memory = parsed.get_backend_name() == "sqlite" and (parsed.database in (None, "", ":memory:")
                                                            or parsed.query.get("mode") == "memory")
     return {} if in_memory else {"pool_use_lifo": True}
+
+
+def _answer(loop, answer: asyncio.Future, context: contextvars.Context, fn, args, kwargs) -> None:
+    """On a database thread: runs `fn` and hands what it returned or raised to `answer`."""
+    try:
+        result = context.run(fn, *args, **kwargs)
+    except BaseException as e:         # every failure goes to the caller that awaits it
+        loop.call_soon_threadsafe(_settle, answer, None, e)
+    else:
+        loop.call_soon_threadsafe(_settle, answer, result, None)
+
+
+def _settle(answer: asyncio.Future, result, error: BaseException | None) -> None:
+    if answer.cancelled():
+        return
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(result)
 
 
 class Database:
@@ -493,9 +512,16 @@ class Database:
 
     async def run(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` on the database's threads: the event loop only awaits it, and a
-        database that stops answering stalls these threads, not the loop (healthz still answers)."""
-        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        database that stops answering stalls these threads, not the loop (healthz still answers).
+        Its answer comes back by one call_soon_threadsafe, not run_in_executor's chain of two
+        futures and their callbacks (every future's row goes through here: what that saves,
+        docs/benchmarks.md#request_costs). A caller cancelled before `fn` starts cancels it, as
+        run_in_executor would."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        work = self._threads.submit(_answer, loop, answer, contextvars.copy_context(), fn, args, kwargs)
+        answer.add_done_callback(lambda _: answer.cancelled() and work.cancel())
+        return await answer
 
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
