@@ -87,7 +87,7 @@ def test_four_clients_train_four_adapters_at_once(stack, tiny_model_dir):
 
 
 FLOODER = """
-import sys, tinker
+import collections, sys, threading, tinker
 from tinker import types
 from transformers import AutoTokenizer
 url, model = sys.argv[1], sys.argv[2]
@@ -99,10 +99,17 @@ for text in %r:
                             loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)}))
 service = tinker.ServiceClient(base_url=url)
 clients = [service.create_lora_training_client(base_model=model, rank=8, seed=21 + k).result() for k in range(4)]
-flood = [c.forward_backward(data, "cross_entropy") for _ in range(160) for c in clients]
+in_flight = [collections.deque(c.forward_backward(data, "cross_entropy") for _ in range(160)) for c in clients]
 print("flooding", flush=True)
-for f in flood:
-    f.result()
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+while not stop.is_set():          # each model keeps 160 queued: one sent for each answered
+    for c, queued in zip(clients, in_flight):
+        queued.popleft().result()
+        queued.append(c.forward_backward(data, "cross_entropy"))
+for queued in in_flight:          # drained: the tests after this one find the trainer idle
+    for f in queued:
+        f.result()
 """
 
 
@@ -117,8 +124,8 @@ def _forward_backwards_answered(stack) -> float:
 
 @pytest.mark.serial
 def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys):
-    """Tenant F (another user, its own process) floods the trainer through 4 models at once;
-    tenant V's steps slow by a bounded factor. With fair scheduling V waits for at most about one
+    """Tenant F (another user, its own process) floods the trainer through 4 models at once, 160
+    requests queued for each until V is done; tenant V's steps slow by a bounded factor. With fair scheduling V waits for at most about one
     of F's requests per request of its own; first-come locking would let it wait behind up to
     four. (Tenants are users: F's four models share one share.)"""
     import os
@@ -145,7 +152,8 @@ def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys
     flooder_key = keys.new_key(keys.open_database(stack.state_dir, None), "flooder")
     answered_before = _forward_backwards_answered(stack)
     flooder = subprocess.Popen([sys.executable, "-c", FLOODER % (CORPORA[1],), stack.url, tiny_model_dir],
-                               stdout=subprocess.PIPE, text=True, env={**os.environ, "TINKER_API_KEY": flooder_key})
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "TINKER_API_KEY": flooder_key})
     assert flooder.stdout.readline().strip() == "flooding"
     # Let its 640 requests reach the server: while the SDK and the gateway take them in, the
     # victim's steps also wait for CPU (2 cores), which is not what this measures. (A fixed 4 s
@@ -156,6 +164,8 @@ def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys
         time.sleep(0.2)
     during = victim_steps(16)
     still_flooding = flooder.poll() is None
+    flooder.stdin.write("stop\n")
+    flooder.stdin.close()
     assert flooder.wait(timeout=300) == 0
     slowdown = statistics.median(during) / alone
     with capsys.disabled():
