@@ -107,9 +107,11 @@ class DurableModels:
         """Appends one executed request. Written before its reply leaves, unbuffered: a killed
         process loses nothing the OS has (a machine crash may lose the last lines)."""
         self._make_dir(model_id)
+        line = memoryview(_line(Entry(seq, kind, reply)).encode())
         fd = os.open(self._journal_path(model_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
         try:
-            os.write(fd, _line(Entry(seq, kind, reply)).encode())
+            while line:                # a short write (a full disk) goes on, or raises
+                line = line[os.write(fd, line):]
         finally:
             os.close(fd)
 
@@ -120,9 +122,9 @@ class DurableModels:
         which the model's creation (`created`, seq 0) makes: its first steps, which a gateway
         may send together (gateway/futures/order.py), are ordered after a restart too. One small
         write in place, at a fixed width, with its checksum (truncating the file first cost ~150
-        us a request on ext4: docs/benchmarks.md#in-the-trainer): a machine crash mid-write
-        leaves a mix that does not check, read as not there, and the order starts as it would
-        without it."""
+        us a request on ext4: docs/benchmarks.md#in-the-trainer). Not synced: after a machine
+        crash it may hold an older seq_id (the model's next requests then wait the gap timeout
+        once), or a mix of two writes, which does not check and reads as not there."""
         if seq <= self._last_turn.get(model_id, -1):
             return
         self._last_turn[model_id] = seq
@@ -187,8 +189,9 @@ def _last_seq_record(seq: int) -> bytes:
 
 
 def _read_last_seq(data: bytes) -> int | None:
-    """The seq_id in last_seq, None if it does not check. A bare number is an older trainer's."""
-    if data.isdigit():
+    """The seq_id in last_seq, None if it does not check. A bare number without leading zeros is
+    an older trainer's (a record cut short in its digits has them, and does not check)."""
+    if data.isdigit() and (data == b"0" or not data.startswith(b"0")):
         return int(data)
     digits, _, crc = data.rstrip(b"\n").partition(b" ")
     if not digits.isdigit() or crc != b"%08x" % zlib.crc32(digits):

@@ -12,9 +12,11 @@ import contextlib
 import contextvars
 import datetime
 import enum
+import functools
 import hashlib
 import logging
 import time
+import weakref
 from typing import Callable, Iterator
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Index, Integer, LargeBinary, String, Text, and_, case,
@@ -417,7 +419,6 @@ def encodable(text: str) -> bool:
     return True
 
 
-
 class DatabaseUnusable(UserError):
     """--db-url names no database this gateway can open; the message says why (never the password)."""
 
@@ -441,14 +442,28 @@ def _pool_order(url: str) -> dict:
     return {} if in_memory else {"pool_use_lifo": True}
 
 
-def _answer(loop, answer: asyncio.Future, context: contextvars.Context, fn, args, kwargs) -> None:
-    """On a database thread: runs `fn` and hands what it returned or raised to `answer`."""
+def _answer(loop, answer_ref: weakref.ref, context: contextvars.Context, fn, args, kwargs) -> None:
+    """On a database thread: runs `fn` and hands what it returned or raised to the answer.
+    An error's traceback holds this frame and, through it, the pool's work item: so the item
+    holds the answer only weakly (its caller holds it while it waits), and this frame lets go
+    of it, or the answer, its error and the caller's arguments would keep each other alive until
+    a full collection (the gateway freezes its heap: those are rare)."""
     try:
         result = context.run(fn, *args, **kwargs)
     except BaseException as e:         # every failure goes to the caller that awaits it
-        loop.call_soon_threadsafe(_settle, answer, None, e)
+        answer = answer_ref()
+        if answer is not None:
+            loop.call_soon_threadsafe(_settle, answer, None, e)
+        answer = None
     else:
-        loop.call_soon_threadsafe(_settle, answer, result, None)
+        answer = answer_ref()
+        if answer is not None:
+            loop.call_soon_threadsafe(_settle, answer, result, None)
+
+
+def _cancel_if_cancelled(work: concurrent.futures.Future, answer: asyncio.Future) -> None:
+    if answer.cancelled():
+        work.cancel()             # not started yet: it never will; started: it runs to its end
 
 
 def _settle(answer: asyncio.Future, result, error: BaseException | None) -> None:
@@ -519,9 +534,12 @@ class Database:
         run_in_executor would."""
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
-        work = self._threads.submit(_answer, loop, answer, contextvars.copy_context(), fn, args, kwargs)
-        answer.add_done_callback(lambda _: answer.cancelled() and work.cancel())
-        return await answer
+        work = self._threads.submit(_answer, loop, weakref.ref(answer), contextvars.copy_context(), fn, args, kwargs)
+        answer.add_done_callback(functools.partial(_cancel_if_cancelled, work))
+        try:
+            return await answer
+        finally:
+            answer = work = None          # an error's traceback holds this frame (see _answer)
 
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -31,6 +33,33 @@ def test_the_answer_the_error_and_the_context_reach_the_caller(tmp_path):
         assert threading.current_thread() is threading.main_thread()
         assert (await db.run(threading.current_thread)).name.startswith("db")
     asyncio.run(main())
+
+
+def test_a_failed_call_leaves_nothing_alive_for_the_collector(tmp_path):
+    """The error's traceback holds the database thread's frame: its references are dropped, so
+    the caller's arguments go as soon as the error does (the gateway freezes its heap, and full
+    collections are rare)."""
+    db = Database(f"sqlite:///{tmp_path}/t.db")
+
+    class Payload:
+        pass
+
+    def refuse(payload):
+        raise ValueError("refused")
+
+    async def main():
+        payload = Payload()
+        gone = weakref.ref(payload)
+        with pytest.raises(ValueError):
+            await db.run(refuse, payload)
+        del payload
+        return gone
+    gc.disable()
+    try:
+        gone = asyncio.run(main())
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_a_caller_cancelled_before_its_work_starts_cancels_the_work(tmp_path):

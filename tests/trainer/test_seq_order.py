@@ -162,6 +162,9 @@ def test_a_restarted_order_resumes_after_the_newest_turn_on_disk(tmp_path):
     with open(path, "w") as f:
         f.write("41")                            # an older trainer's bare number
     assert durable.next_turn("m") == 42
+    with open(path, "wb") as f:
+        f.write(record[:17])                     # the first write over it, cut short in its digits
+    assert durable.next_turn("m") is None
     durable.remove("m")
     assert durable.next_turn("m") is None
 
