@@ -14,8 +14,8 @@ A message names the writer and, per finished future, [request_id, sampling_sessi
 running]: the last three are a sample's (null but for one), `running` the samples of its target
 (sampling session, clone) still running on the writer (a poll woken by it gathers only while
 more are coming there), or AGAIN for a finished sample's completion written again (a resend of
-it: a poll that reported it before must look again). A message only wakes: one lost (a listener reconnecting, a queue full
-for long) leaves the waiter to its net, a look at the rows every NET_S.
+it: a poll that reported it before must look again). A message only wakes: one lost (a listener
+reconnecting, a queue full for long) leaves the waiter to its net, a look at the rows every NET_S.
 """
 
 from __future__ import annotations

@@ -603,7 +603,7 @@ class Database:
         if row is not None:
             return row
         if isinstance(key, str) and not encodable(key):
-            return None              # a lone surrogate from JSON: no row has it, and no driver takes it
+            return None
         with self.session() as s:
             row = s.get(cls, key)
         if row is not None and cls.__name__ in _CACHED:
