@@ -26,7 +26,7 @@ import pytest
 from conftest import run_tinkerd, self_signed, sft_data
 from harness.stack import sampler_pool
 from sdk_venvs import sdk_python
-from test_sdk_transport import sdk_run
+from sdk_transport_run import sdk_run
 
 pytestmark = pytest.mark.e2e
 
