@@ -129,9 +129,10 @@ def _forward_backwards_answered(stack) -> float:
 @pytest.mark.serial
 def test_a_flooding_tenant_gets_its_share_not_more(stack, tiny_model_dir, capsys):
     """Tenant F (another user, its own process) floods the trainer through 4 models at once, 160
-    requests queued for each until V is done; tenant V's steps slow by a bounded factor. With fair scheduling V waits for at most about one
-    of F's requests per request of its own; first-come locking would let it wait behind up to
-    four. (Tenants are users: F's four models share one share.)"""
+    requests queued for each until V is done; tenant V's steps slow by a bounded factor. With fair
+    scheduling V waits for at most about one of F's requests per request of its own; first-come
+    locking would let it wait behind up to four. (Tenants are users: F's four models share one
+    share.)"""
     import os
     import subprocess
     import sys
