@@ -3,9 +3,10 @@ commit (a git worktree of it), their loops run in turn, round after round, so th
 (up to 2x within minutes on the 2-core VMs) hits both alike.
 
 Each tree's `tinkerd up` on the tiny model starts once and stays up for every round (the other
-tree's idles meanwhile, ~3% of a core, its trainer writing nothing for being idle); in each round each tree loops each request kind through
-the SDK for a few seconds: forward_backward (4 x 64), optim_step, a one-token sample, and 16 such
-samples at once. Per request: the gateway's CPU, the SDK client's, and the wall time.
+tree's idles meanwhile, ~3% of a core, its trainer writing nothing for being idle); in each round
+each tree loops each request kind through the SDK for a few seconds: forward_backward (4 x 64),
+optim_step, a one-token sample, 16 such samples at once, and a named save_weights_for_sampler. Per
+request: the gateway's CPU, the SDK client's, and the wall time.
 
 Read per round: this tree over the base in the same round, its median and range over the rounds.
 The gateway's CPU over the SDK client's cancels the VM's speed of the moment, since the client
@@ -31,7 +32,8 @@ import sys
 import tempfile
 import time
 
-KINDS = {"fb": "forward_backward", "optim": "optim_step", "sample": "sample", "burst": "sample, 16 at once"}
+KINDS = {"fb": "forward_backward", "optim": "optim_step", "sample": "sample", "burst": "sample, 16 at once",
+         "save": "save_weights_for_sampler (named)"}
 BURST = 16
 SETTLE_S = 0.5        # after a loop, before the other tree's: the SDK's last acknowledgements answered
 
@@ -66,7 +68,8 @@ def serve(work_dir: str) -> None:
         calls = {"fb": (lambda: tc.forward_backward(data, "cross_entropy").result(), 1),
                  "optim": (lambda: tc.optim_step(types.AdamParams(learning_rate=1e-4)).result(), 1),
                  "sample": (lambda: sampler.sample(prompt, 1, one).result(), 1),
-                 "burst": (burst, BURST)}
+                 "burst": (burst, BURST),
+                 "save": (lambda: tc.save_weights_for_sampler(f"c{time.monotonic_ns()}").result(), 1)}
         for call, _ in calls.values():
             for _ in range(10):
                 call()
