@@ -466,8 +466,14 @@ def ratios(rows: list[StepRow]) -> list[dict]:
 def machine() -> str:
     from tinkerd.process import allocator
 
+    from tinkerd.hardware import cpu_flags
+
+    flags = cpu_flags()
+    kind = next((name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"),
+                                         ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.node()}: {os.cpu_count()} CPUs, {gpu}, torch {torch.__version__}, {allocator()}"
+    return (f"{platform.node()}: {os.cpu_count()} CPUs{f' ({kind})' if kind else ''}, {gpu}, "
+            f"torch {torch.__version__}, {allocator()}")
 
 
 # ---- profile, table, command line -----------------------------------------------------------
