@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
+import resource
 import statistics
 import subprocess
 import tempfile
@@ -49,19 +51,37 @@ def default_cookbook_python() -> str:
     return os.path.join(client_venv_root(), "cookbook-0.6.1", "bin", "python")
 
 
-def one_run(model_dir: str, threads: str, steps: int, cookbook_python: str, work: str) -> list[dict]:
+def one_run(model_dir: str, threads: str, steps: int, cookbook_python: str, work: str) -> Run:
     """A fresh `tinkerd up` with TINKERD_CPU_THREADS=`threads`, the recipe for `steps` steps;
-    the metrics of each step."""
+    the metrics of each step, and the CPU seconds each process spent over the whole run."""
+    import psutil
+
     log_path = tempfile.mkdtemp(prefix=f"rl-{threads}-", dir=work)
     with mock.patch.dict(os.environ, TINKERD_CPU_THREADS=threads):      # the stack's services read it
         os.environ.pop("OMP_NUM_THREADS", None)
         with running_stack(model_dir, tempfile.mkdtemp(prefix="state-", dir=work)) as stack:
+            services = {name: psutil.Process(pid) for name, pid in service_pids(stack.pid).items()}
+            before = {name: cpu_seconds(p) for name, p in services.items()}
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.monotonic()
             subprocess.run([cookbook_python, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={model_dir}",
                             *RECIPE, f"max_steps={steps}", f"log_path={log_path}", f"base_url={stack.url}"],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600,
                            env={**os.environ, "TINKER_API_KEY": stack.api_key})
+            wall = time.monotonic() - t0
+            cpu = {name: cpu_seconds(p) - before[name] for name, p in services.items()}
+            # The recipe's process, once waited for (the stack's services are not yet).
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu["client"] = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
     with open(os.path.join(log_path, "metrics.jsonl")) as f:
-        return [m for m in map(json.loads, f) if "time/total" in m]
+        return Run([m for m in map(json.loads, f) if "time/total" in m], cpu, wall)
+
+
+@dataclasses.dataclass
+class Run:
+    steps: list[dict]               # the recipe's metrics, step by step
+    cpu: dict[str, float]           # CPU seconds over the run: each service's, and the recipe's ("client")
+    wall: float                     # seconds, the recipe's start to its end
 
 
 def learning_run(model_dir: str, minutes: float, cookbook_python: str, work: str, off_policy: int = 0) -> str:
@@ -122,15 +142,29 @@ def _step_times(run: subprocess.Popen, metrics_path: str, t0: float, deadline: f
     return seen
 
 
-def render(runs: dict[str, list[list[dict]]]) -> str:
+def render(runs: dict[str, list[Run]]) -> str:
+    many = any(len(run.steps) > 8 for of_mode in runs.values() for run in of_mode)
     lines = ["| TINKERD_CPU_THREADS | run | step (s) | sampling (s) | train step (s) | max abs kl_sample_train |",
              "|---|---|---|---|---|---|"]
     for mode, of_mode in runs.items():
-        for i, steps in enumerate(of_mode):
-            cols = [" / ".join(f"{m[k]:.1f}" for m in steps) for k in KEYS[:3]]
-            kl = max(abs(m.get(KEYS[3], 0.0)) for m in steps)
+        for i, run in enumerate(of_mode):
+            if many:        # medians from the third step
+                cols = [f"{statistics.median(m[k] for m in run.steps[2:] or run.steps):.3f}" for k in KEYS[:3]]
+            else:
+                cols = [" / ".join(f"{m[k]:.1f}" for m in run.steps) for k in KEYS[:3]]
+            kl = max(abs(m.get(KEYS[3], 0.0)) for m in run.steps)
             lines.append(f"| {mode} | {i + 1} | {' | '.join(cols)} | {kl:.1e} |")
-    late = {mode: [m["time/total"] for steps in of_mode for m in steps[2:]] for mode, of_mode in runs.items()}
+    lines += ["", "CPU seconds a step, over the whole run (its wall time over its steps, first steps included):", "",
+              "| TINKERD_CPU_THREADS | run | wall | recipe (SDK + cookbook) | gateway | sampler | trainer | "
+              "gateway, of the host's CPU |", "|---|---|---|---|---|---|---|---|"]
+    cores = len(os.sched_getaffinity(0))
+    for mode, of_mode in runs.items():
+        for i, run in enumerate(of_mode):
+            n = len(run.steps)
+            per = {k: v / n for k, v in run.cpu.items()}
+            lines.append(f"| {mode} | {i + 1} | {run.wall / n:.3f} | {per['client']:.3f} | {per['gateway']:.3f} | "
+                         f"{per['sampler']:.3f} | {per['trainer']:.3f} | {run.cpu['gateway'] / (run.wall * cores):.1%} |")
+    late = {mode: [m["time/total"] for run in of_mode for m in run.steps[2:]] for mode, of_mode in runs.items()}
     if all(late.values()):
         fixed, shared = (statistics.median(late[m]) for m in MODES)
         lines.append(f"\nFrom the third step, median step: {fixed:.1f} s fixed at 1 thread, {shared:.1f} s shared: "
@@ -157,7 +191,7 @@ def main(argv=None) -> None:
                 print(learning_run(os.path.abspath(args.model), args.minutes, args.cookbook_python, work, off_policy),
                       flush=True)
         return
-    runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
+    runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="rl-loop-") as work:
         for _ in range(args.rounds):
             for mode in MODES:
