@@ -35,7 +35,7 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from gateway.errors import error_json
+from gateway.errors import OverLimit, error_json
 from gateway.futures import completions
 from gateway.futures.completions import Completions
 from gateway.futures.peers import AGAIN, Peers, Target
@@ -104,6 +104,15 @@ _FINISH_FUTURE = Prepared(FutureRow.__table__.update().where(
     status=bindparam("status"), content_type=bindparam("content_type"), result=bindparam("result"),
     completed_at=bindparam("completed_at"), lease_until=None, request_args=None, request_body=None))
 _FUTURE = Prepared(select(*FutureRow.__table__.columns).where(_FUTURES.request_id == bindparam("rid")))
+_UNINSERT = Prepared(FutureRow.__table__.delete().where(_FUTURES.request_id == bindparam("rid")))
+
+
+def _pending_values(row: FutureRecord | FutureRow) -> dict:
+    """The row's values as inserted: pending, created now (and the row says it is pending)."""
+    values = {c.name: getattr(row, c.name) for c in FutureRow.__table__.columns}
+    values.update(status=Status.PENDING, created_at=now(), extra=row.extra or {})
+    row.status = Status.PENDING
+    return values
 
 
 class FutureStore:
@@ -120,21 +129,48 @@ class FutureStore:
         `admit(conn)`, if given, checks the owner's limits in the inserting transaction (the new
         row counted) and raises to refuse it: nothing is written then. A resend is not admitted
         again."""
-        values = {c.name: getattr(row, c.name) for c in FutureRow.__table__.columns}
-        values.update(status=Status.PENDING, created_at=now(), extra=row.extra or {})
-        row.status = Status.PENDING
         try:
             if admit is None:
                 with self.db.engine.begin() as conn:
-                    _INSERT_FUTURE.rowcount(conn, values)
+                    _INSERT_FUTURE.rowcount(conn, _pending_values(row))
             else:
                 with self.db.owner_turn(row.owner) as conn:
-                    _INSERT_FUTURE.rowcount(conn, values)
+                    _INSERT_FUTURE.rowcount(conn, _pending_values(row))
                     admit(conn)
             return row
         except IntegrityError:
             with self.db.session() as s:
                 return s.scalars(select(FutureRow).where(FutureRow.idempotency_key == row.idempotency_key)).one()
+
+    def insert_many(self, inserts: list[tuple]) -> list:
+        """Several `insert`s (each `(row, admit)`), in one transaction on SQLite, whose one writer
+        takes them in turn anyway: each admitted with the rows before it counted, a refused one
+        taken out again at once. Anything else that fails (a resend's key), and on PostgreSQL
+        (whose per-user locks are taken in one order, one user a transaction), each in its own."""
+        if len(inserts) > 1 and self.db.engine.dialect.name == "sqlite":
+            try:
+                out: list = []
+                with self.db.engine.begin() as conn:
+                    for row, admit in inserts:
+                        _INSERT_FUTURE.rowcount(conn, _pending_values(row))
+                        try:
+                            if admit is not None:
+                                admit(conn)
+                        except (UserError, OverLimit) as refused:    # the limits: this one is not written
+                            _UNINSERT.rowcount(conn, {"rid": row.request_id})
+                            out.append(refused)
+                        else:
+                            out.append(row)
+                return out
+            except Exception:  # noqa: BLE001 - then each alone, below
+                log.debug("%d inserts together failed; each alone", len(inserts), exc_info=True)
+        out = []
+        for row, admit in inserts:
+            try:
+                out.append(self.insert(row, admit))
+            except Exception as e:  # noqa: BLE001 - its caller's
+                out.append(e)
+        return out
 
     def finish(self, request_id: str, status: str, content_type: str, result: bytes,
                completion: dict | None = None, also=None, running: int = 0) -> bool:
@@ -144,22 +180,52 @@ class FutureStore:
         sample that no retrieve_futures poll will report; and so is `also(connection)` (its usage).
         `running`: the sample's sampling session's samples still running here (the other
         gateways' polls are told)."""
-        stamp = now()
-        target = None if completion is None else (completion["sampling_session_id"], completion["clone"])
         with self.db.engine.begin() as conn:
-            finished = _FINISH_FUTURE.rowcount(conn, {"rid": request_id, "status": status, "content_type": content_type,
-                                                      "result": result, "completed_at": stamp}) > 0
-            if not finished:
-                return False
-            if completion is not None:
-                completions.insert(conn, completion, request_id, stamp)
-            if also is not None:
-                also(conn)
-            if self.peers is not None:
-                self.peers.in_transaction(conn, request_id, target, running)
+            finished = self._finish_in(conn, request_id, status, content_type, result, completion, also, running)
+        if finished:
+            self._committed(request_id, completion, running)
+        return finished
+
+    def finish_many(self, finishes: list[tuple]) -> list[bool | Exception]:
+        """Several `finish`es (each its arguments, as a tuple) in one transaction, whatever each
+        answers; if that transaction fails, each again in its own, so an error is only its own."""
+        if len(finishes) > 1:
+            try:
+                with self.db.engine.begin() as conn:
+                    done = [self._finish_in(conn, *f) for f in finishes]
+            except Exception:  # noqa: BLE001 - then each alone, below
+                log.debug("%d finishes together failed; each alone", len(finishes), exc_info=True)
+            else:
+                for f, finished in zip(finishes, done):
+                    if finished:
+                        self._committed(f[0], f[4], f[6])
+                return done
+        out: list[bool | Exception] = []
+        for f in finishes:
+            try:
+                out.append(self.finish(*f))
+            except Exception as e:  # noqa: BLE001 - its caller's
+                out.append(e)
+        return out
+
+    def _finish_in(self, conn, request_id: str, status: str, content_type: str, result: bytes,
+                   completion: dict | None, also, running: int) -> bool:
+        stamp = now()
+        finished = _FINISH_FUTURE.rowcount(conn, {"rid": request_id, "status": status, "content_type": content_type,
+                                                  "result": result, "completed_at": stamp}) > 0
+        if not finished:
+            return False
+        if completion is not None:
+            completions.insert(conn, completion, request_id, stamp)
+        if also is not None:
+            also(conn)
         if self.peers is not None:
-            self.peers.committed(request_id, target, running)
+            self.peers.in_transaction(conn, request_id, _target(completion), running)
         return True
+
+    def _committed(self, request_id: str, completion: dict | None, running: int) -> None:
+        if self.peers is not None:
+            self.peers.committed(request_id, _target(completion), running)
 
     def get(self, request_id: str) -> FutureRecord | None:
         """The future's row (a result not kept in this gateway's memory: another gateway's, an
@@ -294,10 +360,11 @@ class Futures:
             extra["target"] = list(target)
         self._submitting[idempotency_key] += 1
         try:
-            row = await self.db.run(self.store.insert, FutureRecord(
+            # With the other requests arriving meanwhile (an RL step's samples come at once).
+            row = await self.db.together(self.store.insert_many, (FutureRecord(
                 request_id=request_id, idempotency_key=idempotency_key, fingerprint=fingerprint, owner=owner,
                 request_type=request_type, model_id=model_id, extra=extra, request_args=request.args,
-                request_body=request.body, claimed_by=self.instance, lease_until=self.lease()), admit)
+                request_body=request.body, claimed_by=self.instance, lease_until=self.lease()), admit))
         finally:      # the caller starts it before anything else runs on the loop: it counts as here from now on
             self._submitting[idempotency_key] -= 1
             if not self._submitting[idempotency_key]:
@@ -373,14 +440,16 @@ class Futures:
         added: list[usage.Work] = []
 
         def also(conn) -> None:
+            added.clear()          # a transaction that failed and is run again added nothing
             if records is not None:
                 records(conn)
             done = work(conn) if callable(work) else work
             if done is not None and usage.add(conn, done):
                 added.append(done)
-        if await self.db.run(self.store.finish, request_id, status, content_type, body, completion,
-                             None if work is None and records is None else also,
-                             self._running_by_target[pending.target]):
+        # With the other finishes waiting for the database meanwhile (samples finish in bursts).
+        if await self.db.together(self.store.finish_many, (
+                request_id, status, content_type, body, completion, None if work is None and records is None else also,
+                self._running_by_target[pending.target])):
             for done in added:
                 usage.counted(done)
             row = FutureRecord(request_id=request_id, status=status, content_type=content_type, result=body,
@@ -456,6 +525,10 @@ class Futures:
         waits = [p.done.wait() for p in self._pending.values() if p.model_id == model_id]
         if waits:
             await asyncio.gather(*waits)
+
+
+def _target(completion: dict | None) -> Target | None:
+    return None if completion is None else (completion["sampling_session_id"], completion["clone"])
 
 
 def _cancelled_body(request_id: str) -> bytes:

@@ -7,6 +7,7 @@ statements are their store's (gateway/futures/store.py), the per-user counts the
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -475,6 +476,23 @@ def _settle(answer: asyncio.Future, result, error: BaseException | None) -> None
         answer.set_result(result)
 
 
+def _settle_all(answers: list[asyncio.Future], results: list) -> None:
+    for answer, result in zip(answers, results):
+        if isinstance(result, BaseException):
+            _settle(answer, None, result)
+        else:
+            _settle(answer, result, None)
+
+
+class _Gathered:
+    """The calls of one `Database.together` function waiting for a database thread, and whether
+    one is on its way to take them."""
+
+    def __init__(self):
+        self.waiting: collections.deque[tuple[object, asyncio.Future]] = collections.deque()
+        self.scheduled = False
+
+
 class Database:
     def __init__(self, url: str, idle_in_transaction_s: float = 10.0):
         """`idle_in_transaction_s` (Postgres): how long the server waits on this gateway in the
@@ -505,6 +523,7 @@ class Database:
         # writers take turns anyway (several would only wait on its lock), more for a server.
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=1 if url.startswith("sqlite") else 8, thread_name_prefix="db")
+        self._gathered: dict[Callable, _Gathered] = {}
 
     def _end_silent_transactions(self, after_s: float) -> None:
         """A gateway cut off from Postgres mid-transaction (a partition, a frozen host) keeps its
@@ -540,6 +559,42 @@ class Database:
             return await answer
         finally:
             answer = work = None          # an error's traceback holds this frame (see _answer)
+
+    async def together(self, many: Callable[[list], list], item):
+        """`many([item, ...])` on the database's threads, called once for this item and every
+        other one given to the same `many` while none of the threads was free to take them: so
+        their writes share one transaction, one commit (a group commit; what it saves:
+        docs/benchmarks.md#request_costs). `many` answers each item in order: its result, or
+        the exception that item alone raised, which is raised here."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        gathered = self._gathered.get(many)
+        if gathered is None:
+            gathered = self._gathered[many] = _Gathered()
+        gathered.waiting.append((item, answer))
+        if not gathered.scheduled:
+            gathered.scheduled = True
+            self._threads.submit(self._take_together, loop, many, gathered)
+        try:
+            return await answer
+        finally:
+            answer = None                 # an error's traceback holds this frame (see _answer)
+
+    @staticmethod
+    def _take_together(loop, many: Callable[[list], list], gathered: _Gathered) -> None:
+        """On a database thread: every item waiting for `many`, at once. (`scheduled` is cleared
+        before the queue is emptied: an item added meanwhile is taken now, or sends a thread.)"""
+        gathered.scheduled = False
+        taken = []
+        while gathered.waiting:
+            taken.append(gathered.waiting.popleft())
+        if not taken:
+            return
+        try:
+            results = many([item for item, _ in taken])
+        except BaseException as e:    # noqa: BLE001 - every caller hears it
+            results = [e] * len(taken)
+        loop.call_soon_threadsafe(_settle_all, [answer for _, answer in taken], results)
 
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)

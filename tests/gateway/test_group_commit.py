@@ -1,0 +1,109 @@
+"""Group commit: the futures' inserts and finishes that wait for the database's thread meanwhile
+go in one transaction (Database.together, FutureStore.insert_many / finish_many), and each still
+gets its own answer: a refused insert is not written and the others are; a resend's key, or a
+finish whose writes fail, fails alone; the sample caps count every row before them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from sqlalchemy import event, func, select
+
+from gateway.errors import OverLimit
+from gateway.futures.store import FutureStore
+from gateway.storage.db import Database, FutureRow, Status
+
+
+def _sample(request_id: str, owner: str = "alice") -> FutureRow:
+    return FutureRow(request_id=request_id, idempotency_key=f"samp-{request_id}#0", owner=owner,
+                     request_type="sample")
+
+
+def _at_most(n: int):
+    """An admission as the limits' (gateway/identity/limits.py): the owner's pending samples,
+    the new row counted, at most `n`."""
+    def admit(conn) -> None:
+        pending = conn.execute(select(func.count()).select_from(FutureRow).where(
+            FutureRow.owner == "alice", FutureRow.status == Status.PENDING)).scalar()
+        if pending > n:
+            raise OverLimit(f"{pending - 1} of your samples are in flight (limit {n})")
+    return admit
+
+
+def _rows(db: Database) -> list[str]:
+    with db.session() as s:
+        return sorted(s.scalars(select(FutureRow.request_id)))
+
+
+def test_calls_waiting_meanwhile_are_taken_at_once_and_each_gets_its_answer(tmp_path):
+    db = Database(f"sqlite:///{tmp_path}/t.db")      # SQLite: one database thread
+    calls: list[list[int]] = []
+
+    def doubled(items: list[int]) -> list:
+        calls.append(list(items))
+        return [ValueError(f"{i} is odd") if i % 2 else 2 * i for i in items]
+
+    async def main():
+        release = threading.Event()
+        busy = asyncio.ensure_future(db.run(release.wait, 10))        # holds the one thread
+        await asyncio.sleep(0.05)
+        waiting = [asyncio.ensure_future(db.together(doubled, i)) for i in range(6)]
+        await asyncio.sleep(0.05)
+        release.set()
+        answers = await asyncio.gather(*waiting, return_exceptions=True)
+        assert await busy is True
+        assert await db.together(doubled, 10) == 20                    # alone: a call of its own
+        return answers
+    answers = asyncio.run(main())
+    assert calls == [[0, 1, 2, 3, 4, 5], [10]]
+    assert [a if isinstance(a, int) else str(a) for a in answers] == [0, "1 is odd", 4, "3 is odd", 8, "5 is odd"]
+
+
+def test_inserts_together_admit_each_with_the_rows_before_it_and_write_no_refused_one(tmp_path):
+    db = Database(f"sqlite:///{tmp_path}/t.db")
+    store = FutureStore(db)
+    commits = []
+    event.listen(db.engine, "commit", lambda conn: commits.append(1))
+    out = store.insert_many([(_sample(f"r{i}"), _at_most(3)) for i in range(5)] + [(_sample("b0", "bob"), None)])
+    assert len(commits) == 1
+    assert [r.request_id if isinstance(r, FutureRow) else type(r).__name__ for r in out] == \
+        ["r0", "r1", "r2", "OverLimit", "OverLimit", "b0"]
+    assert "limit 3" in str(out[3])
+    assert _rows(db) == ["b0", "r0", "r1", "r2"]
+    # The same admission one at a time agrees: the cap is full.
+    with pytest.raises(OverLimit):
+        store.insert(_sample("r9"), _at_most(3))
+
+
+def test_a_resend_among_inserts_together_gets_the_first_row_and_the_others_are_written(tmp_path):
+    db = Database(f"sqlite:///{tmp_path}/t.db")
+    store = FutureStore(db)
+    store.insert(_sample("first"))
+    resend = FutureRow(request_id="second-try", idempotency_key="samp-first#0", owner="alice", request_type="sample")
+    out = store.insert_many([(_sample("a"), None), (resend, None), (_sample("b"), None)])
+    assert [r.request_id for r in out] == ["a", "first", "b"]
+    assert _rows(db) == ["a", "b", "first"]
+
+
+def test_finishes_together_commit_once_and_a_failing_one_fails_alone(tmp_path):
+    db = Database(f"sqlite:///{tmp_path}/t.db")
+    store = FutureStore(db)
+    for rid in ("a", "b", "c", "d", "e"):
+        store.insert(_sample(rid))
+    commits = []
+    event.listen(db.engine, "commit", lambda conn: commits.append(1))
+    assert store.finish_many([(rid, Status.COMPLETE, "application/json", b"0", None, None, 0)
+                              for rid in ("d", "e")]) == [True, True]
+    assert len(commits) == 1 and store.status("e") == Status.COMPLETE
+    store.finish("c", Status.COMPLETE, "application/json", b"{}")         # finished already
+
+    def broken(conn) -> None:
+        raise RuntimeError("usage could not be written")
+    out = store.finish_many([("a", Status.COMPLETE, "application/json", b"1", None, None, 0),
+                             ("b", Status.COMPLETE, "application/json", b"2", None, broken, 0),
+                             ("c", Status.COMPLETE, "application/json", b"3", None, None, 0)])
+    assert out[0] is True and isinstance(out[1], RuntimeError) and out[2] is False
+    assert store.status("a") == Status.COMPLETE and store.status("b") == Status.PENDING
+    assert store.get("c").result == b"{}"
