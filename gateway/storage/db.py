@@ -524,6 +524,8 @@ class Database:
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=1 if url.startswith("sqlite") else 8, thread_name_prefix="db")
         self._gathered: dict[Callable, _Gathered] = {}
+        # Only SQLite's one thread gathers (`together`): a server's threads write side by side.
+        self._gathers = url.startswith("sqlite")
 
     def _end_silent_transactions(self, after_s: float) -> None:
         """A gateway cut off from Postgres mid-transaction (a partition, a frozen host) keeps its
@@ -565,7 +567,13 @@ class Database:
         other one given to the same `many` while none of the threads was free to take them: so
         their writes share one transaction, one commit (a group commit; what it saves:
         docs/benchmarks.md#request_costs). `many` answers each item in order: its result, or
-        the exception that item alone raised, which is raised here."""
+        the exception that item alone raised, which is raised here. On a database server, whose
+        threads would otherwise wait while one of them wrote what was gathered, each item alone."""
+        if not self._gathers:
+            result, = await self.run(many, [item])
+            if isinstance(result, BaseException):
+                raise result
+            return result
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         gathered = self._gathered.get(many)

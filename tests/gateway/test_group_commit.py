@@ -1,7 +1,8 @@
 """Group commit: the futures' inserts and finishes that wait for the database's thread meanwhile
 go in one transaction (Database.together, FutureStore.insert_many / finish_many), and each still
 gets its own answer: a refused insert is not written and the others are; a resend's key, or a
-finish whose writes fail, fails alone; the sample caps count every row before them."""
+finish whose writes fail, fails alone; the sample caps count every row before them. On
+PostgreSQL nothing is gathered: its threads write side by side."""
 
 from __future__ import annotations
 
@@ -107,3 +108,25 @@ def test_finishes_together_commit_once_and_a_failing_one_fails_alone(tmp_path):
     assert out[0] is True and isinstance(out[1], RuntimeError) and out[2] is False
     assert store.status("a") == Status.COMPLETE and store.status("b") == Status.PENDING
     assert store.get("c").result == b"{}"
+
+
+def test_on_a_database_server_each_call_is_its_own_and_they_run_side_by_side(tmp_path):
+    """PostgreSQL: the database's threads write side by side; gathering would make all but one wait."""
+    pytest.importorskip("pgserver")
+    from harness.postgres import postgres
+
+    arrived = threading.Barrier(3, timeout=10)      # broken unless three calls run at once
+    calls: list[list[int]] = []
+
+    def each(items: list[int]) -> list:
+        arrived.wait()
+        calls.append(list(items))
+        return [i + 1 for i in items]
+
+    with postgres(tmp_path / "pg", "tinkerd") as url:
+        db = Database(url)
+
+        async def main():
+            return await asyncio.gather(*(db.together(each, i) for i in range(3)))
+        assert sorted(asyncio.run(main())) == [1, 2, 3]
+    assert sorted(calls) == [[0], [1], [2]]
