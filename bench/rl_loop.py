@@ -162,8 +162,9 @@ def render(runs: dict[str, list[Run]]) -> str:
         for i, run in enumerate(of_mode):
             n = len(run.steps)
             per = {k: v / n for k, v in run.cpu.items()}
+            share = run.cpu["gateway"] / (run.wall * cores)
             lines.append(f"| {mode} | {i + 1} | {run.wall / n:.3f} | {per['client']:.3f} | {per['gateway']:.3f} | "
-                         f"{per['sampler']:.3f} | {per['trainer']:.3f} | {run.cpu['gateway'] / (run.wall * cores):.1%} |")
+                         f"{per['sampler']:.3f} | {per['trainer']:.3f} | {share:.1%} |")
     late = {mode: [m["time/total"] for run in of_mode for m in run.steps[2:]] for mode, of_mode in runs.items()}
     if all(late.values()):
         fixed, shared = (statistics.median(late[m]) for m in MODES)

@@ -158,7 +158,7 @@ class FutureStore:
                                 admit(conn)
                         except (UserError, OverLimit) as refused:    # the limits: this one is not written
                             _UNINSERT.rowcount(conn, {"rid": row.request_id})
-                            out.append(refused)
+                            out.append(refused.with_traceback(None))
                         else:
                             out.append(row)
                 return out
@@ -169,7 +169,7 @@ class FutureStore:
             try:
                 out.append(self.insert(row, admit))
             except Exception as e:  # noqa: BLE001 - its caller's
-                out.append(e)
+                out.append(e.with_traceback(None))     # its frames would hold the batch
         return out
 
     def finish(self, request_id: str, status: str, content_type: str, result: bytes,
@@ -205,7 +205,7 @@ class FutureStore:
             try:
                 out.append(self.finish(*f))
             except Exception as e:  # noqa: BLE001 - its caller's
-                out.append(e)
+                out.append(e.with_traceback(None))     # its frames would hold the batch
         return out
 
     def _finish_in(self, conn, request_id: str, status: str, content_type: str, result: bytes,

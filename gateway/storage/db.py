@@ -582,7 +582,12 @@ class Database:
         gathered.waiting.append((item, answer))
         if not gathered.scheduled:
             gathered.scheduled = True
-            self._threads.submit(self._take_together, loop, many, gathered)
+            try:
+                self._threads.submit(self._take_together, loop, many, gathered)
+            except BaseException:         # no thread to take it (shut down): later calls still send one
+                gathered.scheduled = False
+                gathered.waiting.remove((item, answer))
+                raise
         try:
             return await answer
         finally:
@@ -595,13 +600,16 @@ class Database:
         gathered.scheduled = False
         taken = []
         while gathered.waiting:
-            taken.append(gathered.waiting.popleft())
+            item, answer = gathered.waiting.popleft()
+            if not answer.cancelled():    # as run's: a caller cancelled before its work started cancels it
+                taken.append((item, answer))
         if not taken:
             return
         try:
             results = many([item for item, _ in taken])
         except BaseException as e:    # noqa: BLE001 - every caller hears it
-            results = [e] * len(taken)
+            log.exception("%s failed for %d calls", getattr(many, "__qualname__", many), len(taken))
+            results = [e.with_traceback(None)] * len(taken)     # its frames would hold every item
         loop.call_soon_threadsafe(_settle_all, [answer for _, answer in taken], results)
 
     def session(self) -> Session:

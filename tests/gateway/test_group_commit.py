@@ -7,7 +7,9 @@ PostgreSQL nothing is gathered: its threads write side by side."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 
 import pytest
 from sqlalchemy import event, func, select
@@ -130,3 +132,46 @@ def test_on_a_database_server_each_call_is_its_own_and_they_run_side_by_side(tmp
             return await asyncio.gather(*(db.together(each, i) for i in range(3)))
         assert sorted(asyncio.run(main())) == [1, 2, 3]
     assert sorted(calls) == [[0], [1], [2]]
+
+
+def test_a_refused_insert_leaves_no_row_of_its_batch_alive_for_the_collector(tmp_path):
+    """An answer's error holds no frame of the batch (the gateway freezes its heap: full
+    collections are rare), so a 429's batch is freed as soon as its callers let it go."""
+    db = Database(f"sqlite:///{tmp_path}/t.db")
+    store = FutureStore(db)
+    rows = [_sample(f"r{i}") for i in range(3)]
+    alive = [weakref.ref(r) for r in rows]
+
+    def refuse_the_second(conn) -> None:
+        if conn.execute(select(func.count()).select_from(FutureRow)).scalar() == 2:
+            raise OverLimit("the second is over the limit")
+    gc.disable()
+    try:
+        out = store.insert_many([(r, refuse_the_second) for r in rows])
+        assert isinstance(out[1], OverLimit) and out[1].__traceback__ is None
+        del rows, out
+        assert [r() for r in alive] == [None, None, None]
+    finally:
+        gc.enable()
+
+
+def test_a_caller_cancelled_before_its_batch_is_taken_is_left_out_of_it(tmp_path):
+    db = Database(f"sqlite:///{tmp_path}/t.db")
+    taken: list[list[int]] = []
+
+    def each(items: list[int]) -> list:
+        taken.append(list(items))
+        return items
+
+    async def main():
+        release = threading.Event()
+        busy = asyncio.ensure_future(db.run(release.wait, 10))        # holds the one thread
+        await asyncio.sleep(0.05)
+        kept, cancelled = asyncio.ensure_future(db.together(each, 1)), asyncio.ensure_future(db.together(each, 2))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        assert await kept == 1 and await busy is True
+    asyncio.run(main())
+    assert taken == [[1]]
