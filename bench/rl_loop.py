@@ -38,6 +38,7 @@ from unittest import mock
 from bench.common import cpu_seconds, smollm2_model
 from harness.client_venvs import client_venv_root
 from harness.stack import running_stack, service_pids
+from tinkerd.cores import usable_cores
 
 MODES = ("1", "auto")
 RECIPE = ["renderer_name=role_colon", "env=arithmetic", "groups_per_batch=16", "group_size=8", "max_tokens=12",
@@ -157,7 +158,7 @@ def render(runs: dict[str, list[Run]]) -> str:
     lines += ["", "CPU seconds a step, over the whole run (its wall time over its steps, first steps included):", "",
               "| TINKERD_CPU_THREADS | run | wall | recipe (SDK + cookbook) | gateway | sampler | trainer | "
               "gateway, of the host's CPU |", "|---|---|---|---|---|---|---|---|"]
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     for mode, of_mode in runs.items():
         for i, run in enumerate(of_mode):
             n = len(run.steps)

@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from bench.common import Context, Row, alternately, cpu_seconds, raw_kv_cache, tinkerd_up
+from tinkerd.cores import usable_cores
 
 PROMPT_LEN, MAX_TOKENS = 16, 32
 
@@ -99,9 +100,9 @@ def _row(ctx: Context, name: str, model: str) -> Row:
 
 def sdk_ceiling(client_cpu: float, raw: float, prompts: list) -> str:
     """What the SDK's own CPU leaves possible, whatever the server: a round's wall is at least its
-    client's CPU seconds over the cores it can run on (all of this host's: a bound, not an
+    client's CPU seconds over the cores it can run on (all this process may use: a bound, not an
     estimate), and about its CPU seconds where the client spends them one at a time (the GIL)."""
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     tokens = len(prompts) * MAX_TOKENS
     return (f"the SDK's client: {1e3 * client_cpu / len(prompts):.2f} ms CPU a sample; through it, on any "
             f"server, at most {tokens * cores / client_cpu / raw:.2f}x raw with its CPU spread over all "

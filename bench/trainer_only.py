@@ -464,9 +464,8 @@ def ratios(rows: list[StepRow]) -> list[dict]:
 
 
 def machine() -> str:
-    from tinkerd.process import allocator
-
     from tinkerd.hardware import cpu_flags
+    from tinkerd.process import allocator
 
     flags = cpu_flags()
     kind = next((name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"),

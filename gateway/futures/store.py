@@ -164,13 +164,7 @@ class FutureStore:
                 return out
             except Exception:  # noqa: BLE001 - then each alone, below
                 log.debug("%d inserts together failed; each alone", len(inserts), exc_info=True)
-        out = []
-        for row, admit in inserts:
-            try:
-                out.append(self.insert(row, admit))
-            except Exception as e:  # noqa: BLE001 - its caller's
-                out.append(e.with_traceback(None))     # its frames would hold the batch
-        return out
+        return _each_alone(self.insert, inserts)
 
     def finish(self, request_id: str, status: str, content_type: str, result: bytes,
                completion: dict | None = None, also=None, running: int = 0) -> bool:
@@ -196,17 +190,11 @@ class FutureStore:
             except Exception:  # noqa: BLE001 - then each alone, below
                 log.debug("%d finishes together failed; each alone", len(finishes), exc_info=True)
             else:
-                for f, finished in zip(finishes, done):
+                for (request_id, _, _, _, completion, _, running), finished in zip(finishes, done):
                     if finished:
-                        self._committed(f[0], f[4], f[6])
+                        self._committed(request_id, completion, running)
                 return done
-        out: list[bool | Exception] = []
-        for f in finishes:
-            try:
-                out.append(self.finish(*f))
-            except Exception as e:  # noqa: BLE001 - its caller's
-                out.append(e.with_traceback(None))     # its frames would hold the batch
-        return out
+        return _each_alone(self.finish, finishes)
 
     def _finish_in(self, conn, request_id: str, status: str, content_type: str, result: bytes,
                    completion: dict | None, also, running: int) -> bool:
@@ -525,6 +513,21 @@ class Futures:
         waits = [p.done.wait() for p in self._pending.values() if p.model_id == model_id]
         if waits:
             await asyncio.gather(*waits)
+
+
+def _each_alone(call: Callable, calls: list[tuple]) -> list:
+    """`call(*args)` for each of `calls`, each answer its result or its error. An error goes
+    without its traceback, whose frames would hold the whole batch; one that is not the limits'
+    answer to its caller is logged with it first."""
+    out = []
+    for args in calls:
+        try:
+            out.append(call(*args))
+        except Exception as e:  # noqa: BLE001 - its caller's
+            if not isinstance(e, (UserError, OverLimit)):
+                log.warning("%s failed", getattr(call, "__qualname__", call), exc_info=True)
+            out.append(e.with_traceback(None))
+    return out
 
 
 def _target(completion: dict | None) -> Target | None:
