@@ -111,6 +111,14 @@ class GatewaySettings(ServiceAuthSettings):
         3600.0, help="an ephemeral sampler snapshot of a model that has a newer one is deleted once none of "
                      "its sampling sessions sampled for this long, even while its session is live (an RL "
                      "loop leaves one behind per step); a model's newest snapshot is kept")
+    # Off: a lone sample is 2 requests (asample, its retrieve_future) instead of 5 (3 polls of the
+    # session besides), less CPU in the gateway and the client alike (docs/benchmarks.md#request_costs).
+    sample_session_poll: bool = setting(False, help="tell the SDK (0.28 and later) to learn that its samples finished "
+                                                    "by one retrieve_futures long-poll per sampling session, then "
+                                                    "fetch each with retrieve_future, instead of one retrieve_future "
+                                                    "long-poll per sample: fewer open connections while thousands of "
+                                                    "samples are in flight, more requests and CPU per sample; "
+                                                    "retrieve_futures is served either way")
     max_connections: int = setting(4096, help="open connections or requests in progress beyond this get HTTP "
                                               "503 at once (the SDK retries); one SDK client opens up to 1000",
                                    at_least=1)

@@ -27,12 +27,13 @@ router = APIRouter(prefix="/api/v1")
 # request than httpx (docs/benchmarks.md#request_costs), but only a client that can survive it gets
 # it (`pyqwest_exits_cleanly`) and only where rustls can reach this gateway (`rustls_accepts`).
 # With auth on, the SDK exchanges its API key for a JWT (routes/identity.py) and whoami works.
-# sample_use_retrieve_futures: SDK >= 0.28 polls one retrieve_futures per sampling session in
-# place of one retrieve_future per sample (routes/futures.py); older SDKs ignore it.
+# sample_use_retrieve_futures (--sample-session-poll, off by default): SDK >= 0.28 polls one
+# retrieve_futures per sampling session in place of one retrieve_future per sample
+# (routes/futures.py); older SDKs ignore it.
 # custom_loss_server_side: SDK >= 0.36 uploads create_custom_loss's traced loss and runs it here by
 # its loss id in one forward_backward (routes/custom_losses.py, gateway/custom_losses.py).
 CLIENT_CONFIG = {"proto_compress_fwdbwd": True,
-                 "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": True,
+                 "parallel_fwdbwd_chunks": True,
                  "custom_loss_server_side": True, "sample_join_sampling_session": True}
 
 
@@ -40,7 +41,8 @@ CLIENT_CONFIG = {"proto_compress_fwdbwd": True,
 async def client_config(request: Request, gw: GatewayDep) -> dict:
     reaches = not gw.settings.https or rustls_accepts(gw.settings.https_cert)
     pyqwest = reaches and pyqwest_exits_cleanly(request.headers)
-    return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth, "use_pyqwest_transport": pyqwest}
+    return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth, "use_pyqwest_transport": pyqwest,
+            "sample_use_retrieve_futures": gw.settings.sample_session_poll}
 
 
 # CPython 3.14 parks a thread that wants the GIL once the interpreter is finalizing (gh-87135).

@@ -1,7 +1,8 @@
 """Two gateways on one PostgreSQL behind a round-robin load balancer (harness/balancer.py), as a
 team runs them: the unmodified SDK 0.38 trains, saves and samples through the balancer, balanced
-per connection and per request. Every sample must reach the SDK (its retrieve_futures poll may
-land on a gateway other than the one that ran the sample), and a sample's latency through the
+per connection and per request, with --sample-session-poll (the path with cursors to clash). Every
+sample must reach the SDK (its retrieve_futures poll may land on a gateway other than the one that
+ran the sample; a retrieve_future there, the default path, is test_stateless_gateways'), and a sample's latency through the
 balancer stays within 1.5x of going to one gateway directly (p95 of 16 concurrent samples; the
 median over rounds taken in turn of each round's ratio)."""
 
@@ -70,7 +71,7 @@ def test_samples_reach_the_sdk_through_any_gateway(tiny_model_dir, tmp_path):
         db_url = stack.enter_context(postgres(tmp_path / "pg", "tinkerd"))
         gateways = [Service(f"gateway-{i + 1}", [
             *tinkerd, "gateway", *common, "--trainer", f"127.0.0.1:{trainer_port}", "--port", str(port),
-            "--internal-port", str(inside), "--db-url", db_url, "--no-auth"], logs, env)
+            "--internal-port", str(inside), "--db-url", db_url, "--no-auth", "--sample-session-poll"], logs, env)
             for i, (port, inside) in enumerate(zip(ports, internal))]
         services += gateways
         balancers = {mode: Service(f"balancer-{mode}", [sys.executable, "-m", "harness.balancer", "--mode", mode,

@@ -1,6 +1,7 @@
-"""The unmodified SDK 0.38 against `tinkerd up`, told by client/config and dynamic_config to
-batch its sample polls (retrieve_futures) and to cancel what it abandons (cancel_future): it
-does both, and its samples come back the same as through the per-request path. The gateway's
+"""The unmodified SDK 0.38 against `tinkerd up --sample-session-poll`, told by client/config and
+dynamic_config to batch its sample polls (retrieve_futures) and to cancel what it abandons
+(cancel_future): it does both, and its samples come back the same as through the per-request
+path. Without the flag (the default) it long-polls each sample alone. The gateway's
 /internal/futures_stats counts which routes served it."""
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def polled(tiny_model_dir, tmp_path_factory, start_stack):
+    """A stack that tells the SDK to poll its sampling sessions (the shared `stack` does not)."""
+    with start_stack(tiny_model_dir, tmp_path_factory.mktemp("state"), "--sample-session-poll") as s:
+        yield s
 
 PROMPTS = [[5 + i, 9 + 2 * i, 17 + 3 * i] for i in range(12)]
 
@@ -44,7 +52,22 @@ def _per_request_path(stack, sampling_session_id: str, seq_id: int, prompt: list
     return deserialize_sample_response(r.content)
 
 
-def test_the_sdk_polls_its_samples_in_one_batch(stack, tiny_model_dir):
+def test_without_the_flag_the_sdk_long_polls_each_sample_alone(stack, tiny_model_dir):
+    service = tinker.ServiceClient(base_url=stack.url)
+    sampler = service.create_sampling_client(base_model=tiny_model_dir).result()
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+    before = _calls(stack)
+    futures = [sampler.sample(types.ModelInput.from_ints(p), 2, greedy) for p in PROMPTS]
+    results = [f.result(timeout=300) for f in futures]
+    after = _calls(stack)
+    assert all(len(r.sequences) == 2 and all(len(s.tokens) == 6 for s in r.sequences) for r in results)
+    # One long-poll each, answered when its sample finished (a try-again only after 25 s).
+    assert _delta(before, after, "retrieve_future") == len(PROMPTS)
+    assert _delta(before, after, "retrieve_futures") == 0
+
+
+def test_the_sdk_polls_its_samples_in_one_batch(polled, tiny_model_dir):
+    stack = polled
     service = tinker.ServiceClient(base_url=stack.url)
     sampler = service.create_sampling_client(base_model=tiny_model_dir).result()
     greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
@@ -67,7 +90,8 @@ def test_the_sdk_polls_its_samples_in_one_batch(stack, tiny_model_dir):
         assert all(len(s.tokens) == 6 and len(s.logprobs) == 6 for s in got.sequences)
 
 
-def test_abandoned_samples_are_cancelled(stack, tiny_model_dir):
+def test_abandoned_samples_are_cancelled(polled, tiny_model_dir):
+    stack = polled
     service = tinker.ServiceClient(base_url=stack.url)
     sampler = service.create_sampling_client(base_model=tiny_model_dir).result()
     long = types.SamplingParams(max_tokens=1000, temperature=1.0, stop=[], seed=3)

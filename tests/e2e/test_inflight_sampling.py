@@ -76,8 +76,8 @@ def test_a_bad_kind_is_refused(stack, tiny_model_dir, body, words):
 def test_unpickled_sampling_clients_join_with_their_own_clone_ids(stack, tiny_model_dir):
     """SDK 0.38 with sample_join_sampling_session: a SamplingClient sent to another process (here,
     pickled and unpickled) asks join_sampling_session for its clone id before its first sample;
-    every clone gets its own, so their request seq_ids never collide, and each one's samples come
-    back through its own retrieve_futures queue."""
+    every clone gets its own, so their request seq_ids (the resend keys of their samples) never
+    collide."""
     import pickle
 
     import tinker

@@ -55,7 +55,8 @@ def gw(tmp_path):
             with TestClient(create_app(settings)) as client:
                 api = Api(client, "").as_user("tester")
                 yield types.SimpleNamespace(api=api, sampler=sampler, futures=client.app.state.gateway.futures,
-                                            stability=client.app.state.gateway.stability)
+                                            stability=client.app.state.gateway.stability,
+                                            settings=client.app.state.gateway.settings)
         finally:
             sampler.release.set()
 
@@ -103,8 +104,12 @@ def _collect_from(api, sid: str, cursor: int, want: set[str], clone: int = 0) ->
 
 
 def test_the_sdk_is_told_to_use_both(gw):
+    """Cancelling always; the session's poll only with --sample-session-poll (each sample's own
+    long-poll costs less): retrieve_futures is served either way (the tests here)."""
     config = gw.api.post("client/config", {"sdk_version": "0.38.0"}).json()
-    assert config["sample_use_retrieve_futures"] is True
+    assert config["sample_use_retrieve_futures"] is False
+    gw.settings.sample_session_poll = True
+    assert gw.api.post("client/config", {"sdk_version": "0.38.0"}).json()["sample_use_retrieve_futures"] is True
     dynamic = gw.api.post("client/dynamic_config", {"sdk_version": "0.38.0"}).json()
     assert dynamic["sample_cancel_enabled"] is True and dynamic["sample_cancel_max_batch_size"] >= 1
 
