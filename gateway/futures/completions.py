@@ -10,8 +10,9 @@ gateway reports a sample finished on any other, and no gateway's restart loses o
 - the next poll's `prev_cursor` acknowledges them (deleted), as do its `retrieved_request_ids`,
   in the transaction of the next look at that target, or within GARBAGE_S by the watcher: a row
   acknowledged is never reported again whether deleted yet or not; a payload fetched with
-  retrieve_future deletes its row unless a poll here reported it (older SDKs fetch without
-  polling);
+  retrieve_future deletes its row unless a poll here reported it (an SDK told not to poll, or
+  older than 0.28, fetches without polling), in the next look's transaction or the watcher's
+  (no transaction of its own a sample);
 - a poll needs no look at a target when no completion of it has arrived here since a look here
   reported all there was up to a cursor at or before the poll's `prev_cursor` (`_empty`): an
   acknowledgement-only poll then answers from memory, and a long poll waits for an arrival
@@ -82,6 +83,7 @@ _NEW = Prepared(select(_C.seq, _C.request_id, _C.sampling_session_id, _C.clone, 
 _INSERT = Prepared(_T.insert(), ["sampling_session_id", "clone", "request_id", "failed", "size", "reported_cursor",
                                  "finished_at"])
 _ACKED_KEPT = 4096        # targets whose last acknowledgement this process remembers
+_UNPOLLED_KEPT = 1 << 16  # fetched payloads' rows waiting to be deleted, at most
 
 
 class Completions:
@@ -102,6 +104,9 @@ class Completions:
         # row reported since has a larger cursor), so the next polls skip the statement.
         self._acked: collections.OrderedDict[Target, int] = collections.OrderedDict()
         self._fetched: collections.OrderedDict[str, None] = collections.OrderedDict()   # rows deleted here
+        # Payloads fetched whose rows no poll here reported: they go in the next transaction that
+        # deletes (a look, the watcher's garbage).
+        self._unpolled: list[str] = []
         # Samples a poll here reported: the client's next poll acknowledges each (its prev_cursor,
         # its retrieved_request_ids), so fetching the payload need not delete the row as well.
         self._reported: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -155,16 +160,24 @@ class Completions:
             return self._garbage.pop(target, (0, []))[1]
 
     def collect_garbage(self) -> None:
-        """Every acknowledgement not applied yet, in one transaction (the database's thread)."""
+        """Every acknowledgement and fetched payload's row not applied yet, in one transaction
+        (the database's thread)."""
         with self._memo:
             garbage, self._garbage = self._garbage, {}
-        if not garbage:
+        fetched = self._take_unpolled()
+        if not garbage and not fetched:
             return
-        with self.db.engine.begin() as conn:
-            for target, (prev_cursor, retrieved) in garbage.items():
-                if retrieved:
-                    self._discard_all(conn, retrieved, target)
-                self._acknowledge(conn, target, prev_cursor)
+        try:
+            with self.db.engine.begin() as conn:
+                if fetched:
+                    _FETCHED.executemany(conn, [{"rid": r} for r in fetched])
+                for target, (prev_cursor, retrieved) in garbage.items():
+                    if retrieved:
+                        self._discard_all(conn, retrieved, target)
+                    self._acknowledge(conn, target, prev_cursor)
+        except BaseException:
+            self._unfetched(fetched)
+            raise
 
     def _acknowledged(self, target: Target, prev_cursor: int) -> bool:
         """Whether acknowledging `prev_cursor` would delete nothing (under self._memo)."""
@@ -191,22 +204,30 @@ class Completions:
             self.peers.in_transaction(conn, request_id, target, AGAIN)
         self.peers.committed(request_id, target, AGAIN)
 
-    async def fetched(self, request_id: str) -> None:
+    def fetched(self, request_id: str) -> None:
         """The client has the payload (fetched with retrieve_future): its row goes, if any, unless
-        a poll here reported it (then the client's next poll acknowledges it: one delete, not two,
-        and no hand-off to the database's threads)."""
+        a poll here reported it (then the client's next poll acknowledges it: one delete, not two).
+        It goes with the next look (so no poll after the fetch reports it) or the watcher's
+        garbage, at most GARBAGE_S later: no hand-off to the database's threads of its own."""
         with self._memo:
             if request_id in self._reported:
                 return
-        await self.db.run(self._discard, request_id)
-
-    def _discard(self, request_id: str) -> None:
-        with self.db.engine.begin() as conn:
-            _FETCHED.rowcount(conn, {"rid": request_id})
-        with self._memo:
+            self._unpolled.append(request_id)
             self._fetched[request_id] = None
             while len(self._fetched) > _ACKED_KEPT:
                 self._fetched.popitem(last=False)
+
+    def _take_unpolled(self) -> list[str]:
+        with self._memo:
+            fetched, self._unpolled = self._unpolled, []
+        return fetched
+
+    def _unfetched(self, fetched: list[str]) -> None:
+        """Rows whose delete failed, for the next one; past _UNPOLLED_KEPT (a database down for
+        long) the oldest are left to housekeeping, which deletes them with their futures."""
+        with self._memo:
+            self._unpolled[:0] = fetched
+            del self._unpolled[:-_UNPOLLED_KEPT]
 
     def _discard_all(self, conn, request_ids: list[str], target: Target) -> None:
         """The target's rows of these samples go (retrieve_futures' `retrieved_request_ids`), but
@@ -217,13 +238,15 @@ class Completions:
                 self._reported.pop(r, None)
         _FETCHED_OF.executemany(conn, [{"sid": target[0], "clone": target[1], "rid": r} for r in left])
 
-    def _take(self, target: Target, prev_cursor: int, limit: int,
-              retrieved: list[str] = ()) -> tuple[list[Completion], int]:
-        """One transaction: the `retrieved` rows go, what `prev_cursor` covers is acknowledged,
-        then (at most `limit`) the rows not reported yet or reported after it are reported, under
-        a new cursor."""
+    def _take(self, target: Target, prev_cursor: int, limit: int, retrieved: list[str] = (),
+              fetched: list[str] = ()) -> tuple[list[Completion], int]:
+        """One transaction: the rows of payloads `fetched` (any target's) and the `retrieved` go,
+        what `prev_cursor` covers is acknowledged, then (at most `limit`) the rows not reported
+        yet or reported after it are reported, under a new cursor."""
         where = {"sid": target[0], "clone": target[1], "prev": prev_cursor}
         with self.db.engine.begin() as conn:
+            if fetched:
+                _FETCHED.executemany(conn, [{"rid": r} for r in fetched])
             if retrieved:
                 self._discard_all(conn, retrieved, target)
             self._acknowledge(conn, target, prev_cursor)
@@ -294,11 +317,12 @@ class Completions:
         this answer polls again from an older cursor, and that poll looks)."""
         arrivals: set[str | None] = set()
         self._looking.setdefault(target, []).append(arrivals)
-        retrieved = self._garbage_of(target)
+        retrieved, fetched = self._garbage_of(target), self._take_unpolled()
         try:
-            found, cursor = await self.db.run(self._take, target, prev_cursor, limit, retrieved)
+            found, cursor = await self.db.run(self._take, target, prev_cursor, limit, retrieved, fetched)
         except BaseException:
             self._defer(target, 0, retrieved)         # for the next look, or the watcher
+            self._unfetched(fetched)
             raise
         finally:
             looks = [a for a in self._looking[target] if a is not arrivals]      # this look's, not an equal one
@@ -328,7 +352,7 @@ class Completions:
         if stamp - self._garbage_at >= GARBAGE_S:
             self._garbage_at = stamp
             with self._memo:
-                collect = bool(self._garbage)
+                collect = bool(self._garbage or self._unpolled)
             if collect:
                 await self.db.run(self.collect_garbage)
         if not self._waiting:

@@ -38,7 +38,7 @@ class Waits:
             if row.status == Status.PENDING:
                 return row
         if row.request_type == "sample":
-            await self.futures.completions.fetched(request_id)     # no poll needs to report it
+            self.futures.completions.fetched(request_id)     # no poll needs to report it
         return row
 
     async def _poll_row(self, row: FutureRow, deadline: float, owner: str) -> FutureRow:

@@ -161,6 +161,31 @@ def test_the_payload_fetch_takes_it_off_the_queue(gw):
     assert gw.futures.completions.queued() == 0
 
 
+def test_fetched_payloads_rows_go_together_without_a_poll(gw, monkeypatch):
+    """A client that never polls: a fetch deletes nothing itself (no transaction of its own); the
+    watcher deletes the rows of the payloads fetched meanwhile in one, every GARBAGE_S."""
+    from sqlalchemy import func, select
+
+    from gateway.storage.db import CompletionRow
+
+    def rows() -> int:
+        with gw.futures.db.engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(CompletionRow.__table__)).scalar()
+
+    api = gw.api
+    sid = _sampling_session(api)
+    monkeypatch.setattr(completions_module, "GARBAGE_S", 3600.0)
+    ids = [_sample(api, sid, seq) for seq in range(3)]
+    for rid in ids:
+        assert api.result({"request_id": rid}).status_code == 200
+    assert rows() == 3
+    monkeypatch.setattr(completions_module, "GARBAGE_S", 0.1)
+    deadline = time.monotonic() + 10
+    while rows() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rows() == 0
+
+
 def test_a_reported_sample_leaves_the_queue_once_with_the_next_poll(gw):
     """SDK 0.38: a poll reports a sample, the SDK fetches its payload, and its next poll carries
     the cursor and the fetched id. The row goes in that poll's own transaction; the fetch leaves it
