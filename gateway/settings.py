@@ -119,6 +119,11 @@ class GatewaySettings(ServiceAuthSettings):
                                                     "long-poll per sample: fewer open connections while thousands of "
                                                     "samples are in flight, more requests and CPU per sample; "
                                                     "retrieve_futures is served either way")
+    fwdbwd_compression: str = setting("auto", choices=["auto", "on", "off"],
+                                      help="whether the SDK zstd-compresses its forward_backward bodies: auto = "
+                                           "not when it runs on this host (a loopback address and no proxy's "
+                                           "forwarding header), where compressing costs CPU at both ends and "
+                                           "saves no network")
     max_connections: int = setting(4096, help="open connections or requests in progress beyond this get HTTP "
                                               "503 at once (the SDK retries); one SDK client opens up to 1000",
                                    at_least=1)

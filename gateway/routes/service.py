@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 import time
 
@@ -32,8 +33,8 @@ router = APIRouter(prefix="/api/v1")
 # (routes/futures.py); older SDKs ignore it.
 # custom_loss_server_side: SDK >= 0.36 uploads create_custom_loss's traced loss and runs it here by
 # its loss id in one forward_backward (routes/custom_losses.py, gateway/custom_losses.py).
-CLIENT_CONFIG = {"proto_compress_fwdbwd": True,
-                 "parallel_fwdbwd_chunks": True,
+# proto_compress_fwdbwd (--fwdbwd-compression): a client on this host is told not to compress.
+CLIENT_CONFIG = {"parallel_fwdbwd_chunks": True,
                  "custom_loss_server_side": True, "sample_join_sampling_session": True}
 
 
@@ -42,7 +43,25 @@ async def client_config(request: Request, gw: GatewayDep) -> dict:
     reaches = not gw.settings.https or rustls_accepts(gw.settings.https_cert)
     pyqwest = reaches and pyqwest_exits_cleanly(request.headers)
     return {**CLIENT_CONFIG, "pjwt_auth_enabled": gw.settings.auth, "use_pyqwest_transport": pyqwest,
-            "sample_use_retrieve_futures": gw.settings.sample_session_poll}
+            "sample_use_retrieve_futures": gw.settings.sample_session_poll,
+            "proto_compress_fwdbwd": compresses(gw.settings.fwdbwd_compression, request)}
+
+
+_FORWARDED = ("forwarded", "x-forwarded-for", "x-real-ip")
+
+
+def compresses(setting: str, request: Request) -> bool:
+    """Whether the SDK that sent `request` should compress forward_backward (--fwdbwd-compression).
+    `auto`: unless it came from a loopback address without a proxy's forwarding header, which
+    would mean a client elsewhere behind a proxy on this host."""
+    if setting != "auto":
+        return setting == "on"
+    if request.client is None or any(header in request.headers for header in _FORWARDED):
+        return True
+    try:
+        return not ipaddress.ip_address(request.client.host).is_loopback
+    except ValueError:          # not an IP address (a unix socket's peer)
+        return True
 
 
 # CPython 3.14 parks a thread that wants the GIL once the interpreter is finalizing (gh-87135).

@@ -1,6 +1,7 @@
 """Two gateways on one PostgreSQL behind a round-robin load balancer (harness/balancer.py), as a
 team runs them: the unmodified SDK 0.38 trains, saves and samples through the balancer, balanced
-per connection and per request, with --sample-session-poll (the path with cursors to clash). Every
+per connection and per request, with --sample-session-poll (the path with cursors to clash) and
+zstd forward_backward bodies (--fwdbwd-compression on: the balancer is on this host). Every
 sample must reach the SDK (its retrieve_futures poll may land on a gateway other than the one that
 ran the sample; a retrieve_future there, the default path, is test_stateless_gateways'), and a sample's latency through the
 balancer stays within 1.5x of going to one gateway directly (p95 of 16 concurrent samples; the
@@ -71,7 +72,8 @@ def test_samples_reach_the_sdk_through_any_gateway(tiny_model_dir, tmp_path):
         db_url = stack.enter_context(postgres(tmp_path / "pg", "tinkerd"))
         gateways = [Service(f"gateway-{i + 1}", [
             *tinkerd, "gateway", *common, "--trainer", f"127.0.0.1:{trainer_port}", "--port", str(port),
-            "--internal-port", str(inside), "--db-url", db_url, "--no-auth", "--sample-session-poll"], logs, env)
+            "--internal-port", str(inside), "--db-url", db_url, "--no-auth", "--sample-session-poll",
+            "--fwdbwd-compression", "on"], logs, env)
             for i, (port, inside) in enumerate(zip(ports, internal))]
         services += gateways
         balancers = {mode: Service(f"balancer-{mode}", [sys.executable, "-m", "harness.balancer", "--mode", mode,
@@ -89,6 +91,7 @@ def test_samples_reach_the_sdk_through_any_gateway(tiny_model_dir, tmp_path):
         # Train and save through the balancer, balanced per request (each call to the next gateway).
         clients = {mode: tinker.ServiceClient(base_url=url, api_key="tml-no-auth") for mode, url in balanced.items()}
         clients["direct"] = tinker.ServiceClient(base_url=urls[0], api_key="tml-no-auth")
+        assert clients["request"].holder.get_client_config().proto_compress_fwdbwd is True     # zstd bodies
         tc = clients["request"].create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=3).result()
         prompt = tc.get_tokenizer().encode("the cat sat on")
         datum = types.Datum(model_input=types.ModelInput.from_ints(prompt[:-1]),

@@ -18,3 +18,17 @@ pytestmark = pytest.mark.e2e
 def test_the_sdk_before_cpython_3_14_runs_on_httpx_and_on_3_14_on_pyqwest(stack, tiny_model_dir):
     assert sdk_run(stack.url, tiny_model_dir) is False
     assert sdk_run(stack.url, tiny_model_dir, "3.14") is True
+
+
+def test_a_client_on_this_host_is_told_not_to_compress_forward_backward(stack, tiny_model_dir):
+    """--fwdbwd-compression auto: zstd costs CPU at both ends and saves no network on loopback
+    (tests/gateway/test_client_config.py for the other cases; test_balanced_gateways runs `on`)."""
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=stack.url)
+    assert service.holder.get_client_config().proto_compress_fwdbwd is False
+    tc = service.create_lora_training_client(base_model=tiny_model_dir, rank=4)
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4})
+    assert tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
