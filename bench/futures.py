@@ -1,14 +1,15 @@
 """Gateway futures: how many no-op futures per second, and the latency the gateway adds; and
-samples through the SDK with the batched poll it now uses (retrieve_futures) against the
-per-sample poll (retrieve_future).
+samples through the SDK with the batched poll (retrieve_futures, --sample-session-poll) against
+the per-sample poll (retrieve_future, the default).
 
 A no-op future (POST /internal/noop_future, then retrieve_future) does everything a Tinker
 future does (database row, job, one gRPC call to the trainer, long-poll) around a trivial job:
 the trainer's Health. Raw: the same Health call made directly over gRPC.
 
 The SDK case: one SamplingClient submits a burst of one-token samples at once and waits for all.
-Batched is what client/config tells the SDK (sample_use_retrieve_futures); per-sample is the
-same SDK with that flag turned off on its side, as every SDK before 0.28 polls.
+Each client is told on its side how to poll (client/config's sample_use_retrieve_futures, which
+the gateway serves either way): batched as with --sample-session-poll, per sample as by default
+(and as every SDK before 0.28 polls).
 """
 
 from __future__ import annotations
@@ -103,9 +104,8 @@ def _sdk_burst(url: str, internal: str, model: str, n: int, batched: bool,
     from tinker import types
 
     sampler = tinker.ServiceClient(base_url=url).create_sampling_client(base_model=model).result()
-    if not batched:       # this client alone polls per sample, as SDKs before 0.28 do
-        sampler.holder._client_config = sampler.holder._client_config.model_copy(
-            update={"sample_use_retrieve_futures": False})
+    sampler.holder._client_config = sampler.holder._client_config.model_copy(
+        update={"sample_use_retrieve_futures": batched})
     params = types.SamplingParams(max_tokens=1, temperature=0.0)
     prompts = [types.ModelInput.from_ints([5 + i % 50, 9, 17]) for i in range(n)]
     sampler.sample(prompts[0], 1, params).result()                 # warm: poller, connections
