@@ -2,7 +2,8 @@
 
 - `--max-connections`: beyond this many open connections or requests in progress, a new request
   gets 503 at once (uvicorn's `limit_concurrency`) instead of file descriptors and memory running
-  out; the SDK retries a 503.
+  out; the SDK retries a 503. The process's open-files limit is raised to fit them
+  (`fit_open_files`): a soft limit of 1,024, common, would refuse connections far below it.
 - `--keep-alive-timeout-s`: an idle kept-alive connection is closed after this long.
 - `--header-timeout-s`: uvicorn has no deadline for a request's head, so a client could hold a
   connection forever by sending its headers a byte at a time (slowloris); the protocol below
@@ -15,7 +16,13 @@ writes them apart.
 
 from __future__ import annotations
 
+import logging
+import resource
+
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+log = logging.getLogger(__name__)
+OTHER_FILES = 1024       # the database, the listeners, gRPC channels, logs, the model's files
 
 
 def header_deadline_protocol(timeout_s: float) -> type:
@@ -103,6 +110,23 @@ class HeadWithBody:
 
     def __getattr__(self, name):
         return getattr(self._transport, name)
+
+
+def fit_open_files(connections: int) -> int:
+    """Raises this process's soft open-files limit toward its hard one, to `connections` and
+    OTHER_FILES more; says so when the hard limit is lower. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + OTHER_FILES
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if new > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < want:
+        log.warning("the open-files limit is %d (its hard limit): fewer connections than --max-connections %d "
+                    "can be open at once; raise it (ulimit -n, the container's nofile) or lower "
+                    "--max-connections", new, connections)
+    return new
 
 
 def uvicorn_options(settings) -> dict:

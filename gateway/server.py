@@ -82,7 +82,7 @@ def serve(settings: GatewaySettings) -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.http_limits import uvicorn_options
+    from gateway.http_limits import fit_open_files, uvicorn_options
     from gateway.listeners import INTERNAL, Listener
     from tinkerd.process import freeze_heap, init_logging
 
@@ -96,6 +96,7 @@ def serve(settings: GatewaySettings) -> None:
                                       "--internal-host/--internal-port")
     tls = {"ssl_certfile": settings.https_cert, "ssl_keyfile": settings.https_key} if settings.https else {}
     limits = uvicorn_options(settings)     # connection limit, keep-alive, header deadline: on both listeners
+    fit_open_files(settings.max_connections)
     # An unstamped request is the public listener's: only the internal one wraps the app.
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **limits, **tls))
     # The same app: its lifespan (backends, housekeeping) runs once, under the public server.

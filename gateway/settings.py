@@ -117,15 +117,19 @@ class GatewaySettings(ServiceAuthSettings):
                                                     "by one retrieve_futures long-poll per sampling session, then "
                                                     "fetch each with retrieve_future, instead of one retrieve_future "
                                                     "long-poll per sample: fewer open connections while thousands of "
-                                                    "samples are in flight, more requests and CPU per sample; "
+                                                    "samples are in flight, more requests and CPU for a lone sample; "
                                                     "retrieve_futures is served either way")
     fwdbwd_compression: str = setting("auto", choices=["auto", "on", "off"],
                                       help="whether the SDK zstd-compresses its forward_backward bodies: auto = "
                                            "not when it runs on this host (a loopback address and no proxy's "
                                            "forwarding header), where compressing costs CPU at both ends and "
-                                           "saves no network")
-    max_connections: int = setting(4096, help="open connections or requests in progress beyond this get HTTP "
-                                              "503 at once (the SDK retries); one SDK client opens up to 1000",
+                                           "saves no network; `on` behind a proxy or tunnel on this host that "
+                                           "adds no forwarding header (ssh -L, kubectl port-forward, a TCP proxy)")
+    # Above --max-pending-samples: each sample in flight holds its own long-poll by default.
+    max_connections: int = setting(8192, help="open connections or requests in progress beyond this get HTTP "
+                                              "503 at once (the SDK retries); one SDK client opens up to 1000, "
+                                              "and each sample in flight holds one unless --sample-session-poll; "
+                                              "the gateway raises its open-files limit to fit",
                                    at_least=1)
     keep_alive_timeout_s: int = setting(75, help="an idle kept-alive HTTP connection is closed after this long "
                                                  "(longer than a load balancer's usual 60 s, so it closes first)",

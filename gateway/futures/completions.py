@@ -11,8 +11,9 @@ gateway reports a sample finished on any other, and no gateway's restart loses o
   in the transaction of the next look at that target, or within GARBAGE_S by the watcher: a row
   acknowledged is never reported again whether deleted yet or not; a payload fetched with
   retrieve_future deletes its row unless a poll here reported it (an SDK told not to poll, or
-  older than 0.28, fetches without polling), in the next look's transaction or the watcher's
-  (no transaction of its own a sample);
+  older than 0.28, fetches without polling), with the next look at its target or by the watcher,
+  not in a transaction of its own (on PostgreSQL the watcher deletes each such row alone: holding
+  no row's lock while it waits for another's, it cannot deadlock with a look);
 - a poll needs no look at a target when no completion of it has arrived here since a look here
   reported all there was up to a cursor at or before the poll's `prev_cursor` (`_empty`): an
   acknowledgement-only poll then answers from memory, and a long poll waits for an arrival
@@ -76,7 +77,6 @@ _TO_REPORT = Prepared(select(_C.seq, _C.request_id, _C.failed, _C.size).where(
     _TARGET, or_(_C.reported_cursor.is_(None), _C.reported_cursor > bindparam("prev"))).order_by(_C.seq).limit(
     bindparam("limit")))
 _REPORTED = Prepared(update(_T).where(_C.seq == bindparam("row")).values(reported_cursor=bindparam("cursor")))
-_FETCHED = Prepared(delete(_T).where(_C.request_id == bindparam("rid")))
 _FETCHED_OF = Prepared(delete(_T).where(_TARGET, _C.request_id == bindparam("rid")))
 _NEW = Prepared(select(_C.seq, _C.request_id, _C.sampling_session_id, _C.clone, _C.reported_cursor).where(
     _C.seq > bindparam("low")))
@@ -104,9 +104,9 @@ class Completions:
         # row reported since has a larger cursor), so the next polls skip the statement.
         self._acked: collections.OrderedDict[Target, int] = collections.OrderedDict()
         self._fetched: collections.OrderedDict[str, None] = collections.OrderedDict()   # rows deleted here
-        # Payloads fetched whose rows no poll here reported: they go in the next transaction that
-        # deletes (a look, the watcher's garbage).
-        self._unpolled: list[str] = []
+        # Payloads fetched whose rows no poll here reported, by target: they go with the next look
+        # at their target or the watcher's garbage.
+        self._unpolled: dict[Target, list[str]] = {}
         # Samples a poll here reported: the client's next poll acknowledges each (its prev_cursor,
         # its retrieved_request_ids), so fetching the payload need not delete the row as well.
         self._reported: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -164,20 +164,38 @@ class Completions:
         (the database's thread)."""
         with self._memo:
             garbage, self._garbage = self._garbage, {}
-        fetched = self._take_unpolled()
-        if not garbage and not fetched:
-            return
+            fetched, self._unpolled = self._unpolled, {}
         try:
-            with self.db.engine.begin() as conn:
-                if fetched:
-                    _FETCHED.executemany(conn, [{"rid": r} for r in fetched])
-                for target, (prev_cursor, retrieved) in garbage.items():
-                    if retrieved:
-                        self._discard_all(conn, retrieved, target)
-                    self._acknowledge(conn, target, prev_cursor)
+            self._delete_fetched(fetched)
         except BaseException:
-            self._unfetched(fetched)
+            for target, request_ids in fetched.items():
+                self._unfetched(target, request_ids)
             raise
+        if not garbage:
+            return
+        with self.db.engine.begin() as conn:
+            for target, (prev_cursor, retrieved) in garbage.items():
+                if retrieved:
+                    self._discard_all(conn, retrieved, target)
+                self._acknowledge(conn, target, prev_cursor)
+
+    def _delete_fetched(self, fetched: dict[Target, list[str]]) -> None:
+        """The rows of payloads fetched here: in one transaction on SQLite (one writer at a time:
+        no deadlock), each in its own on PostgreSQL; those deleted leave `fetched`."""
+        rows = [{"sid": t[0], "clone": t[1], "rid": r} for t, ids in fetched.items() for r in ids]
+        if not rows:
+            return
+        if self.db.engine.dialect.name == "sqlite":
+            with self.db.engine.begin() as conn:
+                _FETCHED_OF.executemany(conn, rows)
+            fetched.clear()
+            return
+        for target, request_ids in list(fetched.items()):
+            while request_ids:
+                with self.db.engine.begin() as conn:
+                    _FETCHED_OF.rowcount(conn, {"sid": target[0], "clone": target[1], "rid": request_ids[0]})
+                request_ids.pop(0)
+            del fetched[target]
 
     def _acknowledged(self, target: Target, prev_cursor: int) -> bool:
         """Whether acknowledging `prev_cursor` would delete nothing (under self._memo)."""
@@ -204,30 +222,29 @@ class Completions:
             self.peers.in_transaction(conn, request_id, target, AGAIN)
         self.peers.committed(request_id, target, AGAIN)
 
-    def fetched(self, request_id: str) -> None:
-        """The client has the payload (fetched with retrieve_future): its row goes, if any, unless
-        a poll here reported it (then the client's next poll acknowledges it: one delete, not two).
-        It goes with the next look (so no poll after the fetch reports it) or the watcher's
-        garbage, at most GARBAGE_S later: no hand-off to the database's threads of its own."""
+    def fetched(self, request_id: str, target: Target) -> None:
+        """The client has the payload (fetched with retrieve_future): its row goes, unless a poll
+        here reported it (then the client's next poll acknowledges it: one delete, not two). It
+        goes with the next look at `target` (so no poll after the fetch reports it) or with the
+        watcher's garbage, about GARBAGE_S later: no hand-off to the database's threads of its own."""
         with self._memo:
             if request_id in self._reported:
                 return
-            self._unpolled.append(request_id)
+            self._unpolled.setdefault(target, []).append(request_id)
             self._fetched[request_id] = None
             while len(self._fetched) > _ACKED_KEPT:
                 self._fetched.popitem(last=False)
 
-    def _take_unpolled(self) -> list[str]:
+    def _unfetched(self, target: Target, request_ids: list[str]) -> None:
+        """Rows whose delete failed, for the next one; past _UNPOLLED_KEPT of a target (a
+        database down for long) its oldest are left to housekeeping, which deletes them with
+        their futures."""
+        if not request_ids:
+            return
         with self._memo:
-            fetched, self._unpolled = self._unpolled, []
-        return fetched
-
-    def _unfetched(self, fetched: list[str]) -> None:
-        """Rows whose delete failed, for the next one; past _UNPOLLED_KEPT (a database down for
-        long) the oldest are left to housekeeping, which deletes them with their futures."""
-        with self._memo:
-            self._unpolled[:0] = fetched
-            del self._unpolled[:-_UNPOLLED_KEPT]
+            waiting = self._unpolled.setdefault(target, [])
+            waiting[:0] = request_ids
+            del waiting[:-_UNPOLLED_KEPT]
 
     def _discard_all(self, conn, request_ids: list[str], target: Target) -> None:
         """The target's rows of these samples go (retrieve_futures' `retrieved_request_ids`), but
@@ -240,13 +257,13 @@ class Completions:
 
     def _take(self, target: Target, prev_cursor: int, limit: int, retrieved: list[str] = (),
               fetched: list[str] = ()) -> tuple[list[Completion], int]:
-        """One transaction: the rows of payloads `fetched` (any target's) and the `retrieved` go,
+        """One transaction: the target's rows of payloads `fetched` here and `retrieved` go,
         what `prev_cursor` covers is acknowledged, then (at most `limit`) the rows not reported
         yet or reported after it are reported, under a new cursor."""
         where = {"sid": target[0], "clone": target[1], "prev": prev_cursor}
         with self.db.engine.begin() as conn:
             if fetched:
-                _FETCHED.executemany(conn, [{"rid": r} for r in fetched])
+                _FETCHED_OF.executemany(conn, [{"sid": target[0], "clone": target[1], "rid": r} for r in fetched])
             if retrieved:
                 self._discard_all(conn, retrieved, target)
             self._acknowledge(conn, target, prev_cursor)
@@ -317,12 +334,14 @@ class Completions:
         this answer polls again from an older cursor, and that poll looks)."""
         arrivals: set[str | None] = set()
         self._looking.setdefault(target, []).append(arrivals)
-        retrieved, fetched = self._garbage_of(target), self._take_unpolled()
+        retrieved = self._garbage_of(target)
+        with self._memo:
+            fetched = self._unpolled.pop(target, [])
         try:
             found, cursor = await self.db.run(self._take, target, prev_cursor, limit, retrieved, fetched)
         except BaseException:
             self._defer(target, 0, retrieved)         # for the next look, or the watcher
-            self._unfetched(fetched)
+            self._unfetched(target, fetched)
             raise
         finally:
             looks = [a for a in self._looking[target] if a is not arrivals]      # this look's, not an equal one

@@ -441,7 +441,8 @@ class Futures:
             for done in added:
                 usage.counted(done)
             row = FutureRecord(request_id=request_id, status=status, content_type=content_type, result=body,
-                               owner=pending.owner, request_type=pending.request_type)
+                               owner=pending.owner, request_type=pending.request_type,
+                               extra=None if pending.target is None else {"target": list(pending.target)})
             if pending.target is not None:
                 self.completions.arrived(pending.target, request_id)
         else:      # finished elsewhere first (cancelled there, or re-driven by a gateway that thought us dead)

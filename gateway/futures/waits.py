@@ -37,8 +37,9 @@ class Waits:
             row = await self._poll_row(row, time.monotonic() + timeout_s, owner)
             if row.status == Status.PENDING:
                 return row
-        if row.request_type == "sample":
-            self.futures.completions.fetched(request_id)     # no poll needs to report it
+        target = (row.extra or {}).get("target")
+        if target is not None:               # a sample of a sampling session (the OpenAI routes' have none)
+            self.futures.completions.fetched(request_id, tuple(target))     # no poll needs to report it
         return row
 
     async def _poll_row(self, row: FutureRow, deadline: float, owner: str) -> FutureRow:

@@ -186,6 +186,36 @@ def test_fetched_payloads_rows_go_together_without_a_poll(gw, monkeypatch):
     assert rows() == 0
 
 
+def test_fetched_rows_whose_delete_failed_go_with_the_next_one(gw, monkeypatch):
+    from sqlalchemy import func, select
+
+    from gateway.storage.db import CompletionRow
+
+    def rows() -> int:
+        with gw.futures.db.engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(CompletionRow.__table__)).scalar()
+
+    api, completions = gw.api, gw.futures.completions
+    monkeypatch.setattr(completions_module, "GARBAGE_S", 3600.0)      # no watcher's collection meanwhile
+    sid = _sampling_session(api)
+    for rid in [_sample(api, sid, seq) for seq in range(2)]:
+        assert api.result({"request_id": rid}).status_code == 200
+    delete = completions._delete_fetched
+    tries = []
+
+    def failing_once(fetched):
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("the database went away")
+        delete(fetched)
+    monkeypatch.setattr(completions, "_delete_fetched", failing_once)
+    with pytest.raises(RuntimeError):
+        completions.collect_garbage()
+    assert rows() == 2
+    completions.collect_garbage()
+    assert rows() == 0 and len(tries) == 2
+
+
 def test_a_reported_sample_leaves_the_queue_once_with_the_next_poll(gw):
     """SDK 0.38: a poll reports a sample, the SDK fetches its payload, and its next poll carries
     the cursor and the fetched id. The row goes in that poll's own transaction; the fetch leaves it

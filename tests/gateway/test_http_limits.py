@@ -203,3 +203,25 @@ def test_a_held_head_keeps_interim_responses_streams_and_closes_whole(server):
     conn.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 3\r\n\r\nend")
     assert _response(conn)[1] == b"end"
     assert conn.recv(4096) == b""
+
+
+def test_the_open_files_limit_is_raised_to_fit_max_connections():
+    """A soft limit of 1,024 (common) would refuse connections far below --max-connections: the
+    gateway raises it toward the hard limit, and says so where the hard limit is lower."""
+    import subprocess
+    import sys
+
+    code = ("import logging, resource, sys; logging.basicConfig(stream=sys.stdout)\n"
+            "from gateway.http_limits import fit_open_files, OTHER_FILES\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, {hard}))\n"
+            "print(fit_open_files(2000), resource.getrlimit(resource.RLIMIT_NOFILE)[0], 2000 + OTHER_FILES)\n")
+    out = subprocess.run([sys.executable, "-c", code.format(hard="hard")], capture_output=True, text=True,
+                         check=True).stdout.split()
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    want = int(out[2])
+    assert int(out[0]) == int(out[1]) == (want if hard == resource.RLIM_INFINITY else min(want, hard))
+    low = subprocess.run([sys.executable, "-c", code.format(hard=512)], capture_output=True, text=True,
+                         check=True).stdout
+    assert low.split()[-3:-1] == ["512", "512"] and "raise it (ulimit -n" in low, low

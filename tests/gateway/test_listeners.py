@@ -221,10 +221,11 @@ def test_the_sdk_is_told_to_use_pyqwest_only_on_cpython_3_14_and_where_rustls_ac
         settings = GatewaySettings(base_model="b", trainer="t:1", port=0, internal_port=0, **tls)
         for python, safe in clients.items():
             headers = {"x-stainless-runtime": "CPython", "x-stainless-runtime-version": python} if python else {}
-            request = types.SimpleNamespace(headers=headers)
+            request = types.SimpleNamespace(headers=headers, client=None)
             config = asyncio.run(client_config(request, types.SimpleNamespace(settings=settings)))
             assert config["use_pyqwest_transport"] is (safe and rustls_reaches), (tls, python, config)
-        pypy = types.SimpleNamespace(headers={"x-stainless-runtime": "PyPy", "x-stainless-runtime-version": "3.14.0"})
+        pypy = types.SimpleNamespace(headers={"x-stainless-runtime": "PyPy", "x-stainless-runtime-version": "3.14.0"},
+                                     client=None)
         config = asyncio.run(client_config(pypy, types.SimpleNamespace(settings=settings)))
         assert config["use_pyqwest_transport"] is False, config
         check_listeners(settings)
