@@ -131,5 +131,7 @@ def fit_open_files(connections: int) -> int:
 
 def uvicorn_options(settings) -> dict:
     """The uvicorn.Config arguments for the gateway's `GatewaySettings`."""
+    # proxy_headers off: which proxy's forwarding headers are believed is --trusted-proxy's to say
+    # (gateway/public_url.py), and it must see the proxy's own address to say it.
     return {"limit_concurrency": settings.max_connections, "timeout_keep_alive": settings.keep_alive_timeout_s,
-            "http": header_deadline_protocol(settings.header_timeout_s)}
+            "http": header_deadline_protocol(settings.header_timeout_s), "proxy_headers": False}

@@ -42,6 +42,11 @@ async def _slow_app(scope, receive, send):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
         return
+    if scope["path"] == "/peer":
+        body = f"{scope['client'][0]} {scope['scheme']}".encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+        return
     await asyncio.sleep(float(scope["query_string"].decode() or 0))
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
@@ -225,3 +230,15 @@ def test_the_open_files_limit_is_raised_to_fit_max_connections():
     low = subprocess.run([sys.executable, "-c", code.format(hard=512)], capture_output=True, text=True,
                          check=True).stdout
     assert low.split()[-3:-1] == ["512", "512"] and "raise it (ulimit -n" in low, low
+
+
+def test_forwarding_headers_are_left_to_the_gateway(server):
+    """uvicorn would take a loopback peer's X-Forwarded-For and -Proto as the client and scheme,
+    whatever --trusted-proxy says (and a trusted proxy's peer address would then be the client's,
+    so gateway/public_url.py would not trust it): the app sees the real peer and scheme."""
+    conn = socket.create_connection(("127.0.0.1", server), timeout=10)
+    conn.sendall(b"GET /peer HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.9\r\n"
+                 b"X-Forwarded-Proto: https\r\n\r\n")
+    answer = conn.recv(4096)
+    conn.close()
+    assert answer.endswith(b"\r\n\r\n127.0.0.1 http"), answer
