@@ -52,14 +52,19 @@ def _per_request_path(stack, sampling_session_id: str, seq_id: int, prompt: list
     return deserialize_sample_response(r.content)
 
 
-def test_without_the_flag_the_sdk_long_polls_each_sample_alone(stack, tiny_model_dir):
-    service = tinker.ServiceClient(base_url=stack.url)
-    sampler = service.create_sampling_client(base_model=tiny_model_dir).result()
+def _greedy_samples(stack, model_dir: str):
+    """PROMPTS sampled at once (2 greedy sequences of 6 tokens each) by one SDK sampling client:
+    (the client, its results, the gateway's route counts before and after)."""
+    sampler = tinker.ServiceClient(base_url=stack.url).create_sampling_client(base_model=model_dir).result()
     greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
     before = _calls(stack)
     futures = [sampler.sample(types.ModelInput.from_ints(p), 2, greedy) for p in PROMPTS]
     results = [f.result(timeout=300) for f in futures]
-    after = _calls(stack)
+    return sampler, results, before, _calls(stack)
+
+
+def test_without_the_flag_the_sdk_long_polls_each_sample_alone(stack, tiny_model_dir):
+    _, results, before, after = _greedy_samples(stack, tiny_model_dir)
     assert all(len(r.sequences) == 2 and all(len(s.tokens) == 6 for s in r.sequences) for r in results)
     # One long-poll each, answered when its sample finished (a try-again only after 25 s).
     assert _delta(before, after, "retrieve_future") == len(PROMPTS)
@@ -68,13 +73,7 @@ def test_without_the_flag_the_sdk_long_polls_each_sample_alone(stack, tiny_model
 
 def test_the_sdk_polls_its_samples_in_one_batch(polled, tiny_model_dir):
     stack = polled
-    service = tinker.ServiceClient(base_url=stack.url)
-    sampler = service.create_sampling_client(base_model=tiny_model_dir).result()
-    greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
-    before = _calls(stack)
-    futures = [sampler.sample(types.ModelInput.from_ints(p), 2, greedy) for p in PROMPTS]
-    results = [f.result(timeout=300) for f in futures]
-    after = _calls(stack)
+    sampler, results, before, after = _greedy_samples(stack, tiny_model_dir)
 
     # One payload fetch per sample (never a long-poll: the batch poll said it was done), and the
     # batch polls reported every sample; fewer polls than samples (here usually one or two).

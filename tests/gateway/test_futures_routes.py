@@ -15,11 +15,13 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 from gateway_fakes import Api, FakeSampler, FakeTrainer, assert_user_error, fake_services
+from sqlalchemy import func, select
 
 from gateway.app import create_app
 from gateway.protocol import MAX_RETRIEVED_IDS
 from gateway.futures import completions as completions_module
 from gateway.routes import futures as futures_routes
+from gateway.storage.db import CompletionRow
 from tinkerd.v1 import sampler_pb2
 
 FAIL_TOKEN = 99        # a prompt starting with it fails in the sampler (a user error)
@@ -161,40 +163,30 @@ def test_the_payload_fetch_takes_it_off_the_queue(gw):
     assert gw.futures.completions.queued() == 0
 
 
+def _completion_rows(gw) -> int:
+    """The completions table's rows, read as they are (Completions.queued collects first)."""
+    with gw.futures.db.engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(CompletionRow.__table__)).scalar()
+
+
 def test_fetched_payloads_rows_go_together_without_a_poll(gw, monkeypatch):
     """A client that never polls: a fetch deletes nothing itself (no transaction of its own); the
     watcher deletes the rows of the payloads fetched meanwhile in one, every GARBAGE_S."""
-    from sqlalchemy import func, select
-
-    from gateway.storage.db import CompletionRow
-
-    def rows() -> int:
-        with gw.futures.db.engine.connect() as conn:
-            return conn.execute(select(func.count()).select_from(CompletionRow.__table__)).scalar()
-
     api = gw.api
     sid = _sampling_session(api)
     monkeypatch.setattr(completions_module, "GARBAGE_S", 3600.0)
     ids = [_sample(api, sid, seq) for seq in range(3)]
     for rid in ids:
         assert api.result({"request_id": rid}).status_code == 200
-    assert rows() == 3
+    assert _completion_rows(gw) == 3
     monkeypatch.setattr(completions_module, "GARBAGE_S", 0.1)
     deadline = time.monotonic() + 10
-    while rows() and time.monotonic() < deadline:
+    while _completion_rows(gw) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert rows() == 0
+    assert _completion_rows(gw) == 0
 
 
 def test_fetched_rows_whose_delete_failed_go_with_the_next_one(gw, monkeypatch):
-    from sqlalchemy import func, select
-
-    from gateway.storage.db import CompletionRow
-
-    def rows() -> int:
-        with gw.futures.db.engine.connect() as conn:
-            return conn.execute(select(func.count()).select_from(CompletionRow.__table__)).scalar()
-
     api, completions = gw.api, gw.futures.completions
     monkeypatch.setattr(completions_module, "GARBAGE_S", 3600.0)      # no watcher's collection meanwhile
     sid = _sampling_session(api)
@@ -211,9 +203,9 @@ def test_fetched_rows_whose_delete_failed_go_with_the_next_one(gw, monkeypatch):
     monkeypatch.setattr(completions, "_delete_fetched", failing_once)
     with pytest.raises(RuntimeError):
         completions.collect_garbage()
-    assert rows() == 2
+    assert _completion_rows(gw) == 2
     completions.collect_garbage()
-    assert rows() == 0 and len(tries) == 2
+    assert _completion_rows(gw) == 0 and len(tries) == 2
 
 
 def test_a_reported_sample_leaves_the_queue_once_with_the_next_poll(gw):
