@@ -185,7 +185,7 @@ class Completions:
         rows = [{"sid": t[0], "clone": t[1], "rid": r} for t, ids in fetched.items() for r in ids]
         if not rows:
             return
-        if self.db.engine.dialect.name == "sqlite":
+        if self.db.one_writer:
             with self.db.engine.begin() as conn:
                 _FETCHED_OF.executemany(conn, rows)
             fetched.clear()

@@ -147,7 +147,7 @@ class FutureStore:
         takes them in turn anyway: each admitted with the rows before it counted, a refused one
         taken out again at once. Anything else that fails (a resend's key), and on PostgreSQL
         (whose per-user locks are taken in one order, one user a transaction), each in its own."""
-        if len(inserts) > 1 and self.db.engine.dialect.name == "sqlite":
+        if len(inserts) > 1 and self.db.one_writer:
             try:
                 out: list = []
                 with self.db.engine.begin() as conn:

@@ -519,13 +519,14 @@ class Database:
         if self.engine.dialect.name == "postgresql":
             self._end_silent_transactions(idle_in_transaction_s)
         self._cache: dict[tuple[str, str], object] = {}
+        # SQLite: one writer at a time, so writes may share a transaction (`together` gathers
+        # them) and cannot deadlock; a server's threads write side by side.
+        self.one_writer = url.startswith("sqlite")
         # The threads the event loop hands its database work to (`run`): one for SQLite, whose
         # writers take turns anyway (several would only wait on its lock), more for a server.
         self._threads = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1 if url.startswith("sqlite") else 8, thread_name_prefix="db")
+            max_workers=1 if self.one_writer else 8, thread_name_prefix="db")
         self._gathered: dict[Callable, _Gathered] = {}
-        # Only SQLite's one thread gathers (`together`): a server's threads write side by side.
-        self._gathers = url.startswith("sqlite")
 
     def _end_silent_transactions(self, after_s: float) -> None:
         """A gateway cut off from Postgres mid-transaction (a partition, a frozen host) keeps its
@@ -569,7 +570,7 @@ class Database:
         docs/benchmarks.md#request_costs). `many` answers each item in order: its result, or
         the exception that item alone raised, which is raised here. On a database server, whose
         threads would otherwise wait while one of them wrote what was gathered, each item alone."""
-        if not self._gathers:
+        if not self.one_writer:
             result, = await self.run(many, [item])
             if isinstance(result, BaseException):
                 raise result
