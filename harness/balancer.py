@@ -1,8 +1,8 @@
 """A round-robin load balancer in front of several gateways, as users put one: per connection (a
 TCP proxy: each client connection goes to the next gateway) or per request (HTTP/1.1: each
-request on a keep-alive connection goes to the next gateway). For the tests that check that
-results reach a client through any gateway (tests/e2e/test_balanced_gateways.py,
-tests/e2e/test_multi_host.py).
+request on a keep-alive connection goes to the next gateway, on a keep-alive connection of the
+balancer's own to it). For the tests that check that results reach a client through any gateway
+(tests/e2e/test_balanced_gateways.py, tests/e2e/test_multi_host.py).
 
     python -m harness.balancer --mode connection|request --port P http://127.0.0.1:A http://127.0.0.1:B
 
@@ -30,8 +30,11 @@ import urllib.parse
 
 import httpx
 
+# Not sent on to a backend: the balancer's own connection's, and the body's framing (set anew).
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection",
-               "content-length", "content-encoding"}
+               "content-length"}
+# Not sent back to a client: its connection's (a reply's body goes on as it came, framing and all).
+_HOP_ONLY = {"connection", "keep-alive", "proxy-connection"}
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -127,22 +130,101 @@ def _reply(writer: asyncio.StreamWriter, status: str, body: dict) -> None:
                  .encode() + data)
 
 
+def _headers(head: bytes) -> tuple[str, list[tuple[str, str]]]:
+    """A message head's first line and its headers."""
+    first, *lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
+    pairs = [line.split(":", 1) for line in lines if line]
+    return first, [(k.strip(), v.strip()) for k, v in pairs]
+
+
+def _value(headers: list[tuple[str, str]], name: str) -> str:
+    return next((v for k, v in headers if k.lower() == name), "")
+
+
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    """A chunked body as it came, its last chunk and trailers included (sent on as it is)."""
+    parts = []
+    while True:
+        line = await reader.readuntil(b"\r\n")
+        parts.append(line)
+        if int(line.split(b";", 1)[0].strip(), 16) == 0:
+            while (trailer := await reader.readuntil(b"\r\n")) != b"\r\n":
+                parts.append(trailer)
+            parts.append(trailer)
+            return b"".join(parts)
+        parts.append(await reader.readexactly(int(line.split(b";", 1)[0].strip(), 16) + 2))
+
+
+async def _body(reader: asyncio.StreamReader, headers: list[tuple[str, str]]) -> bytes:
+    if "chunked" in _value(headers, "transfer-encoding").lower():
+        return await _chunked(reader)
+    length = _value(headers, "content-length")
+    return await reader.readexactly(int(length)) if length else b""
+
+
+class Upstreams:
+    """Keep-alive connections to each backend, reused request after request (as HAProxy's or
+    nginx's upstream pools are): a request costs the balancer a parse and two writes, no client
+    library and no new connection."""
+
+    def __init__(self):
+        self.idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = collections.defaultdict(list)
+
+    async def exchange(self, url: str, method: str, request: bytes) -> tuple[str, list[tuple[str, str]], bytes]:
+        """`request` (head and body) to `url`: the reply's status line, headers and body as it came."""
+        idle = self.idle[url]
+        while idle:
+            reader, writer = idle.pop()
+            if reader.at_eof() or writer.is_closing():      # the backend closed it while idle
+                writer.close()
+                continue
+            try:
+                return await self._on(url, reader, writer, method, request)
+            except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as e:
+                if getattr(e, "partial", b""):
+                    raise
+                # Closed by the backend as the request went (its idle timeout): it never read it.
+        parts = urllib.parse.urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        return await self._on(url, reader, writer, method, request)
+
+    async def _on(self, url, reader, writer, method, request):
+        try:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            first, headers = _headers(head)
+            status = int(first.split(" ", 2)[1])
+            keep = _value(headers, "connection").lower() != "close"
+            if method == "HEAD" or status in (204, 304) or status < 200:
+                body = b""
+            elif "chunked" in _value(headers, "transfer-encoding").lower() or _value(headers, "content-length"):
+                body = await _body(reader, headers)
+            else:                               # delimited by the connection's end
+                body, keep = await reader.read(), False
+                headers.append(("content-length", str(len(body))))
+        except BaseException:
+            writer.close()                      # mid-exchange (failed, or its backend marked down)
+            raise
+        if keep:
+            self.idle[url].append((reader, writer))
+        else:
+            writer.close()
+        return first, headers, body
+
+
 def per_request(backends: Backends):
     """Also answers GET /_balancer/stats itself (requests sent to each backend, by path) and GET
     /_balancer/health (each backend's state)."""
-    client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
+    upstreams = Upstreams()
     sent: dict[str, collections.Counter] = {url: collections.Counter() for url in backends.urls}
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ", 2)
-                headers = [tuple(line.split(":", 1)) for line in lines[1:] if line]
-                headers = [(k.strip(), v.strip()) for k, v in headers]
-                length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
-                body = await reader.readexactly(length) if length else b""
+                first, headers = _headers(head)
+                method, target, _ = first.split(" ", 2)
+                body = await _body(reader, headers)
                 if target in ("/_balancer/stats", "/_balancer/health"):
                     _reply(writer, "200 OK", sent if target.endswith("stats") else backends.state)
                     await writer.drain()
@@ -153,20 +235,20 @@ def per_request(backends: Backends):
                     await writer.drain()
                     continue
                 sent[url][target] += 1
-                forwarded = [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP and k.lower() != "host"]
-                if any(k.lower() == "content-encoding" for k, _ in headers):
-                    forwarded += [(k, v) for k, v in headers if k.lower() == "content-encoding"]
-                call = await backends.run(url, client.request(method, url + target, headers=forwarded, content=body))
+                host = urllib.parse.urlsplit(url).netloc
+                out = [f"{method} {target} HTTP/1.1", f"host: {host}"]
+                out += [f"{k}: {v}" for k, v in headers if k.lower() not in _HOP_BY_HOP and k.lower() != "host"]
+                chunked = "chunked" in _value(headers, "transfer-encoding").lower()
+                out += ["transfer-encoding: chunked"] if chunked else [f"content-length: {len(body)}"]
+                request = "\r\n".join([*out, "", ""]).encode("latin-1") + body
+                call = await backends.run(url, upstreams.exchange(url, method, request))
                 if call.cancelled() or call.exception() is not None:
                     why = "marked down" if call.cancelled() else f"{type(call.exception()).__name__}"
                     _reply(writer, "502 Bad Gateway", {"detail": f"the backend failed ({why})"})
                     await writer.drain()
                     continue
-                reply = call.result()
-                content = reply.content       # decoded: sent on without its content-encoding
-                out = [f"HTTP/1.1 {reply.status_code} {reply.reason_phrase}"]
-                out += [f"{k}: {v}" for k, v in reply.headers.multi_items() if k.lower() not in _HOP_BY_HOP]
-                out += [f"content-length: {len(content)}", "", ""]
+                status, reply_headers, content = call.result()
+                out = [status, *(f"{k}: {v}" for k, v in reply_headers if k.lower() not in _HOP_ONLY), "", ""]
                 writer.write("\r\n".join(out).encode("latin-1") + content)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):

@@ -28,7 +28,7 @@ from launcher.up import free_port
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 CONCURRENT = 16
-ROUNDS = 5
+ROUNDS = 9
 
 
 def _latencies(sampling_client, prompt, params) -> list[float]:
