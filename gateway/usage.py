@@ -179,21 +179,37 @@ def _checkpoint_made(db: Database, tinker_path: str, key: str) -> None:
     if run is None:
         log.warning("usage: checkpoint %s or its run is gone", tinker_path)
         return
-    _store(db, row, run)
-    count(db, Work(f"checkpoint:{key}", row.owner or "", run.session_id, run.base_model, (("checkpoint", False, 1),)))
+    size = disk_bytes(row.directory)
+    with db.engine.begin() as conn:
+        work = made(conn, row, run, key, size)
+    if work is not None:
+        counted(work)
+
+
+def made(conn, row: CheckpointRow, run: ModelRow, key: str, size: int | None) -> Work | None:
+    """`checkpoint_made` in the caller's transaction, the one writing `row` (its bytes on disk
+    `size`, measured before: None where they are not on this host): its storage interval opened,
+    and its count unless `key` was counted; the Work counted, for `counted` once it commits."""
+    _store_in(conn, row, run, size)
+    work = Work(f"checkpoint:{key}", row.owner or "", run.session_id, run.base_model, (("checkpoint", False, 1),))
+    return work if add(conn, work) else None
 
 
 def _store(db: Database, row: CheckpointRow, run: ModelRow) -> None:
-    """Opens the checkpoint's storage interval (closing the one it overwrote)."""
-    since = aware(row.created_at)
     size = disk_bytes(row.directory)
     with db.engine.begin() as conn:
-        conn.execute(update(_STORAGE).where(_STORAGE.c.tinker_path == row.tinker_path, _STORAGE.c.until.is_(None),
-                                            _STORAGE.c.since < since).values(until=since))
-        conn.execute(_insert(conn, _STORAGE).values(
-            tinker_path=row.tinker_path, since=since, until=None, size_bytes=size if size is not None else
-            row.size_bytes or 0, owner=row.owner or "", session_id=run.session_id,
-            base_model=run.base_model).on_conflict_do_nothing())
+        _store_in(conn, row, run, size)
+
+
+def _store_in(conn, row: CheckpointRow, run: ModelRow, size: int | None) -> None:
+    """Opens the checkpoint's storage interval (closing the one it overwrote)."""
+    since = aware(row.created_at)
+    conn.execute(update(_STORAGE).where(_STORAGE.c.tinker_path == row.tinker_path, _STORAGE.c.until.is_(None),
+                                        _STORAGE.c.since < since).values(until=since))
+    conn.execute(_insert(conn, _STORAGE).values(
+        tinker_path=row.tinker_path, since=since, until=None, size_bytes=size if size is not None else
+        row.size_bytes or 0, owner=row.owner or "", session_id=run.session_id,
+        base_model=run.base_model).on_conflict_do_nothing())
 
 
 def checkpoint_gone(db: Database, tinker_path: str) -> None:

@@ -25,9 +25,14 @@ EVENTS = {"api_key_created": "organizations", "api_key_revoked": "organizations"
           "checkpoint_access_token_created": "checkpoints", "checkpoint_access_token_revoked": "checkpoints"}
 
 
-def record(db: Database, event: str, *, user_id: str, org_id: str, **details) -> None:
+def entry(event: str, *, user_id: str, org_id: str, **details) -> AuditRow:
+    """An event's row, for a transaction that writes what it records."""
     assert event in EVENTS, event
-    db.add(AuditRow(event=event, user_id=user_id, org_id=org_id, details={"user_id": user_id, **details}))
+    return AuditRow(event=event, user_id=user_id, org_id=org_id, details={"user_id": user_id, **details})
+
+
+def record(db: Database, event: str, *, user_id: str, org_id: str, **details) -> None:
+    db.add(entry(event, user_id=user_id, org_id=org_id, **details))
 
 
 def checkpoint_access(db: Database, event: str, row: CheckpointRow, *, user_id: str, org_id: str,

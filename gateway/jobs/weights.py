@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import time
 
 from gateway import metrics, usage
@@ -12,20 +13,34 @@ from gateway.identity import audit
 from gateway.jobs.base import Job, Owner, Result, json_body
 from gateway.jobs.context import JobContext
 from gateway.jobs.training import NewRun
-from gateway.storage.db import CheckpointRow, Database, InflightTargetRow, SamplingSessionRow, now
+from gateway.storage.db import CheckpointRow, Database, InflightTargetRow, ModelRow, SamplingSessionRow, now
 from tinkerd.errors import UserError
 from tinkerd.v1 import trainer_pb2
+
+log = logging.getLogger(__name__)
 
 
 def _expiry(stored: str | None) -> datetime.datetime | None:
     return datetime.datetime.fromisoformat(stored) if stored else None
 
 
-def _saved(db: Database, row: CheckpointRow, owner: Owner) -> None:
-    """A checkpoint's row (written over an older one of the same path) and its audit entry."""
-    db.put(row)
-    audit.record(db, "checkpoint_saved", user_id=owner.user_id, org_id=owner.org_id, model_id=row.model_id,
-                 tinker_path=row.tinker_path)
+def _saved(db: Database, row: CheckpointRow, owner: Owner, key: str) -> None:
+    """A checkpoint's row (written over an older one of the same path), its audit entry, its
+    storage interval and its count (gateway/usage.py; once per `key`): one transaction."""
+    run = db.get(ModelRow, row.model_id)
+    size = usage.disk_bytes(row.directory) if run is not None else None
+    with db.session() as s:
+        s.merge(row)
+        s.add(audit.entry("checkpoint_saved", user_id=owner.user_id, org_id=owner.org_id, model_id=row.model_id,
+                          tinker_path=row.tinker_path))
+        s.flush()
+        work = usage.made(s.connection(), row, run, key, size) if run is not None else None
+        s.commit()
+    db.forget(row)
+    if run is None:
+        log.warning("usage: the run of checkpoint %s is gone", row.tinker_path)
+    elif work is not None:
+        usage.counted(work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +84,7 @@ class PushWeights(Job):
                                 snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
                                 directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
                                 expires_at=_expiry(self.expires_at), created_at=now())   # overwritten: a new generation
-            await ctx.db.run(_saved, ctx.db, row, self.caller)
-            await usage.checkpoint_made(ctx.db, self.path, f"{push.model_id}#{push.seq_id}")
+            await ctx.db.run(_saved, ctx.db, row, self.caller, f"{push.model_id}#{push.seq_id}")
         elif not existing and not await ctx.db.run(ctx.db.add_if_absent, SamplingSessionRow(
                 sampling_session_id=sid, owner=self.caller.user_id, session_id=self.session_id,
                 base_model=self.base_model, snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
@@ -113,8 +127,7 @@ class SaveState(Job):
                             expires_at=_expiry(self.expires_at))
         saved = await ctx.trainer.SaveState(save)      # a resent (model_id, seq_id) gets the first save's reply
         row.directory, row.size_bytes, row.created_at = saved.directory, saved.size_bytes, now()
-        await ctx.db.run(_saved, ctx.db, row, self.caller)
-        await usage.checkpoint_made(ctx.db, row.tinker_path, f"{save.model_id}#{save.seq_id}")
+        await ctx.db.run(_saved, ctx.db, row, self.caller, f"{save.model_id}#{save.seq_id}")
         return json_body({"path": row.tinker_path, "type": self.response_type})
 
 

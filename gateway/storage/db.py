@@ -765,6 +765,10 @@ class Database:
         with self.session() as s:
             s.merge(row)
             s.commit()
+        self.forget(row)
+
+    def forget(self, row) -> None:
+        """`row` was written in a transaction of the caller's: read afresh next time."""
         self._cache.pop(_cache_key(row), None)
 
     def delete(self, cls, key) -> bool:

@@ -203,3 +203,43 @@ def test_counting_in_a_transaction_on_either_database(db_url):
     rows = {(r.session_id, r.kind): (r.quantity, r.project_id) for r in db.select(select(UsageRow))}
     assert rows == {("s1", "sampling_prefill"): (3, "proj-a"), ("s1", "sampling_sample"): (9, "proj-b"),
                     ("", "sampling_sample"): (2, None)}
+
+
+def test_a_save_is_written_in_one_transaction_or_not_at_all(db_url, tmp_path, monkeypatch):
+    """A save's checkpoint row, its audit entry, its storage interval and its count commit
+    together (gateway/jobs/weights.py _saved): once each; saved again at the path under the same
+    key, the row and interval are replaced and nothing more is counted; and a save whose writes
+    fail part way leaves none of them."""
+    from sqlalchemy import event
+
+    from gateway.jobs.base import Owner
+    from gateway.jobs.weights import _saved
+    from gateway.storage.db import AuditRow, CheckpointRow, Database, ModelRow, UsageCountedRow
+
+    db = Database(db_url)
+    db.add(ModelRow(model_id="m1", session_id="s1", owner="u", base_model="tiny/base", lora_rank=4, lora_config={}))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "adapter.bin").write_bytes(b"x" * 123)
+    commits: list[int] = []
+    event.listen(db.engine, "commit", lambda conn: commits.append(1))
+
+    def save(key: str, path: str = "tinker://s1:train:0/weights/a"):
+        row = CheckpointRow(tinker_path=path, model_id="m1", owner="u", checkpoint_type="training", name="a",
+                            directory=str(tmp_path / "ckpt"), size_bytes=10, created_at=now())
+        _saved(db, row, Owner("u", "org"), key)
+
+    def written() -> tuple:
+        return (len(db.select(select(CheckpointRow))), len(db.select(select(AuditRow))),
+                sorted((r.size_bytes, r.until is None) for r in db.select(select(CheckpointStorageRow))),
+                sorted(db.select(select(UsageCountedRow.key))))
+
+    save("m1#4")
+    assert len(commits) == 1
+    assert written() == (1, 1, [(123, True)], ["checkpoint:m1#4"])
+    save("m1#4")                      # the same save run again (re-driven): replaced, not counted again
+    assert written() == (1, 2, [(123, False), (123, True)], ["checkpoint:m1#4"])
+    monkeypatch.setattr(usage, "add", lambda conn, work: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        save("m1#5", "tinker://s1:train:0/weights/b")
+    assert written() == (1, 2, [(123, False), (123, True)], ["checkpoint:m1#4"])
+    assert db.get(CheckpointRow, "tinker://s1:train:0/weights/b") is None
