@@ -33,12 +33,13 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, caller: C
     # Where the snapshot is recorded once the samplers hold it: a named sampler checkpoint
     # (`path`), or an ephemeral sampling session.
     path = sampling_session_id = None
-    resend = await gw.is_resend("save_weights_for_sampler", body.model_id, body.seq_id)
     async with gw.refusing(caller, body.model_id, body.seq_id):
         expires_at = checkpoints.expires(body.ttl_seconds)
         if body.path is not None:
             path = checkpoints.tinker_path(body.model_id, "sampler_weights", checkpoints.checkpoint_name(body.path))
-            if not resend and await gw.db.row(CheckpointRow, path) is not None:
+            # (A resend is asked only of a name taken: a read the first send of a save never needs.)
+            if await gw.db.row(CheckpointRow, path) is not None \
+                    and not await gw.is_resend("save_weights_for_sampler", body.model_id, body.seq_id):
                 raise UserError(f"checkpoint {path} already exists")
         else:
             sampling_session_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
@@ -74,8 +75,8 @@ async def _save_state(gw: Gateway, caller: Caller, body: SaveWeightsRequest, kin
     async with gw.refusing(caller, body.model_id, body.seq_id):
         name = checkpoints.checkpoint_name(body.path)
         path = checkpoints.tinker_path(body.model_id, kind, name)
-        if not body.overwrite and not await gw.is_resend(f"save_{kind}", body.model_id, body.seq_id) \
-                and await gw.db.row(CheckpointRow, path) is not None:
+        if not body.overwrite and await gw.db.row(CheckpointRow, path) is not None \
+                and not await gw.is_resend(f"save_{kind}", body.model_id, body.seq_id):
             raise UserError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
         expires_at = checkpoints.expires(body.ttl_seconds)
         recipients = body.age_encryption_recipients or []
