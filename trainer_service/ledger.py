@@ -184,10 +184,11 @@ class Ledger:
                           "idle)", model_id, exc_info=write.exception())
         self.turns.submit(call.tenant, lambda: self.models.save_durable(model_id)).add_done_callback(report)
 
-    def created(self, model_id: str) -> None:
-        """The model was made here: its requests start at seq_id 1."""
-        self.order.created(model_id)
-        self.durable.note_turn(model_id, 0, created=True)
+    def created(self, model_id: str, after: int = 0) -> None:
+        """The model was made here: its requests start at the seq_id after `after` (1, or after
+        the load into an existing model that replaced it)."""
+        self.order.created(model_id, after)
+        self.durable.note_turn(model_id, after, created=True)
 
     def refused(self, request) -> None:
         """A request refused before its work (its message did not convert): its turn taken, and

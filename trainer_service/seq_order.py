@@ -121,11 +121,12 @@ class SeqOrder:
             model.next = max(model.next, seq + 1)
             self._cv.notify_all()
 
-    def created(self, model_id: str) -> None:
-        """The model was made here (its seq 0): its requests start at seq_id 1."""
+    def created(self, model_id: str, after: int = 0) -> None:
+        """The model was made here (its seq 0, or `after`: the load that replaced it): its
+        requests start at the seq_id after it."""
         with self._cv:
-            self._models[model_id] = _Model(next=0, floor=0)
-        self.executed(model_id, 0)
+            self._models[model_id] = _Model(next=after, floor=after)
+        self.executed(model_id, after)
 
     def forget(self, model_id: str) -> None:
         with self._cv:

@@ -139,7 +139,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                                optimizer=optimizer)
             else:
                 model = self.engine.create_model(request.model_id, convert.lora_spec(request.lora_config, optimizer))
-            self.ledger.created(request.model_id)
+            self.ledger.created(request.model_id, request.after_seq_id)
             return model
         # Made here, the model's order starts at seq_id 1, before any request of it can come (the
         # gateway sends them once the creation is answered): its first steps, which may arrive

@@ -125,7 +125,7 @@ async def load_weights(body: LoadWeightsRequest, caller: CallerDep, gw: GatewayD
     create = trainer_pb2.CreateModelRequest(
         model_id=model_id, base_model=gw.settings.base_model, load_optimizer=body.optimizer,
         load_checkpoint=trainer_pb2.CheckpointRef(model_id=source_run, kind=kind, name=name),
-        optimizer=convert.OPTIMIZERS[optimizer])
+        optimizer=convert.OPTIMIZERS[optimizer], after_seq_id=seq_id)
     row = await gw.jobs.submit(LoadWeights(create, Owner.of(caller), seq_id, body.path, new_run), caller,
                                model_id=model_id, seq_id=seq_id,
                                fingerprint=fingerprint("load_weights", body.model_dump_json()))

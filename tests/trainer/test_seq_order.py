@@ -325,3 +325,27 @@ def test_a_forward_backward_that_does_not_convert_takes_its_turn_not_applied(tin
     _fb_of(trainer, "s:train:0", 2)
     _fb_of(trainer, "s:train:0", 1)
     assert ran == [("fb", 2), ("fb", 1)]
+
+
+def test_a_model_replaced_by_a_load_into_it_goes_on_after_the_loads_seq_id(tiny_model_dir, tmp_path):
+    """A load into an existing model (SDK 0.25-0.30's create_training_client_from_state: the
+    model is made, then load_weights at seq_id 1 replaces it: DeleteModel, CreateModel from the
+    checkpoint) names its seq_id (after_seq_id): the model's next request runs at once. Its order
+    used to start at 1 again, and the SDK's next request waited out the 10 s gap timeout for a
+    seq_id the load had taken."""
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    _create(trainer, "s:train:0")
+    _fb(trainer, "s:train:0", 1)
+    _step(trainer, "s:train:0", 2)
+    trainer.SaveState(trainer_pb2.SaveStateRequest(model_id="s:train:0", seq_id=3, kind="weights", name="c",
+                                                   with_optimizer=True), Context())
+    trainer.DeleteModel(trainer_pb2.DeleteModelRequest(model_id="s:train:0"), Context())
+    trainer.CreateModel(trainer_pb2.CreateModelRequest(
+        model_id="s:train:0", load_optimizer=True, after_seq_id=4,
+        load_checkpoint=trainer_pb2.CheckpointRef(model_id="s:train:0", kind="weights", name="c")), Context())
+    assert trainer.ledger.order.next_of("s:train:0") == 5
+    t0 = time.monotonic()
+    _fb(trainer, "s:train:0", 5)
+    assert time.monotonic() - t0 < trainer.ledger.order.gap_timeout_s / 2
+    assert trainer.engine.get("s:train:0").step == 1          # the loaded state's
+    assert trainer.ledger.durable.next_turn("s:train:0") == 6      # a restart orders after it too

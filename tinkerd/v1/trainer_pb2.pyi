@@ -18,20 +18,22 @@ class CheckpointRef(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class CreateModelRequest(_message.Message):
-    __slots__ = ("model_id", "lora_config", "base_model", "load_checkpoint", "load_optimizer", "optimizer")
+    __slots__ = ("model_id", "lora_config", "base_model", "load_checkpoint", "load_optimizer", "optimizer", "after_seq_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LOAD_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LOAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     lora_config: _common_pb2.LoraConfig
     base_model: str
     load_checkpoint: CheckpointRef
     load_optimizer: bool
     optimizer: _common_pb2.Optimizer
-    def __init__(self, model_id: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model: _Optional[str] = ..., load_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., load_optimizer: _Optional[bool] = ..., optimizer: _Optional[_Union[_common_pb2.Optimizer, str]] = ...) -> None: ...
+    after_seq_id: int
+    def __init__(self, model_id: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model: _Optional[str] = ..., load_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., load_optimizer: _Optional[bool] = ..., optimizer: _Optional[_Union[_common_pb2.Optimizer, str]] = ..., after_seq_id: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "base_model", "lora_config", "step", "num_params", "resident", "optimizer")
