@@ -59,7 +59,8 @@ class PathGroup:
     owned_at: torch.Tensor       # [owned positions]: their places in `sources`
 
     def to(self, device: torch.device) -> "PathGroup":
-        return PathGroup(*(t.to(device) for t in dataclasses.astuple(self)))
+        # (Not dataclasses.astuple: it deep-copies every tensor first.)
+        return PathGroup(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
 @dataclasses.dataclass
