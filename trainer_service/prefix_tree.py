@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 ROW_TOKENS = 512
@@ -221,21 +222,28 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
     nodes = sum(len(r[0]) for r in rows)
     if not pays(nodes, real, len(rows) * width, len(tokens) * longest):
         return None
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    positions = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), 1, width, width, dtype=torch.bool)
+    # Built in numpy (a small indexing op costs ~2 us there, ~20 in torch), then shared as tensors.
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    positions = np.zeros((len(rows), width), dtype=np.int64)
+    mask = np.zeros((len(rows), 1, width, width), dtype=bool)
     for r, (row, depths) in enumerate(rows):
-        ids[r, :len(row)] = torch.tensor(row)
-        positions[r, :len(row)] = torch.tensor(depths)
-        pad = torch.arange(len(row), width)
+        ids[r, :len(row)] = row
+        positions[r, :len(row)] = depths
+        pad = np.arange(len(row), width)
         mask[r, 0, pad, pad] = True          # padding sees itself: no empty softmax row
-    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+    causal = np.tri(longest, dtype=bool)
     for r, path in paths:     # a datum's path: each of its positions attends to those before it
-        at = torch.tensor(path)
+        at = np.asarray(path)
         mask[r, 0, at[:, None], at[None, :]] = causal[:len(path), :len(path)]
-    flat = torch.tensor([r * width + node for r, path in paths for node in path])
-    pairs, expand = torch.unique(torch.stack([flat, targets.long()], 1), dim=0, return_inverse=True)
-    return Packing(ids, positions, mask, pairs[:, 0].contiguous(), pairs[:, 1].contiguous(), expand,
+    flat = torch.from_numpy(np.fromiter((r * width + node for r, path in paths for node in path), np.int64,
+                                        count=real))
+    ids, positions, mask = torch.from_numpy(ids), torch.from_numpy(positions), torch.from_numpy(mask)
+    # The distinct (position, target) pairs, in (position, target) order: one key each, as
+    # torch.unique(dim=0) of the pairs gives them but ~10x faster (it sorts rows lexicographically).
+    targets = targets.long()
+    span = int(targets.max()) + 1 if len(targets) else 1
+    keys, expand = torch.unique(flat * span + targets, return_inverse=True)
+    return Packing(ids, positions, mask, keys // span, keys % span, expand,
                    _path_groups([paths[i] for i in order], width))
 
 
