@@ -204,6 +204,10 @@ class Ledger:
         self.order.executed(model_id, seq, applied=False)
         self.durable.note_turn(model_id, seq)
 
+    def waive(self, model_id: str, lo: int, hi: int) -> None:
+        """seq_ids [lo, hi) given up on by a gateway (seq_order.py waive)."""
+        self.order.waive(model_id, lo, hi)
+
     def forget(self, model_id: str) -> None:
         self.replies.forget(model_id)
         self.order.forget(model_id)

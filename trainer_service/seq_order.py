@@ -121,6 +121,20 @@ class SeqOrder:
             model.next = max(model.next, seq + 1)
             self._cv.notify_all()
 
+    def waive(self, model_id: str, lo: int, hi: int) -> None:
+        """The seq_ids from `lo` up to `hi` will not come (a gateway waited out their gap): a
+        request after them does not wait for them again. Only where this process's next seq_id
+        is among them (its earlier ones all came); those running or executed keep their state,
+        and the skip stops at the first one running."""
+        with self._cv:
+            model = self._models.get(model_id)
+            if model is None or not lo <= model.next < hi:
+                return
+            end = min((s for m, s in self._running if m == model_id and model.next <= s < hi), default=hi)
+            model.skip(model.next, end)
+            model.next = end
+            self._cv.notify_all()
+
     def created(self, model_id: str, after: int = 0) -> None:
         """The model was made here (its seq 0, or `after`: the load that replaced it): its
         requests start at the seq_id after it."""

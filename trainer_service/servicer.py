@@ -173,8 +173,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def SkipSeq(self, request, context):
         """A seq_id refused at the gateway: taken in its turn and marked as not applied, so the
-        next seq_id does not wait out the gap timeout for it (seq_order.py)."""
-        self.ledger.skip(request.model_id, request.seq_id)
+        next seq_id does not wait out the gap timeout for it (seq_order.py). With
+        `through_seq_id`: a gap the gateway waited out, not waited out here again."""
+        if request.through_seq_id > request.seq_id:
+            self.ledger.waive(request.model_id, request.seq_id, request.through_seq_id)
+        else:
+            self.ledger.skip(request.model_id, request.seq_id)
         return trainer_pb2.SkipSeqResponse()
 
     def GetQueueState(self, request, context):

@@ -30,6 +30,7 @@ from typing import Awaitable, Callable
 log = logging.getLogger(__name__)
 
 Elsewhere = Callable[[str], Awaitable[bool]]          # is the request of this key another gateway's?
+GaveUp = Callable[[str, int, int], None]     # (model_id, lo, hi): seq_ids [lo, hi) waited out as a gap
 OVERLAPPING = frozenset({"forward", "forward_backward", "optim_step"})    # request types sent while a step runs
 IN_FLIGHT = 2              # a model's steps sent to the trainer and not yet answered, at most
 GAP_TIMEOUT_S = 10.0
@@ -65,10 +66,11 @@ class Turn:
 class _ModelRunner:
     """Starts one model's turns in seq_id order, the next step overlapping the one that runs."""
 
-    def __init__(self, model_id: str, next_seq: int, elsewhere: Elsewhere):
+    def __init__(self, model_id: str, next_seq: int, elsewhere: Elsewhere, gave_up: GaveUp | None = None):
         self.model_id = model_id
         self.next_seq = next_seq
         self._elsewhere = elsewhere
+        self._gave_up = gave_up
         self.heap: list[Turn] = []                # waiting, lowest seq_id first
         self.running: dict[str, Turn] = {}        # request_id -> its turn
         self.changed = asyncio.Event()        # a request arrived or one ended
@@ -127,6 +129,8 @@ class _ModelRunner:
                         continue          # re-check the head
                     log.warning("seq %d of %s never arrived; running seq %d", self.next_seq, self.model_id,
                                 self.heap[0].seq)
+                    if self._gave_up is not None:       # the trainer need not wait it out again
+                        self._gave_up(self.model_id, self.next_seq, self.heap[0].seq)
             gap_since = None
             self._start_head()
 
@@ -157,17 +161,19 @@ class _ModelRunner:
 class ModelOrder:
     """The runners of the models with training jobs on this gateway."""
 
-    def __init__(self, elsewhere: Elsewhere):
+    def __init__(self, elsewhere: Elsewhere, gave_up: GaveUp | None = None):
         """`elsewhere(idempotency_key)` says whether another gateway has that (model_id, seq_id):
-        then the trainer orders it with ours and nobody waits here."""
+        then the trainer orders it with ours and nobody waits here. `gave_up(model_id, lo, hi)`
+        is told of each gap waited out, before the request after it starts."""
         self._elsewhere = elsewhere
+        self._gave_up = gave_up
         self._runners: dict[str, _ModelRunner] = {}
 
     def put(self, model_id: str, seq_id: int, request_id: str, request_type: str) -> Turn:
         """The request's turn, taken now: it may be running already when this returns."""
         runner = self._runners.get(model_id)
         if runner is None:
-            runner = self._runners[model_id] = _ModelRunner(model_id, seq_id, self._elsewhere)
+            runner = self._runners[model_id] = _ModelRunner(model_id, seq_id, self._elsewhere, self._gave_up)
         return runner.put(seq_id, request_id, request_type)
 
     def position(self, model_id: str | None, request_id: str) -> tuple[bool, int]:

@@ -35,6 +35,7 @@ from gateway.storage.db import Database, FutureRow, ModelRow, Status, aware, now
 from gateway.tenant import TENANT
 from gateway.traces.spans import session_of
 from tinkerd.errors import ServiceError, category_for
+from tinkerd.v1 import trainer_pb2
 
 if typing.TYPE_CHECKING:         # the parts it is built from (gateway/app.py builds it)
     from sqlalchemy.engine import Connection
@@ -67,8 +68,25 @@ class Jobs:
         self.table = table
         # What every job's `run` is handed: set at startup (gateway/app.py), once the backends exist.
         self.context: JobContext | None = None
-        self.order = ModelOrder(futures.elsewhere)
+        self.order = ModelOrder(futures.elsewhere, self._gap_waited)
         self._tasks: dict[str, asyncio.Task] = {}       # each job started here and still running
+        self._telling: set[asyncio.Task] = set()        # gaps being told to the trainer
+
+    def _gap_waited(self, model_id: str, lo: int, hi: int) -> None:
+        """seq_ids [lo, hi) of the model never came here or to another gateway and were waited
+        out: the trainer is told (SkipSeq through_seq_id), so the request after them does not wait
+        the gap timeout a second time there. Unanswered, the trainer waits it out itself."""
+        if self.context is None:
+            return
+        task = asyncio.ensure_future(self.context.trainer.SkipSeq(trainer_pb2.SkipSeqRequest(
+            model_id=model_id, seq_id=lo, through_seq_id=hi)))
+        self._telling.add(task)
+        task.add_done_callback(self._told)
+
+    def _told(self, task: asyncio.Task) -> None:
+        self._telling.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("could not tell the trainer of a gap waited out: %s", task.exception())
 
     async def submit(self, job: Job, caller: Caller, *, model_id: str | None = None, seq_id: int | None = None,
                      fingerprint: str | None = None, idempotency_key: str | None = None,

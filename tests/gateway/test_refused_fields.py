@@ -58,3 +58,18 @@ def test_a_request_refused_for_its_body_does_not_hold_up_the_models_next(gateway
     assert api.result(step.json()).status_code == 200
     assert time.monotonic() - started < 10
     assert [r.seq_id for r in gateway.trainer.of("SkipSeq")] == [1, 2]
+
+
+def test_a_gap_waited_out_here_is_told_to_the_trainer(gateway, monkeypatch):
+    """seq_ids that never come, on no gateway, are waited out once: the gateway tells the trainer
+    (SkipSeq through_seq_id) as it sends the request after them, so the trainer does not wait out
+    the same gap again (it did: 10 s here, then 10 s there)."""
+    monkeypatch.setattr(order, "GAP_TIMEOUT_S", 0.3)
+    api = gateway.api
+    model = api.model(api.session())
+    assert api.result(api.post("optim_step", {"model_id": model, "seq_id": 1,
+                                              "adam_params": {"learning_rate": 1e-3}}).json()).status_code == 200
+    step = api.post("optim_step", {"model_id": model, "seq_id": 5, "adam_params": {"learning_rate": 1e-3}})
+    assert api.result(step.json()).status_code == 200
+    told = [(r.model_id, r.seq_id, r.through_seq_id) for r in gateway.trainer.of("SkipSeq")]
+    assert told == [(model, 2, 5)]

@@ -349,3 +349,26 @@ def test_a_model_replaced_by_a_load_into_it_goes_on_after_the_loads_seq_id(tiny_
     assert time.monotonic() - t0 < trainer.ledger.order.gap_timeout_s / 2
     assert trainer.engine.get("s:train:0").step == 1          # the loaded state's
     assert trainer.ledger.durable.next_turn("s:train:0") == 6      # a restart orders after it too
+
+
+def test_a_gap_a_gateway_waited_out_is_not_waited_out_again():
+    """waive(lo, hi): where the trainer's next seq_id is in [lo, hi), a request at hi runs at
+    once, the seq_ids between are skipped (not applied: a late copy may run), and a running one
+    stops the skip; a waiver that does not reach the trainer's next seq_id changes nothing."""
+    order, ran = SeqOrder(gap_timeout_s=30), []
+    request = _request_of(order, ran)
+    request(1)()
+    order.waive("m", 5, 9)                       # next is 2: not this gap
+    assert order.next_of("m") == 2
+    order.waive("m", 2, 9)
+    assert order.next_of("m") == 9
+    t0 = time.monotonic()
+    request(9)()
+    assert ran == [1, 9] and time.monotonic() - t0 < 5
+    assert order.wait_turn("m", 4) is False      # skipped, not applied: it may still run
+    order.executed("m", 4)
+    order.wait_turn("m", 10)                     # running
+    order.waive("m", 10, 20)
+    assert order.next_of("m") == 10
+    order.executed("m", 10)
+    assert order.next_of("m") == 11

@@ -229,12 +229,14 @@ class UnloadModelResponse(_message.Message):
     def __init__(self, directory: _Optional[str] = ...) -> None: ...
 
 class SkipSeqRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id")
+    __slots__ = ("model_id", "seq_id", "through_seq_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ...) -> None: ...
+    through_seq_id: int
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., through_seq_id: _Optional[int] = ...) -> None: ...
 
 class SkipSeqResponse(_message.Message):
     __slots__ = ()
