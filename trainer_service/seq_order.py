@@ -71,6 +71,7 @@ class SeqOrder:
         self.start_of = start_of
         self._models: collections.OrderedDict[str, _Model] = collections.OrderedDict()
         self._running: set[tuple[str, int]] = set()
+        self._waiting: collections.Counter[tuple[str, int]] = collections.Counter()     # in wait_turn
         self._cv = threading.Condition()
 
     def _model(self, model_id: str, seq: int) -> _Model:
@@ -90,25 +91,35 @@ class SeqOrder:
         Returns True if this seq_id executed here before (a late copy: not to be applied again)."""
         deadline = time.monotonic() + self.gap_timeout_s
         with self._cv:
-            model = self._model(model_id, seq)
-            gap_waived = False
-            while (model_id, seq) in self._running or (seq > model.next and not gap_waived):
-                if (model_id, model.next) in self._running:
-                    # The seq_id we wait for runs (sent by another gateway): no gap, however long it
-                    # takes. The gap timeout counts from when it is done and the next is missing.
-                    deadline = time.monotonic() + self.gap_timeout_s
-                left = deadline - time.monotonic()
-                if (model_id, seq) not in self._running and left <= 0:
-                    log.warning("%s: seq_id %d never arrived; running seq_id %d", model_id, model.next, seq)
-                    gap_waived = True
-                    continue
-                self._cv.wait(left if left > 0 else 0.1)
-                model = self._model(model_id, seq)       # forget() may have dropped it meanwhile
-            if gap_waived and seq > model.next:
-                model.skip(model.next, seq)
-                model.next = seq
-            self._running.add((model_id, seq))
-            return model.executed_before(seq)
+            self._waiting[(model_id, seq)] += 1
+            try:
+                return self._wait_turn(model_id, seq, deadline)
+            finally:
+                self._waiting[(model_id, seq)] -= 1
+                if not self._waiting[(model_id, seq)]:
+                    del self._waiting[(model_id, seq)]
+
+    def _wait_turn(self, model_id: str, seq: int, deadline: float) -> bool:
+        """wait_turn's body, under self._cv."""
+        model = self._model(model_id, seq)
+        gap_waived = False
+        while (model_id, seq) in self._running or (seq > model.next and not gap_waived):
+            if (model_id, model.next) in self._running:
+                # The seq_id we wait for runs (sent by another gateway): no gap, however long it
+                # takes. The gap timeout counts from when it is done and the next is missing.
+                deadline = time.monotonic() + self.gap_timeout_s
+            left = deadline - time.monotonic()
+            if (model_id, seq) not in self._running and left <= 0:
+                log.warning("%s: seq_id %d never arrived; running seq_id %d", model_id, model.next, seq)
+                gap_waived = True
+                continue
+            self._cv.wait(left if left > 0 else 0.1)
+            model = self._model(model_id, seq)       # forget() may have dropped it meanwhile
+        if gap_waived and seq > model.next:
+            model.skip(model.next, seq)
+            model.next = seq
+        self._running.add((model_id, seq))
+        return model.executed_before(seq)
 
     def executed(self, model_id: str, seq: int, applied: bool = True) -> None:
         """seq ran, or was refused (`applied` False: it changed nothing, so a copy may run
@@ -124,13 +135,14 @@ class SeqOrder:
     def waive(self, model_id: str, lo: int, hi: int) -> None:
         """The seq_ids from `lo` up to `hi` will not come (a gateway waited out their gap): a
         request after them does not wait for them again. Only where this process's next seq_id
-        is among them (its earlier ones all came); those running or executed keep their state,
-        and the skip stops at the first one running."""
+        is among them (its earlier ones all came); those executed keep their state, and the skip
+        stops at the first one that is here, running or waiting for its turn."""
         with self._cv:
             model = self._models.get(model_id)
             if model is None or not lo <= model.next < hi:
                 return
-            end = min((s for m, s in self._running if m == model_id and model.next <= s < hi), default=hi)
+            end = min((s for m, s in (*self._running, *self._waiting) if m == model_id and model.next <= s < hi),
+                      default=hi)
             model.skip(model.next, end)
             model.next = end
             self._cv.notify_all()

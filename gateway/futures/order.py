@@ -30,7 +30,7 @@ from typing import Awaitable, Callable
 log = logging.getLogger(__name__)
 
 Elsewhere = Callable[[str], Awaitable[bool]]          # is the request of this key another gateway's?
-GaveUp = Callable[[str, int, int], None]     # (model_id, lo, hi): seq_ids [lo, hi) waited out as a gap
+GaveUp = Callable[[str, int, int], None]     # (model_id, lo, hi): seq_id lo waited out, hi starting after it
 OVERLAPPING = frozenset({"forward", "forward_backward", "optim_step"})    # request types sent while a step runs
 IN_FLIGHT = 2              # a model's steps sent to the trainer and not yet answered, at most
 GAP_TIMEOUT_S = 10.0

@@ -233,6 +233,15 @@ class FutureStore:
         with self.db.engine.connect() as conn:
             return conn.execute(select(_FUTURES.request_type).where(_FUTURES.idempotency_key == idempotency_key)).scalar()
 
+    def first_pending_seq(self, model_id: str, lo: int, hi: int) -> int | None:
+        """The lowest seq_id between `lo` and `hi` (both excluded) of the model's pending
+        requests, on any gateway; None if there is none."""
+        with self.db.engine.connect() as conn:
+            keys = conn.execute(select(_FUTURES.idempotency_key).where(
+                _FUTURES.model_id == model_id, _FUTURES.status == Status.PENDING)).scalars().all()
+        seqs = [int(seq) for seq in (str(k).rpartition("#")[2] for k in keys) if seq.isdigit()]
+        return min((seq for seq in seqs if lo < seq < hi), default=None)
+
     def renew_leases(self, request_ids: list[str], owner: str, until: datetime.datetime) -> None:
         """Extends the lease of the pending futures this gateway runs."""
         with self.db.engine.begin() as conn:

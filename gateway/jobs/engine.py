@@ -73,15 +73,21 @@ class Jobs:
         self._telling: set[asyncio.Task] = set()        # gaps being told to the trainer
 
     def _gap_waited(self, model_id: str, lo: int, hi: int) -> None:
-        """seq_ids [lo, hi) of the model never came here or to another gateway and were waited
-        out: the trainer is told (SkipSeq through_seq_id), so the request after them does not wait
-        the gap timeout a second time there. Unanswered, the trainer waits it out itself."""
+        """seq_id `lo` of the model never came, here or to another gateway, and was waited out
+        before `hi` started: the trainer is told (SkipSeq through_seq_id), so that `hi` does not
+        wait out the gap a second time there. Unanswered, the trainer waits it out itself."""
         if self.context is None:
             return
-        task = asyncio.ensure_future(self.context.trainer.SkipSeq(trainer_pb2.SkipSeqRequest(
-            model_id=model_id, seq_id=lo, through_seq_id=hi)))
+        task = asyncio.ensure_future(self._tell_gap(model_id, lo, hi))
         self._telling.add(task)
         task.add_done_callback(self._told)
+
+    async def _tell_gap(self, model_id: str, lo: int, hi: int) -> None:
+        # Up to the first seq_id another gateway holds in the gap (only `lo` was asked about):
+        # the trainer must wait for that one, not skip it.
+        held = await self.db.run(self.futures.store.first_pending_seq, model_id, lo, hi)
+        await self.context.trainer.SkipSeq(trainer_pb2.SkipSeqRequest(
+            model_id=model_id, seq_id=lo, through_seq_id=hi if held is None else held))
 
     def _told(self, task: asyncio.Task) -> None:
         self._telling.discard(task)

@@ -73,3 +73,22 @@ def test_a_gap_waited_out_here_is_told_to_the_trainer(gateway, monkeypatch):
     assert api.result(step.json()).status_code == 200
     told = [(r.model_id, r.seq_id, r.through_seq_id) for r in gateway.trainer.of("SkipSeq")]
     assert told == [(model, 2, 5)]
+
+
+def test_the_gap_told_to_the_trainer_stops_at_a_seq_id_another_gateway_holds(tmp_path):
+    """Only the gap's first seq_id was looked for on the other gateways: the range told to the
+    trainer ends at the first seq_id of the gap another gateway holds pending (the trainer must
+    run that one, in its turn), not at the request after the gap."""
+    from gateway.futures.store import FutureStore
+    from gateway.storage.db import Database, FutureRow, Status
+
+    db = Database(f"sqlite:///{tmp_path}/t.db")
+    for seq, status in ((3, Status.PENDING), (7, Status.PENDING), (5, Status.COMPLETE), (12, Status.PENDING)):
+        db.add(FutureRow(request_id=f"r{seq}", idempotency_key=f"m#{seq}", model_id="m", request_type="optim_step",
+                         status=status))
+    db.add(FutureRow(request_id="other", idempotency_key="m2#4", model_id="m2", request_type="optim_step"))
+    store = FutureStore(db)
+    assert store.first_pending_seq("m", 2, 10) == 3
+    assert store.first_pending_seq("m", 3, 10) == 7
+    assert store.first_pending_seq("m", 4, 7) is None        # 5 is done; 7 is the request after the gap
+    assert store.first_pending_seq("m2", 1, 9) == 4

@@ -372,3 +372,24 @@ def test_a_gap_a_gateway_waited_out_is_not_waited_out_again():
     assert order.next_of("m") == 10
     order.executed("m", 10)
     assert order.next_of("m") == 11
+
+
+def test_a_waiver_stops_at_a_seq_id_waiting_here():
+    """A seq_id of the waived range that reached the trainer (another gateway's, waiting for the
+    gap before it) is not skipped: the waiver stops there, and it runs before the request after it."""
+    order, ran = SeqOrder(gap_timeout_s=30), []
+    request = _request_of(order, ran)
+    request(1)()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        six = pool.submit(request(6))
+        deadline = time.monotonic() + 10
+        while ("m", 6) not in order._waiting:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        order.waive("m", 2, 7)
+        six.result(timeout=10)
+        assert order.next_of("m") == 7
+        request(7)()
+    assert ran == [1, 6, 7]
+    assert order.wait_turn("m", 4) is False      # skipped, not applied
+    order.executed("m", 4)
