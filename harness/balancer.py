@@ -31,8 +31,10 @@ import urllib.parse
 import httpx
 
 # Not sent on to a backend: the balancer's own connection's, and the body's framing (set anew).
+# (`expect`: the balancer has the whole body already; a backend's 100 Continue would be a reply
+# of its own on the connection.)
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection",
-               "content-length"}
+               "content-length", "expect"}
 # Not sent back to a client: its connection's (a reply's body goes on as it came, framing and all).
 _HOP_ONLY = {"connection", "keep-alive", "proxy-connection"}
 
@@ -162,6 +164,10 @@ async def _body(reader: asyncio.StreamReader, headers: list[tuple[str, str]]) ->
     return await reader.readexactly(int(length)) if length else b""
 
 
+class _Unanswered(Exception):
+    """A kept connection ended before any of its reply came."""
+
+
 class Upstreams:
     """Keep-alive connections to each backend, reused request after request (as HAProxy's or
     nginx's upstream pools are): a request costs the balancer a parse and two writes, no client
@@ -180,20 +186,31 @@ class Upstreams:
                 continue
             try:
                 return await self._on(url, reader, writer, method, request)
-            except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as e:
-                if getattr(e, "partial", b""):
-                    raise
-                # Closed by the backend as the request went (its idle timeout): it never read it.
+            except _Unanswered:
+                pass            # closed by the backend as the request went (its idle timeout): again
         parts = urllib.parse.urlsplit(url)
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         return await self._on(url, reader, writer, method, request)
 
     async def _on(self, url, reader, writer, method, request):
+        """One exchange on a connection; _Unanswered where the connection ended before a byte of
+        the reply came (the only case in which sending the request again is safe: a backend
+        closing an idle connection does so between requests, never after reading one)."""
         try:
             writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as e:
+                if e.partial:
+                    raise
+                raise _Unanswered() from e
+            except (ConnectionResetError, BrokenPipeError) as e:
+                raise _Unanswered() from e
             first, headers = _headers(head)
             status = int(first.split(" ", 2)[1])
+            while 100 <= status < 200 and status != 101:      # interim replies (100 Continue): skipped
+                first, headers = _headers(await reader.readuntil(b"\r\n\r\n"))
+                status = int(first.split(" ", 2)[1])
             keep = _value(headers, "connection").lower() != "close"
             if method == "HEAD" or status in (204, 304) or status < 200:
                 body = b""

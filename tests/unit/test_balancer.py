@@ -110,3 +110,28 @@ def test_bodies_and_their_framing_reach_each_side_as_sent(balanced):
         # A backend closing its connection after a reply: the next requests still go through.
         assert [client.get("/close").text for _ in range(4)] == ["bye"] * 4
         assert {client.get("/who").json()["backend"] for _ in range(2)} == {"a", "b"}
+
+
+def test_a_client_expecting_100_continue_gets_the_reply_and_the_kept_connection_stays_in_step(balanced):
+    """`Expect: 100-continue` is not sent on (the balancer has the whole body): a backend's
+    interim 100 would otherwise be taken for the reply, and the real one read by the next
+    request on that kept connection."""
+    url, _ = balanced
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        body = b'{"x": 1}'
+        for i in range(4):
+            s.sendall(b"POST /echo HTTP/1.1\r\nhost: b\r\ncontent-type: application/json\r\nexpect: 100-continue\r\n"
+                      b"content-length: %d\r\n\r\n" % len(body) + body)
+            reply = b""
+            while b"\r\n\r\n" not in reply:
+                reply += s.recv(65536)
+            head, _, rest = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(rest) < length:
+                rest += s.recv(65536)
+            assert b'"bytes":8' in rest.replace(b" ", b""), rest
+    with httpx.Client(base_url=url) as client:          # the kept connections still answer in step
+        assert {client.get("/who").json()["backend"] for _ in range(4)} == {"a", "b"}
