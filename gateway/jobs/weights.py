@@ -3,6 +3,7 @@ save_state (adapter, with or without the optimizer), loading a saved state into 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import logging
@@ -24,11 +25,17 @@ def _expiry(stored: str | None) -> datetime.datetime | None:
     return datetime.datetime.fromisoformat(stored) if stored else None
 
 
-def _saved(db: Database, row: CheckpointRow, owner: Owner, key: str) -> None:
+async def _saved(ctx: JobContext, row: CheckpointRow, owner: Owner, key: str) -> None:
     """A checkpoint's row (written over an older one of the same path), its audit entry, its
-    storage interval and its count (gateway/usage.py; once per `key`): one transaction."""
+    storage interval and its count (gateway/usage.py; once per `key`): one transaction, on the
+    database's thread; the files' bytes are summed before, in a thread of their own (a walk of
+    a slow disk must not hold SQLite's one thread)."""
+    size = await asyncio.to_thread(usage.disk_bytes, row.directory)
+    await ctx.db.run(_write_saved, ctx.db, row, owner, key, size)
+
+
+def _write_saved(db: Database, row: CheckpointRow, owner: Owner, key: str, size: int | None) -> None:
     run = db.get(ModelRow, row.model_id)
-    size = usage.disk_bytes(row.directory) if run is not None else None
     with db.session() as s:
         s.merge(row)
         s.add(audit.entry("checkpoint_saved", user_id=owner.user_id, org_id=owner.org_id, model_id=row.model_id,
@@ -84,7 +91,7 @@ class PushWeights(Job):
                                 snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
                                 directory=pushed.persisted_path, size_bytes=pushed.num_bytes,
                                 expires_at=_expiry(self.expires_at), created_at=now())   # overwritten: a new generation
-            await ctx.db.run(_saved, ctx.db, row, self.caller, f"{push.model_id}#{push.seq_id}")
+            await _saved(ctx, row, self.caller, f"{push.model_id}#{push.seq_id}")
         elif not existing and not await ctx.db.run(ctx.db.add_if_absent, SamplingSessionRow(
                 sampling_session_id=sid, owner=self.caller.user_id, session_id=self.session_id,
                 base_model=self.base_model, snapshot_id=push.snapshot_id, snapshot_path=pushed.persisted_path,
@@ -127,7 +134,7 @@ class SaveState(Job):
                             expires_at=_expiry(self.expires_at))
         saved = await ctx.trainer.SaveState(save)      # a resent (model_id, seq_id) gets the first save's reply
         row.directory, row.size_bytes, row.created_at = saved.directory, saved.size_bytes, now()
-        await ctx.db.run(_saved, ctx.db, row, self.caller, f"{save.model_id}#{save.seq_id}")
+        await _saved(ctx, row, self.caller, f"{save.model_id}#{save.seq_id}")
         return json_body({"path": row.tinker_path, "type": self.response_type})
 
 

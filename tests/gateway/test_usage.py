@@ -207,13 +207,13 @@ def test_counting_in_a_transaction_on_either_database(db_url):
 
 def test_a_save_is_written_in_one_transaction_or_not_at_all(db_url, tmp_path, monkeypatch):
     """A save's checkpoint row, its audit entry, its storage interval and its count commit
-    together (gateway/jobs/weights.py _saved): once each; saved again at the path under the same
+    together (gateway/jobs/weights.py _saved, _write_saved): once each; saved again at the path under the same
     key, the row and interval are replaced and nothing more is counted; and a save whose writes
     fail part way leaves none of them."""
     from sqlalchemy import event
 
     from gateway.jobs.base import Owner
-    from gateway.jobs.weights import _saved
+    from gateway.jobs.weights import _write_saved
     from gateway.storage.db import AuditRow, CheckpointRow, Database, ModelRow, UsageCountedRow
 
     db = Database(db_url)
@@ -226,7 +226,7 @@ def test_a_save_is_written_in_one_transaction_or_not_at_all(db_url, tmp_path, mo
     def save(key: str, path: str = "tinker://s1:train:0/weights/a"):
         row = CheckpointRow(tinker_path=path, model_id="m1", owner="u", checkpoint_type="training", name="a",
                             directory=str(tmp_path / "ckpt"), size_bytes=10, created_at=now())
-        _saved(db, row, Owner("u", "org"), key)
+        _write_saved(db, row, Owner("u", "org"), key, usage.disk_bytes(row.directory))
 
     def written() -> tuple:
         return (len(db.select(select(CheckpointRow))), len(db.select(select(AuditRow))),
