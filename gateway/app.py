@@ -39,7 +39,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         gw.backends = Backends(settings, gw.db, gw.service_auth)
         gw.jobs.context = JobContext(trainer=gw.backends.trainer, samplers=gw.backends.samplers, db=gw.db,
                                      stability=gw.stability, drained=gw.futures.drained,
-                                     served_model=settings.base_model)      # what every job runs with
+                                     served_model=settings.base_model,
+                                     in_background=gw.in_background)      # what every job runs with
         reaper = asyncio.create_task(housekeeping.run_forever(gw))
         leases = asyncio.create_task(gw.jobs.keep_leases_forever())   # re-drives a stopped gateway's futures
         spans = asyncio.create_task(gw.traces.flush_forever())           # request spans to the database

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Coroutine
 
 if typing.TYPE_CHECKING:         # types only: the jobs sit below these parts in the import graph
     from gateway.sampler_pool import SamplerPool
@@ -26,3 +26,4 @@ class JobContext:
     stability: "StabilityRecords"       # the sampled sequences a session's stable_reinforce steps may name
     drained: Callable[[str], Awaitable[None]]    # returns once a model's futures scheduled so far have finished
     served_model: str                   # the base model served here: an OpenAI sample's usage counts under it
+    in_background: Callable[[Coroutine], None]      # runs a coroutine to its end, held (gateway/state.py)

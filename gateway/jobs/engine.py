@@ -70,29 +70,23 @@ class Jobs:
         self.context: JobContext | None = None
         self.order = ModelOrder(futures.elsewhere, self._gap_waited)
         self._tasks: dict[str, asyncio.Task] = {}       # each job started here and still running
-        self._telling: set[asyncio.Task] = set()        # gaps being told to the trainer
 
     def _gap_waited(self, model_id: str, lo: int, hi: int) -> None:
         """seq_id `lo` of the model never came, here or to another gateway, and was waited out
         before `hi` started: the trainer is told (SkipSeq through_seq_id), so that `hi` does not
         wait out the gap a second time there. Unanswered, the trainer waits it out itself."""
-        if self.context is None:
-            return
-        task = asyncio.ensure_future(self._tell_gap(model_id, lo, hi))
-        self._telling.add(task)
-        task.add_done_callback(self._told)
+        if self.context is not None:
+            self.context.in_background(self._tell_gap(model_id, lo, hi))
 
     async def _tell_gap(self, model_id: str, lo: int, hi: int) -> None:
-        # Up to the first seq_id another gateway holds in the gap (only `lo` was asked about):
-        # the trainer must wait for that one, not skip it.
-        held = await self.db.run(self.futures.store.first_pending_seq, model_id, lo, hi)
-        await self.context.trainer.SkipSeq(trainer_pb2.SkipSeqRequest(
-            model_id=model_id, seq_id=lo, through_seq_id=hi if held is None else held))
-
-    def _told(self, task: asyncio.Task) -> None:
-        self._telling.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("could not tell the trainer of a gap waited out: %s", task.exception())
+        try:
+            # Up to the first seq_id another gateway holds in the gap (only `lo` was asked about):
+            # the trainer must wait for that one, not skip it.
+            held = await self.db.run(self.futures.store.first_pending_seq, model_id, lo, hi)
+            await self.context.trainer.SkipSeq(trainer_pb2.SkipSeqRequest(
+                model_id=model_id, seq_id=lo, through_seq_id=hi if held is None else held))
+        except Exception as e:  # noqa: BLE001 - the trainer's own gap timeout covers it
+            log.warning("could not tell the trainer of a gap waited out: %s", e)
 
     async def submit(self, job: Job, caller: Caller, *, model_id: str | None = None, seq_id: int | None = None,
                      fingerprint: str | None = None, idempotency_key: str | None = None,
