@@ -149,12 +149,13 @@ async def _chunked(reader: asyncio.StreamReader) -> bytes:
     while True:
         line = await reader.readuntil(b"\r\n")
         parts.append(line)
-        if int(line.split(b";", 1)[0].strip(), 16) == 0:
+        size = int(line.split(b";", 1)[0].strip(), 16)
+        if size == 0:
             while (trailer := await reader.readuntil(b"\r\n")) != b"\r\n":
                 parts.append(trailer)
             parts.append(trailer)
             return b"".join(parts)
-        parts.append(await reader.readexactly(int(line.split(b";", 1)[0].strip(), 16) + 2))
+        parts.append(await reader.readexactly(size + 2))
 
 
 async def _body(reader: asyncio.StreamReader, headers: list[tuple[str, str]]) -> bytes:
@@ -206,11 +207,12 @@ class Upstreams:
                 raise _Unanswered() from e
             except (ConnectionResetError, BrokenPipeError) as e:
                 raise _Unanswered() from e
-            first, headers = _headers(head)
-            status = int(first.split(" ", 2)[1])
-            while 100 <= status < 200 and status != 101:      # interim replies (100 Continue): skipped
-                first, headers = _headers(await reader.readuntil(b"\r\n\r\n"))
+            while True:
+                first, headers = _headers(head)
                 status = int(first.split(" ", 2)[1])
+                if not 100 <= status < 200 or status == 101:
+                    break
+                head = await reader.readuntil(b"\r\n\r\n")      # an interim reply (100 Continue): skipped
             keep = _value(headers, "connection").lower() != "close"
             if method == "HEAD" or status in (204, 304) or status < 200:
                 body = b""

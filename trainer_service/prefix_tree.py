@@ -241,7 +241,7 @@ def pack(tokens: list[list[int]], targets: torch.Tensor, *, row_tokens: int = RO
     # The distinct (position, target) pairs, in (position, target) order: one key each, as
     # torch.unique(dim=0) of the pairs gives them but ~10x faster (it sorts rows lexicographically).
     targets = targets.long()
-    span = int(targets.max()) + 1 if len(targets) else 1
+    span = int(targets.max()) + 1
     keys, expand = torch.unique(flat * span + targets, return_inverse=True)
     return Packing(ids, positions, mask, keys // span, keys % span, expand,
                    _path_groups([paths[i] for i in order], width))
